@@ -1,0 +1,104 @@
+"""The ``torch`` backend: exact tree attention as a sum of dense blocks merged by log-sum-exp.
+
+Each segment attends to itself causally (one kernel call), and each ancestor block (all the
+descendants of a segment, or of a cached prefix, over that segment's keys) is one unmasked
+kernel call whose output is merged into its queries' running output with log-sum-exp. Every
+call runs on a fast path (causal-square or unmasked), no dense ``t x t`` mask is built, and
+the work is exactly the tree's (query, key) pairs. The backward pass replays the blocks with
+the merged output and lse (see ``partial.py``) and accumulates dQ, dK, dV, including the
+gradients of external (cached) prefix K/V, which mechanism 2 collects.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from megatron_psrl.attention.partial import lse_dtype, partial_attention_backward, partial_attention_forward
+from megatron_psrl.attention.plan import AttentionPlan
+
+Tensor = torch.Tensor
+
+
+def _merge_(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor) -> None:
+    """In place: merge a block's (o_b, lse_b) into the running (out, lse) of its queries."""
+    new_lse = torch.logaddexp(lse, lse_b)
+    w_old = torch.exp(lse - new_lse).unsqueeze(-1)
+    w_new = torch.exp(lse_b - new_lse).unsqueeze(-1)
+    out.mul_(w_old.to(out.dtype)).add_(o_b * w_new.to(out.dtype))
+    lse.copy_(new_lse)
+
+
+class BlockwiseTreeAttention(torch.autograd.Function):
+    """Autograd function: ``(q, k, v, *external_kv) -> out`` for one AttentionPlan."""
+
+    @staticmethod
+    def forward(ctx, plan: AttentionPlan, scale: float, impl: str, q: Tensor, k: Tensor, v: Tensor, *external: Tensor):
+        ext_k, ext_v = list(external[0::2]), list(external[1::2])
+        t, np_, hn = q.shape
+        out = q.new_empty(t, np_, hn)
+        lse = torch.empty(t, np_, dtype=lse_dtype(q), device=q.device)
+        for a, b in zip(plan.seg_start.tolist(), plan.seg_end.tolist()):
+            o_s, lse_s = partial_attention_forward(q[a:b], k[a:b], v[a:b], True, scale, impl)
+            out[a:b] = o_s
+            lse[a:b] = lse_s
+        for qa, qb, ka, kb, src in _blocks(plan):
+            kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
+            o_b, lse_b = partial_attention_forward(q[qa:qb], kk[ka:kb], vv[ka:kb], False, scale, impl)
+            _merge_(out[qa:qb], lse[qa:qb], o_b, lse_b)
+        ctx.plan, ctx.scale, ctx.impl = plan, scale, impl
+        ctx.num_external = len(ext_k)
+        ctx.save_for_backward(q, k, v, out, lse, *external)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, lse, *external = ctx.saved_tensors
+        ext_k, ext_v = external[0::2], external[1::2]
+        plan, scale, impl = ctx.plan, ctx.scale, ctx.impl
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q)
+        dk = torch.zeros_like(k)
+        dv = torch.zeros_like(v)
+        d_ext_k = [torch.zeros_like(x) for x in ext_k]
+        d_ext_v = [torch.zeros_like(x) for x in ext_v]
+        for a, b in zip(plan.seg_start.tolist(), plan.seg_end.tolist()):
+            g = partial_attention_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[a:b], True, scale, impl)
+            dq[a:b] += g[0]
+            dk[a:b] += g[1]
+            dv[a:b] += g[2]
+        for qa, qb, ka, kb, src in _blocks(plan):
+            kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
+            g = partial_attention_backward(
+                dout[qa:qb], q[qa:qb], kk[ka:kb], vv[ka:kb], out[qa:qb], lse[qa:qb], False, scale, impl
+            )
+            dq[qa:qb] += g[0]
+            gk, gv = (dk, dv) if src < 0 else (d_ext_k[src], d_ext_v[src])
+            gk[ka:kb] += g[1]
+            gv[ka:kb] += g[2]
+        d_ext = [x for pair in zip(d_ext_k, d_ext_v) for x in pair]
+        return (None, None, None, dq, dk, dv, *d_ext)
+
+
+def _blocks(plan: AttentionPlan) -> List[Tuple[int, int, int, int, int]]:
+    return list(
+        zip(
+            plan.block_q_start.tolist(),
+            plan.block_q_end.tolist(),
+            plan.block_k_start.tolist(),
+            plan.block_k_end.tolist(),
+            plan.block_source.tolist(),
+        )
+    )
+
+
+def blockwise_tree_attention(
+    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence[Tuple[Tensor, Tensor]] = (),
+    scale: float = None, impl: str = "auto",
+) -> Tensor:
+    """Tree attention ``[t, np, hn] -> [t, np, hn]`` for ``plan``; external = cached (k, v)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    flat = [x for pair in external for x in pair]
+    return BlockwiseTreeAttention.apply(plan, scale, impl, q, k, v, *flat)

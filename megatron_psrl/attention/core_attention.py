@@ -1,0 +1,129 @@
+"""PrefixSharingAttention: megatron-core's core-attention slot, with tree attention inside.
+
+It has the constructor and forward contract of megatron's ``TEDotProductAttention`` (so it sits
+in the ``core_attention`` slot of any GPT layer spec, local or Transformer Engine) and accepts:
+
+- ``packed_seq_params=TreeAttentionMetadata``: a tree-packed micro-batch, ``[t, 1, np, hn]``;
+  every token attends to its ancestors and the earlier tokens of its own segment;
+- ``packed_seq_params=PackedSeqParams(qkv_format="thd")``: megatron's packed sequences,
+  ``[t, np, hn]``, causal within every ``cu_seqlens`` segment;
+- ``packed_seq_params=None``: plain causal attention over ``[s, b, np, hn]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_psrl.attention.backends import (
+    BACKENDS,
+    TETreeAttention,
+    blockwise_tree_attention,
+    default_backend,
+    dense_tree_attention,
+    flash_tree_attention,
+)
+from megatron_psrl.attention.metadata import TreeAttentionMetadata
+from megatron_psrl.attention.plan import AttentionPlan, causal_plan
+
+Tensor = torch.Tensor
+
+
+class PrefixSharingAttention(MegatronModule):
+    """Exact prefix-sharing core attention (TE-compatible constructor and forward)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend: Optional[str] = None,
+    ):
+        super().__init__(config=config)
+        if attention_type != "self":
+            raise ValueError(f"PrefixSharingAttention supports self attention only, got {attention_type!r}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout != 0.0:
+            # Dropout would make a shared prefix differ between the samples that share it.
+            raise ValueError("prefix sharing is exact only without attention dropout (set it to 0)")
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("context parallelism is not supported by PrefixSharingAttention")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
+        self.default_backend = backend
+        self._te: Optional[TETreeAttention] = None
+
+    # ------------------------------------------------------------------ dispatch
+    def _run(self, backend: str, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external) -> Tensor:
+        if backend == "torch":
+            return blockwise_tree_attention(q, k, v, plan, external, self.softmax_scale)
+        if backend == "dense":
+            return dense_tree_attention(q, k, v, plan, external, self.softmax_scale)
+        if backend == "flash":
+            return flash_tree_attention(q, k, v, plan, external, self.softmax_scale)
+        if backend == "te":
+            if self._te is None:
+                self._te = TETreeAttention(q.shape[1], k.shape[1], q.shape[2], self.softmax_scale, self.layer_number)
+            return self._te(q, k, v, plan, external, self.softmax_scale)
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by PrefixSharingAttention")
+        backend_default = self.default_backend or default_backend(query.device.type)
+
+        if isinstance(packed_seq_params, TreeAttentionMetadata):
+            # query [t, 1, np, hn], key/value [t, 1, ng, hn] (sbhd with one packed row)
+            if query.shape[1] != 1:
+                raise ValueError("a tree-packed micro-batch has batch size 1 ([t, 1, np, hn])")
+            q, k, v = query[:, 0], key[:, 0], value[:, 0]
+            meta = packed_seq_params
+            external = ()
+            if meta.kv_hook is not None:
+                meta.kv_hook.on_kv(self.layer_number, k, v)
+                external = meta.kv_hook.external_kv(self.layer_number)
+            out = self._run(meta.backend or backend_default, q, k, v, meta.plan, external)
+            return out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hn]
+
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # query [t, np, hn]; causal within every cu_seqlens segment.
+            cu = packed_seq_params.cu_seqlens_q
+            if packed_seq_params.cu_seqlens_q_padded is not None:
+                raise NotImplementedError("padded THD sequences are not supported")
+            plan = causal_plan(np.diff(cu.cpu().numpy()))
+            out = self._run(backend_default, query, key, value, plan, ())
+            return out.reshape(query.shape[0], -1)  # [t, np*hn]
+
+        if attention_mask is not None:
+            raise NotImplementedError(
+                "PrefixSharingAttention implements causal masks itself; pass attention_mask=None"
+            )
+        # Plain sbhd causal: query [s, b, np, hn]
+        s, b = query.shape[:2]
+        plan = causal_plan([s])
+        outs = [self._run(backend_default, query[:, i], key[:, i], value[:, i], plan, ()) for i in range(b)]
+        return torch.stack(outs, dim=1).reshape(s, b, -1)  # [s, b, np*hn]

@@ -1,0 +1,59 @@
+"""Per-micro-batch attention metadata handed to every layer through megatron's packed_seq_params.
+
+Megatron-core threads ``packed_seq_params`` from ``GPTModel``/``TransformerBlock`` down to the
+core attention of every layer, untouched. :class:`TreeAttentionMetadata` extends megatron's
+:class:`PackedSeqParams` with the tree plan, so it is built once per micro-batch and shared by
+all layers. Its ``qkv_format`` stays ``"sbhd"`` on purpose: megatron then applies RoPE with
+the per-token frequencies we pass (the position ids of tree tokens), instead of restarting
+positions at every ``cu_seqlens`` boundary as it does for ``"thd"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_psrl.attention.plan import AttentionPlan
+
+
+@runtime_checkable
+class PrefixKVHook(Protocol):
+    """How mechanism 2 plugs into attention: cached prefix K/V in, this pack's K/V out.
+
+    Layer numbers are megatron's (1-based, global across pipeline stages). K/V are post-RoPE
+    ``[tokens, ng, hn]`` for this tensor-parallel rank's groups.
+    """
+
+    def external_kv(self, layer_number: int) -> Sequence[Tuple[torch.Tensor, torch.Tensor]]:
+        """K/V of every external source of the plan, in ``plan.external_lengths`` order."""
+
+    def on_kv(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Called with this pack's K/V, e.g. to store a prefix for later micro-batches."""
+
+
+@dataclass
+class TreeAttentionMetadata(PackedSeqParams):
+    """megatron PackedSeqParams carrying a tree-packed micro-batch's attention plan."""
+
+    plan: Optional[AttentionPlan] = None
+    """Which keys every query of the pack attends to (segments + ancestor blocks)."""
+
+    backend: Optional[str] = None
+    """Attention backend for this micro-batch (``torch``, ``dense``, ``flash``, ``te``);
+    None uses the core attention module's default."""
+
+    kv_hook: Optional[PrefixKVHook] = None
+    """Mechanism 2: supplies cached prefix K/V and receives this pack's K/V. None for M1."""
+
+    def __post_init__(self) -> None:
+        if self.qkv_format is None:
+            self.qkv_format = "sbhd"
+        if self.qkv_format != "sbhd":
+            raise ValueError("TreeAttentionMetadata must keep qkv_format='sbhd' (see module doc)")
+        if self.plan is None:
+            raise ValueError("TreeAttentionMetadata needs an AttentionPlan")
+        if self.plan.external_lengths and self.kv_hook is None:
+            raise ValueError("a plan with external K/V sources needs a kv_hook to supply them")

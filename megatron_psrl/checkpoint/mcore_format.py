@@ -1,0 +1,171 @@
+"""megatron_psrl checkpoints: Megatron-LM's legacy per-rank layout plus a model description.
+
+::
+
+    CKPT_DIR/
+      latest_checkpointed_iteration.txt      "release" or the iteration number
+      release/ | iter_0000042/
+        psrl_model.json                      architecture, TP/PP layout, dtype, iteration
+        mp_rank_00/model_optim_rng.pt        (PP = 1)   or  mp_rank_00_000/... (PP > 1)
+        mp_rank_01/model_optim_rng.pt
+
+Every ``model_optim_rng.pt`` holds ``{"model": state_dict, "iteration", "checkpoint_version",
+and optionally "optimizer", "rng_state"}`` with megatron-core parameter names (local layer
+spec), as Megatron-LM writes them. An iteration directory is written atomically (temporary
+directory, renamed when every rank has written), then the tracker file is replaced atomically.
+A checkpoint saved with one TP/PP layout can be loaded with any other (shards are merged and
+re-split).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text
+from megatron_psrl.checkpoint.sharding import merge_state_dicts, shard_state_dict
+from megatron_psrl.model.architecture import ModelArchitecture
+
+Tensor = torch.Tensor
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_JSON = "psrl_model.json"
+RANK_FILE = "model_optim_rng.pt"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class CheckpointInfo:
+    """What ``psrl_model.json`` records about one saved iteration."""
+
+    architecture: ModelArchitecture
+    """The model."""
+
+    tensor_parallel_size: int
+    """TP size the shards were written with."""
+
+    pipeline_parallel_size: int
+    """PP size the shards were written with."""
+
+    iteration: int
+    """Training iteration (0 for converted checkpoints)."""
+
+    dtype: str
+    """Parameter dtype of the stored tensors."""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format_version": FORMAT_VERSION,
+                "architecture": self.architecture.to_dict(),
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size,
+                "iteration": self.iteration,
+                "dtype": self.dtype,
+            },
+            indent=2,
+        )
+
+    @classmethod
+    def from_json(cls, text: str, path: str) -> "CheckpointInfo":
+        d = json.loads(text)
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: unsupported checkpoint format version {d.get('format_version')!r}")
+        return cls(
+            architecture=ModelArchitecture.from_dict(d["architecture"]),
+            tensor_parallel_size=int(d["tensor_parallel_size"]),
+            pipeline_parallel_size=int(d["pipeline_parallel_size"]),
+            iteration=int(d["iteration"]),
+            dtype=d["dtype"],
+        )
+
+
+def iteration_dir_name(iteration: Optional[int]) -> str:
+    return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def resolve_iteration_dir(ckpt_dir: str) -> str:
+    """The directory of the latest saved iteration of ``ckpt_dir``."""
+    tracker = os.path.join(ckpt_dir, TRACKER)
+    if not os.path.exists(tracker):
+        raise FileNotFoundError(f"{ckpt_dir}: not a megatron_psrl checkpoint (no {TRACKER})")
+    value = open(tracker, encoding="utf-8").read().strip()
+    name = "release" if value == "release" else iteration_dir_name(int(value))
+    path = os.path.join(ckpt_dir, name)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{tracker} names {value!r} but {path} does not exist")
+    return path
+
+
+def read_checkpoint_info(ckpt_dir: str) -> Tuple[str, CheckpointInfo]:
+    it_dir = resolve_iteration_dir(ckpt_dir)
+    path = os.path.join(it_dir, MODEL_JSON)
+    with open(path, encoding="utf-8") as f:
+        return it_dir, CheckpointInfo.from_json(f.read(), path)
+
+
+def _load_rank_file(path: str) -> Dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, Dict[str, Tensor]]:
+    """Merge all shards of the latest iteration into one full (unpadded) state dict."""
+    it_dir, info = read_checkpoint_info(ckpt_dir)
+    tp, pp = info.tensor_parallel_size, info.pipeline_parallel_size
+    shards = {}
+    for p in range(pp):
+        for r in range(tp):
+            path = os.path.join(it_dir, rank_dir_name(r, p, pp), RANK_FILE)
+            shards[(r, p)] = _load_rank_file(path)["model"]
+            if progress is not None:
+                progress(path)
+    return info, merge_state_dicts(shards, info.architecture, tp, pp)
+
+
+def load_rank_state(
+    ckpt_dir: str, tp_rank: int, tp: int, pp_rank: int, pp: int
+) -> Tuple[CheckpointInfo, Dict[str, Tensor], Optional[Dict[str, Any]]]:
+    """This rank's model shard (re-sharded if the layout differs) and, when the layout
+    matches, its saved optimizer state."""
+    it_dir, info = read_checkpoint_info(ckpt_dir)
+    if (info.tensor_parallel_size, info.pipeline_parallel_size) == (tp, pp):
+        blob = _load_rank_file(os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, pp), RANK_FILE))
+        return info, blob["model"], blob.get("optimizer")
+    _, full = load_full_state_dict(ckpt_dir)
+    return info, shard_state_dict(full, info.architecture, tp, pp)[(tp_rank, pp_rank)], None
+
+
+def write_rank_file(it_dir: str, tp_rank: int, pp_rank: int, pp: int, payload: Dict[str, Any]) -> None:
+    d = os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, pp))
+    os.makedirs(d, exist_ok=True)
+    torch.save(payload, os.path.join(d, RANK_FILE))
+
+
+def save_sharded_checkpoint(
+    out_dir: str,
+    info: CheckpointInfo,
+    shards: Dict[tuple, Dict[str, Tensor]],
+    overwrite: bool = False,
+    release: bool = True,
+    progress=None,
+) -> None:
+    """Write a whole checkpoint from one process (the converter), atomically."""
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        it_dir = os.path.join(tmp, iteration_dir_name(None if release else info.iteration))
+        os.makedirs(it_dir)
+        for (r, p), sd in sorted(shards.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            write_rank_file(it_dir, r, p, info.pipeline_parallel_size, {
+                "model": sd, "iteration": info.iteration, "checkpoint_version": 3.0,
+            })
+            if progress is not None:
+                progress(rank_dir_name(r, p, info.pipeline_parallel_size))
+        with open(os.path.join(it_dir, MODEL_JSON), "w", encoding="utf-8") as f:
+            f.write(info.to_json())
+        atomic_write_text(os.path.join(tmp, TRACKER), "release" if release else str(info.iteration))

@@ -1,0 +1,129 @@
+"""Split a full megatron-core GPT state dict into tensor/pipeline-parallel shards and merge back.
+
+Rules follow megatron's parallel layers (names of the local layer spec):
+
+| parameter | split |
+|---|---|
+| ``embedding.word_embeddings.weight``, ``output_layer.weight`` | vocab rows (padded to a multiple of TP) |
+| ``linear_qkv.weight/bias`` | by key/value group (each rank: its groups' q, k, v rows) |
+| ``linear_fc1.weight`` | gate and up halves split separately, then stacked per rank |
+| ``linear_proj.weight``, ``linear_fc2.weight`` | input columns |
+| norms, q/k norms | replicated |
+
+Pipeline stage p holds layers ``[p*L/PP, (p+1)*L/PP)`` renumbered from 0 (megatron's legacy
+checkpoint convention), the embedding on the first stage, the final norm and output layer on
+the last; with tied embeddings and PP > 1 the last stage holds a copy of the (padded)
+embedding as ``output_layer.weight``, as megatron does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List
+
+import torch
+
+from megatron_psrl.model.architecture import ModelArchitecture
+
+Tensor = torch.Tensor
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _kind(name: str) -> str:
+    if name in _VOCAB:
+        return "vocab"
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        return "qkv"
+    if name.endswith("linear_fc1.weight"):
+        return "fc1"
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        return "row"
+    return "replicated"
+
+
+def _tp_split(name: str, t: Tensor, arch: ModelArchitecture, tp: int) -> List[Tensor]:
+    kind = _kind(name)
+    if kind == "replicated" or (tp == 1 and kind != "vocab"):
+        return [t] * tp
+    if kind == "vocab":
+        padded = arch.padded_vocab_size(tp)
+        if t.shape[0] < padded:
+            t = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])], 0)
+        return [c.clone() for c in torch.chunk(t, tp, dim=0)]
+    if kind == "qkv":
+        ng = arch.num_kv_heads
+        grouped = t.reshape(ng, -1, *t.shape[1:])
+        return [c.reshape(-1, *t.shape[1:]).clone() for c in torch.chunk(grouped, tp, dim=0)]
+    if kind == "fc1":
+        gate, up = torch.chunk(t, 2, dim=0)
+        return [torch.cat([g, u], 0) for g, u in zip(torch.chunk(gate, tp, 0), torch.chunk(up, tp, 0))]
+    return [c.clone() for c in torch.chunk(t, tp, dim=1)]  # row parallel
+
+
+def _tp_merge(name: str, shards: List[Tensor], arch: ModelArchitecture) -> Tensor:
+    kind = _kind(name)
+    if kind == "replicated":
+        return shards[0]
+    if kind == "vocab":
+        return torch.cat(shards, 0)[: arch.vocab_size].clone()
+    if len(shards) == 1:
+        return shards[0]
+    if kind == "qkv":
+        per = [s.reshape(arch.num_kv_heads // len(shards), -1, *s.shape[1:]) for s in shards]
+        return torch.cat(per, 0).reshape(-1, *shards[0].shape[1:])
+    if kind == "fc1":
+        halves = [torch.chunk(s, 2, 0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    return torch.cat(shards, 1)
+
+
+def stage_layers(arch: ModelArchitecture, pp_rank: int, pp: int) -> range:
+    per = arch.num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def shard_state_dict(
+    full: Dict[str, Tensor], arch: ModelArchitecture, tp: int, pp: int
+) -> Dict[tuple, Dict[str, Tensor]]:
+    """Full state dict -> ``{(tp_rank, pp_rank): shard}`` for every rank of a TP x PP grid."""
+    if arch.num_layers % pp:
+        raise ValueError(f"pipeline parallel size {pp} must divide the {arch.num_layers} layers")
+    if arch.num_kv_heads % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide the {arch.num_kv_heads} key/value heads")
+    shards: Dict[tuple, Dict[str, Tensor]] = {(r, p): {} for r in range(tp) for p in range(pp)}
+    per = arch.num_layers // pp
+    for name, tensor in full.items():
+        pieces = _tp_split(name, tensor, arch, tp)
+        m = _LAYER.match(name)
+        if m:
+            layer = int(m.group(1))
+            stages = [(layer // per, f"decoder.layers.{layer % per}.{m.group(2)}")]
+        elif name == "embedding.word_embeddings.weight":
+            stages = [(0, name)]
+            if arch.tie_word_embeddings and pp > 1:
+                stages.append((pp - 1, "output_layer.weight"))
+        else:  # final norm, untied output layer
+            stages = [(pp - 1, name)]
+        for p, local_name in stages:
+            for r in range(tp):
+                shards[(r, p)][local_name] = pieces[r]
+    return shards
+
+
+def merge_state_dicts(
+    shards: Dict[tuple, Dict[str, Tensor]], arch: ModelArchitecture, tp: int, pp: int
+) -> Dict[str, Tensor]:
+    """Inverse of :func:`shard_state_dict` (drops the tied output copy of the last stage)."""
+    per = arch.num_layers // pp
+    full: Dict[str, Tensor] = {}
+    for p in range(pp):
+        for name in shards[(0, p)]:
+            if name.endswith("_extra_state"):
+                continue
+            if arch.tie_word_embeddings and name == "output_layer.weight":
+                continue
+            m = _LAYER.match(name)
+            global_name = f"decoder.layers.{int(m.group(1)) + p * per}.{m.group(2)}" if m else name
+            full[global_name] = _tp_merge(name, [shards[(r, p)][name] for r in range(tp)], arch)
+    return full

@@ -1,0 +1,122 @@
+"""Process-group setup: torch.distributed (NCCL on GPU, gloo on CPU) and megatron's parallel_state.
+
+Works under ``torchrun`` (reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and in a plain
+single process (a one-rank gloo group on a free local port), so library users and tests need
+no launcher for TP = PP = DP = 1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_psrl.compat import quiet_expected_import_warnings, seed_model_parallel_rng
+
+quiet_expected_import_warnings()
+
+
+@dataclass
+class ParallelLayout:
+    """This process's place in the TP x PP x DP grid."""
+
+    rank: int
+    """Global rank."""
+
+    world_size: int
+    """Number of processes."""
+
+    tensor_parallel_size: int
+    """TP size."""
+
+    pipeline_parallel_size: int
+    """PP size."""
+
+    data_parallel_size: int
+    """DP size = world / (TP * PP)."""
+
+    tp_rank: int
+    """Rank inside the TP group."""
+
+    pp_rank: int
+    """Rank inside the PP group (pipeline stage)."""
+
+    dp_rank: int
+    """Rank inside the DP group."""
+
+    device: torch.device
+    """Device this rank computes on."""
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda requested but CUDA is not available")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(requested)
+
+
+def initialize_parallel(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    seed: int = 1234,
+    device: str = "auto",
+) -> ParallelLayout:
+    """Initialise torch.distributed (if needed), megatron's parallel_state, and RNG seeds."""
+    dev = pick_device(device)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    if world % (tensor_parallel_size * pipeline_parallel_size):
+        raise ValueError(
+            f"world size {world} is not a multiple of TP {tensor_parallel_size} x PP {pipeline_parallel_size}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size
+            or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel_size
+        ):
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+    seed_model_parallel_rng(seed, dev)
+    return ParallelLayout(
+        rank=dist.get_rank(),
+        world_size=world,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        device=dev,
+    )
+
+
+def shutdown_parallel() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

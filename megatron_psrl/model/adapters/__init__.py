@@ -1,0 +1,18 @@
+"""One Hugging Face state-dict adapter per model family (torchtitan style)."""
+
+from megatron_psrl.model.adapters.base import LlamaStyleAdapter
+from megatron_psrl.model.adapters.qwen import Qwen2Adapter, Qwen3Adapter
+from megatron_psrl.model.architecture import ModelArchitecture, UnsupportedModelError
+
+_ADAPTERS = {t: cls for cls in (LlamaStyleAdapter, Qwen2Adapter, Qwen3Adapter) for t in cls.model_types}
+
+
+def get_adapter(arch: ModelArchitecture) -> LlamaStyleAdapter:
+    """The adapter of ``arch.model_type``."""
+    try:
+        return _ADAPTERS[arch.model_type](arch)
+    except KeyError:
+        raise UnsupportedModelError(f"no state-dict adapter for model type {arch.model_type!r}") from None
+
+
+__all__ = ["LlamaStyleAdapter", "Qwen2Adapter", "Qwen3Adapter", "get_adapter"]

@@ -1,0 +1,122 @@
+"""Hugging Face <-> megatron-core state-dict adapter for Llama-style decoder families.
+
+Works on *full* (unsharded, unpadded) tensors; tensor/pipeline sharding is a separate,
+family-independent step (``megatron_psrl.checkpoint.sharding``). The conversions are pure
+reshapes and concatenations, so a round trip reproduces every tensor bit for bit.
+
+Layouts megatron-core uses:
+- ``linear_qkv``: rows grouped by key/value head: for every group g, the ``np/ng`` query
+  heads of g, then g's key head, then g's value head (``[ng * (np/ng + 2) * hn, h]``);
+- ``linear_fc1``: ``[gate; up]`` stacked (SwiGLU: ``silu(gate) * up``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+from megatron_psrl.model.architecture import ModelArchitecture
+
+Tensor = torch.Tensor
+GetTensor = Callable[[str], Tensor]
+
+
+class LlamaStyleAdapter:
+    """Llama / Mistral; subclasses add Qwen2's q/k/v bias and Qwen3's q/k norms."""
+
+    model_types: Tuple[str, ...] = ("llama", "mistral")
+
+    def __init__(self, arch: ModelArchitecture):
+        self.arch = arch
+
+    # ------------------------------------------------------------------ names
+    def hf_layer_keys(self, i: int) -> List[str]:
+        p = f"model.layers.{i}."
+        return [
+            p + "input_layernorm.weight",
+            p + "self_attn.q_proj.weight",
+            p + "self_attn.k_proj.weight",
+            p + "self_attn.v_proj.weight",
+            p + "self_attn.o_proj.weight",
+            p + "post_attention_layernorm.weight",
+            p + "mlp.gate_proj.weight",
+            p + "mlp.up_proj.weight",
+            p + "mlp.down_proj.weight",
+        ]
+
+    def hf_keys(self) -> List[str]:
+        """Every tensor name the HF checkpoint must contain."""
+        keys = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.arch.tie_word_embeddings:
+            keys.append("lm_head.weight")
+        for i in range(self.arch.num_layers):
+            keys += self.hf_layer_keys(i)
+        return keys
+
+    # ------------------------------------------------------------------ qkv layout
+    def _interleave_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        a = self.arch
+        ng, rep, hd = a.num_kv_heads, a.num_attention_heads // a.num_kv_heads, a.head_dim
+        tail = q.shape[1:]  # (h,) for weights, () for biases
+        parts = (q.reshape(ng, rep * hd, *tail), k.reshape(ng, hd, *tail), v.reshape(ng, hd, *tail))
+        return torch.cat(parts, dim=1).reshape(ng * (rep + 2) * hd, *tail)
+
+    def _split_qkv(self, qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        a = self.arch
+        ng, rep, hd = a.num_kv_heads, a.num_attention_heads // a.num_kv_heads, a.head_dim
+        tail = qkv.shape[1:]
+        g = qkv.reshape(ng, (rep + 2) * hd, *tail)
+        q, k, v = torch.split(g, [rep * hd, hd, hd], dim=1)
+        return (
+            q.reshape(ng * rep * hd, *tail).clone(),
+            k.reshape(ng * hd, *tail).clone(),
+            v.reshape(ng * hd, *tail).clone(),
+        )
+
+    # ------------------------------------------------------------------ hooks for families
+    def _attention_extras_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        return iter(())
+
+    def _attention_extras_to_hf(self, mcore: Dict[str, Tensor], hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        return iter(())
+
+    # ------------------------------------------------------------------ conversion
+    def hf_to_mcore(self, get: GetTensor) -> Iterator[Tuple[str, Tensor]]:
+        """Yield full megatron tensors, reading HF tensors lazily through ``get(name)``."""
+        yield "embedding.word_embeddings.weight", get("model.embed_tokens.weight")
+        for i in range(self.arch.num_layers):
+            hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+            yield mc + "input_layernorm.weight", get(hf + "input_layernorm.weight")
+            yield mc + "self_attention.linear_qkv.weight", self._interleave_qkv(
+                get(hf + "self_attn.q_proj.weight"), get(hf + "self_attn.k_proj.weight"), get(hf + "self_attn.v_proj.weight")
+            )
+            yield from self._attention_extras_to_mcore(get, hf, mc)
+            yield mc + "self_attention.linear_proj.weight", get(hf + "self_attn.o_proj.weight")
+            yield mc + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
+            yield mc + "mlp.linear_fc1.weight", torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], 0)
+            yield mc + "mlp.linear_fc2.weight", get(hf + "mlp.down_proj.weight")
+        yield "decoder.final_layernorm.weight", get("model.norm.weight")
+        if not self.arch.tie_word_embeddings:
+            yield "output_layer.weight", get("lm_head.weight")
+
+    def mcore_to_hf(self, mcore: Dict[str, Tensor]) -> Iterator[Tuple[str, Tensor]]:
+        """Yield HF tensors from a full megatron state dict."""
+        yield "model.embed_tokens.weight", mcore["embedding.word_embeddings.weight"]
+        for i in range(self.arch.num_layers):
+            hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+            yield hf + "input_layernorm.weight", mcore[mc + "input_layernorm.weight"]
+            q, k, v = self._split_qkv(mcore[mc + "self_attention.linear_qkv.weight"])
+            yield hf + "self_attn.q_proj.weight", q
+            yield hf + "self_attn.k_proj.weight", k
+            yield hf + "self_attn.v_proj.weight", v
+            yield from self._attention_extras_to_hf(mcore, hf, mc)
+            yield hf + "self_attn.o_proj.weight", mcore[mc + "self_attention.linear_proj.weight"]
+            yield hf + "post_attention_layernorm.weight", mcore[mc + "pre_mlp_layernorm.weight"]
+            gate, up = torch.chunk(mcore[mc + "mlp.linear_fc1.weight"], 2, dim=0)
+            yield hf + "mlp.gate_proj.weight", gate.clone()
+            yield hf + "mlp.up_proj.weight", up.clone()
+            yield hf + "mlp.down_proj.weight", mcore[mc + "mlp.linear_fc2.weight"]
+        yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
+        if not self.arch.tie_word_embeddings:
+            yield "lm_head.weight", mcore["output_layer.weight"]

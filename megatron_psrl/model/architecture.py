@@ -1,0 +1,327 @@
+"""Model architecture parsed from a Hugging Face config, and its megatron TransformerConfig.
+
+Supported: the Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 families (dense decoder-only, GQA,
+RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm).
+Anything else (MoE, LayerNorm models, unknown RoPE scaling, sliding-window layers) is refused
+with a message naming what is unsupported, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
+
+
+class UnsupportedModelError(ValueError):
+    """The Hugging Face model uses a feature megatron_psrl does not implement."""
+
+
+@dataclass
+class RopeConfig:
+    """Rotary position embedding parameters (Hugging Face ``rope_parameters`` semantics)."""
+
+    theta: float = 10000.0
+    """Base wavelength (``rope_theta``)."""
+
+    rope_type: str = "default"
+    """One of ``default``, ``linear``, ``llama3``, ``yarn``."""
+
+    factor: float = 1.0
+    """Context-extension factor of linear / llama3 / yarn scaling."""
+
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are scaled."""
+
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept."""
+
+    original_max_position_embeddings: Optional[int] = None
+    """llama3 / yarn: context length of pre-training."""
+
+    beta_fast: float = 32.0
+    """yarn: extrapolation boundary of the linear ramp."""
+
+    beta_slow: float = 1.0
+    """yarn: interpolation boundary of the linear ramp."""
+
+    attention_factor: Optional[float] = None
+    """yarn: scale of cos/sin; derived from ``factor`` (and mscale) when None."""
+
+    mscale: Optional[float] = None
+    """yarn: optional mscale numerator (DeepSeek-style)."""
+
+    mscale_all_dim: Optional[float] = None
+    """yarn: optional mscale denominator (DeepSeek-style)."""
+
+    truncate: bool = True
+    """yarn: round the correction range to integers."""
+
+    partial_rotary_factor: float = 1.0
+    """Fraction of the head dimension that is rotated."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported RoPE scaling type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise UnsupportedModelError(f"RoPE scaling {self.rope_type!r} needs original_max_position_embeddings")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise UnsupportedModelError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+
+    @classmethod
+    def from_hf(cls, hf: Dict[str, Any]) -> "RopeConfig":
+        """Read both the transformers>=5 ``rope_parameters`` and the older ``rope_theta`` +
+        ``rope_scaling`` layouts."""
+        params = dict(hf.get("rope_parameters") or {})
+        if not params:
+            params = dict(hf.get("rope_scaling") or {})
+            params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        kwargs: Dict[str, Any] = dict(theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type=rope_type)
+        for key in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+            "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate", "partial_rotary_factor",
+        ):
+            if params.get(key) is not None:
+                kwargs[key] = params[key]
+        if "partial_rotary_factor" not in kwargs and hf.get("partial_rotary_factor") is not None:
+            kwargs["partial_rotary_factor"] = hf["partial_rotary_factor"]
+        if rope_type == "yarn" and "original_max_position_embeddings" not in kwargs:
+            kwargs["original_max_position_embeddings"] = hf.get("max_position_embeddings")
+        return cls(**kwargs)
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """float32 ``[rot_dim / 2]`` inverse frequencies (the formulas of HF's rope utils)."""
+        dim = int(head_dim * self.partial_rotary_factor)
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        base_freq = 1.0 / (self.theta**exponents)
+        if self.rope_type == "default":
+            return base_freq
+        if self.rope_type == "linear":
+            return base_freq / self.factor
+        if self.rope_type == "llama3":
+            old_len = self.original_max_position_embeddings
+            low_wavelen = old_len / self.low_freq_factor
+            high_wavelen = old_len / self.high_freq_factor
+            wavelen = 2 * math.pi / base_freq
+            scaled = torch.where(wavelen > low_wavelen, base_freq / self.factor, base_freq)
+            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        # yarn
+        pos_freqs = self.theta ** (torch.arange(0, dim, 2).float() / dim)
+        extrapolation = 1.0 / pos_freqs
+        interpolation = 1.0 / (self.factor * pos_freqs)
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta)
+            )
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as HF: avoid a zero-width ramp
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation_weight = 1 - ramp
+        return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+    def attention_scaling(self) -> float:
+        """Factor HF multiplies cos and sin by (yarn only; 1.0 otherwise)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
+        return get_mscale(self.factor)
+
+
+@dataclass
+class ModelArchitecture:
+    """A dense decoder-only transformer of a supported Hugging Face family."""
+
+    model_type: str
+    """Hugging Face ``model_type``: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``."""
+
+    vocab_size: int
+    """Vocabulary size (unpadded)."""
+
+    hidden_size: int
+    """Model width h."""
+
+    num_layers: int
+    """Number of transformer layers."""
+
+    num_attention_heads: int
+    """Query heads."""
+
+    num_kv_heads: int
+    """Key/value heads (GQA groups); equals num_attention_heads without GQA."""
+
+    head_dim: int
+    """Per-head width (may differ from hidden_size / num_attention_heads, e.g. Qwen3)."""
+
+    ffn_hidden_size: int
+    """SwiGLU intermediate size."""
+
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+
+    max_position_embeddings: int = 4096
+    """Longest supported sequence."""
+
+    tie_word_embeddings: bool = False
+    """Output layer shares the input embedding matrix."""
+
+    qkv_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    """Rotary embedding parameters."""
+
+    initializer_range: float = 0.02
+    """Std of the random initialisation (random models only)."""
+
+    sliding_window: Optional[int] = None
+    """Sliding-window size if the model uses one (sequences must not exceed it)."""
+
+    torch_dtype: str = "float32"
+    """Parameter dtype of the HF checkpoint (``bfloat16``, ``float16``, ``float32``)."""
+
+    hf_config: Dict[str, Any] = field(default_factory=dict)
+    """The original config.json content, written back unchanged by mcore-to-hf."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported model type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "head_dim", "ffn_hidden_size"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
+
+    # ------------------------------------------------------------------ HF parsing
+    @classmethod
+    def from_hf_config(cls, hf: Dict[str, Any]) -> "ModelArchitecture":
+        """Parse (and check) a Hugging Face config.json dict."""
+        model_type = hf.get("model_type", "<missing>")
+        moe = [k for k in _MOE_KEYS if hf.get(k)]
+        if moe or "moe" in str(model_type) or model_type == "mixtral":
+            raise UnsupportedModelError(
+                f"mixture-of-experts models are not supported (model_type {model_type!r}"
+                + (f", config keys {moe}" if moe else "") + ")"
+            )
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported model type {model_type!r} (normalisation, attention and MLP layout are "
+                f"known only for {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported activation {act!r}: only SwiGLU (silu) MLPs are supported")
+        if model_type in ("llama", "mistral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
+            raise UnsupportedModelError("attention_bias / mlp_bias on Llama-style models is not supported")
+        if model_type == "qwen3" and hf.get("attention_bias"):
+            raise UnsupportedModelError("attention_bias on Qwen3 models is not supported")
+        sliding = None
+        if model_type in ("qwen2", "qwen3"):
+            if hf.get("use_sliding_window"):
+                raise UnsupportedModelError("sliding-window attention (use_sliding_window) is not supported")
+        elif hf.get("sliding_window") is not None:
+            sliding = int(hf["sliding_window"])
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            ffn_hidden_size=int(hf["intermediate_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            rope=RopeConfig.from_hf(hf),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+            sliding_window=sliding,
+            torch_dtype=str(dtype).replace("torch.", ""),
+            hf_config=dict(hf),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str) -> "ModelArchitecture":
+        path = os.path.join(hf_dir, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                hf = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{hf_dir}: no config.json (expected a Hugging Face save_pretrained folder)") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: invalid JSON: {exc}") from None
+        try:
+            return cls.from_hf_config(hf)
+        except KeyError as exc:
+            raise UnsupportedModelError(f"{path}: missing field {exc.args[0]!r}") from None
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "ModelArchitecture":
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        return cls(**d)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_kv_heads
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Vocabulary padded to a multiple of the TP size (megatron splits it evenly).
+
+        Padded logits are masked out of the softmax, so the model stays exact.
+        """
+        return int(math.ceil(self.vocab_size / tensor_parallel_size) * tensor_parallel_size)
+
+    def softmax_scale(self) -> float:
+        """1/sqrt(head_dim), times yarn's cos/sin scaling squared (it scales both q and k)."""
+        return self.rope.attention_scaling() ** 2 / math.sqrt(self.head_dim)
+
+    def num_parameters(self) -> int:
+        h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        attn = h * hd * (self.num_attention_heads + 2 * self.num_kv_heads) + self.num_attention_heads * hd * h
+        per_layer = attn + 3 * h * f + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h

@@ -1,0 +1,170 @@
+"""The megatron-core GPT model with prefix-sharing attention and per-token RoPE positions.
+
+``PsrlGPTModel`` is megatron-core's ``GPTModel`` (embedding, ``TransformerBlock`` of
+megatron ``TransformerLayer``s, final norm, output layer; tensor parallelism from megatron's
+parallel layers) with three differences, all needed by tree packing:
+
+- the ``core_attention`` slot of every layer holds :class:`PrefixSharingAttention`;
+- RoPE frequencies are computed from explicit position ids (a tree token's position is its
+  depth in its sample, not its offset in the pack) and handed to the decoder;
+- ``forward`` returns final hidden states ``[t, h]``; logits are computed only for the rows
+  that need them (``output_logits``), because most tokens of a pack carry no loss.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_psrl.attention import PrefixSharingAttention, TreeAttentionMetadata
+from megatron_psrl.compat import quiet_expected_import_warnings, transformer_config_overrides
+from megatron_psrl.model.architecture import ModelArchitecture
+
+quiet_expected_import_warnings()
+
+Tensor = torch.Tensor
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def build_transformer_config(
+    arch: ModelArchitecture,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    device: torch.device = torch.device("cpu"),
+    **overrides,
+) -> TransformerConfig:
+    """megatron TransformerConfig equivalent to the HF architecture."""
+    if arch.num_kv_heads % tensor_parallel_size:
+        raise ValueError(
+            f"tensor parallel size {tensor_parallel_size} must divide the {arch.num_kv_heads} key/value heads"
+        )
+    if arch.num_layers % pipeline_parallel_size:
+        raise ValueError(f"pipeline parallel size {pipeline_parallel_size} must divide the {arch.num_layers} layers")
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        softmax_scale=arch.softmax_scale(),
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+    )
+    kwargs.update(transformer_config_overrides(device))
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local") -> ModuleSpec:
+    """megatron's GPT layer spec with PrefixSharingAttention in the core-attention slot."""
+    if transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    elif transformer_impl == "local":
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    else:
+        raise ValueError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
+    spec.submodules.self_attention.submodules.core_attention = PrefixSharingAttention
+    return spec
+
+
+class RotaryFrequencies(torch.nn.Module):
+    """RoPE angles for explicit positions: ``[t] -> [t, 1, 1, rot_dim]`` (megatron's layout).
+
+    ``freqs = position * inv_freq`` is one multiplication per element, bit-identical to
+    megatron's ``torch.outer`` and Hugging Face's matmul with an inner dimension of one.
+    """
+
+    def __init__(self, arch: ModelArchitecture):
+        super().__init__()
+        self.register_buffer("inv_freq", arch.rope.inv_freq(arch.head_dim), persistent=False)
+
+    def forward(self, position_ids: Tensor) -> Tensor:
+        inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [t, rot_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # non-interleaved halves, as HF's rotate_half
+        return emb[:, None, None, :]
+
+
+class PsrlGPTModel(GPTModel):
+    """megatron-core GPTModel for tree-packed micro-batches (see module docstring)."""
+
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        config: TransformerConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        transformer_impl: str = "local",
+    ):
+        super().__init__(
+            config=config,
+            transformer_layer_spec=build_layer_spec(arch, transformer_impl),
+            vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="none",
+        )
+        self.arch = arch
+        self.rotary_frequencies = RotaryFrequencies(arch)
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: Optional[Tensor],
+        position_ids: Tensor,
+        attention_metadata: TreeAttentionMetadata,
+        decoder_input: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Hidden states of a packed micro-batch.
+
+        Args:
+            input_ids: ``[t]`` token ids (first pipeline stage).
+            position_ids: ``[t]`` true position of every token in its sample.
+            attention_metadata: the micro-batch's tree plan (megatron packed_seq_params).
+            decoder_input: ``[t, 1, h]`` instead of embedding input_ids (later stages).
+
+        Returns:
+            ``[t, 1, h]`` hidden states; final-normalised on the last pipeline stage.
+        """
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids[None, :], position_ids=None)  # [t, 1, h]
+        rotary = self.rotary_frequencies(position_ids)  # [t, 1, 1, rot_dim]
+        return self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=None,
+            rotary_pos_emb=rotary,
+            packed_seq_params=attention_metadata,
+        )
+
+    def output_logits(self, hidden: Tensor) -> Tensor:
+        """``[n, h] -> [n, V / tp]``: this tensor-parallel rank's slice of the logits."""
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden[:, None, :], weight=weight)  # [n, 1, V/tp]
+        return logits[:, 0, :]

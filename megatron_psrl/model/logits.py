@@ -1,0 +1,84 @@
+"""Per-token log-probs and entropies from vocab-parallel logits.
+
+Under tensor parallelism every rank holds a contiguous slice of the vocabulary. The softmax
+normaliser, the target logit and the entropy are sums over the whole vocabulary, so each is
+a local partial sum followed by an all-reduce over the TP group. megatron's
+``reduce_from_tensor_model_parallel_region`` all-reduces in the forward pass and is the
+identity in the backward pass, which is the correct gradient because every TP rank computes
+the same (replicated) loss from the reduced values. Padded vocabulary entries (the vocabulary
+is padded to a multiple of the TP size) are masked out, so the result equals the unpadded
+model's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+Tensor = torch.Tensor
+
+_MASKED_LOGIT = -1e30
+
+
+def _tp_group_and_rank():
+    if not parallel_state.model_parallel_is_initialized():
+        return None, 0, 1
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+
+
+def vocab_parallel_logprobs(
+    logits: Tensor, targets: Tensor, vocab_size: int, with_entropy: bool = False
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """log p(target) and (optionally) the entropy of every row.
+
+    Args:
+        logits: ``[n, V_local]`` this TP rank's logits slice (any float dtype; math in fp32).
+        targets: ``[n]`` global token ids.
+        vocab_size: the real (unpadded) vocabulary size.
+        with_entropy: also return ``-sum_v p_v log p_v`` per row.
+
+    Returns:
+        ``(logprobs [n] fp32, entropy [n] fp32 or None)``.
+    """
+    group, rank, world = _tp_group_and_rank()
+    logits = logits.float()
+    n, v_local = logits.shape
+    v_start = rank * v_local
+    num_real = max(0, min(v_local, vocab_size - v_start))
+    if num_real < v_local:
+        logits = logits.clone()
+        # Finite (not -inf): exp() still gives exactly 0, and 0 * value stays 0 in gradients.
+        logits[:, num_real:] = _MASKED_LOGIT
+
+    row_max = logits.detach().max(dim=-1).values  # [n]; a constant shift, no gradient needed
+    if world > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - row_max[:, None]
+    exp = torch.exp(shifted)
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1)) if world > 1 else exp.sum(dim=-1)
+    log_z = torch.log(sum_exp)  # [n]
+
+    local_target = targets - v_start
+    in_range = (local_target >= 0) & (local_target < v_local)
+    picked = shifted.gather(1, local_target.clamp(0, v_local - 1)[:, None])[:, 0]
+    picked = torch.where(in_range, picked, torch.zeros_like(picked))
+    if world > 1:
+        picked = reduce_from_tensor_model_parallel_region(picked)
+    logprobs = picked - log_z
+
+    entropy = None
+    if with_entropy:
+        probs = exp / sum_exp[:, None]
+        p_shift = (probs * shifted).sum(dim=-1)  # sum_v p_v * shifted_v
+        if world > 1:
+            p_shift = reduce_from_tensor_model_parallel_region(p_shift)
+        entropy = log_z - p_shift
+    return logprobs, entropy
