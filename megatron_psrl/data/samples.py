@@ -63,6 +63,10 @@ class SampleBatch:
     source_rows: Optional[np.ndarray] = None
     """int64 ``[S]``: 1-based line (JSONL) or 0-based row (Parquet) of every sample."""
 
+    row_label: str = "row"
+    """How ``source_rows`` are called in messages: ``"line"`` (JSONL, 1-based) or ``"row"``
+    (Parquet, in-memory records and generated batches, 0-based)."""
+
     metadata: dict = field(default_factory=dict)
     """Free-form provenance (e.g. the synthetic workload's parameters)."""
 
@@ -79,6 +83,28 @@ class SampleBatch:
             self.weights = np.ones(num_samples, dtype=np.float32)
         if self.source_rows is None:
             self.source_rows = np.arange(num_samples, dtype=np.int64)
+        # Shapes of the optional columns (values are checked by the loaders, data/validation.py).
+        num_tokens = self.tokens.shape[0]
+        for name, size in (
+            ("advantages", num_tokens),
+            ("old_logprobs", num_tokens),
+            ("ref_logprobs", num_tokens),
+            ("has_old_logprobs", num_samples),
+            ("has_ref_logprobs", num_samples),
+            ("weights", num_samples),
+            ("source_rows", num_samples),
+        ):
+            value = getattr(self, name)
+            if value is not None and np.shape(value) != (size,):
+                raise ValueError(f"{name} must have shape ({size},), got {np.shape(value)}")
+        for values, flags, name in (
+            (self.old_logprobs, self.has_old_logprobs, "old_logprobs"),
+            (self.ref_logprobs, self.has_ref_logprobs, "ref_logprobs"),
+        ):
+            if (values is None) != (flags is None):
+                raise ValueError(f"{name} and has_{name} must be given together")
+        if self.row_label not in ("line", "row"):
+            raise ValueError(f"row_label must be 'line' or 'row', got {self.row_label!r}")
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -108,8 +134,46 @@ class SampleBatch:
         return self.tokens[self.sample_slice(s)]
 
     def describe_sample(self, s: int) -> str:
-        """``file:line (sample id)`` for messages about sample s."""
-        return f"{self.source} row {int(self.source_rows[s])} (sample id {self.ids[s]!r})"
+        """``file line|row k (sample id ...)`` for messages about sample s."""
+        return (
+            f"{self.source} {self.row_label} {int(self.source_rows[s])} "
+            f"(sample id {self.ids[s]!r})"
+        )
+
+    def sample_of_token(self) -> np.ndarray:
+        """int32 ``[N]``: the sample owning every token of the per-token arrays."""
+        return np.repeat(np.arange(self.num_samples, dtype=np.int32), self.lengths)
+
+    def truncated(self, max_len: int) -> "SampleBatch":
+        """A new batch with every sample cut to its first ``max_len`` tokens (e.g. to study how
+        sharing depends on context length). Per-sample fields are kept."""
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        starts = self.offsets[:-1]
+        new_lengths = np.minimum(self.lengths, max_len)
+        new_offsets = np.zeros(self.num_samples + 1, dtype=np.int64)
+        np.cumsum(new_lengths, out=new_offsets[1:])
+        gather = np.repeat(starts - new_offsets[:-1], new_lengths) + np.arange(new_offsets[-1])
+
+        def take(arr: Optional[np.ndarray]) -> Optional[np.ndarray]:
+            return None if arr is None else arr[gather]
+
+        return SampleBatch(
+            ids=list(self.ids),
+            offsets=new_offsets,
+            tokens=self.tokens[gather],
+            loss_mask=self.loss_mask[gather],
+            advantages=take(self.advantages),
+            old_logprobs=take(self.old_logprobs),
+            has_old_logprobs=self.has_old_logprobs,
+            ref_logprobs=take(self.ref_logprobs),
+            has_ref_logprobs=self.has_ref_logprobs,
+            weights=self.weights,
+            source=self.source,
+            source_rows=self.source_rows,
+            row_label=self.row_label,
+            metadata=dict(self.metadata, truncated_to=int(max_len)),
+        )
 
     def select(self, indices: Sequence[int]) -> "SampleBatch":
         """A new batch with the samples ``indices`` in that order (e.g. one rank's share)."""
@@ -139,5 +203,6 @@ class SampleBatch:
             weights=take(self.weights, True),
             source=self.source,
             source_rows=take(self.source_rows, True),
+            row_label=self.row_label,
             metadata=dict(self.metadata),
         )

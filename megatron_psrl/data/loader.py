@@ -1,0 +1,304 @@
+"""Reading and writing trajectory samples (JSONL and Parquet), see docs/data-format.md.
+
+    batch = load_samples("rollouts.jsonl", vocab_size=model_vocab, require_advantage=True)
+
+Readers stream: JSONL line by line, Parquet in record batches; every record goes through the
+same :class:`~megatron_psrl.data.validation.SampleAccumulator`, which appends it to growing
+numpy chunks. Memory is linear in the number of tokens (plus one record in flight), and the
+whole file is validated before a :class:`SampleBatch` is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple, Union
+
+import numpy as np
+
+from megatron_psrl.data.samples import SampleBatch
+from megatron_psrl.data.validation import KNOWN_FIELDS, SampleAccumulator, SampleValidationError
+
+PathLike = Union[str, os.PathLike]
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+PARQUET_BATCH_ROWS = 256
+"""Rows per Parquet record batch while reading: small, because one agentic sample can hold
+100k+ tokens."""
+
+
+def _format_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    raise SampleValidationError(
+        f"unknown file type {suffix!r}; expected one of "
+        f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}",
+        source=str(path),
+    )
+
+
+def load_samples(
+    path: PathLike,
+    vocab_size: Optional[int] = None,
+    require_advantage: bool = False,
+    kl_required: bool = False,
+    progress: bool = False,
+) -> SampleBatch:
+    """Read and validate a JSONL or Parquet file of samples (format chosen by suffix).
+
+    Args:
+        path: ``.jsonl`` (one JSON object per line; blank lines are skipped) or ``.parquet``.
+        vocab_size: token ids must lie in ``[0, vocab_size)``; None only checks they fit int32.
+        require_advantage: every sample must carry ``advantage`` (training).
+        kl_required: every sample must carry ``ref_logprobs`` (KL penalty).
+        progress: show a tqdm bar (bytes for JSONL, rows for Parquet).
+
+    Raises:
+        SampleValidationError: on the first problem, naming file, line/row, sample id, field.
+    """
+    path = Path(path)
+    fmt = _format_of(path)
+    row_label = "line" if fmt == "jsonl" else "row"
+    acc = SampleAccumulator(str(path), row_label, vocab_size, require_advantage, kl_required)
+    records = _read_jsonl(path, acc, progress) if fmt == "jsonl" else _read_parquet(
+        path, acc, progress
+    )
+    for row, record in records:
+        acc.add(record, row)
+    return acc.finish(metadata={"format": fmt})
+
+
+def samples_from_dicts(
+    records: Iterable[Mapping[str, Any]],
+    source: str = "<memory>",
+    vocab_size: Optional[int] = None,
+    require_advantage: bool = False,
+    kl_required: bool = False,
+    metadata: Optional[dict] = None,
+) -> SampleBatch:
+    """Validate in-memory records (same fields and rules as the files; values may be lists or
+    numpy arrays) into a :class:`SampleBatch`. Messages name ``source row k`` (0-based)."""
+    acc = SampleAccumulator(source, "row", vocab_size, require_advantage, kl_required)
+    for row, record in enumerate(records):
+        acc.add(record, row)
+    return acc.finish(metadata=metadata)
+
+
+# ---------------------------------------------------------------------- JSONL
+def _read_jsonl(
+    path: Path, acc: SampleAccumulator, progress: bool
+) -> Iterator[Tuple[int, Any]]:
+    try:
+        handle = open(path, "rb")
+        total = os.fstat(handle.fileno()).st_size
+    except OSError as exc:
+        raise acc.file_error(f"cannot read file: {exc.strerror or exc}") from exc
+    bar = _progress_bar(progress, total=total, unit="B", desc=path.name)
+    with handle:
+        line_no = 0
+        while True:
+            try:
+                line = handle.readline()
+            except OSError as exc:
+                raise acc.file_error(f"cannot read file: {exc.strerror or exc}") from exc
+            if not line:
+                break
+            line_no += 1
+            if bar is not None:
+                bar.update(len(line))
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing newline) are not samples
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise acc.row_error(f"malformed JSON: {exc}", line_no) from None
+            yield line_no, record
+    if bar is not None:
+        bar.close()
+
+
+# ---------------------------------------------------------------------- Parquet
+def _read_parquet(
+    path: Path, acc: SampleAccumulator, progress: bool
+) -> Iterator[Tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise acc.file_error(f"cannot read Parquet file: {exc}") from exc
+    names = parquet.schema_arrow.names
+    if parquet.metadata.num_rows == 0:
+        raise acc.file_error("no samples (empty file)")
+    if "tokens" not in names:
+        raise acc.error("missing required field (no 'tokens' column)", 0, field="tokens")
+    # Unknown columns are not read at all; the accumulator warns about them once.
+    unknown = [name for name in names if name not in KNOWN_FIELDS]
+    columns = [name for name in names if name in KNOWN_FIELDS]
+    bar = _progress_bar(progress, total=parquet.metadata.num_rows, unit="rows", desc=path.name)
+    row = 0
+    try:
+        batches = parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
+        for batch in batches:
+            accessors = {name: _ParquetColumn(batch.column(name)) for name in columns}
+            for i in range(batch.num_rows):
+                record = {name: column.get(i) for name, column in accessors.items()}
+                for name in unknown:
+                    record[name] = None  # only its presence matters (for the warning)
+                yield row, record
+                row += 1
+            if bar is not None:
+                bar.update(batch.num_rows)
+    except (OSError, pa.ArrowException) as exc:
+        raise acc.error(f"cannot read Parquet data: {exc}", row) from exc
+    if bar is not None:
+        bar.close()
+
+
+class _ParquetColumn:
+    """Per-row access to one column of a record batch without a Python object per token:
+    list cells come out as numpy views into the column's flat values."""
+
+    def __init__(self, array) -> None:
+        import pyarrow as pa
+
+        self.is_list = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
+        if self.is_list:
+            self.cell_null = array.is_null().to_numpy(zero_copy_only=False)
+            # ``offsets`` index ``values`` (the whole child, also for sliced arrays).
+            self.offsets = array.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+            values = array.values
+            self.values = values.to_numpy(zero_copy_only=False)
+            self.value_null = (
+                values.is_null().to_numpy(zero_copy_only=False) if values.null_count else None
+            )
+        else:
+            self.cells = array.to_pylist()
+
+    def get(self, i: int) -> Any:
+        if not self.is_list:
+            return self.cells[i]
+        if self.cell_null[i]:
+            return None
+        start, end = self.offsets[i], self.offsets[i + 1]
+        cell = self.values[start:end]
+        if self.value_null is not None and self.value_null[start:end].any():
+            # Hand nulls over as None so the validator names the element.
+            cell = cell.astype(object)
+            cell[self.value_null[start:end]] = None
+        return cell
+
+
+def _progress_bar(enabled: bool, total: int, unit: str, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, leave=False)
+
+
+# ---------------------------------------------------------------------- writing
+def _sample_records(batch: SampleBatch) -> Iterator[dict]:
+    """One JSON-ready dict per sample; a per-token advantage that is constant over the sample
+    is written as a scalar (how per-sample advantages are stored after broadcasting)."""
+    for s in range(batch.num_samples):
+        sl = batch.sample_slice(s)
+        sample_id = batch.ids[s]
+        record = {
+            "id": sample_id if isinstance(sample_id, str) else int(sample_id),
+            "tokens": batch.tokens[sl].tolist(),
+            "loss_mask": batch.loss_mask[sl].astype(np.int8).tolist(),
+        }
+        if batch.advantages is not None:
+            adv = batch.advantages[sl]
+            record["advantage"] = float(adv[0]) if (adv == adv[0]).all() else adv.tolist()
+        if batch.has_old_logprobs is not None and batch.has_old_logprobs[s]:
+            record["old_logprobs"] = batch.old_logprobs[sl].tolist()
+        if batch.has_ref_logprobs is not None and batch.has_ref_logprobs[s]:
+            record["ref_logprobs"] = batch.ref_logprobs[sl].tolist()
+        record["weight"] = float(batch.weights[s])
+        yield record
+
+
+def write_samples(batch: SampleBatch, path: PathLike) -> Path:
+    """Write ``batch`` as JSONL or Parquet (by suffix), atomically: the data goes to a
+    temporary file in the same directory that is renamed over ``path`` only when complete.
+    Reading the file back gives the same arrays (float32 values round-trip exactly)."""
+    path = Path(path)
+    fmt = _format_of(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        if fmt == "jsonl":
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                for record in _sample_records(batch):
+                    handle.write(json.dumps(record, separators=(",", ":")))
+                    handle.write("\n")
+        else:
+            os.close(fd)
+            _write_parquet(batch, tmp_name)
+        os.replace(tmp_name, path)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+    return path
+
+
+def _write_parquet(batch: SampleBatch, path: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    offsets = batch.offsets
+    # 32-bit list offsets are the most widely readable; switch to large lists past 2^31.
+    large = offsets[-1] >= np.iinfo(np.int32).max
+    list_type = pa.LargeListArray if large else pa.ListArray
+    arrow_offsets = pa.array(offsets if large else offsets.astype(np.int32))
+
+    def token_list(values: np.ndarray, mask: Optional[np.ndarray] = None):
+        return list_type.from_arrays(
+            arrow_offsets, pa.array(values), mask=None if mask is None else pa.array(mask)
+        )
+
+    ids = batch.ids
+    if all(isinstance(i, str) for i in ids):
+        id_column = pa.array(ids, type=pa.string())
+    elif not any(isinstance(i, str) for i in ids):
+        id_column = pa.array([int(i) for i in ids], type=pa.int64())
+    else:
+        # A Parquet column has one type: mixed ids become strings; refuse if that collides.
+        as_text = [str(i) for i in ids]
+        if len(set(as_text)) != len(as_text):
+            raise ValueError(
+                "sample ids mix strings and integers that collide as strings (e.g. 3 and '3'); "
+                "Parquet needs one id type"
+            )
+        id_column = pa.array(as_text, type=pa.string())
+
+    columns = {
+        "id": id_column,
+        "tokens": token_list(batch.tokens),
+        "loss_mask": token_list(batch.loss_mask),
+    }
+    if batch.advantages is not None:
+        adv = batch.advantages
+        first = adv[offsets[:-1]]
+        per_sample = bool((adv == np.repeat(first, batch.lengths)).all())
+        columns["advantage"] = pa.array(first) if per_sample else token_list(adv)
+    for name, flags in (
+        ("old_logprobs", batch.has_old_logprobs),
+        ("ref_logprobs", batch.has_ref_logprobs),
+    ):
+        values = getattr(batch, name)
+        if values is not None:
+            columns[name] = token_list(values, mask=~flags)
+    columns["weight"] = pa.array(batch.weights)
+    pq.write_table(pa.table(columns), path, row_group_size=4096)
