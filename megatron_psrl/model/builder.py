@@ -1,22 +1,14 @@
-"""Build this rank's PsrlGPTModel from a HF folder, a megatron_psrl checkpoint or a tiny config."""
+"""Build this rank's randomly initialised PsrlGPTModel (weights are loaded by megatron_psrl.checkpoint)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Tuple
 
 import torch
 from megatron.core import parallel_state
 
-from megatron_psrl.checkpoint.hf_io import HFCheckpointReader
-from megatron_psrl.checkpoint.mcore_format import load_rank_state
-from megatron_psrl.checkpoint.sharding import shard_state_dict
-from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import PsrlGPTModel, build_transformer_config
-from megatron_psrl.model.tiny import tiny_config
-
-Tensor = torch.Tensor
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -29,26 +21,7 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose from {sorted(_DTYPES)}") from None
 
 
-@dataclass
-class ModelSource:
-    """Where the weights come from: exactly one of the three."""
-
-    hf_dir: Optional[str] = None
-    """A Hugging Face save_pretrained folder (converted in memory)."""
-
-    checkpoint: Optional[str] = None
-    """A megatron_psrl / Megatron legacy checkpoint directory (any TP/PP layout)."""
-
-    tiny: Optional[str] = None
-    """A named tiny config (``megatron_psrl.model.tiny``), randomly initialised."""
-
-    def __post_init__(self) -> None:
-        given = [x for x in (self.hf_dir, self.checkpoint, self.tiny) if x]
-        if len(given) != 1:
-            raise ValueError("give exactly one model source: --hf-dir, --load or --model")
-
-
-def _layout() -> Tuple[int, int, int, int]:
+def parallel_layout() -> Tuple[int, int, int, int]:
     return (
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_world_size(),
@@ -64,63 +37,9 @@ def build_model(
     transformer_impl: str = "local",
 ) -> PsrlGPTModel:
     """A randomly initialised model for this rank (parallel_state must be initialised)."""
-    tp_rank, tp, pp_rank, pp = _layout()
+    tp_rank, tp, pp_rank, pp = parallel_layout()
     config = build_transformer_config(arch, tp, pp, params_dtype=dtype, device=device)
     model = PsrlGPTModel(
         arch, config, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, transformer_impl=transformer_impl
     )
     return model.to(device)
-
-
-def load_state_into(model: PsrlGPTModel, shard: Dict[str, Tensor]) -> None:
-    """Load a rank shard (any dtype) strictly: every parameter must be present and match."""
-    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    missing = sorted(set(own) - set(shard))
-    unexpected = sorted(k for k in set(shard) - set(own) if not k.endswith("_extra_state"))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for name, target in own.items():
-            src = shard[name]
-            if tuple(src.shape) != tuple(target.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(target.shape)}")
-            target.copy_(src.to(dtype=target.dtype, device=target.device))
-
-
-def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, progress=None) -> Dict[str, Tensor]:
-    """Full (unsharded) megatron state dict of a HF folder."""
-    arch = arch or ModelArchitecture.from_hf_dir(hf_dir)
-    reader = HFCheckpointReader(hf_dir)
-    adapter = get_adapter(arch)
-    missing = [k for k in adapter.hf_keys() if k not in reader.weight_map]
-    if missing:
-        raise ValueError(f"{hf_dir}: checkpoint lacks tensors the {arch.model_type} layout needs: {missing[:5]}")
-    full = {}
-    for name, tensor in adapter.hf_to_mcore(reader.get):
-        full[name] = tensor
-        if progress is not None:
-            progress(name)
-    return full
-
-
-def load_model(
-    source: ModelSource,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device = torch.device("cpu"),
-    transformer_impl: str = "local",
-) -> Tuple[ModelArchitecture, PsrlGPTModel, Optional[dict]]:
-    """This rank's model from ``source``; returns (architecture, model, saved optimizer state)."""
-    tp_rank, tp, pp_rank, pp = _layout()
-    optimizer_state = None
-    if source.tiny:
-        arch = ModelArchitecture.from_hf_config(tiny_config(source.tiny))
-        return arch, build_model(arch, dtype, device, transformer_impl), None
-    if source.hf_dir:
-        arch = ModelArchitecture.from_hf_dir(source.hf_dir)
-        shard = shard_state_dict(hf_full_state_dict(source.hf_dir, arch), arch, tp, pp)[(tp_rank, pp_rank)]
-    else:
-        info, shard, optimizer_state = load_rank_state(source.checkpoint, tp_rank, tp, pp_rank, pp)
-        arch = info.architecture
-    model = build_model(arch, dtype, device, transformer_impl)
-    load_state_into(model, shard)
-    return arch, model, optimizer_state

@@ -1,0 +1,87 @@
+"""Hugging Face <-> megatron_psrl checkpoint conversion (the library behind tools/convert_hf_checkpoint.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional
+
+from tqdm import tqdm
+
+from megatron_psrl.checkpoint.atomic import atomic_directory
+from megatron_psrl.checkpoint.hf_io import HFCheckpointReader, write_hf_checkpoint
+from megatron_psrl.checkpoint.mcore_format import CheckpointInfo, load_full_state_dict, save_sharded_checkpoint
+from megatron_psrl.checkpoint.sharding import shard_state_dict
+from megatron_psrl.model.adapters import get_adapter
+from megatron_psrl.model.architecture import ModelArchitecture
+
+logger = logging.getLogger(__name__)
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
+
+
+def hf_to_mcore(
+    hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, overwrite: bool = False, progress: bool = True
+) -> CheckpointInfo:
+    """Convert a HF folder into a TP x PP sharded megatron_psrl checkpoint ("release")."""
+    arch = ModelArchitecture.from_hf_dir(hf_dir)  # refuses unsupported models before any I/O
+    if arch.num_kv_heads % tp:
+        raise ValueError(f"--tp {tp} must divide the model's {arch.num_kv_heads} key/value heads")
+    if arch.num_layers % pp:
+        raise ValueError(f"--pp {pp} must divide the model's {arch.num_layers} layers")
+    reader = HFCheckpointReader(hf_dir)
+    adapter = get_adapter(arch)
+    keys = adapter.hf_keys()
+    missing = [k for k in keys if k not in reader.weight_map]
+    if missing:
+        raise ValueError(f"{hf_dir}: missing tensors for a {arch.model_type} model: {missing[:5]}")
+    extra = sorted(set(reader.weight_map) - set(keys) - {"lm_head.weight"})
+    extra = [k for k in extra if not k.endswith("rotary_emb.inv_freq")]
+    if extra:
+        raise ValueError(f"{hf_dir}: unexpected tensors (not a plain {arch.model_type} model?): {extra[:5]}")
+    full = {}
+    with _bar(len(keys), "reading HF tensors", progress) as bar:
+        def get(name):
+            bar.update(1)
+            return reader.get(name)
+
+        for name, tensor in adapter.hf_to_mcore(get):
+            full[name] = tensor
+    dtype = str(next(iter(full.values())).dtype).replace("torch.", "")
+    info = CheckpointInfo(architecture=arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, iteration=0, dtype=dtype)
+    shards = shard_state_dict(full, arch, tp, pp)
+    with _bar(len(shards), "writing shards", progress) as bar:
+        save_sharded_checkpoint(out_dir, info, shards, overwrite=overwrite, progress=lambda _: bar.update(1))
+    logger.info("wrote %s (TP=%d, PP=%d, %s)", out_dir, tp, pp, dtype)
+    return info
+
+
+def mcore_to_hf(
+    load: str, out_dir: str, hf_template: Optional[str] = None, overwrite: bool = False, progress: bool = True
+) -> CheckpointInfo:
+    """Convert a megatron_psrl checkpoint (any TP/PP) back into a HF save_pretrained folder."""
+    if hf_template is not None:
+        template_arch = ModelArchitecture.from_hf_dir(hf_template)
+    info, full = load_full_state_dict(load)
+    arch = info.architecture
+    if hf_template is not None and (template_arch.model_type, template_arch.num_layers, template_arch.hidden_size) != (
+        arch.model_type, arch.num_layers, arch.hidden_size
+    ):
+        raise ValueError(f"--hf-template {hf_template} describes a different model than {load}")
+    adapter = get_adapter(arch)
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        with _bar(len(adapter.hf_keys()), "writing HF tensors", progress) as bar:
+            write_hf_checkpoint(
+                tmp, adapter.mcore_to_hf(full), arch.hf_config, template_dir=hf_template,
+                progress=lambda _: bar.update(1),
+            )
+    logger.info("wrote %s", out_dir)
+    return info
+
+
+def describe(path: str) -> str:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return json.dumps(json.load(f), indent=2)
