@@ -119,3 +119,93 @@ class PrefixTree:
 def top_level_nodes(tree: PrefixTree) -> np.ndarray:
     """Preorder indices of the top-level nodes (roots of the independent trees)."""
     return np.flatnonzero(tree.node_parent < 0)
+
+
+def node_num_children(tree: PrefixTree) -> np.ndarray:
+    """int64 ``[M]``: number of children of every node."""
+    parents = tree.node_parent[tree.node_parent >= 0]
+    return np.bincount(parents, minlength=tree.num_nodes).astype(np.int64)
+
+
+def node_level(tree: PrefixTree) -> np.ndarray:
+    """int64 ``[M]``: number of ancestors of every node (0 for top-level nodes).
+
+    Node k is an ancestor of m iff ``k < m < node_subtree_end[k]`` (preorder), so the level is
+    the number of open subtree intervals at m: a difference array and one cumsum.
+    """
+    m = tree.num_nodes
+    # Interval of k opens at k + 1 (+1) and closes at node_subtree_end[k] (-1).
+    diff = np.ones(m + 1, dtype=np.int64)
+    diff[0] = 0
+    diff -= np.bincount(tree.node_subtree_end, minlength=m + 1)
+    return np.cumsum(diff)[:m]
+
+
+def check_tree(tree: PrefixTree) -> None:
+    """Verify every structural invariant documented on :class:`PrefixTree` (vectorised).
+
+    Raises ``AssertionError`` naming the first violated invariant. Meant for tests and for
+    debugging planners; cost is linear in tokens and claims.
+    """
+    b = tree.batch
+    m, t = tree.num_nodes, tree.num_tree_tokens
+    lens = tree.node_len
+    assert tree.node_offset.shape == (m + 1,) and tree.node_offset[0] == 0, "node_offset shape"
+    assert tree.node_offset[-1] == t, "node_offset[-1] == number of tree tokens"
+    assert (lens >= 1).all(), "every node holds at least one token"
+    parent = tree.node_parent.astype(np.int64)
+    idx = np.arange(m)
+    has_parent = parent >= 0
+    assert (parent < idx).all(), "parents precede children (preorder)"
+    # A child starts where its parent ends.
+    pend = tree.node_depth[parent[has_parent]] + lens[parent[has_parent]]
+    assert (tree.node_depth[has_parent] == pend).all(), "child depth == parent end depth"
+    assert (tree.node_depth[~has_parent] == 0).all(), "top-level nodes start at depth 0"
+    # Subtree ranges: contiguous, nested, and consistent with the parents.
+    end = tree.node_subtree_end
+    assert ((end > idx) & (end <= m)).all(), "subtree_end in (m, M]"
+    assert (end[parent[has_parent]] >= end[has_parent]).all(), "subtrees nest"
+    assert (idx[has_parent] < end[parent[has_parent]]).all(), "child inside parent's subtree"
+    # In preorder, the node after the end of m's subtree is never a descendant of m: a node's
+    # subtree ends exactly where the next node with depth <= its own depth starts.
+    inside = end < m
+    assert (tree.node_depth[end[inside]] <= tree.node_depth[inside]).all(), (
+        "subtree_end is the first non-descendant"
+    )
+    # Children: distinct first tokens, in ascending order, under every parent.
+    first_tok = tree.tokens[tree.node_offset[:-1]]
+    order = np.lexsort((idx, parent))
+    same = parent[order][1:] == parent[order][:-1]
+    assert (first_tok[order][1:][same] > first_tok[order][:-1][same]).all(), (
+        "siblings have strictly ascending first tokens"
+    )
+    # Samples: reconstructed exactly, ending at their node.
+    sti = tree.sample_token_index
+    assert sti.shape == (b.num_tokens,), "sample_token_index shape"
+    assert (tree.tokens[sti] == b.tokens).all(), "every sample is reconstructed from the tree"
+    ends = b.offsets[1:] - 1
+    node_of_token = tree.token_node()
+    assert (node_of_token[sti[ends]] == tree.sample_node).all(), "sample_node holds its end"
+    assert (sti[ends] == tree.node_offset[tree.sample_node.astype(np.int64) + 1] - 1).all(), (
+        "samples end at the last token of a node"
+    )
+    assert (tree.token_position()[sti] == np.arange(b.num_tokens) - np.repeat(
+        b.offsets[:-1], b.lengths)).all(), "tree token positions are sample positions"
+    # Sample counts: samples ending in the subtree.
+    ending = np.bincount(tree.sample_node, minlength=m)
+    cum = np.concatenate([[0], np.cumsum(ending)])
+    assert (tree.node_num_samples == cum[end] - cum[idx]).all(), "node_num_samples"
+    # Claims: exactly the masked tokens, sorted by (tree token, sample), CSR offsets.
+    flat = np.flatnonzero(b.loss_mask)
+    c = flat.shape[0]
+    assert tree.claim_flat.shape == (c,), "one claim per masked token"
+    assert (np.sort(tree.claim_flat) == flat).all(), "claims are the masked tokens"
+    assert (tree.claim_token == sti[tree.claim_flat]).all(), "claim_token"
+    sample_of = np.searchsorted(b.offsets, tree.claim_flat, side="right") - 1
+    assert (tree.claim_sample == sample_of).all(), "claim_sample"
+    key_ok = (np.diff(tree.claim_token) > 0) | (
+        (np.diff(tree.claim_token) == 0) & (np.diff(tree.claim_sample.astype(np.int64)) > 0)
+    )
+    assert key_ok.all(), "claims sorted by (tree token, sample)"
+    expected = np.concatenate([[0], np.cumsum(np.bincount(tree.claim_token, minlength=t))])
+    assert (tree.claim_offsets == expected).all(), "claim_offsets is the CSR of claim_token"

@@ -1,0 +1,217 @@
+"""Cost model of the update step: a linear term per token and a quadratic term per key.
+
+FLOPs(computed tokens) = linear_flops_per_token * tokens
+                         + attention_flops_per_key * (sum over query tokens of the keys seen)
+
+A token at position p (0-based) attends to p + 1 keys (causal, itself included). Without
+sharing every sample of length n costs n tokens and n (n + 1) / 2 key pairs; with the prefix
+tree every tree token is computed once and sees ``position + 1`` keys (its ancestors' tokens and
+the earlier tokens of its node). The ratio of the two costs is the ideal speedup of brief
+section 7; the per-node and per-subtree costs are what the planner balances.
+
+Both coefficients count forward + backward (backward = 2x forward, so 3x forward FLOPs) and a
+multiply-add as 2 FLOPs. Norms, activations, softmax, RoPE and biases are left out: they are
+linear in tokens and well under 1% of the GEMMs for the named models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Union
+
+import numpy as np
+
+from megatron_psrl.data.samples import SampleBatch
+from megatron_psrl.tree.prefix_tree import PrefixTree
+
+FORWARD_BACKWARD_FACTOR = 3.0
+"""Backward costs about twice the forward (gradients w.r.t. inputs and weights)."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The dimensions of a decoder-only transformer that the FLOP count depends on."""
+
+    hidden_size: int
+    """Model width."""
+    num_layers: int
+    """Transformer layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA groups); equal to num_heads for plain multi-head attention."""
+    head_dim: int
+    """Width of one head (q/k/v projections are num_heads * head_dim wide)."""
+    ffn_hidden_size: int
+    """Intermediate width of the MLP."""
+    vocab_size: int
+    """Output vocabulary (the LM head is hidden_size x vocab_size)."""
+    gated: bool = True
+    """SwiGLU-style MLP (gate + up + down projections) instead of two projections."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "ffn_hidden_size", "vocab_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+
+TINY_MODEL_DIMS = ModelDims(
+    hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+    ffn_hidden_size=512, vocab_size=1024,
+)
+"""The tiny debug Llama used for CPU runs and tests (h256/L4, GQA 4:2, SwiGLU 512, vocab 1024)."""
+
+NAMED_MODEL_DIMS: Dict[str, ModelDims] = {
+    "tiny": TINY_MODEL_DIMS,
+    # Values of the public Hugging Face config.json of each model.
+    "llama3-8b": ModelDims(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                           head_dim=128, ffn_hidden_size=14336, vocab_size=128256),
+    "qwen2.5-7b": ModelDims(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                            head_dim=128, ffn_hidden_size=18944, vocab_size=152064),
+    "qwen3-32b": ModelDims(hidden_size=5120, num_layers=64, num_heads=64, num_kv_heads=8,
+                           head_dim=128, ffn_hidden_size=25600, vocab_size=151936),
+    "llama3-70b": ModelDims(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                            head_dim=128, ffn_hidden_size=28672, vocab_size=128256),
+}
+"""Model sizes known to :meth:`CostModel.named`."""
+
+
+# ---------------------------------------------------------------------- key-pair counts
+def unshared_key_pairs(lengths: np.ndarray) -> np.ndarray:
+    """int64: key pairs of samples of the given lengths computed separately, n (n + 1) / 2."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return lengths * (lengths + 1) // 2
+
+
+def node_key_pairs(tree: PrefixTree) -> np.ndarray:
+    """int64 ``[M]``: key pairs of every node's tokens: sum over p in [d, d + len) of p + 1."""
+    lens = tree.node_len
+    return lens * (tree.node_depth + 1) + lens * (lens - 1) // 2
+
+
+def batch_key_pairs(batch: SampleBatch) -> int:
+    """Key pairs of the whole batch without sharing."""
+    return int(unshared_key_pairs(batch.lengths).sum())
+
+
+def tree_key_pairs(tree: PrefixTree) -> int:
+    """Key pairs of the whole batch with the prefix tree (each tree token once)."""
+    return int(node_key_pairs(tree).sum())
+
+
+# ---------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
+class CostModel:
+    """FLOPs of forward + backward as ``linear * tokens + attention * key_pairs``."""
+
+    linear_flops_per_token: float
+    """FLOPs per computed token of all GEMMs (QKV, output projection, MLP, LM head)."""
+
+    attention_flops_per_key: float
+    """FLOPs per (query token, key) pair over all layers (QK^T and attention x V)."""
+
+    name: Optional[str] = field(default=None, compare=False)
+    """The model size this was derived from, for reports (None if built by hand)."""
+
+    def __post_init__(self) -> None:
+        for name in ("linear_flops_per_token", "attention_flops_per_key"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if self.linear_flops_per_token == 0 and self.attention_flops_per_key == 0:
+            raise ValueError("a cost model needs a non-zero term")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_dims(
+        cls,
+        hidden_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        ffn_hidden_size: int,
+        vocab_size: int,
+        gated: bool = True,
+        name: Optional[str] = None,
+    ) -> "CostModel":
+        """Forward + backward FLOPs of a decoder-only transformer (see the module docstring)."""
+        dims = ModelDims(hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
+                         ffn_hidden_size, vocab_size, gated)
+        return cls.from_model_dims(dims, name=name)
+
+    @classmethod
+    def from_model_dims(cls, dims: ModelDims, name: Optional[str] = None) -> "CostModel":
+        q_width = dims.num_heads * dims.head_dim
+        kv_width = dims.num_kv_heads * dims.head_dim
+        mlp_matrices = 3 if dims.gated else 2
+        weights_per_layer = (
+            dims.hidden_size * q_width              # Q projection
+            + 2 * dims.hidden_size * kv_width       # K and V projections
+            + q_width * dims.hidden_size            # output projection
+            + mlp_matrices * dims.hidden_size * dims.ffn_hidden_size
+        )
+        weights = dims.num_layers * weights_per_layer + dims.hidden_size * dims.vocab_size
+        # A multiply-add per weight and token; QK^T and PV are head_dim multiply-adds per head.
+        linear = FORWARD_BACKWARD_FACTOR * 2.0 * weights
+        attention = FORWARD_BACKWARD_FACTOR * dims.num_layers * 2.0 * 2.0 * q_width
+        return cls(float(linear), float(attention), name=name)
+
+    @classmethod
+    def named(cls, name: str) -> "CostModel":
+        """The cost model of a model size in :data:`NAMED_MODEL_DIMS`."""
+        if name not in NAMED_MODEL_DIMS:
+            raise ValueError(f"unknown model size {name!r}; choose from {sorted(NAMED_MODEL_DIMS)}")
+        return cls.from_model_dims(NAMED_MODEL_DIMS[name], name=name)
+
+    # ------------------------------------------------------------------ costs
+    def cost(
+        self, num_tokens: Union[int, np.ndarray], key_pairs: Union[int, np.ndarray]
+    ) -> Union[float, np.ndarray]:
+        """FLOPs of computing ``num_tokens`` tokens that together see ``key_pairs`` keys
+        (scalars give a float, arrays an element-wise float64 array)."""
+        if np.ndim(num_tokens) == 0 and np.ndim(key_pairs) == 0:
+            return (self.linear_flops_per_token * float(num_tokens)
+                    + self.attention_flops_per_key * float(key_pairs))
+        return (self.linear_flops_per_token * np.asarray(num_tokens, dtype=np.float64)
+                + self.attention_flops_per_key * np.asarray(key_pairs, dtype=np.float64))
+
+    def sample_costs(self, batch: SampleBatch) -> np.ndarray:
+        """float64 ``[S]``: cost of every sample computed on its own (the baseline)."""
+        lengths = batch.lengths
+        return self.cost(lengths, unshared_key_pairs(lengths))
+
+    def baseline_cost(self, batch: SampleBatch) -> float:
+        """Cost of the batch without sharing (every sample separately / packed)."""
+        return self.cost(batch.num_tokens, batch_key_pairs(batch))
+
+    def node_costs(self, tree: PrefixTree) -> np.ndarray:
+        """float64 ``[M]``: cost of computing every node's tokens once (linear + attention
+        onto its ancestors and the earlier tokens of the node)."""
+        return self.cost(tree.node_len, node_key_pairs(tree))
+
+    def subtree_costs(self, tree: PrefixTree) -> np.ndarray:
+        """float64 ``[M]``: cost of every node's subtree (itself included), from prefix sums
+        over the preorder: subtree m is the node range ``m:node_subtree_end[m]``."""
+        cumulative = np.zeros(tree.num_nodes + 1, dtype=np.float64)
+        np.cumsum(self.node_costs(tree), out=cumulative[1:])
+        return cumulative[tree.node_subtree_end] - cumulative[:-1]
+
+    def tree_cost(self, tree: PrefixTree) -> float:
+        """Cost of the batch with the prefix tree (every tree token computed once)."""
+        return self.cost(tree.num_tree_tokens, tree_key_pairs(tree))
+
+    def ideal_speedup(self, tree: PrefixTree) -> float:
+        """baseline cost / tree cost: the limit of brief section 7 for this batch and model."""
+        shared = self.tree_cost(tree)
+        if shared == 0:
+            return 1.0
+        return self.baseline_cost(tree.batch) / shared
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "linear_flops_per_token": self.linear_flops_per_token,
+                "attention_flops_per_key": self.attention_flops_per_key}
