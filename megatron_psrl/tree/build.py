@@ -28,6 +28,9 @@ LCP_CHUNK_TOKENS = 1 << 20
 """Neighbour comparisons are done in chunks of about this many token pairs, which bounds the
 temporary index arrays of step 2 (memory) and keeps them in cache (speed)."""
 
+GALLOP_FIRST_WINDOW = 16
+"""Tokens compared per neighbour pair in the first galloping round (doubling afterwards)."""
+
 
 def build_prefix_tree(batch: SampleBatch) -> PrefixTree:
     """The global prefix tree over all samples of ``batch`` (every field as documented in
@@ -142,11 +145,11 @@ def _neighbour_lcp(batch: SampleBatch, order: np.ndarray, sorted_lengths: np.nda
     return lcp
 
 
-def _gallop_lcp(tokens, left, right, compare_len, first_window: int = 16) -> np.ndarray:
+def _gallop_lcp(tokens, left, right, compare_len) -> np.ndarray:
     """LCP of ``tokens[left[k]:]`` and ``tokens[right[k]:]`` capped at ``compare_len[k]``."""
     lcp = np.zeros(left.shape[0], dtype=np.int64)
     active = np.flatnonzero(compare_len > 0)
-    window = first_window
+    window = GALLOP_FIRST_WINDOW
     while active.size:
         pos = lcp[active]
         lens = np.minimum(compare_len[active] - pos, window)
