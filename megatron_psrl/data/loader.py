@@ -176,10 +176,15 @@ class _ParquetColumn:
             # ``offsets`` index ``values`` (the whole child, also for sliced arrays).
             self.offsets = array.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
             values = array.values
-            self.values = values.to_numpy(zero_copy_only=False)
-            self.value_null = (
-                values.is_null().to_numpy(zero_copy_only=False) if values.null_count else None
-            )
+            if values.null_count:
+                # Null elements: numpy would turn the ints into NaN floats for every row, so
+                # fall back to Python objects (the file is rejected at the row with the null;
+                # the rows before it still validate exactly as they would without it).
+                self.values = np.empty(len(values), dtype=object)
+                for k, value in enumerate(values.to_pylist()):
+                    self.values[k] = value
+            else:
+                self.values = values.to_numpy(zero_copy_only=False)
         else:
             self.cells = array.to_pylist()
 
@@ -188,13 +193,7 @@ class _ParquetColumn:
             return self.cells[i]
         if self.cell_null[i]:
             return None
-        start, end = self.offsets[i], self.offsets[i + 1]
-        cell = self.values[start:end]
-        if self.value_null is not None and self.value_null[start:end].any():
-            # Hand nulls over as None so the validator names the element.
-            cell = cell.astype(object)
-            cell[self.value_null[start:end]] = None
-        return cell
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
 
 
 def _progress_bar(enabled: bool, total: int, unit: str, desc: str):
