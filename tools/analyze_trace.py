@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Prefix-sharing statistics of a trace and the ideal speedup for a model size.
+
+    python tools/analyze_trace.py --data trace.parquet --model llama3-8b \\
+        --out-json runs/summary.json --plots-dir runs/plots
+
+Reads (and validates) the trace, builds its global prefix tree, prints the statistics of
+megatron_psrl.tree.stats.TreeStats and the ideal speedup (brief section 7) for --model and
+for every other known model size, and writes:
+
+- ``--out-json``: the statistics, the per-sample redundancy summary, the ideal speedup per
+  model and the context-length curve below;
+- ``--plots-dir``: PNG plots (matplotlib, Agg):
+  ``redundancy.png``: histogram of each sample's shared fraction (tokens in nodes shared with
+  another sample; that part is what sharing saves);
+  ``depth_branching.png``: histograms of node start positions (tokens), node levels (nodes
+  above) and children per inner node;
+  ``speedup_vs_context.png``: ideal speedup and token dedup ratio when every sample is cut to
+  its first L tokens, for L = 32, 64, ... up to the longest sample. It shows how the benefit
+  grows with context: attention (quadratic) dominates longer contexts, and deep step-wise
+  histories only share once they are long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import List, Optional
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_psrl.data.loader import load_samples  # noqa: E402
+from megatron_psrl.data.samples import SampleBatch  # noqa: E402
+from megatron_psrl.data.validation import SampleValidationError  # noqa: E402
+from megatron_psrl.tree import (  # noqa: E402
+    NAMED_MODEL_DIMS,
+    CostModel,
+    PrefixTree,
+    build_prefix_tree,
+    node_level,
+    node_num_children,
+    sample_shared_fraction,
+    tree_stats,
+)
+
+LARGE_INPUT_BYTES = 32 << 20
+"""Inputs above this size get tqdm progress bars."""
+
+
+def context_lengths(max_len: int, smallest: int = 32) -> List[int]:
+    """Cut lengths for the context curve: powers of two from ``smallest``, then max_len."""
+    lengths = [1 << k for k in range(int(math.log2(smallest)), 64) if (1 << k) < max_len]
+    return sorted(set(lengths + [max_len]))
+
+
+def speedup_vs_context(batch: SampleBatch, model: CostModel, progress: bool) -> List[dict]:
+    from tqdm import tqdm
+
+    rows = []
+    max_len = int(batch.lengths.max())
+    for cut in tqdm(context_lengths(max_len), desc="context curve", disable=not progress):
+        truncated = batch if cut >= max_len else batch.truncated(cut)
+        tree = build_prefix_tree(truncated)
+        rows.append({
+            "max_len": cut,
+            "tokens_total": truncated.num_tokens,
+            "tokens_in_tree": tree.num_tree_tokens,
+            "token_dedup_ratio": truncated.num_tokens / tree.num_tree_tokens,
+            "ideal_speedup": model.ideal_speedup(tree),
+        })
+    return rows
+
+
+def redundancy_summary(shared_fraction: np.ndarray) -> dict:
+    return {
+        "mean": float(shared_fraction.mean()),
+        "median": float(np.median(shared_fraction)),
+        "p10": float(np.percentile(shared_fraction, 10)),
+        "p90": float(np.percentile(shared_fraction, 90)),
+        "fraction_of_samples_sharing_nothing": float((shared_fraction == 0).mean()),
+    }
+
+
+def make_plots(tree: PrefixTree, shared_fraction: np.ndarray, curve: List[dict], model_name: str,
+               plots_dir: str, title: str) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(plots_dir, exist_ok=True)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.hist(shared_fraction, bins=np.linspace(0, 1, 41), color="tab:blue")
+    ax.set_xlabel("fraction of the sample's tokens shared with other samples")
+    ax.set_ylabel("samples")
+    ax.set_title(f"{title}: redundancy per sample (mean {shared_fraction.mean():.2f})")
+    paths.append(_save(fig, plots_dir, "redundancy.png"))
+
+    children = node_num_children(tree)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].hist(tree.node_depth, bins=50, color="tab:green")
+    axes[0].set_xlabel("node start position (tokens above it)")
+    axes[0].set_ylabel("nodes")
+    levels = node_level(tree)
+    axes[1].hist(levels, bins=np.arange(levels.max() + 2) - 0.5, color="tab:olive")
+    axes[1].set_xlabel("node level (nodes above it)")
+    inner = children[children > 0]
+    if inner.size:
+        axes[2].hist(inner, bins=np.arange(1, inner.max() + 2) - 0.5, color="tab:orange")
+    axes[2].set_xlabel("children per inner node")
+    axes[2].set_yscale("log")
+    fig.suptitle(f"{title}: tree depth and branching")
+    paths.append(_save(fig, plots_dir, "depth_branching.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    cuts = [row["max_len"] for row in curve]
+    ax.plot(cuts, [row["ideal_speedup"] for row in curve], "o-",
+            label=f"ideal speedup ({model_name})")
+    ax.plot(cuts, [row["token_dedup_ratio"] for row in curve], "s--", label="token dedup ratio")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length L (every sample cut to its first L tokens)")
+    ax.set_ylabel("x over no sharing")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title(f"{title}: sharing vs context length")
+    paths.append(_save(fig, plots_dir, "speedup_vs_context.png"))
+    return paths
+
+
+def _save(fig, plots_dir: str, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(plots_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", required=True, help="trace (.jsonl or .parquet)")
+    parser.add_argument("--model", default="llama3-8b", choices=sorted(NAMED_MODEL_DIMS),
+                        help="model size of the cost model (default llama3-8b)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="also check token ids against this vocabulary")
+    parser.add_argument("--out-json", default=None, help="write the summary here")
+    parser.add_argument("--plots-dir", default=None, help="write PNG plots here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    large = os.path.exists(args.data) and os.path.getsize(args.data) > LARGE_INPUT_BYTES
+    try:
+        batch = load_samples(args.data, vocab_size=args.vocab_size, progress=large)
+    except SampleValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    model = CostModel.named(args.model)
+    start = time.perf_counter()
+    tree = build_prefix_tree(batch)
+    build_seconds = time.perf_counter() - start
+    stats = tree_stats(tree, model)
+    by_model = {name: CostModel.named(name).ideal_speedup(tree) for name in NAMED_MODEL_DIMS}
+    shared_fraction = sample_shared_fraction(tree)
+    curve = speedup_vs_context(batch, model, progress=large)
+
+    print(f"{args.data}: {stats.num_samples} samples, {stats.tokens_total} tokens "
+          f"(tree built in {build_seconds:.3f} s)")
+    width = max(len(k) for k in stats.to_dict())
+    for key, value in stats.to_dict().items():
+        if key != "cost_model":
+            print(f"  {key:<{width}}  {value:.4g}" if isinstance(value, float)
+                  else f"  {key:<{width}}  {value}")
+    print(f"  ideal speedup by model: "
+          + ", ".join(f"{name} {value:.3f}x" for name, value in by_model.items()))
+    print("  ideal speedup vs context length: "
+          + ", ".join(f"{row['max_len']}: {row['ideal_speedup']:.2f}x" for row in curve))
+
+    summary = {
+        "data": str(args.data),
+        "model": args.model,
+        "build_seconds": build_seconds,
+        "stats": stats.to_dict(),
+        "ideal_speedup_by_model": by_model,
+        "redundancy": redundancy_summary(shared_fraction),
+        "speedup_vs_context": curve,
+        "plots": [],
+    }
+    if args.plots_dir:
+        title = os.path.basename(str(args.data))
+        summary["plots"] = make_plots(tree, shared_fraction, curve, args.model, args.plots_dir,
+                                      title)
+        print(f"  plots: {', '.join(summary['plots'])}")
+    if args.out_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)
+        tmp = f"{args.out_json}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(summary, handle, indent=2)
+        os.replace(tmp, args.out_json)
+        print(f"  summary: {args.out_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
