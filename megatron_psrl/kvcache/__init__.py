@@ -1,0 +1,23 @@
+"""The dynamic-block KV cache manager of mechanism 2 (see docs/architecture.md)."""
+
+from megatron_psrl.kvcache.manager import (
+    BLOCK_SIZE_CLASSES,
+    BlockKVCache,
+    CacheBudgetError,
+    CacheMetrics,
+    KVGeometry,
+    choose_block_size,
+)
+from megatron_psrl.kvcache.memory_plan import MemoryPlan, activation_bytes_per_token, plan_memory
+
+__all__ = [
+    "BLOCK_SIZE_CLASSES",
+    "BlockKVCache",
+    "CacheBudgetError",
+    "CacheMetrics",
+    "KVGeometry",
+    "MemoryPlan",
+    "activation_bytes_per_token",
+    "choose_block_size",
+    "plan_memory",
+]

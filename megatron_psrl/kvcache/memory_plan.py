@@ -1,0 +1,144 @@
+"""The KV cache manager's per-step decisions: block size, pool size, keep-or-recompute.
+
+Given a rank's plan (micro-batches, cached sources, schedule), the cache geometry and the byte
+budget, it simulates the step's timeline and decides, per producer micro-batch, whether its
+autograd graph is kept from its forward to its (deferred) backward or dropped and rebuilt by
+recomputing its forward when the backward is due. Everything the cache manager holds counts
+against the budget:
+
+- K and V blocks of a source, from its producer's forward until its last read (a reader
+  that recomputes reads again at its backward);
+- dK and dV blocks of a source, from its producer's forward until the producer's backward;
+- the retained graph of a producer that keeps it (tokens x activation bytes per token).
+
+Producers are decided in schedule order, greedily: keep the graph when the simulated peak
+stays within the budget, else recompute. If even the blocks alone exceed the budget the plan
+is infeasible (:class:`CacheBudgetError`); the caller then cuts differently (duplication).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from megatron_psrl.kvcache.manager import KINDS, CacheBudgetError, KVGeometry, choose_block_size
+from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.tree.planner import RankPlan
+
+
+def activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int) -> int:
+    """Estimate of the autograd activations one token keeps alive across all layers.
+
+    Per layer (local spec): two norm inputs/outputs (4h), q/k/v before and after RoPE and the
+    attention output (3 x (np + 2ng) hd / tp), the MLP's gate/up output, its activation input
+    and the down-projection input (5 f / tp); plus the final norm and output rows.
+    """
+    h, f, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    heads = (arch.num_attention_heads + 2 * arch.num_kv_heads) * hd
+    per_layer = 4 * h + (3 * heads + 5 * f) // tensor_parallel_size
+    return int((arch.num_layers * per_layer + 2 * h) * dtype_bytes)
+
+
+@dataclass
+class MemoryPlan:
+    """Decisions for one rank and step."""
+
+    block_size: int
+    """Tokens per KV block (chosen from the sources' lengths)."""
+
+    pool_blocks: int
+    """Blocks in the pool (the simulated peak; never above the budget)."""
+
+    keep_graph: Dict[int, bool]
+    """Producer micro-batch -> keep its autograd graph (else recompute its forward)."""
+
+    kv_release_step: Dict[int, int]
+    """Source -> index of the schedule step after which its K/V blocks are freed."""
+
+    peak_bytes: int
+    """Simulated peak of blocks + retained graphs."""
+
+    recompute_tokens: int = 0
+    """Tokens whose forward is recomputed (producers that drop their graph)."""
+
+    timeline_bytes: List[int] = field(default_factory=list)
+    """Simulated bytes held after every schedule step."""
+
+
+def _blocks(length: int, block_size: int) -> int:
+    return -(-length // block_size)
+
+
+def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_bytes: Dict[int, int]):
+    """Per schedule step: (blocks held, retained graph bytes); and every source's last K/V read."""
+    steps = plan.schedule
+    last_read: Dict[int, int] = {}
+    for t, (op, i) in enumerate(steps):
+        if op in ("forward", "forward_backward") or (op == "backward" and not keep.get(i, True)):
+            for s in plan.micro_batches[i].reads:
+                last_read[s] = t
+    blocks_held, graphs_held = [], []
+    blocks = graphs = 0
+    kv_live: Dict[int, int] = {}
+    for t, (op, i) in enumerate(steps):
+        mb = plan.micro_batches[i]
+        if op == "forward":
+            for s in mb.produces:
+                n = _blocks(plan.sources[s].length, block_size)
+                blocks += 4 * n  # K, V, dK, dV
+                kv_live[s] = 2 * n
+            if keep.get(i, True):
+                graphs += graph_bytes[i]
+        blocks_held.append(blocks)
+        graphs_held.append(graphs)
+        if op == "backward":
+            for s in mb.produces:
+                blocks -= 2 * _blocks(plan.sources[s].length, block_size)  # dK, dV consumed
+            if keep.get(i, True):
+                graphs -= graph_bytes[i]
+        for s in [s for s, last in last_read.items() if last == t and s in kv_live]:
+            blocks -= kv_live.pop(s)  # K, V after their last read
+    return np.asarray(blocks_held, dtype=np.int64), np.asarray(graphs_held, dtype=np.int64), last_read
+
+
+def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int) -> MemoryPlan:
+    """Decide block size, pool size and keep/recompute for every producer of ``plan``."""
+    lengths = [s.length for s in plan.sources.values()]
+    block_size = choose_block_size(lengths)
+    block_bytes = geometry.block_bytes(block_size)
+    producers = sorted({s.producer for s in plan.sources.values()})
+    graph_bytes = {i: plan.micro_batches[i].num_tokens * act_bytes_per_token for i in range(len(plan.micro_batches))}
+    keep = {p: False for p in producers}
+
+    def peak(keep_now) -> Tuple[int, np.ndarray, Dict[int, int]]:
+        blocks, graphs, last = _simulate(plan, keep_now, block_size, graph_bytes)
+        total = blocks * block_bytes + graphs
+        return int(total.max(initial=0)), blocks, last
+
+    floor, _, _ = peak(keep)
+    if floor > budget_bytes:
+        raise CacheBudgetError(
+            f"the cached prefixes of this step need {floor} bytes of KV blocks at their peak but "
+            f"--kv-cache-budget is {budget_bytes} bytes"
+        )
+    for p in producers:  # keep graphs greedily, in schedule order, while they fit
+        keep[p] = True
+        if peak(keep)[0] > budget_bytes:
+            keep[p] = False
+    blocks, graphs, last_read = _simulate(plan, keep, block_size, graph_bytes)
+    held = blocks * block_bytes + graphs
+    recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
+    return MemoryPlan(
+        block_size=block_size,
+        pool_blocks=int(blocks.max(initial=0)),
+        keep_graph=keep,
+        kv_release_step=dict(last_read),
+        peak_bytes=int(held.max(initial=0)),
+        recompute_tokens=recompute,
+        timeline_bytes=held.tolist(),
+    )
+
+
+__all__ = ["KINDS", "MemoryPlan", "activation_bytes_per_token", "plan_memory"]

@@ -1,0 +1,177 @@
+"""The RL policy loss of interfaces.md section 4, evaluated per loss claim.
+
+A claim is a (tree token, sample) pair with loss_mask 1. A token shared by several samples
+has its log-prob computed once but its loss evaluated once per claim, with that claim's own
+advantage, old/ref log-prob and sample weight: PPO/GRPO clipping is non-linear in the
+advantage, so claims are never merged. Per claim (token i of sample s)::
+
+    r   = exp(logp - old_logp)                      (old_logp = logp.detach() when absent)
+    pg  = -min(r * A, clip(r, 1 - eps, 1 + eps) * A) * weight_s
+    kl  = exp(ref - logp) - (ref - logp) - 1        (k3 estimator; only when kl_coef != 0)
+    l   = pg + kl_coef * kl - entropy_coef * H      (H: entropy of the predicting distribution)
+
+and the step loss is ``sum_c coef_c * l_c`` where the coefficients implement the aggregation
+over the *whole global batch* (all micro-batches, all ranks), computed from the original
+samples, never from the deduplicated tree:
+
+- ``token-mean``: 1 / (claims in the global batch);
+- ``seq-mean-token-mean``: 1 / (S * claims of the claim's sample);
+- ``seq-mean-token-sum``: 1 / S;
+
+with S the number of samples that have at least one claim (a sample without trained tokens
+has no mean to average).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from megatron_psrl.tree.prefix_tree import PrefixTree
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class LossConfig:
+    """Policy-loss hyper-parameters."""
+
+    clip_eps: float = 0.2
+    """PPO clip range epsilon (``--clip-eps``)."""
+
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the reference policy (``--kl-coef``)."""
+
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (``--entropy-coef``)."""
+
+    loss_agg: str = "token-mean"
+    """Aggregation over the global batch (``--loss-agg``)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
+        if self.clip_eps < 0:
+            raise ValueError(f"clip_eps must be >= 0, got {self.clip_eps}")
+
+
+def claim_coefficients(tree: PrefixTree, loss_agg: str) -> np.ndarray:
+    """float64 ``[C]``: the aggregation weight of every claim of the global batch."""
+    num_claims = tree.claim_sample.shape[0]
+    if num_claims == 0:
+        return np.zeros(0)
+    per_sample = np.bincount(tree.claim_sample, minlength=tree.batch.num_samples)
+    num_trained_samples = int((per_sample > 0).sum())
+    if loss_agg == "token-mean":
+        return np.full(num_claims, 1.0 / num_claims)
+    if loss_agg == "seq-mean-token-mean":
+        return 1.0 / (num_trained_samples * per_sample[tree.claim_sample].astype(np.float64))
+    if loss_agg == "seq-mean-token-sum":
+        return np.full(num_claims, 1.0 / num_trained_samples)
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+
+
+@dataclass
+class ClaimBatch:
+    """The claims evaluated by one micro-batch, as tensors aligned with its logit rows."""
+
+    row: Tensor
+    """int64 ``[c]``: logit row (into the micro-batch's selected rows) of every claim."""
+
+    coef: Tensor
+    """``[c]`` aggregation coefficients."""
+
+    advantage: Tensor
+    """``[c]`` advantages."""
+
+    old_logprob: Tensor
+    """``[c]`` rollout log-probs (NaN where the sample has none: ratio 1)."""
+
+    ref_logprob: Optional[Tensor]
+    """``[c]`` reference log-probs, or None when no KL term is needed."""
+
+    weight: Tensor
+    """``[c]`` sample weights."""
+
+    @property
+    def num_claims(self) -> int:
+        return int(self.row.shape[0])
+
+
+def gather_claims(
+    tree: PrefixTree,
+    coefficients: np.ndarray,
+    targets: np.ndarray,
+    loss: LossConfig,
+    device: torch.device,
+) -> ClaimBatch:
+    """Claims of the tree tokens ``targets`` (one logit row each, in that order)."""
+    b = tree.batch
+    starts, ends = tree.claim_offsets[targets], tree.claim_offsets[targets + 1]
+    counts = ends - starts
+    total = int(counts.sum())
+    row = np.repeat(np.arange(len(targets), dtype=np.int64), counts)
+    claim = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(total)
+    flat = tree.claim_flat[claim]
+    sample = tree.claim_sample[claim]
+    if b.advantages is None:
+        raise ValueError(f"{b.source}: training needs an 'advantage' for every sample")
+    old = np.full(total, np.nan, dtype=np.float32)
+    if b.old_logprobs is not None:
+        has = b.has_old_logprobs[sample]
+        old[has] = b.old_logprobs[flat[has]]
+    ref = None
+    if loss.kl_coef != 0.0:
+        if b.ref_logprobs is None or not np.all(b.has_ref_logprobs[sample]):
+            missing = sample[0] if b.ref_logprobs is None else sample[~b.has_ref_logprobs[sample]][0]
+            raise ValueError(f"{b.describe_sample(int(missing))}: --kl-coef > 0 needs 'ref_logprobs'")
+        ref = torch.from_numpy(b.ref_logprobs[flat].astype(np.float32)).to(device)
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)  # noqa: E731
+    return ClaimBatch(
+        row=torch.from_numpy(row).to(device),
+        coef=torch.from_numpy(coefficients[claim]).to(device=device, dtype=torch.float32),
+        advantage=as_t(b.advantages[flat]),
+        old_logprob=as_t(old),
+        ref_logprob=ref,
+        weight=as_t(b.weights[sample]),
+    )
+
+
+def policy_loss(
+    logprobs: Tensor, entropy: Optional[Tensor], claims: ClaimBatch, loss: LossConfig
+) -> tuple[Tensor, Dict[str, Tensor]]:
+    """``sum_c coef_c * l_c`` for one micro-batch, and its metric contributions (detached).
+
+    Args:
+        logprobs: ``[n]`` log-probs of the micro-batch's logit rows.
+        entropy: ``[n]`` entropies of the rows (required when entropy_coef != 0).
+    """
+    logp = logprobs[claims.row]
+    old = torch.where(torch.isnan(claims.old_logprob), logp.detach(), claims.old_logprob)
+    ratio = torch.exp(logp - old)
+    adv = claims.advantage
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - loss.clip_eps, 1.0 + loss.clip_eps) * adv
+    pg = -torch.minimum(unclipped, clipped) * claims.weight
+    per_claim = pg
+    metrics: Dict[str, Tensor] = {}
+    if loss.kl_coef != 0.0:
+        diff = claims.ref_logprob - logp
+        kl = torch.exp(diff) - diff - 1.0
+        per_claim = per_claim + loss.kl_coef * kl
+        metrics["kl"] = (claims.coef * kl).sum().detach()
+    if loss.entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("entropy_coef != 0 needs the entropies of the logit rows")
+        ent = entropy[claims.row]
+        per_claim = per_claim - loss.entropy_coef * ent
+        metrics["entropy"] = (claims.coef * ent).sum().detach()
+    total = (claims.coef * per_claim).sum()
+    metrics["pg_loss"] = (claims.coef * pg).sum().detach()
+    metrics["clip_frac"] = (claims.coef * (clipped < unclipped).float()).sum().detach()
+    return total, metrics

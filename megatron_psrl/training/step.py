@@ -1,0 +1,273 @@
+"""Execute one rank's share of a step plan: forward/backward of every micro-batch.
+
+Mechanism 1 is just the model run on a tree-packed micro-batch. Mechanism 2 adds three steps
+around it, driven by the plan's schedule:
+
+- ``forward`` of a producer: its sources' K/V are written into the KV cache (the attention
+  hook sees every layer's post-RoPE K/V); the graph is either kept (its loss and the
+  differentiable K/V rows of its sources are held) or dropped (forward under no_grad);
+- readers attend to cached K/V read through the block tables as extra (leaf) keys/values;
+  hooks on those leaves add their gradients into the source's dK/dV blocks;
+- ``backward`` of a producer, once every reader is done: (recompute the forward if the graph
+  was dropped, then) ``torch.autograd.backward([loss, K_rows, V_rows, ...],
+  [1, dK, dV, ...])`` injects the accumulated gradients, so the prefix's parameters receive
+  exactly the sum over all its descendants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from megatron_psrl.attention.metadata import TreeAttentionMetadata
+from megatron_psrl.kvcache.manager import BlockKVCache
+from megatron_psrl.kvcache.memory_plan import MemoryPlan
+from megatron_psrl.model.logits import vocab_parallel_logprobs
+from megatron_psrl.tree.packing import PackedMicroBatch
+from megatron_psrl.tree.planner import RankPlan, StepPlan
+from megatron_psrl.training.loss import LossConfig, claim_coefficients, gather_claims, policy_loss
+
+Tensor = torch.Tensor
+
+
+class _PrefixKV:
+    """The attention hook of one micro-batch forward (implements ``PrefixKVHook``)."""
+
+    def __init__(self, cache: BlockKVCache, rank_plan: RankPlan, i: int, pack: PackedMicroBatch,
+                 store: bool, capture: bool, track_grads: bool):
+        mb = rank_plan.micro_batches[i]
+        self.cache = cache
+        self.reads = list(mb.reads)
+        self.store = store
+        self.capture = capture
+        self.track_grads = track_grads
+        # Pack rows of every produced source (its tokens are pack tokens, in order).
+        self.rows = {
+            s: torch.from_numpy(np.searchsorted(pack.tree_tokens, rank_plan.sources[s].tokens)).to(cache.geometry.device)
+            for s in mb.produces
+        }
+        self.captured: List[Tuple[int, int, Tensor, Tensor]] = []
+
+    def on_kv(self, layer_number: int, key: Tensor, value: Tensor) -> None:
+        for s, rows in self.rows.items():
+            if self.store:
+                self.cache.write(s, layer_number, key.detach().index_select(0, rows), value.detach().index_select(0, rows))
+            if self.capture:
+                self.captured.append((s, layer_number, key.index_select(0, rows), value.index_select(0, rows)))
+
+    def external_kv(self, layer_number: int) -> Sequence[Tuple[Tensor, Tensor]]:
+        out = []
+        for s in self.reads:
+            k, v = self.cache.read(s, layer_number)
+            if self.track_grads:
+                k.requires_grad_(True)
+                v.requires_grad_(True)
+                k.register_hook(lambda g, s=s, l=layer_number: self.cache.accumulate_grad(s, l, g, None))
+                v.register_hook(lambda g, s=s, l=layer_number: self.cache.accumulate_grad(s, l, None, g))
+            out.append((k, v))
+        return out
+
+
+@dataclass
+class StepOutput:
+    """What one rank's share of a step produced (all sums are local to this rank)."""
+
+    loss: float = 0.0
+    """Sum of this rank's claim losses (already normalised globally: ranks add up)."""
+
+    metrics: Dict[str, float] = field(default_factory=dict)
+    """Sums of pg_loss / kl / entropy / clip_frac contributions."""
+
+    tokens_computed: int = 0
+    """Tokens run through the model, recomputations included."""
+
+    tokens_recomputed: int = 0
+    """Tokens whose forward ran twice (producers that dropped their graph)."""
+
+    num_micro_batches: int = 0
+    key_pairs: int = 0
+    """(query, key) pairs attended, external keys included."""
+
+    logprobs: Optional[Dict[int, float]] = None
+    """Forward-only: tree token -> log-prob."""
+
+
+class StepRunner:
+    """Runs micro-batches of a plan through a model on this rank."""
+
+    def __init__(
+        self,
+        model,
+        vocab_size: int,
+        device: torch.device,
+        attention_backend: Optional[str] = None,
+        kv_cache: Optional[BlockKVCache] = None,
+    ):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.device = device
+        self.attention_backend = attention_backend
+        self.kv_cache = kv_cache
+
+    # ------------------------------------------------------------------ one forward
+    def _forward(
+        self,
+        plan: StepPlan,
+        rank_plan: RankPlan,
+        i: int,
+        pack: PackedMicroBatch,
+        *,
+        rows: np.ndarray,
+        loss_cfg: Optional[LossConfig],
+        coefficients: Optional[np.ndarray],
+        grad: bool,
+        store: bool,
+        capture: bool,
+    ):
+        mb = rank_plan.micro_batches[i]
+        hook = None
+        if mb.reads or mb.produces:
+            if self.kv_cache is None:
+                raise RuntimeError("a plan with cached prefixes needs a KV cache (mechanism 2)")
+            hook = _PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad)
+        meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook)
+        ids = torch.from_numpy(pack.input_ids).to(self.device)
+        pos = torch.from_numpy(pack.position_ids).to(self.device)
+        with torch.set_grad_enabled(grad):
+            hidden = self.model(ids, pos, meta)[:, 0]  # [t, h]
+            if len(rows) == 0:
+                return None, {}, None, hook
+            sel_rows = torch.from_numpy(pack.logit_rows[rows]).to(self.device)
+            targets = pack.logit_targets[rows]
+            target_ids = torch.from_numpy(plan.tree.tokens[targets].astype(np.int64)).to(self.device)
+            logits = self.model.output_logits(hidden.index_select(0, sel_rows))  # [n, V/tp]
+            want_entropy = loss_cfg is not None and loss_cfg.entropy_coef != 0.0
+            logp, ent = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, with_entropy=want_entropy)
+            if loss_cfg is None:
+                return None, {}, logp, hook
+            claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
+            loss, metrics = policy_loss(logp, ent, claims, loss_cfg)
+        return loss, metrics, logp, hook
+
+    def _claimed_rows(self, plan: StepPlan, pack: PackedMicroBatch) -> np.ndarray:
+        t = pack.logit_targets
+        return np.flatnonzero(plan.tree.claim_offsets[t + 1] > plan.tree.claim_offsets[t])
+
+    # ------------------------------------------------------------------ a training step
+    def train(
+        self,
+        plan: StepPlan,
+        rank: int,
+        loss_cfg: LossConfig,
+        memory: Optional[MemoryPlan] = None,
+    ) -> StepOutput:
+        """Forward + backward of every micro-batch of ``rank``; gradients accumulate in the
+        model's parameters (the caller reduces them across data-parallel ranks)."""
+        rank_plan = plan.ranks[rank]
+        # Normalisation over the whole global batch, from the original samples.
+        coefficients = claim_coefficients(plan.tree, loss_cfg.loss_agg)
+        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches))
+        cache = self.kv_cache
+        if rank_plan.sources:
+            if memory is None:
+                raise RuntimeError("a plan with cached prefixes needs a memory plan")
+            cache.begin_step(memory.block_size, memory.pool_blocks)
+        pending: Dict[int, Tuple[Optional[Tensor], List]] = {}
+        metric_sums: Dict[str, float] = {}
+
+        def account(loss, metrics):
+            if loss is not None:
+                out.loss += float(loss.detach())
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+
+        packs: Dict[int, PackedMicroBatch] = {}
+        for step_idx, (op, i) in enumerate(rank_plan.schedule):
+            mb = rank_plan.micro_batches[i]
+            if op in ("forward", "forward_backward"):
+                pack = rank_plan.pack(plan.index, i)
+                out.tokens_computed += pack.num_tokens
+                out.key_pairs += pack.key_pairs()
+                rows = self._claimed_rows(plan, pack)
+            if op == "forward_backward":
+                loss, metrics, _, _ = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=loss_cfg,
+                                                    coefficients=coefficients, grad=True, store=False, capture=False)
+                account(loss, metrics)
+                if loss is not None:
+                    loss.backward()
+            elif op == "forward":
+                for s in mb.produces:
+                    cache.allocate(s, rank_plan.sources[s].length)
+                keep = memory.keep_graph.get(i, True)
+                # A dropped graph computes no loss now: the recomputation at backward does.
+                loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows if keep else rows[:0], loss_cfg=loss_cfg,
+                                                       coefficients=coefficients, grad=keep, store=True, capture=keep)
+                if keep:
+                    account(loss, metrics)
+                    pending[i] = (loss, hook.captured)
+                else:
+                    packs[i] = pack
+                    pending[i] = (None, None)
+            else:  # backward of a producer
+                loss, captured = pending.pop(i)
+                if captured is None:  # graph was dropped: rebuild it
+                    pack = packs.pop(i)
+                    rows = self._claimed_rows(plan, pack)
+                    loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=loss_cfg,
+                                                           coefficients=coefficients, grad=True, store=False, capture=True)
+                    account(loss, metrics)
+                    captured = hook.captured
+                    out.tokens_computed += pack.num_tokens
+                    out.tokens_recomputed += pack.num_tokens
+                    cache.metrics.tokens_recomputed += pack.num_tokens
+                tensors, grads = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+                for s, layer, k_rows, v_rows in captured:
+                    gk, gv = cache.read_grad(s, layer)
+                    tensors += [k_rows, v_rows]
+                    grads += [gk, gv]
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+                for s in mb.produces:
+                    cache.free(s, ("gk", "gv", "k", "v"))
+            if rank_plan.sources:
+                for s, last in memory.kv_release_step.items():
+                    if last == step_idx:
+                        cache.free(s, ("k", "v"))
+        if rank_plan.sources:
+            cache.end_step()
+        out.metrics = metric_sums
+        return out
+
+    # ------------------------------------------------------------------ forward only
+    @torch.no_grad()
+    def logprobs(self, plan: StepPlan, rank: int, memory: Optional[MemoryPlan] = None) -> StepOutput:
+        """Log-prob of every tree token this rank computes (forward only, no loss)."""
+        rank_plan = plan.ranks[rank]
+        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs={})
+        cache = self.kv_cache
+        if rank_plan.sources:
+            cache.begin_step(memory.block_size, memory.pool_blocks)
+        last_reader: Dict[int, int] = {}
+        for s, src in rank_plan.sources.items():
+            last_reader[s] = max(src.consumers)
+        for i in range(len(rank_plan.micro_batches)):
+            mb = rank_plan.micro_batches[i]
+            for s in mb.produces:
+                cache.allocate(s, rank_plan.sources[s].length, kinds=("k", "v"))
+            pack = rank_plan.pack(plan.index, i)
+            out.tokens_computed += pack.num_tokens
+            rows = np.arange(len(pack.logit_rows))
+            _, _, logp, _ = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=None, coefficients=None,
+                                          grad=False, store=True, capture=False)
+            if logp is not None:
+                for t, v in zip(pack.logit_targets.tolist(), logp.float().cpu().tolist()):
+                    out.logprobs[t] = v
+            for s in mb.reads:
+                if last_reader[s] == i:
+                    cache.free(s, ("k", "v"))
+        if rank_plan.sources:
+            cache.end_step()
+        return out

@@ -1,0 +1,191 @@
+"""Serialise a set of tree tokens into one packed micro-batch (mechanism 1 tree packing).
+
+A micro-batch is a set of tree tokens. Because tree tokens are stored in depth-first preorder,
+the set sorted by tree index *is* a depth-first serialisation: every token follows its
+predecessor and every subtree stays contiguous. From that sorted array everything the model
+needs is derived with array operations:
+
+- ``input_ids`` / ``position_ids``: token ids and true positions (depth in the sample);
+- segments: maximal chains inside the pack (a new segment starts where a token's predecessor
+  is not the previous pack token, or the previous token branches inside the pack);
+- the attention plan: each segment causal, each segment's in-pack descendants over its keys,
+  and each external source (a prefix cached by an earlier micro-batch) over the pack tokens
+  that descend from it (mechanism 2);
+- logit rows: for every target token x whose log-prob this micro-batch computes, the pack
+  row holding x's predecessor (its hidden state predicts x). Different children of a branch
+  point are different targets of the same row.
+
+Tokens can be *owned* (their loss and log-prob are computed here) or context only (duplicated
+ancestors of the mechanism-1 split stopgap, computed again but claimed elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from megatron_psrl.attention.plan import AttentionPlan, tree_plan
+from megatron_psrl.tree.prefix_tree import PrefixTree
+
+
+class TreeIndex:
+    """Per-token arrays of a PrefixTree that packing needs, computed once per tree."""
+
+    def __init__(self, tree: PrefixTree):
+        self.tree = tree
+        self.token_node = tree.token_node()
+        self.position = tree.token_position()
+        t = tree.num_tree_tokens
+        first_of_node = tree.node_offset[:-1]
+        pred = np.arange(-1, t - 1, dtype=np.int64)
+        parent = tree.node_parent.astype(np.int64)
+        # The first token of a node follows the last token of its parent node.
+        pred[first_of_node] = np.where(parent >= 0, tree.node_offset[np.maximum(parent, 0) + 1] - 1, -1)
+        self.pred = pred
+        """int64 ``[T]``: tree index of every token's predecessor in its samples (-1 at position 0)."""
+        self.subtree_end = tree.node_offset[tree.node_subtree_end[self.token_node]]
+        """int64 ``[T]``: tokens ``(x, subtree_end[x])`` are exactly the descendants of x."""
+
+
+@dataclass
+class ExternalSource:
+    """A prefix chain whose K/V an earlier micro-batch left in the KV cache."""
+
+    source_id: int
+    """Global id of the cached source (the KV cache's key)."""
+
+    length: int
+    """Tokens in the source."""
+
+    last_token: int
+    """Tree index of its last token: pack tokens descending from it see all of the source."""
+
+
+@dataclass
+class PackedMicroBatch:
+    """Everything the model and the loss need for one micro-batch."""
+
+    tree_tokens: np.ndarray
+    """int64 ``[t]``: tree token index of every pack token (sorted = depth-first order)."""
+
+    input_ids: np.ndarray
+    """int64 ``[t]``: token ids."""
+
+    position_ids: np.ndarray
+    """int64 ``[t]``: position of every token in its samples."""
+
+    owned: np.ndarray
+    """bool ``[t]``: the token's loss claims and log-prob belong to this micro-batch."""
+
+    plan: AttentionPlan
+    """Segments and ancestor blocks for the attention backends."""
+
+    logit_rows: np.ndarray
+    """int64 ``[n]``: pack rows whose hidden states produce logits."""
+
+    logit_targets: np.ndarray
+    """int64 ``[n]``: the tree token every logit row predicts (its id is the target)."""
+
+    external: List[ExternalSource] = field(default_factory=list)
+    """Cached sources this micro-batch reads, in ``plan.external_lengths`` order."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tree_tokens.shape[0])
+
+    def key_pairs(self) -> int:
+        return self.plan.key_pairs()
+
+
+def pack_tokens(
+    index: TreeIndex,
+    tokens: np.ndarray,
+    owned: Optional[np.ndarray] = None,
+    external: Sequence[ExternalSource] = (),
+    remote_targets: Optional[np.ndarray] = None,
+) -> PackedMicroBatch:
+    """Pack a set of tree tokens.
+
+    Args:
+        index: the tree's :class:`TreeIndex`.
+        tokens: tree token indices (any order, no duplicates). Every token's predecessor must be
+            in ``tokens`` or be the last token of an external source, or the token is at position 0.
+        owned: bool mask aligned with the *sorted* tokens; default all owned.
+        external: cached sources the pack's root segments descend from.
+        remote_targets: tree tokens outside the pack whose predecessor is in the pack and
+            whose log-prob this micro-batch computes (first tokens of cached-prefix dependents).
+    """
+    tree = index.tree
+    tok = np.sort(np.asarray(tokens, dtype=np.int64))
+    t = len(tok)
+    if t == 0:
+        raise ValueError("a micro-batch needs at least one token")
+    if np.any(tok[1:] == tok[:-1]):
+        raise ValueError("a micro-batch cannot hold the same tree token twice")
+    owned = np.ones(t, dtype=bool) if owned is None else np.asarray(owned, dtype=bool)
+
+    pred_tree = index.pred[tok]
+    pred_pack = np.searchsorted(tok, pred_tree)
+    present = (pred_tree >= 0) & (pred_pack < t)
+    present[present] &= tok[pred_pack[present]] == pred_tree[present]
+    pred_pack = np.where(present, pred_pack, -1)
+
+    # A token continues the previous pack token's segment iff it is that token's successor
+    # and that token has no other successor in the pack (otherwise it is a branch point).
+    successors = np.bincount(pred_pack[present], minlength=t)
+    prev = np.arange(t) - 1
+    continues = present & (pred_pack == prev)
+    continues[1:] &= successors[:-1] == 1
+    seg_start = np.flatnonzero(~continues)
+    seg_end = np.append(seg_start[1:], t)
+    seg_of_token = np.cumsum(~continues) - 1
+    start_pred = pred_pack[seg_start]
+    seg_parent = np.where(start_pred >= 0, seg_of_token[np.maximum(start_pred, 0)], -1)
+
+    # Root segments whose first token is not at position 0 must descend from an external source.
+    dangling = seg_start[(seg_parent < 0) & (pred_tree[seg_start] >= 0)]
+    ext_blocks = []
+    visible = np.zeros(t, dtype=np.int64)  # external keys each pack token sees
+    for i, src in enumerate(external):
+        lo = np.searchsorted(tok, src.last_token, side="right")
+        hi = np.searchsorted(tok, index.subtree_end[src.last_token], side="left")
+        if hi > lo:
+            ext_blocks.append((int(lo), int(hi), i))
+            visible[lo:hi] += src.length
+    # Exactness guard: a root segment must see exactly its ancestors, i.e. as many external
+    # keys as its position (all its ancestors are outside the pack).
+    bad = dangling[visible[dangling] != index.position[tok[dangling]]]
+    if len(bad):
+        x = int(tok[bad[0]])
+        raise ValueError(
+            f"tree token {x} (position {int(index.position[x])}) sees {int(visible[bad[0]])} cached "
+            "ancestor keys: its predecessors are neither in the micro-batch nor all in cached sources"
+        )
+    plan = tree_plan(seg_start, seg_end, seg_parent, ext_blocks, [s.length for s in external])
+
+    # Logit rows: owned tokens with an in-pack predecessor, plus remote targets.
+    local = owned & present
+    rows = [pred_pack[local]]
+    targets = [tok[local]]
+    if remote_targets is not None and len(remote_targets):
+        remote_targets = np.asarray(remote_targets, dtype=np.int64)
+        rp = np.searchsorted(tok, index.pred[remote_targets])
+        if np.any(rp >= t) or np.any(tok[np.minimum(rp, t - 1)] != index.pred[remote_targets]):
+            raise ValueError("a remote target's predecessor is not in the micro-batch")
+        rows.append(rp)
+        targets.append(remote_targets)
+    logit_rows = np.concatenate(rows)
+    logit_targets = np.concatenate(targets)
+    order = np.argsort(logit_targets, kind="stable")
+    return PackedMicroBatch(
+        tree_tokens=tok,
+        input_ids=tree.tokens[tok].astype(np.int64),
+        position_ids=index.position[tok],
+        owned=owned,
+        plan=plan,
+        logit_rows=logit_rows[order],
+        logit_targets=logit_targets[order],
+        external=list(external),
+    )

@@ -1,0 +1,526 @@
+"""The global planner: which tree tokens every rank computes, in which micro-batches and order.
+
+Input: the global prefix tree of the update batch. Output: a :class:`StepPlan`, for every
+data-parallel rank an ordered list of micro-batches (sets of tree tokens), the cached prefix
+sources between them, and a forward/backward schedule. The plan is deterministic, so every
+rank computes the same plan from the same tree (no communication).
+
+1. **Placement over ranks.** The independent trees of the forest (top-level subtrees) are
+   assigned to data-parallel ranks largest-cost-first to the least-loaded rank (LPT), with
+   the cost model ``linear * tokens + attention * key_pairs`` (brief section 5).
+2. **Micro-batches within a rank.** A tree that fits the token budget is packed whole
+   (mechanism 1). A larger tree is handled by one of two mechanisms, chosen per tree by cost:
+
+   - *mechanism 2* (``tree`` mode): its depth-first token stream is cut into budget-sized
+     chunks. Because depth-first order puts ancestors first, every chunk's outside ancestors
+     lie on the path to its first token, in earlier chunks; those path pieces become cached
+     sources (their K/V stay in the KV cache; their gradients are accumulated and injected
+     into the producer's backward). Every token is computed exactly once.
+   - *duplication* (``tree-dup`` mode, and the fallback when caching is not possible): the
+     tree is cut at nodes and every piece carries a copy of its ancestor path as context
+     (computed again, claimed once).
+
+   Small trees are then packed first-fit-decreasing into the free space of the micro-batches.
+3. **Schedule.** Micro-batches run in depth-first order; one without dependents runs forward
+   and backward at once; a producer's backward runs as soon as all micro-batches reading its
+   sources have finished theirs.
+
+``none`` mode plans the same way over the unshared tree (one node per sample): the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_psrl.tree.cost import CostModel
+from megatron_psrl.tree.packing import ExternalSource, PackedMicroBatch, TreeIndex, pack_tokens
+from megatron_psrl.tree.prefix_tree import PrefixTree
+from megatron_psrl.tree.unshared import build_unshared_tree
+
+SHARING_MODES = ("tree", "tree-dup", "none")
+
+
+class PlanningError(ValueError):
+    """The batch cannot be planned under the given budgets."""
+
+
+@dataclass
+class PlannerConfig:
+    """Knobs of the planner."""
+
+    micro_batch_tokens: int
+    """Token budget of one micro-batch (``--micro-batch-tokens``)."""
+
+    data_parallel_size: int = 1
+    """Number of data-parallel ranks to spread the trees over."""
+
+    sharing: str = "tree"
+    """``tree`` (mechanisms 1 + 2), ``tree-dup`` (mechanism 1, oversized trees split by
+    duplicating their prefix) or ``none`` (baseline, no sharing)."""
+
+    cost_model: Optional[CostModel] = None
+    """Cost model for balancing and the mechanism choice; None balances by tokens."""
+
+    snap_fraction: float = 0.85
+    """Mechanism-2 chunks end at a node boundary instead of mid-node when that keeps them at
+    least this full (fewer cached sources)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.sharing not in SHARING_MODES:
+            raise ValueError(f"sharing must be one of {SHARING_MODES}, got {self.sharing!r}")
+        if not 0.0 < self.snap_fraction <= 1.0:
+            raise ValueError(f"snap_fraction must be in (0, 1], got {self.snap_fraction}")
+
+
+@dataclass
+class CachedSource:
+    """A chain of tree tokens whose K/V one micro-batch produces for later ones."""
+
+    source_id: int
+    """Rank-local id (the KV cache's key)."""
+
+    producer: int
+    """Micro-batch computing the tokens."""
+
+    tokens: np.ndarray
+    """int64 tree tokens of the chain (ascending; each the predecessor of the next)."""
+
+    consumers: List[int] = field(default_factory=list)
+    """Micro-batches that read the source (attend to its K/V)."""
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def last_token(self) -> int:
+        return int(self.tokens[-1])
+
+
+@dataclass
+class MicroBatchSpec:
+    """One micro-batch of a rank: the input of :func:`pack_tokens`, plus dependencies."""
+
+    index: int
+    """Position in the rank's list."""
+
+    tokens: np.ndarray
+    """int64 sorted tree tokens."""
+
+    owned: np.ndarray
+    """bool, aligned with ``tokens``: claims and log-probs belong here (False = duplicate)."""
+
+    reads: List[int] = field(default_factory=list)
+    """Sources this micro-batch attends to (outermost first)."""
+
+    produces: List[int] = field(default_factory=list)
+    """Sources this micro-batch computes for later micro-batches."""
+
+    remote_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Tree tokens in later micro-batches whose predecessor is here (their log-prob is
+    computed here)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class RankPlan:
+    """Everything one data-parallel rank computes in the step."""
+
+    micro_batches: List[MicroBatchSpec]
+    """In forward order."""
+
+    sources: Dict[int, CachedSource]
+    """Cached sources by id."""
+
+    schedule: List[Tuple[str, int]]
+    """``("forward", i)``, ``("backward", i)`` or ``("forward_backward", i)`` steps."""
+
+    planned_cost: float = 0.0
+    """Cost-model FLOPs of the rank's work."""
+
+    def pack(self, index: TreeIndex, i: int) -> PackedMicroBatch:
+        """The packed micro-batch i (built on demand: packing is cheap next to the model)."""
+        mb = self.micro_batches[i]
+        external = [ExternalSource(s, self.sources[s].length, self.sources[s].last_token) for s in mb.reads]
+        return pack_tokens(index, mb.tokens, mb.owned, external, mb.remote_targets)
+
+
+@dataclass
+class StepPlan:
+    """The plan of one update step over all data-parallel ranks."""
+
+    config: PlannerConfig
+    tree: PrefixTree
+    """The tree the token indices refer to (the unshared tree in ``none`` mode)."""
+
+    index: TreeIndex
+    ranks: List[RankPlan]
+
+    def tokens_computed(self, rank: Optional[int] = None) -> int:
+        ranks = self.ranks if rank is None else [self.ranks[rank]]
+        return int(sum(mb.num_tokens for r in ranks for mb in r.micro_batches))
+
+    def num_micro_batches(self, rank: Optional[int] = None) -> int:
+        ranks = self.ranks if rank is None else [self.ranks[rank]]
+        return int(sum(len(r.micro_batches) for r in ranks))
+
+    def mechanism_counts(self) -> Dict[str, int]:
+        """How many cached sources / duplicated tokens the plan uses (for logs)."""
+        duplicated = sum(int((~mb.owned).sum()) for r in self.ranks for mb in r.micro_batches)
+        return {
+            "cached_sources": sum(len(r.sources) for r in self.ranks),
+            "cached_source_tokens": sum(s.length for r in self.ranks for s in r.sources.values()),
+            "duplicated_tokens": duplicated,
+        }
+
+
+# ====================================================================== entry point
+def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
+    """Plan an update step (see the module docstring)."""
+    if config.sharing == "none":
+        tree = build_unshared_tree(tree.batch)
+    index = TreeIndex(tree)
+    roots = np.flatnonzero(tree.node_parent < 0)
+    unit_cost = _unit_costs(tree, roots, config.cost_model)
+    assignment = _assign_lpt(unit_cost, config.data_parallel_size)
+    ranks = []
+    for r in range(config.data_parallel_size):
+        units = roots[assignment == r]
+        ranks.append(_plan_rank(index, units, config))
+        ranks[-1].planned_cost = float(unit_cost[assignment == r].sum())
+    return StepPlan(config=config, tree=tree, index=index, ranks=ranks)
+
+
+def _unit_costs(tree: PrefixTree, roots: np.ndarray, cost_model: Optional[CostModel]) -> np.ndarray:
+    if cost_model is None:
+        return tree.subtree_tokens()[roots].astype(np.float64)
+    return cost_model.subtree_costs(tree)[roots]
+
+
+def _assign_lpt(costs: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Longest-processing-time-first assignment of units to ranks; deterministic."""
+    assignment = np.zeros(len(costs), dtype=np.int64)
+    load = np.zeros(num_ranks)
+    for u in np.argsort(-costs, kind="stable"):
+        r = int(np.argmin(load))
+        assignment[u] = r
+        load[r] += costs[u]
+    return assignment
+
+
+# ====================================================================== one rank
+@dataclass
+class _Bin:
+    """A micro-batch under construction."""
+
+    ranges: List[Tuple[int, int]] = field(default_factory=list)  # owned tree-token ranges
+    context: List[np.ndarray] = field(default_factory=list)  # duplicated tokens (not owned)
+    size: int = 0
+    chunk: Optional[int] = None  # index into the stream chunks it holds, if any
+
+
+def _plan_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig) -> RankPlan:
+    tree = index.tree
+    budget = config.micro_batch_tokens
+    unit_start = tree.node_offset[units]
+    unit_end = tree.node_offset[tree.node_subtree_end[units]]
+    unit_size = unit_end - unit_start
+    small = unit_size <= budget
+    bins: List[_Bin] = []
+    streams: List[List[int]] = []  # chunk boundaries of every mechanism-2 stream
+    stream_bins: List[List[int]] = []
+    for u in np.flatnonzero(~small):
+        root = int(units[u])
+        mechanism = _choose_mechanism(index, root, config)
+        if mechanism == "stream":
+            bounds = _stream_chunks(index, int(unit_start[u]), int(unit_end[u]), budget, config.snap_fraction)
+            ids = []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                bins.append(_Bin(ranges=[(a, b)], size=b - a, chunk=len(streams)))
+                ids.append(len(bins) - 1)
+            streams.append(bounds)
+            stream_bins.append(ids)
+        else:
+            bins.extend(_duplication_bins(index, root, budget))
+    # First-fit decreasing of the small trees into the free space of all micro-batches.
+    for u in sorted(np.flatnonzero(small), key=lambda u: (-unit_size[u], u)):
+        size = int(unit_size[u])
+        target = next((b for b in bins if b.size + size <= budget), None)
+        if target is None:
+            target = _Bin()
+            bins.append(target)
+        target.ranges.append((int(unit_start[u]), int(unit_end[u])))
+        target.size += size
+    micro_batches = [_bin_to_spec(i, b) for i, b in enumerate(bins)]
+    sources: Dict[int, CachedSource] = {}
+    for bounds, ids in zip(streams, stream_bins):
+        _link_stream(index, bounds, ids, micro_batches, sources)
+    order = _forward_order(bins)
+    micro_batches, sources = _renumber(micro_batches, sources, order)
+    return RankPlan(micro_batches=micro_batches, sources=sources, schedule=_schedule(micro_batches, sources))
+
+
+def _bin_to_spec(i: int, b: _Bin) -> MicroBatchSpec:
+    owned_tokens = np.concatenate([np.arange(a, z, dtype=np.int64) for a, z in b.ranges]) if b.ranges else np.zeros(0, np.int64)
+    if b.context:
+        ctx = np.setdiff1d(np.concatenate(b.context), owned_tokens)
+        tokens = np.concatenate([owned_tokens, ctx])
+        owned = np.concatenate([np.ones(len(owned_tokens), bool), np.zeros(len(ctx), bool)])
+        order = np.argsort(tokens, kind="stable")
+        return MicroBatchSpec(index=i, tokens=tokens[order], owned=owned[order])
+    order = np.argsort(owned_tokens, kind="stable")
+    return MicroBatchSpec(index=i, tokens=owned_tokens[order], owned=np.ones(len(owned_tokens), bool))
+
+
+# ---------------------------------------------------------------------- mechanism choice
+def _path_length_max(index: TreeIndex, root: int) -> int:
+    """Longest sample through the tree of ``root`` (= deepest position + 1)."""
+    tree = index.tree
+    nodes = np.arange(root, tree.node_subtree_end[root])
+    return int((tree.node_depth[nodes] + tree.node_len[nodes]).max())
+
+
+def _choose_mechanism(index: TreeIndex, root: int, config: PlannerConfig) -> str:
+    """``stream`` (mechanism 2) or ``dup`` (duplicate the prefix) for an oversized tree.
+
+    Mechanism 2 computes every token exactly once; duplication recomputes the ancestor path
+    of every piece. So in ``tree`` mode mechanism 2 is always at least as cheap in FLOPs; the
+    KV cache manager may still turn a cached prefix into a recomputation when memory is short.
+    """
+    longest = _path_length_max(index, root)
+    if config.sharing == "none":
+        raise PlanningError(
+            f"a sample of {longest} tokens does not fit --micro-batch-tokens {config.micro_batch_tokens} "
+            "(without prefix sharing every sample must fit one micro-batch)"
+        )
+    if config.sharing == "tree-dup":
+        if longest > config.micro_batch_tokens:
+            raise PlanningError(
+                f"a sample of {longest} tokens does not fit --micro-batch-tokens {config.micro_batch_tokens}; "
+                "mechanism 1 alone cannot split a sample (use --prefix-sharing tree)"
+            )
+        return "dup"
+    return "stream"
+
+
+# ---------------------------------------------------------------------- mechanism 2: streams
+def _stream_chunks(index: TreeIndex, start: int, end: int, budget: int, snap: float) -> List[int]:
+    """Chunk boundaries of the depth-first token range [start, end): at most ``budget`` tokens
+    each, ending at a node boundary when one keeps the chunk >= ``snap * budget`` full."""
+    tree = index.tree
+    node_starts = tree.node_offset[:-1]
+    lo_node = np.searchsorted(node_starts, start)
+    hi_node = np.searchsorted(node_starts, end)
+    boundaries = node_starts[lo_node:hi_node]
+    bounds = [start]
+    while end - bounds[-1] > budget:
+        a = bounds[-1]
+        limit = a + budget
+        i = np.searchsorted(boundaries, limit, side="right") - 1
+        cut = int(boundaries[i]) if i >= 0 and boundaries[i] > a and boundaries[i] - a >= snap * budget else limit
+        bounds.append(cut)
+    bounds.append(end)
+    return bounds
+
+
+def _ancestor_path(index: TreeIndex, token: int) -> np.ndarray:
+    """Tree tokens on the path from the root to ``token`` (inclusive), ascending."""
+    tree = index.tree
+    m = int(index.token_node[token])
+    pieces = [np.arange(tree.node_offset[m], token + 1, dtype=np.int64)]
+    m = int(tree.node_parent[m])
+    while m >= 0:
+        pieces.append(np.arange(tree.node_offset[m], tree.node_offset[m + 1], dtype=np.int64))
+        m = int(tree.node_parent[m])
+    return np.concatenate(pieces[::-1])
+
+
+def _link_stream(
+    index: TreeIndex, bounds: List[int], bin_ids: List[int], mbs: List[MicroBatchSpec], sources: Dict[int, CachedSource]
+) -> None:
+    """Create the cached sources of a chunked tree and record reads / remote targets."""
+    pred = index.pred
+    n = len(bounds) - 1
+    # Path to every chunk's first token (its outside ancestors) and its attach points.
+    needed: List[List[np.ndarray]] = [[] for _ in range(n)]
+    attach: List[List[np.ndarray]] = [[] for _ in range(n)]
+    remote: List[List[np.ndarray]] = [[] for _ in range(n)]
+    chunk_of = lambda tok: np.searchsorted(bounds, tok, side="right") - 1  # noqa: E731
+    for i in range(1, n):
+        a, b = bounds[i], bounds[i + 1]
+        chunk = np.arange(a, b, dtype=np.int64)
+        roots = chunk[(pred[chunk] >= 0) & (pred[chunk] < a)]
+        path = _ancestor_path(index, int(pred[a]))
+        producers = chunk_of(path)
+        for j in np.unique(producers):
+            needed[j].append(path[producers == j])
+        preds = pred[roots]
+        pj = chunk_of(preds)
+        for j in np.unique(pj):
+            attach[j].append(preds[pj == j])
+            remote[j].append(roots[pj == j])
+    for j in range(n):
+        mb = mbs[bin_ids[j]]
+        if remote[j]:
+            mb.remote_targets = np.concatenate([mb.remote_targets, np.unique(np.concatenate(remote[j]))])
+        if not needed[j]:
+            continue
+        tokens = np.unique(np.concatenate(needed[j]))
+        attach_points = np.unique(np.concatenate(attach[j]))
+        for piece in _split_chains(index, tokens, attach_points):
+            sid = len(sources)
+            src = CachedSource(source_id=sid, producer=bin_ids[j], tokens=piece)
+            last = src.last_token
+            # Consumers: chunks whose first token descends from the piece's last token.
+            firsts = np.asarray(bounds[j + 1 : n], dtype=np.int64)
+            hit = (firsts > last) & (firsts < index.subtree_end[last])
+            src.consumers = [bin_ids[j + 1 + k] for k in np.flatnonzero(hit)]
+            sources[sid] = src
+            mb.produces.append(sid)
+            for c in src.consumers:
+                mbs[c].reads.append(sid)
+
+
+def _split_chains(index: TreeIndex, tokens: np.ndarray, attach_points: np.ndarray) -> List[np.ndarray]:
+    """Split a set of path tokens (a union of root paths, ascending) into chains that end at
+    attach points or branch points, so every reader sees whole chains."""
+    pred = index.pred[tokens]
+    pos = np.searchsorted(tokens, pred)
+    present = (pred >= 0) & (pos < len(tokens))
+    present[present] &= tokens[np.minimum(pos[present], len(tokens) - 1)] == pred[present]
+    successors = np.bincount(pos[present], minlength=len(tokens))
+    is_attach = np.isin(tokens, attach_points)
+    cont = present & (pos == np.arange(len(tokens)) - 1)
+    cont[1:] &= (successors[:-1] == 1) & ~is_attach[:-1]
+    starts = np.flatnonzero(~cont)
+    return [tokens[a:b] for a, b in zip(starts, np.append(starts[1:], len(tokens)))]
+
+
+# ---------------------------------------------------------------------- duplication
+def _duplication_bins(index: TreeIndex, root: int, budget: int) -> List[_Bin]:
+    """Cut a tree at nodes; every piece carries its ancestor path as duplicated context."""
+    tree = index.tree
+    sub_tokens = tree.subtree_tokens()
+    children = _children_lists(tree)
+    pieces: List[Tuple[List[Tuple[int, int]], np.ndarray]] = []
+
+    def place(m: int, s: int, context: np.ndarray) -> None:
+        avail = budget - len(context)
+        start = int(tree.node_offset[m]) + s
+        end = int(tree.node_offset[tree.node_subtree_end[m]])
+        if end - start <= avail:
+            pieces.append(([(start, end)], context))
+            return
+        if avail <= 0:
+            raise PlanningError(f"a path of {len(context)} tokens does not fit --micro-batch-tokens {budget}")
+        node_end = int(tree.node_offset[m + 1])
+        if node_end - start > avail:  # a node longer than the room: chunk it
+            pieces.append(([(start, start + avail)], context))
+            place(m, s + avail, np.concatenate([context, np.arange(start, start + avail)]))
+            return
+        room = avail - (node_end - start)
+        ranges = [(start, node_end)]
+        rest = []
+        for c in sorted(children[m], key=lambda c: (-sub_tokens[c], c)):
+            size = int(sub_tokens[c])
+            if size <= room:
+                ranges.append((int(tree.node_offset[c]), int(tree.node_offset[c]) + size))
+                room -= size
+            else:
+                rest.append(c)
+        pieces.append((ranges, context))
+        inner = np.concatenate([context, np.arange(start, node_end)])
+        for c in sorted(rest):
+            place(c, 0, inner)
+
+    place(root, 0, np.zeros(0, np.int64))
+    # Next-fit in depth-first order: neighbouring pieces share most of their context.
+    bins: List[_Bin] = []
+    for ranges, context in pieces:
+        owned = sum(b - a for a, b in ranges)
+        cur = bins[-1] if bins else None
+        if cur is not None:
+            have = np.concatenate([np.arange(a, b) for a, b in cur.ranges] + cur.context)
+            extra_ctx = len(np.setdiff1d(context, have))
+            if cur.size + owned + extra_ctx <= budget:
+                cur.ranges.extend(ranges)
+                cur.context.append(context)
+                cur.size += owned + extra_ctx
+                continue
+        bins.append(_Bin(ranges=list(ranges), context=[context], size=owned + len(context)))
+    return bins
+
+
+def _children_lists(tree: PrefixTree) -> List[List[int]]:
+    cache = tree.__dict__.get("_children_cache")
+    if cache is None:
+        cache = [[] for _ in range(tree.num_nodes)]
+        for c in np.flatnonzero(tree.node_parent >= 0):
+            cache[int(tree.node_parent[c])].append(int(c))
+        tree.__dict__["_children_cache"] = cache
+    return cache
+
+
+# ---------------------------------------------------------------------- order and schedule
+def _forward_order(bins: List[_Bin]) -> List[int]:
+    """Depth-first order of the micro-batches' primary content (a chunk, or the first tree
+    packed), so producers come before readers; small trees added later do not reorder."""
+    return sorted(range(len(bins)), key=lambda i: (bins[i].ranges[0][0] if bins[i].ranges else math.inf, i))
+
+
+def _renumber(mbs, sources, order):
+    new_of = {old: new for new, old in enumerate(order)}
+    out = []
+    for new, old in enumerate(order):
+        mb = mbs[old]
+        mb.index = new
+        out.append(mb)
+    for src in sources.values():
+        src.producer = new_of[src.producer]
+        src.consumers = sorted(new_of[c] for c in src.consumers)
+    for mb in out:
+        mb.reads = sorted(mb.reads, key=lambda s: sources[s].last_token)
+    return out, sources
+
+
+def _schedule(mbs: List[MicroBatchSpec], sources: Dict[int, CachedSource]) -> List[Tuple[str, int]]:
+    """Forward in order; backward of a producer as soon as all its readers are done."""
+    readers: Dict[int, set] = {}
+    for src in sources.values():
+        readers.setdefault(src.producer, set()).update(src.consumers)
+    for p, r in readers.items():
+        if any(c <= p for c in r):
+            raise PlanningError("a cached source is read before it is computed")
+    done: set = set()
+    waiting: List[int] = []
+    steps: List[Tuple[str, int]] = []
+    for i in range(len(mbs)):
+        if readers.get(i):
+            steps.append(("forward", i))
+            waiting.append(i)
+            continue
+        steps.append(("forward_backward", i))
+        done.add(i)
+        progressed = True
+        while progressed:
+            progressed = False
+            for p in sorted(waiting, reverse=True):
+                if readers[p] <= done:
+                    steps.append(("backward", p))
+                    done.add(p)
+                    waiting.remove(p)
+                    progressed = True
+    if waiting:
+        raise PlanningError(f"micro-batches {waiting} never became ready for backward")
+    return steps

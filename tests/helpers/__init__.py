@@ -1,0 +1,1 @@
+"""Test helpers: an independent per-sample Hugging Face reference, tiny checkpoints, torchrun."""
