@@ -63,16 +63,38 @@ def _sample_length(rng: np.random.Generator, spec: LengthSpec) -> int:
 
 
 class _Segment:
-    """Tokens (and rollout log-probs) of one piece of text: a prompt, action or observation."""
+    """The tokens of one piece of text: a prompt, an action or an observation."""
 
-    __slots__ = ("tokens", "logprobs")
+    __slots__ = ("tokens",)
 
-    def __init__(self, rng: np.random.Generator, length: int, vocab_size: int, with_logprobs: bool):
+    def __init__(self, rng: np.random.Generator, length: int, vocab_size: int):
         self.tokens = rng.integers(0, vocab_size, length, dtype=np.int32)
-        # Log-probs of sampled tokens: mostly near 0, sometimes very negative.
-        self.logprobs = (
-            -rng.exponential(0.7, length).astype(np.float32) if with_logprobs else None
-        )
+
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F),
+        np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def pseudo_logprobs(tokens: np.ndarray, seed: int, salt: int) -> np.ndarray:
+    """float32 log-probs that are a hash of (seed, salt, token, position): exponential with
+    mean 0.7 (mostly near 0, sometimes very negative).
+
+    Being a function of the token and its position, they agree on every shared prefix (as a
+    real rollout's would: same context, same policy) even when two independently drawn
+    siblings happen to start with the same token, and they draw nothing from the token RNG,
+    so a seed gives the same tokens with and without log-probs.
+    """
+    x = tokens.astype(np.uint64) * _MIX[0]
+    x ^= np.arange(tokens.shape[0], dtype=np.uint64) * _MIX[1]
+    x ^= np.uint64((seed * 0x632BE5AB + salt * 0x85157AF5) % (1 << 64))
+    # splitmix64 finaliser: every input bit affects every output bit.
+    x ^= x >> np.uint64(30)
+    x *= _MIX[2]
+    x ^= x >> np.uint64(27)
+    x *= _MIX[3]
+    x ^= x >> np.uint64(31)
+    uniform = (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return (0.7 * np.log1p(-uniform)).astype(np.float32)
 
 
 def _record(
@@ -80,10 +102,10 @@ def _record(
     segments: List[_Segment],
     trained: List[bool],
     advantage: float,
-    with_logprobs: bool,
-    rng: np.random.Generator,
+    logprob_seed: Optional[int],
 ) -> Record:
-    """A sample made of ``segments``; ``trained[k]`` puts the loss on segment k."""
+    """A sample made of ``segments``; ``trained[k]`` puts the loss on segment k; with a
+    ``logprob_seed`` it carries old/ref log-probs too."""
     tokens = np.concatenate([seg.tokens for seg in segments])
     loss_mask = np.concatenate(
         [np.full(seg.tokens.shape[0], flag, dtype=np.bool_) for seg, flag in zip(segments, trained)]
@@ -91,12 +113,15 @@ def _record(
     loss_mask[0] = False  # token 0 has no context (only matters if segment 0 is trained)
     record: Record = {"id": sample_id, "tokens": tokens, "loss_mask": loss_mask,
                       "advantage": float(advantage)}
-    if with_logprobs:
-        old = np.concatenate([seg.logprobs for seg in segments])
+    if logprob_seed is not None:
+        old = pseudo_logprobs(tokens, logprob_seed, salt=1)
         old[0] = 0.0
         record["old_logprobs"] = old
-        # The reference policy differs a little from the rollout policy.
-        record["ref_logprobs"] = old + rng.normal(0.0, 0.05, old.shape[0]).astype(np.float32)
+        # The reference policy differs a little from the rollout policy (zero-mean noise).
+        noise = pseudo_logprobs(tokens, logprob_seed, salt=2) + np.float32(0.7)
+        ref = old + np.float32(0.05) * noise
+        ref[0] = 0.0
+        record["ref_logprobs"] = ref
     return record
 
 
@@ -108,11 +133,12 @@ def _normalised(rng: np.random.Generator, count: int) -> np.ndarray:
     return (rewards - rewards.mean()) / (rewards.std() + 1e-6)
 
 
-def _system_prompt(seed: int, system_len: int, vocab_size: int, with_logprobs: bool) -> _Segment:
-    """The system prompt every sample of a batch starts with (its own RNG stream, so that it
-    does not shift the other draws when its length changes)."""
-    rng = np.random.default_rng([seed, 0x5157])
-    return _Segment(rng, system_len, vocab_size, with_logprobs)
+def _system_prompt(seed: int, system_len: int, vocab_size: int) -> Optional[_Segment]:
+    """The system prompt every sample of a batch starts with (None if ``system_len`` is 0).
+    It has its own RNG stream, so its length does not shift the other draws."""
+    if not system_len:
+        return None
+    return _Segment(np.random.default_rng([seed, 0x5157]), system_len, vocab_size)
 
 
 def _check_vocab(vocab_size: int) -> None:
@@ -123,49 +149,46 @@ def _check_vocab(vocab_size: int) -> None:
 # ---------------------------------------------------------------------- units
 def _grpo_units(
     rng: np.random.Generator, *, group_size: int, prompt_len: LengthSpec,
-    response_len: LengthSpec, system: Optional[_Segment], vocab_size: int, with_logprobs: bool,
-    prefix: str = "",
+    response_len: LengthSpec, system: Optional[_Segment], vocab_size: int,
+    logprob_seed: Optional[int], prefix: str = "",
 ) -> Iterator[List[Record]]:
     """One GRPO group (a prompt and ``group_size`` responses) per unit."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     for p in itertools.count():
-        prompt = _Segment(rng, max(_sample_length(rng, prompt_len), 1), vocab_size, with_logprobs)
+        prompt = _Segment(rng, max(_sample_length(rng, prompt_len), 1), vocab_size)
         advantages = _normalised(rng, group_size)
         group = []
         for g in range(group_size):
-            response = _Segment(rng, max(_sample_length(rng, response_len), 1), vocab_size,
-                                with_logprobs)
+            response = _Segment(rng, max(_sample_length(rng, response_len), 1), vocab_size)
             segments = ([system] if system is not None else []) + [prompt, response]
             trained = [False] * (len(segments) - 1) + [True]
             group.append(_record(f"{prefix}p{p}-r{g}", segments, trained, advantages[g],
-                                 with_logprobs, rng))
+                                 logprob_seed))
         yield group
 
 
 def _stepwise_units(
     rng: np.random.Generator, *, turns: LengthSpec, obs_len: LengthSpec,
     action_len: LengthSpec, task_len: LengthSpec, system: Optional[_Segment], vocab_size: int,
-    with_logprobs: bool, prefix: str = "",
+    logprob_seed: Optional[int], prefix: str = "",
 ) -> Iterator[List[Record]]:
     """One multi-turn trajectory per unit; turn t is the sample ``history + action_t``."""
     for j in itertools.count():
         num_turns = max(_sample_length(rng, turns), 1)
         history: List[_Segment] = [] if system is None else [system]
-        history.append(_Segment(rng, max(_sample_length(rng, task_len), 1), vocab_size,
-                                with_logprobs))
+        history.append(_Segment(rng, max(_sample_length(rng, task_len), 1), vocab_size))
         # Step-wise returns: a trajectory reward, discounted towards the end, plus noise.
         reward = rng.normal()
         samples = []
         for t in range(num_turns):
-            action = _Segment(rng, max(_sample_length(rng, action_len), 1), vocab_size,
-                              with_logprobs)
+            action = _Segment(rng, max(_sample_length(rng, action_len), 1), vocab_size)
             segments = history + [action]
             trained = [False] * len(history) + [True]
             advantage = reward * 0.97 ** (num_turns - 1 - t) + 0.1 * rng.normal()
             samples.append(_record(f"{prefix}traj{j}-turn{t}", segments, trained, advantage,
-                                   with_logprobs, rng))
-            observation = _Segment(rng, _sample_length(rng, obs_len), vocab_size, with_logprobs)
+                                   logprob_seed))
+            observation = _Segment(rng, _sample_length(rng, obs_len), vocab_size)
             history = segments + [observation]
         yield samples
 
@@ -173,7 +196,7 @@ def _stepwise_units(
 def _tree_units(
     rng: np.random.Generator, *, branching: LengthSpec, depth: int, prompt_len: LengthSpec,
     segment_len: LengthSpec, obs_len: LengthSpec, system: Optional[_Segment], vocab_size: int,
-    with_logprobs: bool, prefix: str = "",
+    logprob_seed: Optional[int], prefix: str = "",
 ) -> Iterator[List[Record]]:
     """One rollout tree per unit: from a prompt, every turn branches into ``branching``
     continuations (action, then observation except after the last action)."""
@@ -181,7 +204,7 @@ def _tree_units(
         raise ValueError(f"depth must be >= 1, got {depth}")
     for r in itertools.count():
         root = ([] if system is None else [system]) + [
-            _Segment(rng, max(_sample_length(rng, prompt_len), 1), vocab_size, with_logprobs)
+            _Segment(rng, max(_sample_length(rng, prompt_len), 1), vocab_size)
         ]
         # Paths as (segments, trained flags, name), expanded level by level.
         paths: List[Tuple[List[_Segment], List[bool], str]] = [(root, [False] * len(root), "")]
@@ -189,19 +212,17 @@ def _tree_units(
             expanded = []
             for segments, trained, name in paths:
                 for b in range(max(_sample_length(rng, branching), 1)):
-                    action = _Segment(rng, max(_sample_length(rng, segment_len), 1), vocab_size,
-                                      with_logprobs)
+                    action = _Segment(rng, max(_sample_length(rng, segment_len), 1), vocab_size)
                     new_segments, new_trained = segments + [action], trained + [True]
                     if level < depth - 1:
-                        obs = _Segment(rng, _sample_length(rng, obs_len), vocab_size,
-                                       with_logprobs)
+                        obs = _Segment(rng, _sample_length(rng, obs_len), vocab_size)
                         new_segments, new_trained = new_segments + [obs], new_trained + [False]
                     expanded.append((new_segments, new_trained, f"{name}.{b}"))
             paths = expanded
         advantages = _normalised(rng, len(paths))
         yield [
             _record(f"{prefix}root{r}-leaf{name}", segments, trained, advantages[k],
-                    with_logprobs, rng)
+                    logprob_seed)
             for k, (segments, trained, name) in enumerate(paths)
         ]
 
@@ -257,10 +278,10 @@ def make_grpo(
                   response_len=response_len, system_len=system_len, seed=seed,
                   with_logprobs=with_logprobs, num_tokens_target=num_tokens_target)
     rng = np.random.default_rng([seed, 1])
-    system = _system_prompt(seed, system_len, vocab_size, with_logprobs) if system_len else None
+    system = _system_prompt(seed, system_len, vocab_size)
     units = _grpo_units(rng, group_size=group_size, prompt_len=prompt_len,
                         response_len=response_len, system=system, vocab_size=vocab_size,
-                        with_logprobs=with_logprobs)
+                        logprob_seed=seed if with_logprobs else None)
     return _finish(_collect(units, num_prompts, num_tokens_target), vocab_size, "grpo", params)
 
 
@@ -288,10 +309,10 @@ def make_stepwise(
                   action_len=action_len, system_len=system_len, task_len=task_len, seed=seed,
                   with_logprobs=with_logprobs, num_tokens_target=num_tokens_target)
     rng = np.random.default_rng([seed, 2])
-    system = _system_prompt(seed, system_len, vocab_size, with_logprobs) if system_len else None
+    system = _system_prompt(seed, system_len, vocab_size)
     units = _stepwise_units(rng, turns=turns, obs_len=obs_len, action_len=action_len,
                             task_len=task_len, system=system, vocab_size=vocab_size,
-                            with_logprobs=with_logprobs)
+                            logprob_seed=seed if with_logprobs else None)
     records = _collect(units, num_trajectories, num_tokens_target)
     return _finish(records, vocab_size, "stepwise", params)
 
@@ -319,10 +340,10 @@ def make_tree_rollouts(
                   system_len=system_len, seed=seed, with_logprobs=with_logprobs,
                   num_tokens_target=num_tokens_target)
     rng = np.random.default_rng([seed, 3])
-    system = _system_prompt(seed, system_len, vocab_size, with_logprobs) if system_len else None
+    system = _system_prompt(seed, system_len, vocab_size)
     units = _tree_units(rng, branching=branching, depth=depth, prompt_len=prompt_len,
                         segment_len=segment_len, obs_len=obs_len, system=system,
-                        vocab_size=vocab_size, with_logprobs=with_logprobs)
+                        vocab_size=vocab_size, logprob_seed=seed if with_logprobs else None)
     return _finish(_collect(units, num_roots, num_tokens_target), vocab_size, "tree", params)
 
 
@@ -352,15 +373,15 @@ def make_mixed(
         "tree": dict(num_roots=1, branching=2, depth=3, segment_len=(8, 32),
                      prompt_len=(64, 256), obs_len=(8, 64)),
     }
-    system = _system_prompt(seed, system_len, vocab_size, with_logprobs) if system_len else None
+    system = _system_prompt(seed, system_len, vocab_size)
     records: List[Record] = []
     for k, (kind, overrides) in enumerate(kinds.items()):
         params = {**defaults[kind], **overrides}
         count_key = {"grpo": "num_prompts", "step": "num_trajectories", "tree": "num_roots"}[kind]
         count = params.pop(count_key)
         rng = np.random.default_rng([seed, 4, k])
-        common = dict(system=system, vocab_size=vocab_size, with_logprobs=with_logprobs,
-                      prefix=f"{kind}/")
+        common = dict(system=system, vocab_size=vocab_size,
+                      logprob_seed=seed if with_logprobs else None, prefix=f"{kind}/")
         if kind == "grpo":
             units = _grpo_units(rng, **params, **common)
         elif kind == "step":

@@ -37,6 +37,10 @@ def test_deterministic_and_valid(name):
     a = make_workload(name, seed=3, with_logprobs=True)
     assert_same(a, make_workload(name, seed=3, with_logprobs=True))
     assert not np.array_equal(a.tokens[:50], make_workload(name, seed=4).tokens[:50])
+    # Log-probs draw nothing from the token stream: same tokens and advantages without them.
+    plain = make_workload(name, seed=3)
+    assert np.array_equal(plain.tokens, a.tokens) and np.array_equal(plain.advantages,
+                                                                     a.advantages)
     assert 1000 <= a.num_tokens <= 10000, a.num_tokens  # a few thousand tokens by default
     assert a.advantages is not None and np.isfinite(a.advantages).all()
     assert a.has_old_logprobs.all() and a.has_ref_logprobs.all()
