@@ -117,8 +117,12 @@ def _read_jsonl(
                 continue  # blank lines (e.g. a trailing newline) are not samples
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise acc.row_error(f"malformed JSON: {exc}", line_no) from None
+            except json.JSONDecodeError as exc:
+                reason = f"malformed JSON: {exc.msg} (column {exc.pos + 1})"
+                raise acc.row_error(reason, line_no) from None
+            except UnicodeDecodeError as exc:
+                reason = f"malformed JSON: not UTF-8 ({exc.reason} at byte {exc.start})"
+                raise acc.row_error(reason, line_no) from None
             yield line_no, record
     if bar is not None:
         bar.close()

@@ -295,11 +295,11 @@ def test_kl_required(tmp_path):
 
 def test_malformed_and_non_object_lines(tmp_path):
     text = jsonl_error(tmp_path, [good(0), good(1), '{"id": "x", "tokens": [1, 2'])
-    assert text.startswith("data.jsonl line 3: malformed JSON: ")
+    assert text == "data.jsonl line 3: malformed JSON: Expecting ',' delimiter (column 29)"
     text = jsonl_error(tmp_path, [good(0), "[1, 2, 3]"])
     assert text == "data.jsonl line 2: expected a JSON object (mapping), got list [1, 2, 3]"
     (tmp_path / "bin.jsonl").write_bytes(b'{"tokens": [1, 2]}\n\xff\xfe\n')
-    with pytest.raises(SampleValidationError, match=r"bin.jsonl line 2: malformed JSON"):
+    with pytest.raises(SampleValidationError, match=r"bin.jsonl line 2: malformed JSON: not UTF-8"):
         load_samples(tmp_path / "bin.jsonl")
 
 
