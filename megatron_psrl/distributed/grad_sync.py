@@ -1,0 +1,63 @@
+"""Gradient reduction and norms over megatron's process groups, with plain torch.distributed.
+
+Used on CPU (gloo) in place of megatron's DistributedDataParallel and optimizer, which need
+CUDA (``megatron_psrl.compat``, item 3). The RL loss is already normalised over the whole
+global batch, so data-parallel gradients are *summed*, not averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+BUCKET_BYTES = 64 * 1024 * 1024
+
+
+def allreduce_gradients(params: Iterable[torch.nn.Parameter], group=None, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum ``p.grad`` over ``group`` (default: megatron's data-parallel group), bucketed."""
+    group = group if group is not None else parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: List[torch.Tensor] = []
+    size = 0
+    for g in grads + [None]:
+        if g is not None and (not bucket or (g.dtype == bucket[0].dtype and size + g.numel() * g.element_size() <= bucket_bytes)):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            continue
+        if bucket:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                dst.copy_(src)
+        bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+
+
+def gradient_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """L2 norm of all gradients of the model, counting tensor-parallel duplicates once and
+    summing over the model-parallel (TP x PP) group."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return math.sqrt(float(total))
+
+
+def clip_gradients_(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
+    """Scale gradients in place so their norm is at most ``max_norm``."""
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)

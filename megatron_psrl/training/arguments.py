@@ -1,0 +1,127 @@
+"""Command-line arguments of pretrain_agent_rl.py (Megatron-style names, see README)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import List, Optional
+
+from megatron_psrl.attention.backends import BACKENDS
+from megatron_psrl.data.synthetic import WORKLOADS
+from megatron_psrl.model.tiny import TINY_CONFIGS
+from megatron_psrl.training.loss import LOSS_AGGREGATIONS
+from megatron_psrl.training.optimizer import OPTIMIZERS
+from megatron_psrl.tree.planner import SHARING_MODES
+
+DEFAULT_MODEL = "tiny-llama"
+DEFAULT_WORKLOAD = "mixed"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MB"``, ``"2GiB"``, ``"1048576"`` -> bytes."""
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 512MB, 2GiB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_agent_rl.py",
+        description="Prefix-shared RL update steps (PPO/GRPO) on a megatron-core GPT model.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--hf-dir", default=None, help="Hugging Face save_pretrained folder (converted in memory)")
+    g.add_argument("--load", default=None, help="megatron_psrl checkpoint directory (any TP/PP layout)")
+    g.add_argument("--model", default=None, choices=sorted(TINY_CONFIGS),
+                   help=f"named tiny config with random weights (default {DEFAULT_MODEL} when no --hf-dir/--load)")
+    g.add_argument("--finetune", action="store_true", help="with --load: start at iteration 0, no optimizer state")
+    g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")
+    g.add_argument("--fp16", action="store_true", help="float16 parameters and compute")
+    g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
+                   help="megatron layer spec (auto: transformer_engine on CUDA when installed)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
+                   help="prefix-sharing attention kernel (auto: flash on CUDA when installed, else torch)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=DEFAULT_WORKLOAD,
+                   help=f"samples file (.jsonl/.parquet) or a synthetic workload: {', '.join(sorted(WORKLOADS))}")
+    g.add_argument("--synthetic-tokens", type=int, default=None,
+                   help="tokens per iteration of a synthetic workload (default: its small default size)")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration from a file (default: the whole file every iteration)")
+    g.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget of one micro-batch")
+
+    g = p.add_argument_group("prefix sharing")
+    g.add_argument("--prefix-sharing", default="tree", choices=SHARING_MODES,
+                   help="tree: mechanisms 1+2; tree-dup: mechanism 1, oversized trees duplicate their "
+                        "prefix; none: no sharing (baseline)")
+    g.add_argument("--no-prefix-sharing", action="store_true", help="same as --prefix-sharing none (the baseline)")
+    g.add_argument("--kv-cache-budget", type=parse_bytes, default=parse_bytes("1GiB"),
+                   help="bytes for cached prefix K/V, their gradients and retained prefix graphs (mechanism 2)")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--train-iters", type=int, default=5)
+    g.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+    g.add_argument("--lr", type=float, default=1e-5)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip; 0 disables")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (CUDA)")
+
+    g = p.add_argument_group("loss")
+    g.add_argument("--clip-eps", type=float, default=0.2)
+    g.add_argument("--kl-coef", type=float, default=0.0)
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--loss-agg", default="token-mean", choices=LOSS_AGGREGATIONS)
+
+    g = p.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--save-interval", type=int, default=None, help="also save every N iterations")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-json", default=None, help="append one JSON object per iteration to this file")
+    g.add_argument("--no-memory-tracking", action="store_true", help="skip measuring peak memory (CPU)")
+    g.add_argument("--quiet", action="store_true", help="only errors on stdout")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.no_prefix_sharing:
+        args.prefix_sharing = "none"
+    sources = [x for x in (args.hf_dir, args.load, args.model) if x]
+    if len(sources) > 1:
+        parser.error("give at most one of --hf-dir, --load, --model")
+    if not sources:
+        args.model = DEFAULT_MODEL
+    if args.bf16 and args.fp16:
+        parser.error("--bf16 and --fp16 are exclusive")
+    for name in ("train_iters", "micro_batch_tokens", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "log_interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        parser.error("--global-batch-size must be >= 1")
+    if args.save_interval is not None and args.save_interval < 1:
+        parser.error("--save-interval must be >= 1")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    return args

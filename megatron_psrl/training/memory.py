@@ -1,0 +1,101 @@
+"""Peak memory of a block of work, measured (not estimated).
+
+- CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+- CPU: torch's CPU allocator takes its memory from the C heap, so the bytes the heap has handed
+  out (glibc ``mallinfo2``: ``uordblks + hblkhd``) are the process's live allocations, tensors
+  included. A ``TorchDispatchMode`` samples that figure after every torch operation (forward
+  and backward), which is where new peaks happen. Without glibc it falls back to the peak
+  resident set size of the process (``ru_maxrss``), which never decreases.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import resource
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _load_mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _load_mallinfo2()
+
+
+def heap_bytes_in_use() -> Optional[int]:
+    """Bytes currently allocated from the C heap (None where mallinfo2 is unavailable)."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class _HeapPeakMode(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.peak = heap_bytes_in_use() or 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        used = _MALLINFO2()
+        used = used.uordblks + used.hblkhd
+        if used > self.peak:
+            self.peak = used
+        return out
+
+
+class PeakMemory:
+    """``with PeakMemory(device) as m: ...; m.peak_bytes``: the peak during the block."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.device = torch.device(device)
+        self.enabled = enabled
+        self.peak_bytes = 0
+        self.start_bytes = 0
+        self._mode: Optional[_HeapPeakMode] = None
+
+    @property
+    def method(self) -> str:
+        if self.device.type == "cuda":
+            return "cuda_max_memory_allocated"
+        return "heap_mallinfo2" if _MALLINFO2 is not None else "ru_maxrss"
+
+    def __enter__(self) -> "PeakMemory":
+        if not self.enabled:
+            return self
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+        elif _MALLINFO2 is not None:
+            self.start_bytes = heap_bytes_in_use()
+            self._mode = _HeapPeakMode()
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        elif self._mode is not None:
+            self._mode.__exit__(*exc)
+            self.peak_bytes = int(self._mode.peak)
+        else:
+            self.peak_bytes = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,211 @@
+"""Optimizer + data-parallel gradient reduction + clipping, behind one small interface.
+
+On CUDA this is megatron-core's: ``DistributedDataParallel`` (gradient buckets, reduction) and
+``get_megatron_optimizer`` (Adam/SGD, fp32 main params for bf16, optional distributed
+optimizer, gradient clipping). On CPU megatron's versions need CUDA (``compat``, item 3), so
+the same behaviour is provided by ``torch.optim`` plus :mod:`megatron_psrl.distributed.grad_sync`.
+Either way: no weight decay on biases and norm weights (megatron's rule), gradients summed
+over data-parallel ranks (the loss is normalised over the global batch), clipping by the
+global (TP/PP-aware) norm, and megatron's ``OptimizerParamScheduler`` for the learning rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_psrl.compat import use_megatron_ddp
+from megatron_psrl.distributed.grad_sync import allreduce_gradients, clip_gradients_, gradient_norm
+
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass
+class OptimizerSettings:
+    """Optimizer hyper-parameters (Megatron flag names)."""
+
+    optimizer: str = "adam"
+    """``adam`` (AdamW, decoupled weight decay) or ``sgd``."""
+
+    lr: float = 1e-6
+    """Peak learning rate (``--lr``)."""
+
+    min_lr: float = 0.0
+    """Final learning rate of a decaying schedule (``--min-lr``)."""
+
+    lr_warmup_iters: int = 0
+    """Linear warmup iterations (``--lr-warmup-iters``)."""
+
+    lr_decay_style: str = "constant"
+    """``constant``, ``linear`` or ``cosine`` (``--lr-decay-style``)."""
+
+    lr_decay_iters: int = 1
+    """Iterations over which the learning rate decays (default: --train-iters)."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay (``--weight-decay``), not applied to biases and norms."""
+
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+    sgd_momentum: float = 0.0
+    """SGD momentum."""
+
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (``--clip-grad``; 0 disables)."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (megatron, CUDA only)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
+            raise ValueError("--lr, --weight-decay and --clip-grad must be >= 0")
+
+
+def _no_decay(name: str, param: torch.nn.Parameter) -> bool:
+    return param.ndim == 1 or name.endswith(".bias")
+
+
+def _scheduler(optimizer, s: OptimizerSettings) -> OptimizerParamScheduler:
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if s.lr_warmup_iters else s.lr,
+        max_lr=s.lr,
+        min_lr=s.min_lr,
+        lr_warmup_steps=s.lr_warmup_iters,
+        lr_decay_steps=max(s.lr_decay_iters, s.lr_warmup_iters + 1),
+        lr_decay_style=s.lr_decay_style,
+        start_wd=s.weight_decay,
+        end_wd=s.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+
+
+class CPUTrainingOptimizer:
+    """torch.optim + gloo all-reduce + TP-aware clipping (megatron's behaviour on CPU)."""
+
+    def __init__(self, model: torch.nn.Module, settings: OptimizerSettings):
+        self.model = model
+        self.settings = settings
+        self.params: List[torch.nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for n, p in model.named_parameters() if p.requires_grad and not _no_decay(n, p)]
+        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and _no_decay(n, p)]
+        groups = [
+            {"params": decay, "wd_mult": 1.0, "weight_decay": settings.weight_decay},
+            {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0},
+        ]
+        if settings.optimizer == "adam":
+            self.optimizer = torch.optim.AdamW(
+                groups, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps
+            )
+        else:
+            self.optimizer = torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum)
+        self.scheduler = _scheduler(self.optimizer, settings)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def reduce_gradients(self) -> None:
+        allreduce_gradients(self.params)
+
+    def step(self) -> float:
+        """Reduce, clip and apply the gradients; returns the global gradient norm."""
+        self.reduce_gradients()
+        norm = gradient_norm(self.params)
+        if self.settings.clip_grad > 0:
+            clip_gradients_(self.params, self.settings.clip_grad, norm)
+        self.optimizer.step()
+        self.scheduler.step(1)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class MegatronTrainingOptimizer:  # pragma: no cover - needs CUDA
+    """megatron-core DistributedDataParallel + MegatronOptimizer (CUDA)."""
+
+    def __init__(self, model: torch.nn.Module, settings: OptimizerSettings):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.settings = settings
+        config = model.config
+        self.ddp = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=settings.use_distributed_optimizer,
+            ),
+            module=model,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=settings.optimizer,
+                lr=settings.lr,
+                min_lr=settings.min_lr,
+                weight_decay=settings.weight_decay,
+                adam_beta1=settings.adam_beta1,
+                adam_beta2=settings.adam_beta2,
+                adam_eps=settings.adam_eps,
+                sgd_momentum=settings.sgd_momentum,
+                clip_grad=settings.clip_grad,
+                bf16=config.bf16,
+                fp16=config.fp16,
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=settings.use_distributed_optimizer,
+            ),
+            [self.ddp],
+        )
+        self.scheduler = _scheduler(self.optimizer, settings)
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> float:
+        self.ddp.finish_grad_sync()
+        ok, norm, _ = self.optimizer.step()
+        self.scheduler.step(1)
+        return float(norm) if norm is not None else float("nan")
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings, device: torch.device):
+    """megatron's DDP + optimizer on CUDA, the CPU equivalent elsewhere."""
+    if use_megatron_ddp(device):
+        return MegatronTrainingOptimizer(model, settings)
+    if settings.use_distributed_optimizer:
+        raise ValueError("--use-distributed-optimizer needs CUDA (megatron's distributed optimizer)")
+    return CPUTrainingOptimizer(model, settings)

@@ -1,0 +1,315 @@
+"""The training loop of pretrain_agent_rl.py: data -> prefix tree -> plan -> steps -> optimizer.
+
+Per iteration, on every rank:
+
+1. the global batch (a slice of the samples file, or a fresh synthetic workload) is turned into
+   the global prefix tree (every rank builds the same tree);
+2. the planner assigns trees to data-parallel ranks and cuts them into micro-batches, and the
+   KV cache manager decides block size / keep-or-recompute for mechanism 2 (every rank plans
+   all ranks, so fallbacks and errors are identical everywhere);
+3. this rank runs its micro-batches (forward/backward, gradient accumulation);
+4. gradients are reduced over data-parallel ranks, clipped, applied;
+5. metrics are reduced and logged (stdout and ``--log-json``), checkpoints saved.
+
+All input is validated before the first iteration changes any state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_psrl.attention.backends import default_backend
+from megatron_psrl.checkpoint.loading import ModelSource, load_model
+from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
+from megatron_psrl.data.loader import load_samples
+from megatron_psrl.data.samples import SampleBatch
+from megatron_psrl.data.synthetic import WORKLOADS, make_workload
+from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
+from megatron_psrl.kvcache import BlockKVCache, CacheBudgetError, KVGeometry, activation_bytes_per_token, plan_memory
+from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.builder import parse_dtype
+from megatron_psrl.training.checkpointing import save_training_checkpoint
+from megatron_psrl.training.loss import LossConfig
+from megatron_psrl.training.memory import PeakMemory
+from megatron_psrl.training.optimizer import OptimizerSettings, build_optimizer
+from megatron_psrl.training.step import StepRunner
+from megatron_psrl.tree.build import build_prefix_tree
+from megatron_psrl.tree.cost import CostModel
+from megatron_psrl.tree.planner import PlannerConfig, PlanningError, StepPlan, plan_step
+
+logger = logging.getLogger("megatron_psrl")
+
+
+def cost_model_for(arch: ModelArchitecture) -> CostModel:
+    return CostModel.from_dims(
+        hidden_size=arch.hidden_size, num_layers=arch.num_layers, num_heads=arch.num_attention_heads,
+        num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        vocab_size=arch.vocab_size, name=arch.model_type,
+    )
+
+
+class BatchSource:
+    """The global batch of every iteration: slices of a validated file, or synthetic rollouts."""
+
+    def __init__(self, data: str, vocab_size: int, seed: int, global_batch_size: Optional[int],
+                 synthetic_tokens: Optional[int], kl_required: bool, progress: bool,
+                 max_sequence_length: Optional[int] = None):
+        self.data = data
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.global_batch_size = global_batch_size
+        self.synthetic_tokens = synthetic_tokens
+        self.samples: Optional[SampleBatch] = None
+        if data in WORKLOADS and not os.path.exists(data):
+            self.kind = "synthetic"
+            return
+        self.kind = "file"
+        self.samples = load_samples(data, vocab_size=vocab_size, require_advantage=True,
+                                    kl_required=kl_required, progress=progress)
+        if self.samples.num_samples == 0:
+            raise ValueError(f"{data}: no samples")
+        if max_sequence_length is not None:
+            too_long = np.flatnonzero(self.samples.lengths > max_sequence_length)
+            if len(too_long):
+                s = int(too_long[0])
+                raise ValueError(f"{self.samples.describe_sample(s)}: field 'tokens': length "
+                                 f"{int(self.samples.lengths[s])} exceeds the model's sliding window "
+                                 f"{max_sequence_length}")
+
+    def batch(self, iteration: int) -> SampleBatch:
+        if self.kind == "synthetic":
+            return make_workload(self.data, num_tokens_target=self.synthetic_tokens, vocab_size=self.vocab_size,
+                                 seed=self.seed + iteration)
+        if self.global_batch_size is None:
+            return self.samples
+        gbs = self.global_batch_size
+        # Consecutive slices of the file, wrapping around (epochs).
+        return self.samples.select((np.arange(gbs) + iteration * gbs) % self.samples.num_samples)
+
+
+@dataclasses.dataclass
+class IterationRecord:
+    """One line of --log-json."""
+
+    iter: int
+    step_time_s: float
+    tokens_total: int
+    tokens_computed: int
+    ideal_speedup: float
+    loss: float
+    grad_norm: float
+    peak_mem_bytes: int
+    lr: float
+    samples: int
+    micro_batches: int
+    tokens_unique: int
+    tokens_recomputed: int
+    sharing_ratio: float
+    tokens_per_s: float
+    prefix_sharing: str
+    extra: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d.update(d.pop("extra"))
+        return json.dumps(d)
+
+
+class Trainer:
+    """Owns the model, optimizer, KV cache and loop (see module docstring)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.layout: ParallelLayout = initialize_parallel(
+            args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed, args.device
+        )
+        if args.pipeline_model_parallel_size > 1:
+            raise NotImplementedError(
+                "training with --pipeline-model-parallel-size > 1 is not supported yet (the converter and "
+                "--load handle PP-sharded checkpoints; train with TP and DP)"
+            )
+        device = self.layout.device
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        impl = args.transformer_impl
+        if impl == "auto":
+            impl = "local"
+            if device.type == "cuda":
+                try:
+                    import transformer_engine  # noqa: F401
+
+                    impl = "transformer_engine"
+                except ImportError:
+                    pass
+        source = ModelSource(hf_dir=args.hf_dir, checkpoint=args.load, tiny=args.model)
+        self.start_iteration = 0
+        if args.load and not args.finetune:
+            _, info = read_checkpoint_info(args.load)
+            self.start_iteration = info.iteration
+        self.arch, self.model, optimizer_state = load_model(source, dtype=dtype, device=device, transformer_impl=impl)
+        self.dtype = dtype
+        settings = OptimizerSettings(
+            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
+            lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        self.optimizer = build_optimizer(self.model, settings, device)
+        if optimizer_state and not (args.finetune or args.no_load_optim):
+            self.optimizer.load_state_dict(optimizer_state)
+        self.loss_cfg = LossConfig(clip_eps=args.clip_eps, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
+                                   loss_agg=args.loss_agg)
+        self.cost_model = cost_model_for(self.arch)
+        tp = self.layout.tensor_parallel_size
+        self.geometry = KVGeometry(
+            num_layers=self.arch.num_layers // self.layout.pipeline_parallel_size,
+            num_groups=self.arch.num_kv_heads // tp, head_dim=self.arch.head_dim, dtype=dtype, device=device,
+        )
+        self.kv_cache = BlockKVCache(self.geometry, args.kv_cache_budget)
+        self.act_bytes = activation_bytes_per_token(self.arch, tp, torch.tensor([], dtype=dtype).element_size())
+        backend = None if args.attention_backend == "auto" else args.attention_backend
+        self.backend_name = backend or default_backend(device.type)
+        self.runner = StepRunner(self.model, self.arch.vocab_size, device, backend, self.kv_cache)
+        self.data = BatchSource(
+            args.data, self.arch.vocab_size, args.seed, args.global_batch_size, args.synthetic_tokens,
+            kl_required=args.kl_coef != 0.0, progress=self.layout.is_logging_rank and not args.quiet,
+            max_sequence_length=self.arch.sliding_window,
+        )
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, batch: SampleBatch) -> Tuple[StepPlan, Optional[object], str]:
+        args = self.args
+        tree = build_prefix_tree(batch)
+        config = PlannerConfig(micro_batch_tokens=args.micro_batch_tokens,
+                               data_parallel_size=self.layout.data_parallel_size,
+                               sharing=args.prefix_sharing, cost_model=self.cost_model)
+        plan = plan_step(tree, config)
+        try:
+            memories = [plan_memory(r, self.geometry, args.kv_cache_budget, self.act_bytes) if r.sources else None
+                        for r in plan.ranks]
+            return plan, memories[self.layout.dp_rank], args.prefix_sharing
+        except CacheBudgetError as exc:
+            # Cut differently: duplicate the prefixes instead of caching them.
+            try:
+                plan = plan_step(tree, dataclasses.replace(config, sharing="tree-dup"))
+            except PlanningError as dup_exc:
+                raise CacheBudgetError(f"{exc}; and without caching: {dup_exc}") from None
+            self.log(f"warning: {exc}; falling back to prefix duplication for this step")
+            return plan, None, "tree-dup"
+
+    # ------------------------------------------------------------------ loop
+    def log(self, msg: str) -> None:
+        if self.layout.is_logging_rank and not self.args.quiet:
+            print(msg, flush=True)
+
+    def _reduce(self, values: List[float], op=dist.ReduceOp.SUM, group=None) -> List[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=group)
+        return t.tolist()
+
+    def train_iteration(self, iteration: int) -> IterationRecord:
+        args = self.args
+        t0 = time.perf_counter()
+        batch = self.data.batch(iteration)
+        plan, memory, mode = self.plan(batch)
+        self.optimizer.zero_grad()
+        with PeakMemory(self.layout.device, enabled=not args.no_memory_tracking) as mem:
+            out = self.runner.train(plan, self.layout.dp_rank, self.loss_cfg, memory)
+            grad_norm = self.optimizer.step()
+        step_time = time.perf_counter() - t0
+        dp_group = parallel_state.get_data_parallel_group()
+        keys = sorted(out.metrics)
+        sums = self._reduce([out.loss, out.tokens_computed, out.tokens_recomputed, out.num_micro_batches]
+                            + [out.metrics[k] for k in keys], group=dp_group)
+        peak, step_time = self._reduce([float(mem.peak_bytes), step_time], op=dist.ReduceOp.MAX)
+        tokens_total = int(batch.num_tokens)
+        extra = {k: v for k, v in zip(keys, sums[4:])}
+        if memory is not None:
+            extra.update(self.kv_cache.metrics.to_dict())
+        extra["attention_backend"] = self.backend_name
+        return IterationRecord(
+            iter=iteration + 1, step_time_s=step_time, tokens_total=tokens_total, tokens_computed=int(sums[1]),
+            ideal_speedup=float(self.cost_model.ideal_speedup(plan.tree)) if mode != "none" else 1.0,
+            loss=sums[0], grad_norm=float(grad_norm), peak_mem_bytes=int(peak), lr=self.optimizer.lr,
+            samples=batch.num_samples, micro_batches=int(sums[3]), tokens_unique=int(plan.tree.num_tree_tokens),
+            tokens_recomputed=int(sums[2]), sharing_ratio=tokens_total / max(1.0, sums[1]),
+            tokens_per_s=tokens_total / step_time, prefix_sharing=mode, extra=extra,
+        )
+
+    def run(self) -> List[IterationRecord]:
+        args = self.args
+        a = self.arch
+        self.log(f"megatron_psrl: {a.model_type} h{a.hidden_size} L{a.num_layers} heads {a.num_attention_heads}/"
+                 f"{a.num_kv_heads} vocab {a.vocab_size} | TP {self.layout.tensor_parallel_size} DP "
+                 f"{self.layout.data_parallel_size} | {self.layout.device} {str(self.dtype).replace('torch.', '')} | "
+                 f"prefix sharing: {args.prefix_sharing} | attention: {self.backend_name} | data: {args.data}")
+        records = []
+        json_file = None
+        if args.log_json and self.layout.is_logging_rank:
+            os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+            json_file = open(args.log_json, "a", encoding="utf-8")
+        try:
+            for it in range(self.start_iteration, args.train_iters):
+                rec = self.train_iteration(it)
+                records.append(rec)
+                if json_file is not None:
+                    json_file.write(rec.to_json() + "\n")
+                    json_file.flush()
+                if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
+                    self.log(format_record(rec, args.train_iters))
+                if args.save and args.save_interval and (it + 1) % args.save_interval == 0 and it + 1 < args.train_iters:
+                    path = save_training_checkpoint(args.save, it + 1, self.model, self.optimizer, self.arch, self.layout)
+                    self.log(f"saved checkpoint {path}")
+            if args.save:
+                path = save_training_checkpoint(args.save, max(args.train_iters, self.start_iteration), self.model,
+                                                self.optimizer, self.arch, self.layout)
+                self.log(f"saved checkpoint {path}")
+        finally:
+            if json_file is not None:
+                json_file.close()
+        return records
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} TB"
+
+
+def format_record(rec: IterationRecord, total_iters: int) -> str:
+    parts = [
+        f"iteration {rec.iter:6d}/{total_iters:6d}",
+        f"step time {rec.step_time_s:7.3f} s",
+        f"tokens {rec.tokens_total} (computed {rec.tokens_computed}, sharing {rec.sharing_ratio:.2f}x, "
+        f"ideal speedup {rec.ideal_speedup:.2f}x)",
+        f"tokens/s {rec.tokens_per_s:9.1f}",
+        f"loss {rec.loss: .6e}",
+        f"grad norm {rec.grad_norm:.4e}",
+        f"lr {rec.lr:.3e}",
+        f"micro-batches {rec.micro_batches}",
+        f"peak mem {_fmt_bytes(rec.peak_mem_bytes)}",
+    ]
+    if "kv_hit_rate" in rec.extra:
+        parts.append(f"kv hit {rec.extra['kv_hit_rate']:.2f} util {rec.extra['kv_peak_utilisation']:.2f}")
+    return " | ".join(parts)
+
+
+def main(argv=None) -> List[IterationRecord]:
+    from megatron_psrl.training.arguments import parse_args
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(message)s")
+    trainer = Trainer(args)
+    return trainer.run()
