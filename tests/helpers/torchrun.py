@@ -1,0 +1,33 @@
+"""Run a Python script under ``torchrun`` (gloo on CPU) from a test."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import List, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout: int = 600) -> str:
+    """Run ``script`` with ``nproc`` ranks; returns combined output; raises with it on failure."""
+    cmd: List[str] = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", script, *args,
+    ]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.path.join(REPO_ROOT, "tests") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{output[-6000:]}")
+    return output
