@@ -187,9 +187,9 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ planning
-    def plan(self, batch: SampleBatch) -> Tuple[StepPlan, Optional[object], str]:
+    def plan(self, tree) -> Tuple[StepPlan, Optional[object], str]:
+        """This step's plan, this rank's memory plan, and the sharing mode actually used."""
         args = self.args
-        tree = build_prefix_tree(batch)
         config = PlannerConfig(micro_batch_tokens=args.micro_batch_tokens,
                                data_parallel_size=self.layout.data_parallel_size,
                                sharing=args.prefix_sharing, cost_model=self.cost_model)
@@ -221,7 +221,8 @@ class Trainer:
         args = self.args
         t0 = time.perf_counter()
         batch = self.data.batch(iteration)
-        plan, memory, mode = self.plan(batch)
+        tree = build_prefix_tree(batch)
+        plan, memory, mode = self.plan(tree)
         self.optimizer.zero_grad()
         with PeakMemory(self.layout.device, enabled=not args.no_memory_tracking) as mem:
             out = self.runner.train(plan, self.layout.dp_rank, self.loss_cfg, memory)
@@ -239,10 +240,11 @@ class Trainer:
         extra["attention_backend"] = self.backend_name
         return IterationRecord(
             iter=iteration + 1, step_time_s=step_time, tokens_total=tokens_total, tokens_computed=int(sums[1]),
-            ideal_speedup=float(self.cost_model.ideal_speedup(plan.tree)) if mode != "none" else 1.0,
+            ideal_speedup=float(self.cost_model.ideal_speedup(tree)),
             loss=sums[0], grad_norm=float(grad_norm), peak_mem_bytes=int(peak), lr=self.optimizer.lr,
-            samples=batch.num_samples, micro_batches=int(sums[3]), tokens_unique=int(plan.tree.num_tree_tokens),
-            tokens_recomputed=int(sums[2]), sharing_ratio=tokens_total / max(1.0, sums[1]),
+            samples=batch.num_samples, micro_batches=int(sums[3]),
+            tokens_unique=int(tree.num_tree_tokens), tokens_recomputed=int(sums[2]),
+            sharing_ratio=tokens_total / max(1.0, sums[1]),
             tokens_per_s=tokens_total / step_time, prefix_sharing=mode, extra=extra,
         )
 

@@ -14,9 +14,13 @@ from megatron_psrl.tree.prefix_tree import PrefixTree
 
 
 def build_unshared_tree(batch: SampleBatch) -> PrefixTree:
-    """A PrefixTree with one top-level node per sample, in input order (no deduplication)."""
+    """A PrefixTree with one top-level node per sample, in input order (no deduplication).
+
+    Unlike a built prefix tree, top-level nodes keep the input order instead of ascending
+    first token (so ``check_tree`` would reject it); every other invariant holds, and the
+    planner and packer only rely on those (each node is its own contiguous subtree).
+    """
     num_samples = batch.num_samples
-    lengths = batch.lengths
     flat = np.flatnonzero(batch.loss_mask).astype(np.int64)
     per_sample = np.add.reduceat(batch.loss_mask, batch.offsets[:-1], dtype=np.int64) if num_samples else np.zeros(0, np.int64)
     claim_offsets = np.zeros(batch.num_tokens + 1, dtype=np.int64)

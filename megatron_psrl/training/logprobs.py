@@ -1,0 +1,74 @@
+"""Per-token log-probs of samples under a model (the forward-only pass), with prefix sharing.
+
+``compute_logprobs`` is the library function behind ``tools/compute_logprobs.py``
+(interfaces.md section 2): for every sample, ``logprobs[i] = log p(tokens[i] | tokens[:i])``
+for i >= 1 and ``logprobs[0] = 0.0``. With sharing every distinct prefix is computed once
+(mechanisms 1 and 2); without, samples are packed back to back. Results are identical.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_psrl.data.samples import SampleBatch
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
+from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.training.step import StepRunner
+from megatron_psrl.tree.build import build_prefix_tree
+from megatron_psrl.tree.planner import PlannerConfig, plan_step
+
+
+def compute_logprobs(
+    model,
+    arch: ModelArchitecture,
+    batch: SampleBatch,
+    prefix_sharing: bool = True,
+    micro_batch_tokens: int = 8192,
+    kv_cache_budget: int = 1 << 30,
+    attention_backend: Optional[str] = None,
+    device: Optional[torch.device] = None,
+) -> List[np.ndarray]:
+    """float32 log-prob arrays, one per sample, aligned with its tokens (index 0 is 0.0).
+
+    Works in a single process and under torchrun (data-parallel ranks split the trees, tensor-
+    parallel ranks split the model); every rank returns the full result.
+    """
+    device = device or next(model.parameters()).device
+    dp = parallel_state.get_data_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    dp_rank = parallel_state.get_data_parallel_rank() if dp > 1 else 0
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    tree = build_prefix_tree(batch)
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=dp,
+                                         sharing="tree" if prefix_sharing else "none"))
+    dtype = next(model.parameters()).dtype
+    geometry = KVGeometry(num_layers=arch.num_layers, num_groups=arch.num_kv_heads // tp, head_dim=arch.head_dim,
+                          dtype=dtype, device=device)
+    rank_plan = plan.ranks[dp_rank]
+    cache = BlockKVCache(geometry, kv_cache_budget)
+    memory = None
+    if rank_plan.sources:
+        memory = plan_memory(rank_plan, geometry, kv_cache_budget,
+                             activation_bytes_per_token(arch, tp, torch.tensor([], dtype=dtype).element_size()))
+    runner = StepRunner(model, arch.vocab_size, device, attention_backend, cache)
+    was_training = model.training
+    model.eval()
+    try:
+        local = runner.logprobs(plan, dp_rank, memory).logprobs
+    finally:
+        model.train(was_training)
+        cache.release_pool()
+    if dp > 1:
+        gathered = [None] * dp
+        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+        local = {k: v for part in gathered for k, v in part.items()}
+    per_tree_token = np.zeros(plan.tree.num_tree_tokens, dtype=np.float32)
+    keys = np.fromiter(local.keys(), dtype=np.int64, count=len(local))
+    per_tree_token[keys] = np.fromiter(local.values(), dtype=np.float32, count=len(local))
+    flat = per_tree_token[plan.tree.sample_token_index]
+    flat[batch.offsets[:-1]] = 0.0  # position 0 has no log-prob
+    return [flat[batch.offsets[s]:batch.offsets[s + 1]].copy() for s in range(batch.num_samples)]

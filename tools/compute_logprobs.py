@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""Per-token log-probs of trajectory samples under a model (forward only, prefix-shared).
+
+    python tools/compute_logprobs.py (--hf-dir DIR | --load CKPT_DIR) --data FILE --out OUT.jsonl [--no-prefix-sharing]
+
+Writes one JSON line per input sample, in input order: {"id": ..., "logprobs": [...]} with
+logprobs[i] = log p(tokens[i] | tokens[:i]) for i >= 1 and logprobs[0] = 0.0. Runs in fp32 on
+CPU and in the checkpoint's dtype (or --dtype) on GPU; works under torchrun for TP/DP.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
+
+quiet_expected_import_warnings()
+
+import torch  # noqa: E402
+
+from megatron_psrl.checkpoint.loading import ModelSource, load_model  # noqa: E402
+from megatron_psrl.data.loader import load_samples  # noqa: E402
+from megatron_psrl.data.validation import SampleValidationError  # noqa: E402
+from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel  # noqa: E402
+from megatron_psrl.kvcache import CacheBudgetError  # noqa: E402
+from megatron_psrl.model.architecture import ModelArchitecture, UnsupportedModelError  # noqa: E402
+from megatron_psrl.model.builder import parse_dtype  # noqa: E402
+from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
+from megatron_psrl.training.logprobs import compute_logprobs  # noqa: E402
+from megatron_psrl.tree.planner import PlanningError  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-dir", help="Hugging Face save_pretrained folder")
+    src.add_argument("--load", help="megatron_psrl checkpoint directory (any TP/PP layout)")
+    p.add_argument("--data", required=True, help="samples file (.jsonl or .parquet)")
+    p.add_argument("--out", required=True, help="output JSONL file")
+    p.add_argument("--no-prefix-sharing", action="store_true", help="pack samples back to back (no sharing)")
+    p.add_argument("--micro-batch-tokens", type=int, default=8192, help="token budget of one micro-batch")
+    p.add_argument("--kv-cache-budget", type=parse_bytes, default=parse_bytes("1GiB"))
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="GPU compute dtype (default: the checkpoint's); CPU is always fp32")
+    p.add_argument("--attention-backend", default=None, choices=["torch", "dense", "flash", "te"])
+    p.add_argument("--progress", action="store_true", help="progress bar while reading the data")
+    return p.parse_args(argv)
+
+
+def _write_atomic(path: str, lines) -> None:
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".logprobs-", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    layout = initialize_parallel(args.tensor_model_parallel_size, 1, seed=0, device=args.device)
+    source = ModelSource(hf_dir=args.hf_dir, checkpoint=args.load)
+    if layout.device.type == "cpu":
+        dtype = torch.float32
+    elif args.dtype:
+        dtype = parse_dtype(args.dtype)
+    else:
+        arch = ModelArchitecture.from_hf_dir(args.hf_dir) if args.hf_dir else None
+        dtype = parse_dtype(arch.torch_dtype) if arch else torch.bfloat16
+    arch, model, _ = load_model(source, dtype=dtype, device=layout.device)
+    batch = load_samples(args.data, vocab_size=arch.vocab_size, progress=args.progress and layout.rank == 0)
+    logprobs = compute_logprobs(
+        model, arch, batch, prefix_sharing=not args.no_prefix_sharing, micro_batch_tokens=args.micro_batch_tokens,
+        kv_cache_budget=args.kv_cache_budget, attention_backend=args.attention_backend, device=layout.device,
+    )
+    if layout.rank == 0:
+        _write_atomic(args.out, (json.dumps({"id": sid, "logprobs": [float(x) for x in lp]})
+                                 for sid, lp in zip(batch.ids, logprobs)))
+        print(f"wrote log-probs of {batch.num_samples} samples ({batch.num_tokens} tokens) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except (SampleValidationError, UnsupportedModelError, CacheBudgetError, PlanningError, FileNotFoundError,
+            ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 2
+    finally:
+        shutdown_parallel()
+    sys.exit(code)
