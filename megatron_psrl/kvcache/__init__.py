@@ -8,7 +8,7 @@ from megatron_psrl.kvcache.manager import (
     KVGeometry,
     choose_block_size,
 )
-from megatron_psrl.kvcache.memory_plan import MemoryPlan, activation_bytes_per_token, plan_memory
+from megatron_psrl.kvcache.memory_plan import MemoryPlan, activation_bytes_per_token, plan_memory, simulated_peak_bytes
 
 __all__ = [
     "BLOCK_SIZE_CLASSES",
@@ -20,4 +20,5 @@ __all__ = [
     "activation_bytes_per_token",
     "choose_block_size",
     "plan_memory",
+    "simulated_peak_bytes",
 ]

@@ -11,15 +11,15 @@ against the budget:
 - dK and dV blocks of a source, from its producer's forward until the producer's backward;
 - the retained graph of a producer that keeps it (tokens x activation bytes per token).
 
-Producers are decided in schedule order, greedily: keep the graph when the simulated peak
-stays within the budget, else recompute. If even the blocks alone exceed the budget the plan
-is infeasible (:class:`CacheBudgetError`); the caller then cuts differently (duplication).
+Producers keep their graphs unless the simulated peak exceeds the budget; then graphs are
+dropped greedily (see :func:`plan_memory`). If no choice fits, the plan is infeasible
+(:class:`CacheBudgetError`) and the caller cuts differently (duplication).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -103,32 +103,57 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
     return np.asarray(blocks_held, dtype=np.int64), np.asarray(graphs_held, dtype=np.int64), last_read
 
 
+def simulated_peak_bytes(
+    plan: RankPlan, geometry: KVGeometry, keep_graph: Dict[int, bool], act_bytes_per_token: int,
+    block_size: Optional[int] = None,
+) -> int:
+    """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
+    block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
+    graph_bytes = {i: mb.num_tokens * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
+    blocks, graphs, _ = _simulate(plan, keep_graph, block_size, graph_bytes)
+    return int((blocks * geometry.block_bytes(block_size) + graphs).max(initial=0))
+
+
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int) -> MemoryPlan:
-    """Decide block size, pool size and keep/recompute for every producer of ``plan``."""
-    lengths = [s.length for s in plan.sources.values()]
-    block_size = choose_block_size(lengths)
-    block_bytes = geometry.block_bytes(block_size)
+    """Decide block size, pool size and keep/recompute for every producer of ``plan``.
+
+    Starts from keeping every producer's graph and, while the simulated peak exceeds the
+    budget, drops the graph whose recomputation lowers the peak most (fewest tokens on ties).
+    Dropping is not always a saving: a reader that recomputes reads its cached prefixes again
+    later, which keeps their K/V blocks alive longer.
+    """
+    block_size = choose_block_size([s.length for s in plan.sources.values()])
     producers = sorted({s.producer for s in plan.sources.values()})
-    graph_bytes = {i: plan.micro_batches[i].num_tokens * act_bytes_per_token for i in range(len(plan.micro_batches))}
-    keep = {p: False for p in producers}
+    keep = {p: True for p in producers}
 
-    def peak(keep_now) -> Tuple[int, np.ndarray, Dict[int, int]]:
-        blocks, graphs, last = _simulate(plan, keep_now, block_size, graph_bytes)
-        total = blocks * block_bytes + graphs
-        return int(total.max(initial=0)), blocks, last
+    def peak(decisions) -> int:
+        return simulated_peak_bytes(plan, geometry, decisions, act_bytes_per_token, block_size)
 
-    floor, _, _ = peak(keep)
-    if floor > budget_bytes:
+    current = peak(keep)
+    while current > budget_bytes:
+        trials = []
+        for p in producers:
+            if keep[p]:
+                trial = {**keep, p: False}
+                trials.append((peak(trial), plan.micro_batches[p].num_tokens, p))
+        if not trials:
+            break
+        best_peak, _, p = min(trials)
+        if best_peak >= current and any(keep.values()) and best_peak > budget_bytes:
+            # No single drop helps: drop them all (the minimum-graph configuration).
+            keep = {q: False for q in producers}
+            current = peak(keep)
+            break
+        keep[p] = False
+        current = best_peak
+    if current > budget_bytes:
         raise CacheBudgetError(
-            f"the cached prefixes of this step need {floor} bytes of KV blocks at their peak but "
+            f"the cached prefixes of this step need {current} bytes of KV blocks at their peak but "
             f"--kv-cache-budget is {budget_bytes} bytes"
         )
-    for p in producers:  # keep graphs greedily, in schedule order, while they fit
-        keep[p] = True
-        if peak(keep)[0] > budget_bytes:
-            keep[p] = False
+    graph_bytes = {i: mb.num_tokens * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
     blocks, graphs, last_read = _simulate(plan, keep, block_size, graph_bytes)
-    held = blocks * block_bytes + graphs
+    held = blocks * geometry.block_bytes(block_size) + graphs
     recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
     return MemoryPlan(
         block_size=block_size,
@@ -141,4 +166,4 @@ def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_byt
     )
 
 
-__all__ = ["KINDS", "MemoryPlan", "activation_bytes_per_token", "plan_memory"]
+__all__ = ["KINDS", "MemoryPlan", "activation_bytes_per_token", "plan_memory", "simulated_peak_bytes"]

@@ -1,0 +1,108 @@
+"""The block KV cache: budget, block tables, gather/scatter through them, metrics, memory plan."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_psrl.data import make_workload
+from megatron_psrl.kvcache import (
+    BlockKVCache,
+    CacheBudgetError,
+    KVGeometry,
+    choose_block_size,
+    plan_memory,
+    simulated_peak_bytes,
+)
+from megatron_psrl.tree import build_prefix_tree
+from megatron_psrl.tree.planner import PlannerConfig, plan_step
+
+GEOM = KVGeometry(num_layers=3, num_groups=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_block_size_follows_the_lengths():
+    assert choose_block_size([16] * 10) == 16
+    assert choose_block_size([512, 1024, 2048]) in (256, 512)
+    assert choose_block_size([17, 33, 65]) == 16  # padding dominates for short odd lengths
+    assert choose_block_size([]) == 16
+
+
+def test_budget_below_one_block_is_refused_with_the_numbers():
+    with pytest.raises(CacheBudgetError, match=r"cannot hold one KV block.*needs 1536 bytes"):
+        BlockKVCache(GEOM, 1000)
+
+
+def test_write_read_accumulate_through_block_tables():
+    cache = BlockKVCache(GEOM, 1 << 20)
+    cache.begin_step(block_size=16, pool_blocks=40)
+    data = {}
+    for sid, n in [(0, 5), (1, 37), (2, 16)]:
+        cache.allocate(sid, n)
+        for layer in (1, 2, 3):
+            k, v = torch.randn(n, 2, 4), torch.randn(n, 2, 4)
+            cache.write(sid, layer, k, v)
+            data[(sid, layer)] = (k, v)
+    # blocks are disjoint
+    tables = np.concatenate([cache.block_table(s, kind) for s in range(3) for kind in ("k", "v", "gk", "gv")])
+    assert len(tables) == len(set(tables.tolist()))
+    for (sid, layer), (k, v) in data.items():
+        rk, rv = cache.read(sid, layer)
+        assert torch.equal(rk, k) and torch.equal(rv, v)
+        g1, g2 = torch.randn_like(k), torch.randn_like(k)
+        cache.accumulate_grad(sid, layer, g1, None)
+        cache.accumulate_grad(sid, layer, g2, g1)
+        gk, gv = cache.read_grad(sid, layer)
+        torch.testing.assert_close(gk, g1 + g2)
+        torch.testing.assert_close(gv, g1)
+    used = cache.blocks_in_use
+    cache.free(1, ("k", "v"))
+    assert cache.blocks_in_use == used - 2 * 3
+    cache.free(1, ("gk", "gv"))
+    for s in (0, 2):
+        cache.free(s, ("k", "v", "gk", "gv"))
+    cache.end_step()
+    m = cache.metrics.to_dict()
+    assert m["kv_peak_utilisation"] == pytest.approx(used / 40)
+    assert 0.0 < m["kv_fragmentation"] < 1.0  # 5 and 37 tokens waste part of their blocks
+
+
+def test_pool_never_exceeds_budget():
+    cache = BlockKVCache(GEOM, GEOM.block_bytes(16) * 8)
+    with pytest.raises(CacheBudgetError, match="needs 9 KV blocks"):
+        cache.begin_step(16, 9)
+    cache.begin_step(16, 8)
+    cache.allocate(0, 16)  # 4 blocks (K, V, dK, dV)
+    with pytest.raises(CacheBudgetError, match="KV cache full"):
+        cache.allocate(1, 32)  # would need 8 more
+
+
+def _stream_plan(budget_tokens=64):
+    tree = build_prefix_tree(make_workload("stepwise", vocab_size=512, seed=2))
+    return plan_step(tree, PlannerConfig(micro_batch_tokens=budget_tokens, sharing="tree")).ranks[0]
+
+
+def test_memory_plan_keeps_graphs_when_they_fit_and_recomputes_when_not():
+    rank = _stream_plan()
+    roomy = plan_memory(rank, GEOM, 1 << 40, act_bytes_per_token=100)
+    assert all(roomy.keep_graph.values()) and roomy.recompute_tokens == 0
+    drop_all = {p: False for p in roomy.keep_graph}
+    floor = simulated_peak_bytes(rank, GEOM, drop_all, 100)
+    tight = plan_memory(rank, GEOM, floor, act_bytes_per_token=100)
+    assert tight.recompute_tokens > 0 and not all(tight.keep_graph.values())
+    assert tight.peak_bytes <= floor
+    mid_budget = (floor + roomy.peak_bytes) // 2
+    mid = plan_memory(rank, GEOM, mid_budget, act_bytes_per_token=100)
+    assert mid.peak_bytes <= mid_budget
+    assert tight.recompute_tokens >= mid.recompute_tokens >= roomy.recompute_tokens
+    with pytest.raises(CacheBudgetError, match="need .* bytes of KV blocks"):
+        plan_memory(rank, GEOM, min(floor, simulated_peak_bytes(rank, GEOM, roomy.keep_graph, 0)) - 1, 0)
+
+
+def test_memory_plan_pool_matches_the_simulated_peak():
+    rank = _stream_plan()
+    mem = plan_memory(rank, GEOM, 1 << 40, act_bytes_per_token=0)
+    assert mem.pool_blocks * GEOM.block_bytes(mem.block_size) == mem.peak_bytes
+    # every source's K/V are released after its last reader's forward
+    for sid, step in mem.kv_release_step.items():
+        readers = rank.sources[sid].consumers
+        fwd = [t for t, (op, i) in enumerate(rank.schedule) if i in readers and op != "backward"]
+        assert step == max(fwd)

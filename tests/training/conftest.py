@@ -1,0 +1,28 @@
+"""Fixtures: one tiny HF checkpoint, the HF reference model and our megatron model (TP=1)."""
+
+import pytest
+import torch
+
+from helpers.hf_reference import load_hf_model, make_hf_checkpoint
+from megatron_psrl.checkpoint import ModelSource, load_model
+from megatron_psrl.distributed.setup import initialize_parallel
+from megatron_psrl.model import tiny_config
+
+TEST_CONFIG = dict(tiny_config("debug-llama"), vocab_size=256)
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory):
+    return make_hf_checkpoint(TEST_CONFIG, seed=0, directory=str(tmp_path_factory.mktemp("hf")))
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_dir):
+    return load_hf_model(hf_dir)
+
+
+@pytest.fixture(scope="session")
+def psrl_model(hf_dir):
+    initialize_parallel(1, 1, seed=0, device="cpu")
+    arch, model, _ = load_model(ModelSource(hf_dir=hf_dir), dtype=torch.float32)
+    return arch, model

@@ -1,0 +1,112 @@
+"""Planner + packer invariants against brute force, for every sharing mode and many budgets.
+
+For every micro-batch of every rank, each query token must attend to exactly the tokens of
+its own sample before it (its ancestors in the tree, computed here by walking predecessors),
+whether they are in the pack or in cached sources; every tree token must be owned exactly
+once; every log-prob target exactly once; schedules must respect producer/reader order.
+"""
+
+import numpy as np
+import pytest
+
+from helpers.batches import random_tree_batch
+from megatron_psrl.data import make_workload
+from megatron_psrl.tree import build_prefix_tree
+from megatron_psrl.tree.planner import PlannerConfig, PlanningError, plan_step
+
+
+def _ancestors(index, x):
+    out = []
+    x = int(index.pred[x])
+    while x >= 0:
+        out.append(x)
+        x = int(index.pred[x])
+    return set(out)
+
+
+def check_plan(plan, budget):
+    index, tree = plan.index, plan.tree
+    owned = np.zeros(tree.num_tree_tokens, dtype=np.int64)
+    targets = np.zeros(tree.num_tree_tokens, dtype=np.int64)
+    for rank in plan.ranks:
+        forward_at, backward_at = {}, {}
+        for t, (op, i) in enumerate(rank.schedule):
+            if op in ("forward", "forward_backward"):
+                assert i not in forward_at
+                forward_at[i] = t
+            if op in ("backward", "forward_backward"):
+                assert i not in backward_at
+                backward_at[i] = t
+        assert set(forward_at) == set(backward_at) == set(range(len(rank.micro_batches)))
+        for src in rank.sources.values():
+            toks = src.tokens
+            assert np.all(index.pred[toks[1:]] == toks[:-1]), "a source must be a chain"
+            assert np.isin(toks, rank.micro_batches[src.producer].tokens).all()
+            for c in src.consumers:
+                assert forward_at[src.producer] < forward_at[c]
+                assert backward_at[c] < backward_at[src.producer]
+        for i, mb in enumerate(rank.micro_batches):
+            assert mb.num_tokens <= budget
+            owned[mb.tokens[mb.owned]] += 1
+            pack = rank.pack(index, i)
+            assert np.array_equal(pack.position_ids, index.position[pack.tree_tokens])
+            np.add.at(targets, pack.logit_targets, 1)
+            # logit row = predecessor of the target
+            assert np.all(pack.tree_tokens[pack.logit_rows] == index.pred[pack.logit_targets])
+            mask = pack.plan.dense_mask()
+            ext_tokens = [rank.sources[s].tokens for s in mb.reads]
+            key_tokens = np.concatenate([pack.tree_tokens] + ext_tokens)
+            for q in range(pack.num_tokens):
+                x = int(pack.tree_tokens[q])
+                seen = key_tokens[mask[q]]
+                assert len(seen) == len(set(seen.tolist())), "a key seen twice"
+                assert set(seen.tolist()) == _ancestors(index, x) | {x}, f"query {x} sees the wrong keys"
+    assert np.all(owned == 1), "every tree token owned exactly once"
+    pos = index.position
+    assert np.all(targets[pos > 0] == 1) and np.all(targets[pos == 0] == 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mode,budget", [("tree", 1000), ("tree", 40), ("tree", 17), ("tree", 5),
+                                          ("tree-dup", 70), ("none", 70)])
+def test_random_batches(seed, mode, budget):
+    tree = build_prefix_tree(random_tree_batch(seed))
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=budget, sharing=mode, data_parallel_size=1 + seed % 3))
+    check_plan(plan, budget)
+    if mode == "tree":
+        assert plan.tokens_computed() == tree.num_tree_tokens  # every token computed once
+    if mode == "none":
+        assert plan.tokens_computed() == tree.batch.num_tokens
+
+
+@pytest.mark.parametrize("workload", ["grpo", "stepwise", "tree", "mixed"])
+def test_synthetic_workloads_stream(workload):
+    batch = make_workload(workload, vocab_size=512, seed=3)
+    tree = build_prefix_tree(batch)
+    budget = max(64, tree.num_tree_tokens // 10)  # trees many times the budget
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=budget, sharing="tree"))
+    check_plan(plan, budget)
+    assert plan.num_micro_batches() >= tree.num_tree_tokens // budget
+
+
+def test_mechanism_one_keeps_fitting_trees_whole():
+    tree = build_prefix_tree(make_workload("grpo", vocab_size=512, seed=0))
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=tree.num_tree_tokens, sharing="tree"))
+    assert plan.num_micro_batches() == 1 and not plan.ranks[0].sources
+
+
+def test_data_parallel_balances_cost():
+    tree = build_prefix_tree(make_workload("grpo", vocab_size=512, seed=0, num_tokens_target=20000))
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=4096, sharing="tree", data_parallel_size=4))
+    costs = [r.planned_cost for r in plan.ranks]
+    assert max(costs) <= 1.35 * (sum(costs) / len(costs))
+
+
+def test_errors_name_the_budget():
+    tree = build_prefix_tree(random_tree_batch(0))
+    with pytest.raises(PlanningError, match="micro-batch-tokens 10"):
+        plan_step(tree, PlannerConfig(micro_batch_tokens=10, sharing="none"))
+    with pytest.raises(PlanningError, match="mechanism 1 alone"):
+        plan_step(tree, PlannerConfig(micro_batch_tokens=10, sharing="tree-dup"))
+    with pytest.raises(ValueError, match="sharing"):
+        PlannerConfig(micro_batch_tokens=10, sharing="bogus")
