@@ -205,16 +205,34 @@ def tree_plan(
     parent = np.asarray(seg_parent, dtype=np.int64)
     g = len(seg_start)
     # Subtree end (in tokens) of every segment: depth-first order makes the subtree contiguous.
+    if len(parent) != g or len(seg_end) != g:
+        raise ValueError("seg_start, seg_end and seg_parent must have one entry per segment")
     subtree_end = seg_end.copy()
+    subtree_last = np.arange(g)  # last segment index of every subtree
+    subtree_size = np.ones(g, dtype=np.int64)  # segments in every subtree
     for s in range(g - 1, -1, -1):
         p = parent[s]
         if p >= 0:
             if p >= s:
                 raise ValueError("segments must be in depth-first order (parent before child)")
             subtree_end[p] = max(subtree_end[p], subtree_end[s])
+            subtree_last[p] = max(subtree_last[p], subtree_last[s])
+            subtree_size[p] += subtree_size[s]
+    # Depth-first order <=> every subtree is a contiguous run of segments; otherwise a
+    # subtree's token range would also cover unrelated segments (which would then see it).
+    bad = np.flatnonzero(subtree_last - np.arange(g) + 1 != subtree_size)
+    if len(bad):
+        raise ValueError(
+            f"segments must be in depth-first order: the subtree of segment {int(bad[0])} is not a "
+            "contiguous run of segments"
+        )
     has_desc = subtree_end > seg_end  # its descendants all see this segment
     ext = np.asarray(external_blocks, dtype=np.int64).reshape(-1, 3)
     ext_lengths = np.asarray(list(external_lengths), dtype=np.int64)
+    if len(ext) and (ext[:, 2].min() < 0 or ext[:, 2].max() >= len(ext_lengths)):
+        raise ValueError(
+            f"an external block names an unknown external source (sources 0..{len(ext_lengths) - 1})"
+        )
     return AttentionPlan(
         num_tokens=int(seg_end[-1]) if g else 0,
         seg_start=seg_start,
