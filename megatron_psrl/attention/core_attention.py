@@ -100,6 +100,10 @@ class PrefixSharingAttention(MegatronModule):
 
         if isinstance(packed_seq_params, TreeAttentionMetadata):
             # query [t, 1, np, hn], key/value [t, 1, ng, hn] (sbhd with one packed row)
+            if attention_mask is not None:
+                raise NotImplementedError(
+                    "PrefixSharingAttention takes the tree mask from TreeAttentionMetadata.plan; pass attention_mask=None"
+                )
             if query.shape[1] != 1:
                 raise ValueError("a tree-packed micro-batch has batch size 1 ([t, 1, np, hn])")
             q, k, v = query[:, 0], key[:, 0], value[:, 0]
