@@ -96,8 +96,12 @@ class RopeConfig:
                 kwargs[key] = params[key]
         if "partial_rotary_factor" not in kwargs and hf.get("partial_rotary_factor") is not None:
             kwargs["partial_rotary_factor"] = hf["partial_rotary_factor"]
-        if rope_type == "yarn" and "original_max_position_embeddings" not in kwargs:
+        # As transformers >= 5: the pre-training context defaults to max_position_embeddings
+        # (llama3 and yarn); a scaling type without its factor is refused (transformers does too).
+        if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in kwargs:
             kwargs["original_max_position_embeddings"] = hf.get("max_position_embeddings")
+        if rope_type in ("linear", "llama3", "yarn") and "factor" not in kwargs:
+            raise UnsupportedModelError(f"RoPE scaling {rope_type!r} needs a 'factor'")
         return cls(**kwargs)
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
