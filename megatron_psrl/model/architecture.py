@@ -327,5 +327,9 @@ class ModelArchitecture:
         h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
         attn = h * hd * (self.num_attention_heads + 2 * self.num_kv_heads) + self.num_attention_heads * hd * h
         per_layer = attn + 3 * h * f + 2 * h
+        if self.qkv_bias:
+            per_layer += hd * (self.num_attention_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            per_layer += 2 * hd
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
