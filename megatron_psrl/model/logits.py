@@ -76,9 +76,11 @@ def vocab_parallel_logprobs(
 
     entropy = None
     if with_entropy:
-        probs = exp / sum_exp[:, None]
-        p_shift = (probs * shifted).sum(dim=-1)  # sum_v p_v * shifted_v
+        # H = log Z - sum_v exp(z_v) z_v / Z. Written with the two all-reduced sums only, so
+        # that every rank's gradient reaches its own logits through reduced values alone
+        # (p_v = exp(z_v) / Z computed locally would hide other ranks' terms from d/dZ).
+        weighted = (exp * shifted).sum(dim=-1)
         if world > 1:
-            p_shift = reduce_from_tensor_model_parallel_region(p_shift)
-        entropy = log_z - p_shift
+            weighted = reduce_from_tensor_model_parallel_region(weighted)
+        entropy = log_z - weighted / sum_exp
     return logprobs, entropy
