@@ -1,0 +1,77 @@
+"""Small HF configs of every supported family, for model and checkpoint tests.
+
+Shrunk versions of ``megatron_psrl.model.tiny`` configs (2 layers, GQA 4 query heads over 2
+key/value groups) with the family's distinguishing features switched on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from megatron_psrl.model.tiny import tiny_config
+
+_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=301, max_position_embeddings=4096)
+
+
+def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
+    """A small HF config dict of the named test family."""
+    if name == "llama-llama3":  # llama with llama3 RoPE scaling (short original context: it matters)
+        cfg = dict(tiny_config("debug-llama"), **_SMALL)
+        cfg["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=64)
+    elif name == "qwen2-yarn":  # q/k/v bias, tied embeddings, yarn RoPE (attention scaling != 1)
+        cfg = dict(tiny_config("tiny-qwen2"), **_SMALL)
+        cfg["rope_scaling"] = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024)
+        cfg["tie_word_embeddings"] = True
+    elif name == "qwen3-tied":  # q/k RMSNorm, head_dim != hidden / heads, tied embeddings
+        cfg = dict(tiny_config("tiny-qwen3"), **dict(_SMALL, head_dim=24))
+        cfg["tie_word_embeddings"] = True
+    elif name == "mistral":
+        cfg = dict(tiny_config("tiny-mistral"), **_SMALL)
+    elif name == "mistral-linear":  # linear RoPE scaling, theta != 10000
+        cfg = dict(tiny_config("tiny-mistral"), **_SMALL)
+        cfg.update(rope_theta=50000.0, rope_scaling=dict(rope_type="linear", factor=2.0))
+    else:
+        raise ValueError(name)
+    cfg.update(overrides)
+    return cfg
+
+
+FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear")
+
+
+def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0, dtype=None,
+                           max_shard_size=None, qk_gain: float = 2.0) -> str:
+    """A random HF checkpoint whose attention is sharp enough for tests to see RoPE and masks.
+
+    With transformers' random init (std 0.02) log-probs are nearly uniform and attention nearly
+    flat, so a wrong position or mask moves log-probs by little. Here the weights use std
+    ``initializer_range`` (0.1 unless the config sets another value than 0.02), the q/k
+    projections (or Qwen3's q/k norms) are scaled so that q.k grows by ``qk_gain``, and norms
+    and biases are perturbed away from 1 and 0.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(config)
+    config.setdefault("initializer_range", 0.1)
+    if config.get("initializer_range") == 0.02:
+        config["initializer_range"] = 0.1
+    cfg = AutoConfig.for_model(**config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    qk_norm = cfg.model_type == "qwen3"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            if qk_norm and (name.endswith("q_norm.weight") or name.endswith("k_norm.weight")):
+                p.mul_(qk_gain ** 0.5)
+            elif not qk_norm and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+                p.mul_(qk_gain ** 0.5)
+    if dtype is not None:
+        model = model.to(dtype)
+    kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
