@@ -24,7 +24,13 @@ def allreduce_gradients(params: Iterable[torch.nn.Parameter], group=None, bucket
     group = group if group is not None else parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    params = list(params)
+    for p in params:
+        # Every rank must contribute the same tensors, even one whose trees never reached a
+        # parameter (or that got no work at all).
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     bucket: List[torch.Tensor] = []
     size = 0
     for g in grads + [None]:

@@ -83,11 +83,11 @@ def initialize_parallel(
     """Initialise torch.distributed (if needed), megatron's parallel_state, and RNG seeds."""
     dev = pick_device(device)
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if "RANK" in os.environ:  # torchrun / a launcher
+            dist.init_process_group(backend=backend)
+        else:  # a plain single process; no environment variables are set (children inherit them)
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tensor_parallel_size * pipeline_parallel_size):
         raise ValueError(

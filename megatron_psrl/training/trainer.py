@@ -229,9 +229,11 @@ class Trainer:
             grad_norm = self.optimizer.step()
         step_time = time.perf_counter() - t0
         dp_group = parallel_state.get_data_parallel_group()
-        keys = sorted(out.metrics)
+        keys = ["clip_frac", "pg_loss"]  # the same keys on every rank, even one without claims
+        keys += ["kl"] if self.loss_cfg.kl_coef else []
+        keys += ["entropy"] if self.loss_cfg.entropy_coef else []
         sums = self._reduce([out.loss, out.tokens_computed, out.tokens_recomputed, out.num_micro_batches]
-                            + [out.metrics[k] for k in keys], group=dp_group)
+                            + [out.metrics.get(k, 0.0) for k in keys], group=dp_group)
         peak, step_time = self._reduce([float(mem.peak_bytes), step_time], op=dist.ReduceOp.MAX)
         tokens_total = int(batch.num_tokens)
         extra = {k: v for k, v in zip(keys, sums[4:])}

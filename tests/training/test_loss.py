@@ -53,7 +53,7 @@ def test_policy_loss_matches_the_formula_per_claim():
         d = float(b.ref_logprobs[flat]) - lp
         kl = np.exp(d) - d - 1
         expected += coef[k] * (pg + 0.1 * kl - 0.01 * float(ent[row]))
-    assert float(total) == pytest.approx(expected, rel=1e-6)
+    assert float(total.detach()) == pytest.approx(expected, rel=1e-6)
     assert set(metrics) == {"pg_loss", "kl", "entropy", "clip_frac"}
 
 
