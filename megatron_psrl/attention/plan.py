@@ -154,6 +154,17 @@ class AttentionPlan:
         """
         if self._gather_cache is not None:
             return self._gather_cache
+        # A block must cover whole segments: the varlen kernels give every query of a segment
+        # the same ancestor keys, so a block that starts or ends inside a segment cannot be
+        # expressed (the blockwise and dense backends handle it, these would silently drop it).
+        boundaries = np.concatenate([self.seg_start, [self.num_tokens]])
+        inside = ~np.isin(self.block_q_start, boundaries) | ~np.isin(self.block_q_end, boundaries)
+        if np.any(inside):
+            b = int(np.flatnonzero(inside)[0])
+            raise ValueError(
+                f"ancestor block {b} (queries {int(self.block_q_start[b])}:{int(self.block_q_end[b])}) does not "
+                "start and end on segment boundaries; the varlen (flash / te) backends need whole segments"
+            )
         offsets = self.key_source_offsets()
         # Softmax does not care about key order, only the own segment must come last so
         # that the bottom-right-aligned causal mask hits exactly its tokens.
