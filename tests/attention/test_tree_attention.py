@@ -213,3 +213,19 @@ def test_tree_plan_rejects_non_depth_first_forests():
     with pytest.raises(ValueError, match="depth-first"):
         tree_plan([0, 1, 2, 3], [1, 2, 3, 4], [-1, 0, -1, 1])
     tree_plan([0, 1, 2, 3], [1, 2, 3, 4], [-1, 0, 1, 0])  # valid: 0 -> 1 -> 2, 0 -> 3
+
+
+def test_gathered_keys_refuse_blocks_that_split_a_segment():
+    """Queries 3:6 of one segment see an external source, queries 0:3 do not: the blockwise
+    and dense backends are exact, but a varlen kernel gives a whole segment one key list, so
+    gathered_keys must refuse instead of silently dropping the block."""
+    plan = AttentionPlan(num_tokens=6, seg_start=[0], seg_end=[6], block_q_start=[3], block_q_end=[6],
+                         block_k_start=[0], block_k_end=[2], block_source=[0], external_lengths=[2])
+    q, k, v = (torch.randn(6, h, 4, dtype=torch.float64) for h in (2, 2, 2))
+    ext = [(torch.randn(2, 2, 4, dtype=torch.float64), torch.randn(2, 2, 4, dtype=torch.float64))]
+    key_sets = [list(range(i + 1)) + ([6, 7] if i >= 3 else []) for i in range(6)]
+    ref = per_query_attention(q, k, v, key_sets, ext)
+    for backend in ("torch-aten", "torch-math", "dense"):
+        torch.testing.assert_close(_run(backend, q, k, v, plan, ext, None), ref, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match="segment boundaries"):
+        plan.gathered_keys()
