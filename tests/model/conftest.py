@@ -1,14 +1,6 @@
-"""Fixtures of the model tests: a one-rank (gloo) megatron parallel state, random HF checkpoints."""
+"""Fixtures of the model tests: random HF checkpoints of the test families."""
 
 import pytest
-
-
-@pytest.fixture
-def tp1():
-    """megatron parallel_state with TP = PP = 1 in this process (kept if already set up)."""
-    from megatron_psrl.distributed.setup import initialize_parallel
-
-    return initialize_parallel(1, 1, seed=1234, device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,7 @@ def test_logprobs_and_entropy_match_hf(family, models):
         assert (lp <= 0).all() and (ent >= 0).all()
 
 
-def test_the_comparison_sees_rope_scaling(hf_checkpoints, tmp_path, tp1):
+def test_the_comparison_sees_rope_scaling(hf_checkpoints, tmp_path):
     """The families' log-probs depend on the RoPE variant by far more than ATOL, so a model that
     ignored llama3 / yarn / linear scaling would fail test_logprobs_and_entropy_match_hf."""
     tokens = _tokens(40, 301, seed=2)
