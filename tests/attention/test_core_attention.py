@@ -242,9 +242,12 @@ def test_gpu_backend_matches_torch_backend(backend, dtype):
         plan=plan, backend=backend, kv_hook=RecordingHook([(ek, ev)])))
     ref = attn(rq[:, None], rk[:, None], rv[:, None], None, packed_seq_params=TreeAttentionMetadata(
         plan=plan, backend="torch", kv_hook=RecordingHook([(rek, rev)])))
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(out.float(), ref, **tol)
     dout = torch.randn(ref.shape, device=dev)
     got = torch.autograd.grad((out.float() * dout).sum(), leaves)
     want = torch.autograd.grad((ref * dout).sum(), ref_leaves)
     for a, w in zip(got, want):
-        torch.testing.assert_close(a.float(), w, atol=5e-2, rtol=5e-2)
+        # gradients accumulate over many keys / queries: compare relative to their scale
+        err = (a.float() - w).abs().max().item()
+        assert err <= 5 * tol["atol"] * max(1.0, w.abs().max().item()), err
