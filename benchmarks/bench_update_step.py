@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""Update-step speed and memory: prefix sharing vs no sharing vs a dense tree mask, side by side.
+
+    python benchmarks/bench_update_step.py [--model tiny-llama] [--repeats 3] [--out-dir runs/bench_update_step]
+
+For every workload it builds one global batch and measures, in the same process and with the
+same model and kernels, one full update step (tree build + planning + forward + backward of
+every micro-batch; the optimizer update is identical for all and left out):
+
+- ``shared``: prefix sharing (mechanism 1 tree packing; blockwise tree attention);
+- ``baseline``: ``--no-prefix-sharing``: samples packed back to back, every prefix recomputed;
+- ``dense``: prefix sharing with one dense boolean tree mask over the pack (SDPA), the usual
+  way tree packing is done;
+
+and reports the median step time over ``--repeats`` interleaved runs, the ideal speedup of the
+brief (FLOPs ratio for this model and batch), efficiency = measured speedup / ideal, and the
+measured peak memory of the step (heap bytes in use above the step's start; CUDA: allocator).
+Results go to ``bench_update_step.json`` and ``bench_update_step.md`` in ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
+
+quiet_expected_import_warnings()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_psrl.checkpoint import ModelSource, load_model  # noqa: E402
+from megatron_psrl.data import make_grpo, make_mixed, make_stepwise, make_tree_rollouts, samples_from_dicts  # noqa: E402
+from megatron_psrl.data.samples import SampleBatch  # noqa: E402
+from megatron_psrl.distributed.setup import initialize_parallel  # noqa: E402
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory  # noqa: E402
+from megatron_psrl.training.loss import LossConfig  # noqa: E402
+from megatron_psrl.training.memory import PeakMemory  # noqa: E402
+from megatron_psrl.training.step import StepRunner  # noqa: E402
+from megatron_psrl.training.trainer import cost_model_for  # noqa: E402
+from megatron_psrl.tree import build_prefix_tree  # noqa: E402
+from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
+
+
+# ---------------------------------------------------------------------- workloads
+def _grpo_exact(prompt: int, group: int, response: int, vocab: int, seed: int = 0) -> SampleBatch:
+    """One prompt with ``group`` responses of exactly ``response`` tokens (the brief's shapes)."""
+    rng = np.random.default_rng(seed)
+    p = rng.integers(0, vocab, prompt).tolist()
+    recs = [{"id": i, "tokens": p + rng.integers(0, vocab, response).tolist(),
+             "loss_mask": [0] * prompt + [1] * response, "advantage": float(rng.normal())} for i in range(group)]
+    return samples_from_dicts(recs, source=f"grpo-{prompt}x{group}x{response}")
+
+
+def _stepwise_exact(turns: int, turn_len: int, action_len: int, vocab: int, seed: int = 0) -> SampleBatch:
+    """One trajectory of ``turns`` turns of ``turn_len`` tokens; sample t = history up to turn t,
+    trained on turn t's action (its last ``action_len`` tokens)."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, vocab, turns * turn_len).tolist()
+    recs = []
+    for t in range(1, turns + 1):
+        n = t * turn_len
+        recs.append({"id": t, "tokens": toks[:n], "loss_mask": [0] * (n - action_len) + [1] * action_len,
+                     "advantage": float(rng.normal())})
+    return samples_from_dicts(recs, source=f"stepwise-{turns}x{turn_len}")
+
+
+def workloads(vocab: int) -> Dict[str, Callable[[], SampleBatch]]:
+    return {
+        "grpo": lambda: make_grpo(num_prompts=2, group_size=8, prompt_len=(512, 1536), response_len=(64, 384),
+                                  vocab_size=vocab, seed=1),
+        "stepwise": lambda: make_stepwise(num_trajectories=1, turns=(10, 14), obs_len=(60, 400), action_len=(10, 60),
+                                          system_len=200, task_len=(100, 200), vocab_size=vocab, seed=1),
+        "tree": lambda: make_tree_rollouts(num_roots=2, vocab_size=vocab, seed=1),
+        "mixed": lambda: make_mixed(vocab_size=vocab, seed=1),
+        # The shapes of the brief's side-by-side measurements of prior systems (section 6).
+        "grpo-2048x8x128": lambda: _grpo_exact(2048, 8, 128, vocab),
+        "grpo-512x8x512": lambda: _grpo_exact(512, 8, 512, vocab),
+        "stepwise-8x256": lambda: _stepwise_exact(8, 256, 64, vocab),
+    }
+
+
+# ---------------------------------------------------------------------- measurement
+class Bench:
+    def __init__(self, model_name: str, micro_batch_tokens: int, device: torch.device):
+        initialize_parallel(1, 1, seed=0, device=device.type)
+        self.arch, self.model, _ = load_model(ModelSource(tiny=model_name), dtype=torch.float32, device=device)
+        self.device = device
+        self.cost = cost_model_for(self.arch)
+        self.loss = LossConfig(loss_agg="token-mean")
+        self.budget = micro_batch_tokens
+        self.geometry = KVGeometry(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim, torch.float32,
+                                   device)
+        self.cache = BlockKVCache(self.geometry, 4 << 30)
+
+    def step(self, batch: SampleBatch, variant: str) -> dict:
+        """One update step of ``variant``; returns time, memory and token counts."""
+        mode = "none" if variant == "baseline" else "tree"
+        backend = "dense" if variant == "dense" else "torch"
+        self.model.zero_grad(set_to_none=True)
+        with PeakMemory(self.device) as mem:
+            t0 = time.perf_counter()
+            tree = build_prefix_tree(batch)
+            plan = plan_step(tree, PlannerConfig(micro_batch_tokens=self.budget, sharing=mode, cost_model=self.cost))
+            rank = plan.ranks[0]
+            memory = plan_memory(rank, self.geometry, 4 << 30, activation_bytes_per_token(self.arch, 1, 4)) \
+                if rank.sources else None
+            out = StepRunner(self.model, self.arch.vocab_size, self.device, backend, self.cache).train(
+                plan, 0, self.loss, memory)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "peak_bytes": mem.peak_bytes - mem.start_bytes, "loss": out.loss,
+                "tokens_computed": out.tokens_computed, "key_pairs": out.key_pairs,
+                "micro_batches": out.num_micro_batches}
+
+
+def run(args) -> List[dict]:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    bench = Bench(args.model, args.micro_batch_tokens, device)
+    variants = ["shared", "baseline", "dense"]
+    rows = []
+    for name, make in workloads(bench.arch.vocab_size).items():
+        if args.workloads and name not in args.workloads:
+            continue
+        batch = make()
+        tree = build_prefix_tree(batch)
+        ideal = bench.cost.ideal_speedup(tree)
+        results: Dict[str, List[dict]] = {v: [] for v in variants}
+        for v in variants:  # warm-up
+            bench.step(batch, v)
+        for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
+            for v in variants:
+                results[v].append(bench.step(batch, v))
+        med = {v: statistics.median(r["seconds"] for r in results[v]) for v in variants}
+        peak = {v: max(r["peak_bytes"] for r in results[v]) for v in variants}
+        losses = {v: results[v][0]["loss"] for v in variants}
+        speedup = med["baseline"] / med["shared"]
+        row = {
+            "workload": name, "samples": batch.num_samples, "tokens": batch.num_tokens,
+            "tree_tokens": tree.num_tree_tokens, "ideal_speedup": ideal,
+            "step_s_shared": med["shared"], "step_s_baseline": med["baseline"], "step_s_dense": med["dense"],
+            "speedup": speedup, "speedup_dense": med["baseline"] / med["dense"], "efficiency": speedup / ideal,
+            "peak_mb_shared": peak["shared"] / 2**20, "peak_mb_baseline": peak["baseline"] / 2**20,
+            "peak_mb_dense": peak["dense"] / 2**20,
+            "loss_rel_diff": abs(losses["shared"] - losses["baseline"]) / max(abs(losses["baseline"]), 1e-12),
+            "micro_batches_shared": results["shared"][0]["micro_batches"],
+            "micro_batches_baseline": results["baseline"][0]["micro_batches"],
+        }
+        rows.append(row)
+        print(f"{name:>16}: ideal {ideal:5.2f}x  shared {med['shared']:.3f}s  baseline {med['baseline']:.3f}s  "
+              f"dense {med['dense']:.3f}s  speedup {speedup:5.2f}x  efficiency {speedup / ideal:4.2f}  "
+              f"peak MB shared/baseline/dense {peak['shared'] / 2**20:.0f}/{peak['baseline'] / 2**20:.0f}/"
+              f"{peak['dense'] / 2**20:.0f}", flush=True)
+    return rows
+
+
+def markdown(rows: List[dict], meta: dict) -> str:
+    lines = [
+        f"Model `{meta['model']}` ({meta['device']}, fp32, {meta['threads']} threads), micro-batch budget "
+        f"{meta['micro_batch_tokens']} tokens, median of {meta['repeats']} interleaved steps "
+        "(tree build + planning + forward + backward).",
+        "",
+        "| workload | samples | tokens | tree tokens | ideal | shared s | baseline s | dense-mask s | speedup | "
+        "efficiency | dense-mask speedup | peak MB shared / baseline / dense |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['samples']} | {r['tokens']} | {r['tree_tokens']} | {r['ideal_speedup']:.2f}x | "
+            f"{r['step_s_shared']:.3f} | {r['step_s_baseline']:.3f} | {r['step_s_dense']:.3f} | {r['speedup']:.2f}x | "
+            f"{r['efficiency']:.2f} | {r['speedup_dense']:.2f}x | {r['peak_mb_shared']:.0f} / {r['peak_mb_baseline']:.0f}"
+            f" / {r['peak_mb_dense']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--micro-batch-tokens", type=int, default=32768)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workloads", nargs="*", default=None)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out-dir", default="runs/bench_update_step")
+    args = p.parse_args()
+    rows = run(args)
+    meta = {"model": args.model, "device": args.device, "threads": torch.get_num_threads(),
+            "micro_batch_tokens": args.micro_batch_tokens, "repeats": args.repeats,
+            "torch": torch.__version__, "platform": platform.platform()}
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "bench_update_step.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    md = markdown(rows, meta)
+    with open(os.path.join(args.out_dir, "bench_update_step.md"), "w") as f:
+        f.write(md)
+    print()
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
