@@ -14,7 +14,8 @@ every micro-batch; the optimizer update is identical for all and left out):
 
 and reports the median step time over ``--repeats`` interleaved runs, the ideal speedup of the
 brief (FLOPs ratio for this model and batch), efficiency = measured speedup / ideal, and the
-measured peak memory of the step (heap bytes in use above the step's start; CUDA: allocator).
+measured peak memory of the step (heap bytes in use above the step's start, sampled after
+every torch operation in a separate, untimed run; CUDA: the allocator's peak).
 Results go to ``bench_update_step.json`` and ``bench_update_step.md`` in ``--out-dir``.
 """
 
@@ -102,17 +103,20 @@ class Bench:
                                    device)
         self.cache = BlockKVCache(self.geometry, 4 << 30)
 
-    def step(self, batch: SampleBatch, variant: str) -> dict:
-        """One update step of ``variant``; returns time, memory and token counts."""
-        mode = "none" if variant == "baseline" else "tree"
+    def step(self, batch: SampleBatch, variant: str, measure_memory: bool = False,
+             kv_budget: int = 4 << 30) -> dict:
+        """One update step of ``variant`` (``shared``, ``baseline``, ``dense`` or a sharing mode
+        ``tree`` / ``tree-dup`` / ``none``); returns time, memory and token counts. Memory is
+        measured in separate runs: the per-operation sampling would slow the timed ones."""
+        mode = {"shared": "tree", "dense": "tree", "baseline": "none"}.get(variant, variant)
         backend = "dense" if variant == "dense" else "torch"
         self.model.zero_grad(set_to_none=True)
-        with PeakMemory(self.device) as mem:
+        with PeakMemory(self.device, enabled=measure_memory) as mem:
             t0 = time.perf_counter()
             tree = build_prefix_tree(batch)
             plan = plan_step(tree, PlannerConfig(micro_batch_tokens=self.budget, sharing=mode, cost_model=self.cost))
             rank = plan.ranks[0]
-            memory = plan_memory(rank, self.geometry, 4 << 30, activation_bytes_per_token(self.arch, 1, 4)) \
+            memory = plan_memory(rank, self.geometry, kv_budget, activation_bytes_per_token(self.arch, 1, 4)) \
                 if rank.sources else None
             out = StepRunner(self.model, self.arch.vocab_size, self.device, backend, self.cache).train(
                 plan, 0, self.loss, memory)
@@ -120,8 +124,9 @@ class Bench:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
         return {"seconds": seconds, "peak_bytes": mem.peak_bytes - mem.start_bytes, "loss": out.loss,
-                "tokens_computed": out.tokens_computed, "key_pairs": out.key_pairs,
-                "micro_batches": out.num_micro_batches}
+                "tokens_computed": out.tokens_computed, "tokens_recomputed": out.tokens_recomputed,
+                "key_pairs": out.key_pairs, "micro_batches": out.num_micro_batches,
+                "kv": self.cache.metrics.to_dict() if memory is not None else {}}
 
 
 def run(args) -> List[dict]:
@@ -136,13 +141,11 @@ def run(args) -> List[dict]:
         tree = build_prefix_tree(batch)
         ideal = bench.cost.ideal_speedup(tree)
         results: Dict[str, List[dict]] = {v: [] for v in variants}
-        for v in variants:  # warm-up
-            bench.step(batch, v)
+        peak = {v: bench.step(batch, v, measure_memory=True)["peak_bytes"] for v in variants}  # also warms up
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             for v in variants:
                 results[v].append(bench.step(batch, v))
         med = {v: statistics.median(r["seconds"] for r in results[v]) for v in variants}
-        peak = {v: max(r["peak_bytes"] for r in results[v]) for v in variants}
         losses = {v: results[v][0]["loss"] for v in variants}
         speedup = med["baseline"] / med["shared"]
         row = {

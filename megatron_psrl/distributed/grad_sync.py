@@ -46,6 +46,29 @@ def allreduce_gradients(params: Iterable[torch.nn.Parameter], group=None, bucket
         bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
 
 
+def tensor_parallel_partial_params(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """Parameters whose gradient each tensor-parallel rank holds only in part.
+
+    Replicated parameters applied to rank-local activations: the per-head q/k RMSNorm weights
+    (Qwen3) see only this rank's heads. megatron's ``finalize_model_grads`` sums exactly these
+    (its ``qk_layernorm`` rule); sequence-parallel norms would join them.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "qk_layernorm", False):
+        return []
+    return [p for n, p in model.named_parameters() if p.requires_grad and ("q_layernorm" in n or "k_layernorm" in n)]
+
+
+def allreduce_tensor_parallel_partial_gradients(model: torch.nn.Module) -> None:
+    """Sum the partial gradients of :func:`tensor_parallel_partial_params` over the TP group."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    allreduce_gradients(tensor_parallel_partial_params(model), group=group)
+
+
 def gradient_norm(params: Iterable[torch.nn.Parameter]) -> float:
     """L2 norm of all gradients of the model, counting tensor-parallel duplicates once and
     summing over the model-parallel (TP x PP) group."""

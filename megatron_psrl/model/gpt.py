@@ -72,6 +72,9 @@ def build_transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype,
+        # The RL loss is normalised over the global batch already: megatron's DDP must sum
+        # data-parallel gradients, not average them.
+        calculate_per_token_loss=True,
     )
     kwargs.update(transformer_config_overrides(device))
     kwargs.update(overrides)

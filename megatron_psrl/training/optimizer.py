@@ -18,7 +18,12 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_psrl.compat import use_megatron_ddp
-from megatron_psrl.distributed.grad_sync import allreduce_gradients, clip_gradients_, gradient_norm
+from megatron_psrl.distributed.grad_sync import (
+    allreduce_gradients,
+    allreduce_tensor_parallel_partial_gradients,
+    clip_gradients_,
+    gradient_norm,
+)
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -118,6 +123,8 @@ class CPUTrainingOptimizer:
         self.model.zero_grad(set_to_none=True)
 
     def reduce_gradients(self) -> None:
+        """What megatron's finalize_model_grads does: TP-partial sums, then the DP sum."""
+        allreduce_tensor_parallel_partial_gradients(self.model)
         allreduce_gradients(self.params)
 
     def step(self) -> float:
@@ -185,7 +192,10 @@ class MegatronTrainingOptimizer:  # pragma: no cover - needs CUDA
         self.optimizer.zero_grad()
 
     def step(self) -> float:
-        self.ddp.finish_grad_sync()
+        from megatron.core.distributed import finalize_model_grads
+
+        # DP reduction (sum: config.calculate_per_token_loss) + TP-partial q/k-norm sums.
+        finalize_model_grads([self.ddp])
         ok, norm, _ = self.optimizer.step()
         self.scheduler.step(1)
         return float(norm) if norm is not None else float("nan")

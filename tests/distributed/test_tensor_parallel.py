@@ -108,11 +108,12 @@ def test_tp2_equals_tp1_and_hf(name, tp_run):
     shards = res["grad_shards"]
     merged = dict(res["grads"])
     for pname in [n for n in merged if "q_layernorm" in n or "k_layernorm" in n]:
-        # Per-head q/k norms see only the rank's own heads: each rank holds a partial gradient
-        # (not the full one), and megatron's finalize_model_grads sums them over the TP group.
-        # Whoever steps the optimizer under TP > 1 must do that reduction.
-        assert not torch.allclose(shards[0][pname], tp1_grads[pname], atol=1e-7, rtol=1e-3), pname
-        merged[pname] = shards[0][pname] + shards[1][pname]
+        # Per-head q/k norms see only the rank's own heads: before the reduction each rank holds
+        # a partial gradient; allreduce_tensor_parallel_partial_gradients (what the optimizer
+        # runs, like megatron's finalize_model_grads) makes every rank hold the full one.
+        raw = res["raw_grad_shards"]
+        assert not torch.allclose(raw[0][pname], tp1_grads[pname], atol=1e-7, rtol=1e-3), pname
+        torch.testing.assert_close(shards[0][pname], shards[1][pname])
     assert set(merged) == set(tp1_grads)
     for pname, g1 in tp1_grads.items():
         g2 = merged[pname]

@@ -21,24 +21,29 @@ from helpers.torchrun import run_torchrun
 from megatron_psrl.model import ModelArchitecture, tiny_config
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "distributed_step.py")
-# odd vocabulary: TP=2 pads it; GQA (4 heads / 2 groups); tied embeddings
-CONFIG = dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True)
+# odd vocabulary: TP=2 pads it; GQA (4 heads / 2 groups); tied embeddings. The TP case uses
+# Qwen3 (per-head q/k norms: their gradients are TP-partial until the optimizer sums them).
+CONFIGS = {
+    1: dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True),
+    2: dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=251,
+            tie_word_embeddings=True),
+}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    hf_dir = make_hf_checkpoint(CONFIG, seed=1, directory=str(tmp_path_factory.mktemp("hf")))
+@pytest.fixture(scope="module", params=[1, 2], ids=["dp2", "tp2"])
+def reference(request, tmp_path_factory):
+    config = CONFIGS[request.param]
+    hf_dir = make_hf_checkpoint(config, seed=1, directory=str(tmp_path_factory.mktemp("hf")))
     hf = load_hf_model(hf_dir)
     batch = random_tree_batch(seed=7, num_roots=4, vocab_size=251)
     loss, grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
     arch = ModelArchitecture.from_hf_dir(hf_dir)
-    return hf_dir, loss, hf_grads_to_mcore(grads, arch), per_sample_logprobs(hf, batch)
+    return request.param, hf_dir, loss, hf_grads_to_mcore(grads, arch), per_sample_logprobs(hf, batch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_two_ranks_match_reference(reference, tmp_path, tp):
-    hf_dir, ref_loss, ref_grads, ref_logprobs = reference
+def test_two_ranks_match_reference(reference, tmp_path):
+    tp, hf_dir, ref_loss, ref_grads, ref_logprobs = reference
     out = tmp_path / "result.pt"
     run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--tp", str(tp), "--budget", "20", "--out", str(out)], nproc=2)
     res = torch.load(out, weights_only=False)

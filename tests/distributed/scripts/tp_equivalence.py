@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_psrl.attention import TreeAttentionMetadata, tree_plan
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.checkpoint.sharding import merge_state_dicts
+from megatron_psrl.distributed.grad_sync import allreduce_tensor_parallel_partial_gradients
 from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel
 from megatron_psrl.model import vocab_parallel_logprobs
 
@@ -47,10 +48,15 @@ def main():
         out = forward(model, arch, pack)
         loss = sum(lp.sum() + pack["entropy_coef"] * ent.sum() for lp, ent in out.values())
         loss.backward()
+        raw = {n: prm.grad.detach().clone() for n, prm in model.named_parameters()}
+        # What the optimizer does before stepping: sum the TP-partial (q/k norm) gradients.
+        allreduce_tensor_parallel_partial_gradients(model)
         grads = {n: prm.grad.detach().clone() for n, prm in model.named_parameters()}
         gathered = [None, None]
         dist.all_gather_object(gathered, grads)
         merged = merge_state_dicts({(r, 0): gathered[r] for r in range(2)}, arch, 2, 1)
+        raw_gathered = [None, None]
+        dist.all_gather_object(raw_gathered, raw)
 
         _, ck_model, _ = load_model(ModelSource(checkpoint=case["ckpt"]))
         with torch.no_grad():
@@ -60,6 +66,7 @@ def main():
             entropy={k: v[1].detach() for k, v in out.items()},
             grads=merged,
             grad_shards=gathered,
+            raw_grad_shards=raw_gathered,
             ckpt_logprobs={k: v[0] for k, v in ck_out.items()},
             padded_vocab=model.embedding.word_embeddings.weight.shape[0] * 2,
         )
