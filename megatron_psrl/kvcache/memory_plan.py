@@ -9,7 +9,9 @@ against the budget:
 - K and V blocks of a source, from its producer's forward until its last read (a reader
   that recomputes reads again at its backward);
 - dK and dV blocks of a source, from its producer's forward until the producer's backward;
-- the retained graph of a producer that keeps it (tokens x activation bytes per token).
+- the retained graph of a producer that keeps it (tokens x activation bytes per token, plus
+  the K/V it gathered from the cache);
+- the K/V copies gathered from the cache by the micro-batch that is running.
 
 Producers keep their graphs unless the simulated peak exceeds the budget; then graphs are
 dropped greedily (see :func:`plan_memory`). If no choice fits, the plan is infeasible
@@ -71,36 +73,52 @@ def _blocks(length: int, block_size: int) -> int:
     return -(-length // block_size)
 
 
-def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_bytes: Dict[int, int]):
-    """Per schedule step: (blocks held, retained graph bytes); and every source's last K/V read."""
+def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_bytes: Dict[int, int],
+              read_bytes: Dict[int, int]):
+    """Per schedule step: (blocks held, other bytes held); and every source's last K/V read.
+
+    Other bytes: retained producer graphs (their activations plus the K/V copies gathered from
+    the cache that they saved), and the gathered K/V copies of the micro-batch running now.
+    """
     steps = plan.schedule
     last_read: Dict[int, int] = {}
     for t, (op, i) in enumerate(steps):
         if op in ("forward", "forward_backward") or (op == "backward" and not keep.get(i, True)):
             for s in plan.micro_batches[i].reads:
                 last_read[s] = t
-    blocks_held, graphs_held = [], []
+    blocks_held, other_held = [], []
     blocks = graphs = 0
     kv_live: Dict[int, int] = {}
     for t, (op, i) in enumerate(steps):
         mb = plan.micro_batches[i]
+        kept = keep.get(i, True)
         if op == "forward":
             for s in mb.produces:
                 n = _blocks(plan.sources[s].length, block_size)
                 blocks += 4 * n  # K, V, dK, dV
                 kv_live[s] = 2 * n
-            if keep.get(i, True):
-                graphs += graph_bytes[i]
+            if kept:
+                graphs += graph_bytes[i] + read_bytes[i]
+        # A forward+backward, a graph-less forward and a recomputation hold their gathered
+        # K/V copies only while they run.
+        transient = read_bytes[i] if (op == "forward_backward" or not kept) else 0
         blocks_held.append(blocks)
-        graphs_held.append(graphs)
+        other_held.append(graphs + transient)
         if op == "backward":
             for s in mb.produces:
                 blocks -= 2 * _blocks(plan.sources[s].length, block_size)  # dK, dV consumed
-            if keep.get(i, True):
-                graphs -= graph_bytes[i]
+            if kept:
+                graphs -= graph_bytes[i] + read_bytes[i]
         for s in [s for s, last in last_read.items() if last == t and s in kv_live]:
             blocks -= kv_live.pop(s)  # K, V after their last read
-    return np.asarray(blocks_held, dtype=np.int64), np.asarray(graphs_held, dtype=np.int64), last_read
+    return np.asarray(blocks_held, dtype=np.int64), np.asarray(other_held, dtype=np.int64), last_read
+
+
+def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int):
+    graph = {i: mb.num_tokens * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
+    reads = {i: 2 * geometry.bytes_per_token * sum(plan.sources[s].length for s in mb.reads)
+             for i, mb in enumerate(plan.micro_batches)}
+    return graph, reads
 
 
 def simulated_peak_bytes(
@@ -109,9 +127,8 @@ def simulated_peak_bytes(
 ) -> int:
     """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
     block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
-    graph_bytes = {i: mb.num_tokens * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
-    blocks, graphs, _ = _simulate(plan, keep_graph, block_size, graph_bytes)
-    return int((blocks * geometry.block_bytes(block_size) + graphs).max(initial=0))
+    blocks, other, _ = _simulate(plan, keep_graph, block_size, *_byte_tables(plan, geometry, act_bytes_per_token))
+    return int((blocks * geometry.block_bytes(block_size) + other).max(initial=0))
 
 
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int) -> MemoryPlan:
@@ -151,9 +168,8 @@ def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_byt
             f"the cached prefixes of this step need {current} bytes of KV blocks at their peak but "
             f"--kv-cache-budget is {budget_bytes} bytes"
         )
-    graph_bytes = {i: mb.num_tokens * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
-    blocks, graphs, last_read = _simulate(plan, keep, block_size, graph_bytes)
-    held = blocks * geometry.block_bytes(block_size) + graphs
+    blocks, other, last_read = _simulate(plan, keep, block_size, *_byte_tables(plan, geometry, act_bytes_per_token))
+    held = blocks * geometry.block_bytes(block_size) + other
     recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
     return MemoryPlan(
         block_size=block_size,
