@@ -60,13 +60,17 @@ class _PrefixKV:
 
     def external_kv(self, layer_number: int) -> Sequence[Tuple[Tensor, Tensor]]:
         out = []
+        # The hooks close over the cache only, never over this object: it holds tensors of the
+        # graph (captured K/V rows), and a hook -> self -> graph cycle would keep the whole
+        # graph alive after its backward (autograd's C++ references are invisible to Python GC).
+        cache = self.cache
         for s in self.reads:
-            k, v = self.cache.read(s, layer_number)
+            k, v = cache.read(s, layer_number)
             if self.track_grads:
                 k.requires_grad_(True)
                 v.requires_grad_(True)
-                k.register_hook(lambda g, s=s, l=layer_number: self.cache.accumulate_grad(s, l, g, None))
-                v.register_hook(lambda g, s=s, l=layer_number: self.cache.accumulate_grad(s, l, None, g))
+                k.register_hook(lambda g, s=s, l=layer_number: cache.accumulate_grad(s, l, g, None))
+                v.register_hook(lambda g, s=s, l=layer_number: cache.accumulate_grad(s, l, None, g))
             out.append((k, v))
         return out
 
