@@ -129,3 +129,17 @@ def test_budget_below_one_block_fails_before_anything_runs(psrl_model):
     with pytest.raises(CacheBudgetError, match="--kv-cache-budget"):
         plan_memory(rank, geom, geom.block_bytes(16), activation_bytes_per_token(arch, 1, 4))
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_repeated_steps_do_not_accumulate_memory(psrl_model):
+    """Graphs, hooks and gathered K/V of a step must all be freed when it ends."""
+    from megatron_psrl.training.memory import heap_bytes_in_use
+
+    arch, model = psrl_model
+    batch = search_tree_batch(branches=4)
+    tight, act = _tight_budget(arch, batch)
+    after = []
+    for _ in range(4):
+        _run(arch, model, batch, 4 * tight, act)  # keeps prefix graphs: the leak-prone path
+        after.append(heap_bytes_in_use())
+    assert after[-1] - after[1] < 64 * 1024, after
