@@ -35,6 +35,9 @@ from megatron_psrl.attention.plan import AttentionPlan, causal_plan
 
 Tensor = torch.Tensor
 
+# Mask types megatron passes for decoder self-attention (THD turns causal into padding_causal).
+_CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
 
 class PrefixSharingAttention(MegatronModule):
     """Exact prefix-sharing core attention (TE-compatible constructor and forward)."""
@@ -96,6 +99,11 @@ class PrefixSharingAttention(MegatronModule):
     ) -> Tensor:
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by PrefixSharingAttention")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in _CAUSAL_MASK_TYPES:
+            raise NotImplementedError(
+                f"PrefixSharingAttention implements causal decoder attention only, got {mask_type}"
+            )
         backend_default = self.default_backend or default_backend(query.device.type)
 
         if isinstance(packed_seq_params, TreeAttentionMetadata):
@@ -118,7 +126,8 @@ class PrefixSharingAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # query [t, np, hn]; causal within every cu_seqlens segment.
             cu = packed_seq_params.cu_seqlens_q
-            if packed_seq_params.cu_seqlens_q_padded is not None:
+            padded = packed_seq_params.cu_seqlens_q_padded
+            if padded is not None and not torch.equal(padded, cu):
                 raise NotImplementedError("padded THD sequences are not supported")
             plan = causal_plan(np.diff(cu.cpu().numpy()))
             out = self._run(backend_default, query, key, value, plan, ())

@@ -38,9 +38,32 @@ class ModelSource:
             raise ValueError("give exactly one model source: --hf-dir, --load or --model")
 
 
+# Transformer Engine's layer spec fuses the pre-attention / pre-MLP norms into the following
+# linear layer, so their parameters have other names than in the local spec. Checkpoints always
+# use the local names (Megatron-LM's convention for converted checkpoints).
+_TE_NORM_NAMES = (
+    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
+    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
+)
+
+
+def canonical_name(name: str) -> str:
+    """The checkpoint (local-spec) name of a model parameter of either layer spec."""
+    for te, local in _TE_NORM_NAMES:
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def canonical_state_dict(model: torch.nn.Module) -> Dict[str, Tensor]:
+    """The model's state dict with local-spec names and without TE's ``_extra_state`` entries."""
+    return {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
 def load_state_into(model: PsrlGPTModel, shard: Dict[str, Tensor]) -> None:
-    """Load a rank shard (any dtype) strictly: every parameter must be present and match."""
-    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    """Load a rank shard (any dtype, local-spec names) strictly into a model of either layer
+    spec: every parameter must be present and match."""
+    own = {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing = sorted(set(own) - set(shard))
     unexpected = sorted(k for k in set(shard) - set(own) if not k.endswith("_extra_state"))
     if missing or unexpected:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.checkpoint.atomic import atomic_write_text
+from megatron_psrl.checkpoint.loading import canonical_state_dict
 from megatron_psrl.checkpoint.mcore_format import (
     MODEL_JSON,
     TRACKER,
@@ -54,7 +55,7 @@ def save_training_checkpoint(
         os.makedirs(tmp)
     tmp = _broadcast_str(tmp)
     if layout.dp_rank == 0:
-        state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        state = canonical_state_dict(model)
         write_rank_file(tmp, layout.tp_rank, layout.pp_rank, layout.pipeline_parallel_size, {
             "model": state,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
