@@ -65,6 +65,10 @@ class PlannerConfig:
     cost_model: Optional[CostModel] = None
     """Cost model for balancing and the mechanism choice; None balances by tokens."""
 
+    max_trees_per_micro_batch: Optional[int] = None
+    """At most this many small trees packed into one micro-batch (None: as many as fit). With
+    ``sharing="none"`` and 1, every sample runs alone (the per-sample reference point)."""
+
     snap_fraction: float = 0.85
     """Mechanism-2 chunks end at a node boundary instead of mid-node when that keeps them at
     least this full (fewer cached sources)."""
@@ -228,6 +232,7 @@ class _Bin:
     context: List[np.ndarray] = field(default_factory=list)  # duplicated tokens (not owned)
     size: int = 0
     chunk: Optional[int] = None  # index into the stream chunks it holds, if any
+    small_trees: int = 0  # whole small trees packed in
 
 
 def _plan_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig) -> RankPlan:
@@ -254,14 +259,16 @@ def _plan_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig) -> Ra
         else:
             bins.extend(_duplication_bins(index, root, budget))
     # First-fit decreasing of the small trees into the free space of all micro-batches.
+    max_trees = config.max_trees_per_micro_batch or len(units) + 1
     for u in sorted(np.flatnonzero(small), key=lambda u: (-unit_size[u], u)):
         size = int(unit_size[u])
-        target = next((b for b in bins if b.size + size <= budget), None)
+        target = next((b for b in bins if b.size + size <= budget and b.small_trees < max_trees), None)
         if target is None:
             target = _Bin()
             bins.append(target)
         target.ranges.append((int(unit_start[u]), int(unit_end[u])))
         target.size += size
+        target.small_trees += 1
     micro_batches = [_bin_to_spec(i, b) for i, b in enumerate(bins)]
     sources: Dict[int, CachedSource] = {}
     for bounds, ids in zip(streams, stream_bins):

@@ -110,3 +110,11 @@ def test_errors_name_the_budget():
         plan_step(tree, PlannerConfig(micro_batch_tokens=10, sharing="tree-dup"))
     with pytest.raises(ValueError, match="sharing"):
         PlannerConfig(micro_batch_tokens=10, sharing="bogus")
+
+
+def test_one_tree_per_micro_batch():
+    batch = make_workload("grpo", vocab_size=512, seed=0)
+    plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=1 << 20, sharing="none",
+                                                             max_trees_per_micro_batch=1))
+    assert plan.num_micro_batches() == batch.num_samples
+    check_plan(plan, 1 << 20)
