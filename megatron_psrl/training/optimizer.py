@@ -98,7 +98,24 @@ def _scheduler(optimizer, s: OptimizerSettings) -> OptimizerParamScheduler:
     )
 
 
-class CPUTrainingOptimizer:
+class _TrainingOptimizer:
+    """What the training loop uses: ``zero_grad``, ``step`` (returns the gradient norm), the
+    current learning rate, and state for checkpoints. Subclasses set ``optimizer`` and
+    ``scheduler``."""
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class CPUTrainingOptimizer(_TrainingOptimizer):
     """torch.optim + gloo all-reduce + TP-aware clipping (megatron's behaviour on CPU)."""
 
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings):
@@ -137,19 +154,8 @@ class CPUTrainingOptimizer:
         self.scheduler.step(1)
         return norm
 
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-
-
-class MegatronTrainingOptimizer:  # pragma: no cover - needs CUDA
+class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs CUDA
     """megatron-core DistributedDataParallel + MegatronOptimizer (CUDA)."""
 
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings):
@@ -200,16 +206,6 @@ class MegatronTrainingOptimizer:  # pragma: no cover - needs CUDA
         self.scheduler.step(1)
         return float(norm) if norm is not None else float("nan")
 
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
 
 
 def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings, device: torch.device):
