@@ -1,0 +1,19 @@
+# Arguments shared by the launch scripts (sourced, not run).
+TP=${TP:-1}
+DATA=${DATA:-mixed}
+MICRO_BATCH_TOKENS=${MICRO_BATCH_TOKENS:-8192}
+KV_BUDGET=${KV_BUDGET:-8GiB}
+TRAIN_ITERS=${TRAIN_ITERS:-100}
+MODEL_ARGS=()
+if [[ -n "${HF_DIR:-}" ]]; then MODEL_ARGS=(--hf-dir "$HF_DIR"); elif [[ -n "${LOAD:-}" ]]; then MODEL_ARGS=(--load "$LOAD"); fi
+TRAIN_ARGS=(
+  "${MODEL_ARGS[@]}" --data "$DATA" --tensor-model-parallel-size "$TP"
+  --micro-batch-tokens "$MICRO_BATCH_TOKENS" --kv-cache-budget "$KV_BUDGET" --train-iters "$TRAIN_ITERS"
+  --optimizer adam --lr "${LR:-1e-6}" --clip-grad 1.0 --loss-agg "${LOSS_AGG:-token-mean}"
+  ${SAVE:+--save "$SAVE" --save-interval "${SAVE_INTERVAL:-50}"} ${LOG_JSON:+--log-json "$LOG_JSON"}
+)
+if [[ "${DEVICE:-auto}" != "cpu" ]] && python -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  TRAIN_ARGS+=(--bf16)
+fi
+# shellcheck disable=SC2206
+TRAIN_ARGS+=(${EXTRA_ARGS:-})

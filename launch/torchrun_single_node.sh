@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Single node: NPROC processes (default: all GPUs, or 2 CPU processes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source launch/common.sh
+NPROC=${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}
+exec torchrun --standalone --nproc_per_node "$NPROC" pretrain_agent_rl.py "${TRAIN_ARGS[@]}"
