@@ -104,7 +104,7 @@ class PrefixSharingAttention(MegatronModule):
             raise NotImplementedError(
                 f"PrefixSharingAttention implements causal decoder attention only, got {mask_type}"
             )
-        backend_default = self.default_backend or default_backend(query.device.type)
+        backend_default = self.default_backend or default_backend(query.device.type, query.dtype)
 
         if isinstance(packed_seq_params, TreeAttentionMetadata):
             # query [t, 1, np, hn], key/value [t, 1, ng, hn] (sbhd with one packed row)

@@ -178,7 +178,7 @@ class Trainer:
         self.kv_cache = BlockKVCache(self.geometry, args.kv_cache_budget)
         self.act_bytes = activation_bytes_per_token(self.arch, tp, torch.tensor([], dtype=dtype).element_size())
         backend = None if args.attention_backend == "auto" else args.attention_backend
-        self.backend_name = backend or default_backend(device.type)
+        self.backend_name = backend or default_backend(device.type, dtype)
         self.runner = StepRunner(self.model, self.arch.vocab_size, device, backend, self.kv_cache)
         self.data = BatchSource(
             args.data, self.arch.vocab_size, args.seed, args.global_batch_size, args.synthetic_tokens,

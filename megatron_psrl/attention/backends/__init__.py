@@ -19,9 +19,11 @@ from megatron_psrl.attention.backends.varlen import TETreeAttention, flash_tree_
 BACKENDS = ("torch", "dense", "flash", "te")
 
 
-def default_backend(device_type: str) -> str:
-    """``flash`` on CUDA when flash-attn is installed, else ``torch``."""
-    if device_type == "cuda":
+def default_backend(device_type: str, dtype=None) -> str:
+    """``flash`` on CUDA for fp16/bf16 when flash-attn is installed, else ``torch``."""
+    import torch
+
+    if device_type == "cuda" and dtype in (None, torch.float16, torch.bfloat16):
         try:
             import flash_attn  # noqa: F401
 
