@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_psrl.checkpoint.hf_io import HFCheckpointReader
-from megatron_psrl.checkpoint.mcore_format import load_rank_state
+from megatron_psrl.checkpoint.mcore_format import load_rank_state, read_checkpoint_info
 from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
@@ -90,6 +90,16 @@ def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, pr
         if progress is not None:
             progress(name)
     return full
+
+
+def source_architecture(source: ModelSource) -> ModelArchitecture:
+    """The architecture of ``source`` without reading any weights (cheap; for validating data
+    against the vocabulary before the model is loaded)."""
+    if source.tiny:
+        return ModelArchitecture.from_hf_config(tiny_config(source.tiny))
+    if source.hf_dir:
+        return ModelArchitecture.from_hf_dir(source.hf_dir)
+    return read_checkpoint_info(source.checkpoint)[1].architecture
 
 
 def load_model(

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_psrl.attention.backends import default_backend
-from megatron_psrl.checkpoint.loading import ModelSource, load_model
+from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture
 from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
 from megatron_psrl.data.loader import load_samples
 from megatron_psrl.data.samples import SampleBatch
@@ -155,6 +155,13 @@ class Trainer:
         if args.load and not args.finetune:
             _, info = read_checkpoint_info(args.load)
             self.start_iteration = info.iteration
+        # Validate all input before anything else happens (the data needs only the vocabulary).
+        arch = source_architecture(source)
+        self.data = BatchSource(
+            args.data, arch.vocab_size, args.seed, args.global_batch_size, args.synthetic_tokens,
+            kl_required=args.kl_coef != 0.0, progress=self.layout.is_logging_rank and not args.quiet,
+            max_sequence_length=arch.sliding_window,
+        )
         self.arch, self.model, optimizer_state = load_model(source, dtype=dtype, device=device, transformer_impl=impl)
         self.dtype = dtype
         settings = OptimizerSettings(
@@ -180,11 +187,6 @@ class Trainer:
         backend = None if args.attention_backend == "auto" else args.attention_backend
         self.backend_name = backend or default_backend(device.type, dtype)
         self.runner = StepRunner(self.model, self.arch.vocab_size, device, backend, self.kv_cache)
-        self.data = BatchSource(
-            args.data, self.arch.vocab_size, args.seed, args.global_batch_size, args.synthetic_tokens,
-            kl_required=args.kl_coef != 0.0, progress=self.layout.is_logging_rank and not args.quiet,
-            max_sequence_length=self.arch.sliding_window,
-        )
 
     # ------------------------------------------------------------------ planning
     def plan(self, tree) -> Tuple[StepPlan, Optional[object], str]:
