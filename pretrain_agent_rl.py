@@ -26,7 +26,8 @@ from megatron_psrl.tree.planner import PlanningError  # noqa: E402
 if __name__ == "__main__":
     try:
         main()
-    except (SampleValidationError, UnsupportedModelError, CacheBudgetError, PlanningError, FileNotFoundError) as exc:
+    except (SampleValidationError, UnsupportedModelError, CacheBudgetError, PlanningError, FileNotFoundError,
+            NotImplementedError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
