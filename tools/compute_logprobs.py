@@ -23,6 +23,7 @@ quiet_expected_import_warnings()
 import torch  # noqa: E402
 
 from megatron_psrl.checkpoint.loading import ModelSource, load_model  # noqa: E402
+from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
 from megatron_psrl.data.validation import SampleValidationError  # noqa: E402
 from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel  # noqa: E402
@@ -75,9 +76,10 @@ def main(argv=None) -> int:
         dtype = torch.float32
     elif args.dtype:
         dtype = parse_dtype(args.dtype)
+    elif args.hf_dir:
+        dtype = parse_dtype(ModelArchitecture.from_hf_dir(args.hf_dir).torch_dtype)
     else:
-        arch = ModelArchitecture.from_hf_dir(args.hf_dir) if args.hf_dir else None
-        dtype = parse_dtype(arch.torch_dtype) if arch else torch.bfloat16
+        dtype = parse_dtype(read_checkpoint_info(args.load)[1].dtype)
     arch, model, _ = load_model(source, dtype=dtype, device=layout.device)
     batch = load_samples(args.data, vocab_size=arch.vocab_size, progress=args.progress and layout.rank == 0)
     logprobs = compute_logprobs(

@@ -56,6 +56,9 @@ class CheckpointInfo:
     dtype: str
     """Parameter dtype of the stored tensors."""
 
+    has_optimizer_state: bool = False
+    """The rank files carry optimizer and scheduler state (training checkpoints)."""
+
     def to_json(self) -> str:
         return json.dumps(
             {
@@ -65,6 +68,7 @@ class CheckpointInfo:
                 "pipeline_parallel_size": self.pipeline_parallel_size,
                 "iteration": self.iteration,
                 "dtype": self.dtype,
+                "has_optimizer_state": self.has_optimizer_state,
             },
             indent=2,
         )
@@ -80,6 +84,7 @@ class CheckpointInfo:
             pipeline_parallel_size=int(d["pipeline_parallel_size"]),
             iteration=int(d["iteration"]),
             dtype=d["dtype"],
+            has_optimizer_state=bool(d.get("has_optimizer_state", False)),
         )
 
 

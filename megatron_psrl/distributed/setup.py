@@ -83,7 +83,9 @@ def initialize_parallel(
     """Initialise torch.distributed (if needed), megatron's parallel_state, and RNG seeds."""
     dev = pick_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        # On CUDA: NCCL for tensors on the GPU and gloo for CPU tensors (object collectives,
+        # small metadata), so neither kind of collective can hit a backend that lacks it.
+        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
         if "RANK" in os.environ:  # torchrun / a launcher
             dist.init_process_group(backend=backend)
         else:  # a plain single process; no environment variables are set (children inherit them)

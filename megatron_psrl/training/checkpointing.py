@@ -65,12 +65,17 @@ def save_training_checkpoint(
     dist.barrier()
     if layout.rank == 0:
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype)
+        info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype,
+                              has_optimizer_state=optimizer is not None)
         with open(os.path.join(tmp, MODEL_JSON), "w", encoding="utf-8") as f:
             f.write(info.to_json())
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        old = None
+        if os.path.exists(final):  # re-saving an iteration: swap, never leave it missing
+            old = final + f".old-{os.getpid()}"
+            os.rename(final, old)
         os.rename(tmp, final)
         atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_psrl.data.samples import SampleBatch
+from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.training.step import StepRunner
@@ -39,6 +40,9 @@ def compute_logprobs(
     parallel ranks split the model); every rank returns the full result.
     """
     device = device or next(model.parameters()).device
+    if arch.sliding_window is not None:
+        # Sliding-window attention is not implemented: longer samples would be silently wrong.
+        check_max_sample_length(batch, arch.sliding_window, "the model's sliding window")
     dp = parallel_state.get_data_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     dp_rank = parallel_state.get_data_parallel_rank() if dp > 1 else 0
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1

@@ -116,17 +116,28 @@ class _TrainingOptimizer:
 
 
 class CPUTrainingOptimizer(_TrainingOptimizer):
-    """torch.optim + gloo all-reduce + TP-aware clipping (megatron's behaviour on CPU)."""
+    """torch.optim + gloo all-reduce + TP-aware clipping (megatron's behaviour on CPU).
+
+    Like megatron's Float16OptimizerWithFloat16Params, a model in bf16 is stepped through fp32
+    master copies of its parameters (small updates would round away in bf16), copied back
+    after every step.
+    """
 
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings):
         self.model = model
         self.settings = settings
-        self.params: List[torch.nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and not _no_decay(n, p)]
-        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and _no_decay(n, p)]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params: List[torch.nn.Parameter] = [p for _, p in named]
+        if any(p.dtype == torch.float16 for p in self.params):
+            raise ValueError("--fp16 needs dynamic loss scaling (megatron's optimizer on CUDA); use --bf16 on CPU")
+        self.masters: List[torch.nn.Parameter] = [
+            p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
+        ]
+        master_of = dict(zip(map(id, self.params), self.masters))
         groups = [
-            {"params": decay, "wd_mult": 1.0, "weight_decay": settings.weight_decay},
-            {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0},
+            {"params": [master_of[id(p)] for n, p in named if not _no_decay(n, p)], "wd_mult": 1.0,
+             "weight_decay": settings.weight_decay},
+            {"params": [master_of[id(p)] for n, p in named if _no_decay(n, p)], "wd_mult": 0.0, "weight_decay": 0.0},
         ]
         if settings.optimizer == "adam":
             self.optimizer = torch.optim.AdamW(
@@ -135,6 +146,9 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
         else:
             self.optimizer = torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum)
         self.scheduler = _scheduler(self.optimizer, settings)
+
+    loss_scale = 1.0
+    """No loss scaling on CPU (fp32 or bf16)."""
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -150,9 +164,28 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
         norm = gradient_norm(self.params)
         if self.settings.clip_grad > 0:
             clip_gradients_(self.params, self.settings.clip_grad, norm)
+        for p, master in zip(self.params, self.masters):
+            if master is not p:
+                master.grad = None if p.grad is None else p.grad.float()
         self.optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                if master is not p:
+                    p.copy_(master)
         self.scheduler.step(1)
         return norm
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
+        if any(m is not p for p, m in zip(self.params, self.masters)):
+            state["fp32_params"] = [m.detach() for m in self.masters]
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for master, saved in zip(self.masters, state.get("fp32_params", [])):
+            with torch.no_grad():
+                master.copy_(saved)
 
 
 class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs CUDA
@@ -196,6 +229,12 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+    @property
+    def loss_scale(self) -> float:
+        """megatron's current loss scale (dynamic for fp16, 1 otherwise)."""
+        scale = self.optimizer.get_loss_scale()
+        return float(scale.item() if torch.is_tensor(scale) else scale)
 
     def step(self) -> float:
         from megatron.core.distributed import finalize_model_grads

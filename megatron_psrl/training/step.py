@@ -167,9 +167,13 @@ class StepRunner:
         rank: int,
         loss_cfg: LossConfig,
         memory: Optional[MemoryPlan] = None,
+        loss_scale: float = 1.0,
     ) -> StepOutput:
         """Forward + backward of every micro-batch of ``rank``; gradients accumulate in the
-        model's parameters (the caller reduces them across data-parallel ranks)."""
+        model's parameters (the caller reduces them across data-parallel ranks).
+
+        ``loss_scale`` multiplies every loss before its backward (fp16 loss scaling; the
+        optimizer unscales). Injected prefix gradients come from scaled losses already."""
         rank_plan = plan.ranks[rank]
         # Normalisation over the whole global batch, from the original samples.
         coefficients = claim_coefficients(plan.tree, loss_cfg.loss_agg)
@@ -179,6 +183,8 @@ class StepRunner:
             if memory is None:
                 raise RuntimeError("a plan with cached prefixes needs a memory plan")
             cache.begin_step(memory.block_size, memory.pool_blocks)
+        elif cache is not None:
+            cache.release_pool()  # a step without cached prefixes holds no KV memory
         pending: Dict[int, Tuple[Optional[Tensor], List]] = {}
         metric_sums: Dict[str, float] = {}
 
@@ -201,7 +207,7 @@ class StepRunner:
                                                     coefficients=coefficients, grad=True, store=False, capture=False)
                 account(loss, metrics)
                 if loss is not None:
-                    loss.backward()
+                    (loss * loss_scale).backward()
             elif op == "forward":
                 for s in mb.produces:
                     cache.allocate(s, rank_plan.sources[s].length)
@@ -227,7 +233,7 @@ class StepRunner:
                     out.tokens_computed += pack.num_tokens
                     out.tokens_recomputed += pack.num_tokens
                     cache.metrics.tokens_recomputed += pack.num_tokens
-                tensors, grads = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+                tensors, grads = ([loss * loss_scale], [torch.ones_like(loss)]) if loss is not None else ([], [])
                 for s, layer, k_rows, v_rows in captured:
                     gk, gv = cache.read_grad(s, layer)
                     tensors += [k_rows, v_rows]

@@ -34,6 +34,7 @@ from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
 from megatron_psrl.data.loader import load_samples
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.synthetic import WORKLOADS, make_workload
+from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
 from megatron_psrl.kvcache import BlockKVCache, CacheBudgetError, KVGeometry, activation_bytes_per_token, plan_memory
 from megatron_psrl.model.architecture import ModelArchitecture
@@ -69,6 +70,8 @@ class BatchSource:
         self.seed = seed
         self.global_batch_size = global_batch_size
         self.synthetic_tokens = synthetic_tokens
+        self.kl_required = kl_required
+        self.max_sequence_length = max_sequence_length
         self.samples: Optional[SampleBatch] = None
         if data in WORKLOADS and not os.path.exists(data):
             self.kind = "synthetic"
@@ -79,17 +82,16 @@ class BatchSource:
         if self.samples.num_samples == 0:
             raise ValueError(f"{data}: no samples")
         if max_sequence_length is not None:
-            too_long = np.flatnonzero(self.samples.lengths > max_sequence_length)
-            if len(too_long):
-                s = int(too_long[0])
-                raise ValueError(f"{self.samples.describe_sample(s)}: field 'tokens': length "
-                                 f"{int(self.samples.lengths[s])} exceeds the model's sliding window "
-                                 f"{max_sequence_length}")
+            check_max_sample_length(self.samples, max_sequence_length, "the model's sliding window")
 
     def batch(self, iteration: int) -> SampleBatch:
         if self.kind == "synthetic":
-            return make_workload(self.data, num_tokens_target=self.synthetic_tokens, vocab_size=self.vocab_size,
-                                 seed=self.seed + iteration)
+            # Synthetic rollouts carry old/ref log-probs when the KL term needs them.
+            batch = make_workload(self.data, num_tokens_target=self.synthetic_tokens, vocab_size=self.vocab_size,
+                                  seed=self.seed + iteration, with_logprobs=self.kl_required)
+            if self.max_sequence_length is not None:
+                check_max_sample_length(batch, self.max_sequence_length, "the model's sliding window")
+            return batch
         if self.global_batch_size is None:
             return self.samples
         gbs = self.global_batch_size
@@ -152,9 +154,23 @@ class Trainer:
                     pass
         source = ModelSource(hf_dir=args.hf_dir, checkpoint=args.load, tiny=args.model)
         self.start_iteration = 0
+        if args.use_distributed_optimizer and (args.save or (args.load and not (args.finetune or args.no_load_optim))):
+            raise NotImplementedError(
+                "checkpoints of the distributed optimizer's sharded state are not implemented yet: use --save/--load "
+                "without --use-distributed-optimizer, or --load with --finetune / --no-load-optim"
+            )
         if args.load and not args.finetune:
             _, info = read_checkpoint_info(args.load)
             self.start_iteration = info.iteration
+            layout = (info.tensor_parallel_size, info.pipeline_parallel_size)
+            if info.has_optimizer_state and not args.no_load_optim and layout != (
+                self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
+            ):
+                raise ValueError(
+                    f"{args.load} was saved with TP={layout[0]} PP={layout[1]}; its optimizer state cannot be loaded "
+                    f"with TP={self.layout.tensor_parallel_size} PP={self.layout.pipeline_parallel_size}. Pass "
+                    "--no-load-optim to resume with a fresh optimizer, or --finetune to start a new run"
+                )
         # Validate all input before anything else happens (the data needs only the vocabulary).
         arch = source_architecture(source)
         self.data = BatchSource(
@@ -215,7 +231,7 @@ class Trainer:
             print(msg, flush=True)
 
     def _reduce(self, values: List[float], op=dist.ReduceOp.SUM, group=None) -> List[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.layout.device)
         dist.all_reduce(t, op=op, group=group)
         return t.tolist()
 
@@ -227,7 +243,8 @@ class Trainer:
         plan, memory, mode = self.plan(tree)
         self.optimizer.zero_grad()
         with PeakMemory(self.layout.device, enabled=not args.no_memory_tracking) as mem:
-            out = self.runner.train(plan, self.layout.dp_rank, self.loss_cfg, memory)
+            out = self.runner.train(plan, self.layout.dp_rank, self.loss_cfg, memory,
+                                    loss_scale=self.optimizer.loss_scale)
             grad_norm = self.optimizer.step()
         step_time = time.perf_counter() - t0
         dp_group = parallel_state.get_data_parallel_group()

@@ -95,7 +95,11 @@ def test_two_rank_training_saves_a_loadable_checkpoint(tmp_path, parallel):
     recs = _records(log)
     assert len(recs) == 2 and all(REQUIRED <= set(r) for r in recs)
     _, info = read_checkpoint_info(str(ckpt))
-    assert info.tensor_parallel_size == (2 if parallel else 1)
+    assert info.tensor_parallel_size == (2 if parallel else 1) and info.has_optimizer_state
+    if parallel:  # TP=2 optimizer state cannot be resumed with TP=1: refused unless asked for
+        with pytest.raises(ValueError, match="--no-load-optim"):
+            main(DATA + ["--train-iters", "3", "--load", str(ckpt)])
+        main(DATA + ["--train-iters", "3", "--load", str(ckpt), "--no-load-optim"])
     # the same data on one rank gives the same first-step loss
     single = tmp_path / "single.jsonl"
     main(BASE + ["--train-iters", "1", "--log-json", str(single)])

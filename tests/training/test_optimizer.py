@@ -1,0 +1,55 @@
+"""The CPU optimizer: megatron's rules (no decay on norms/biases, clipping by the global norm,
+fp32 master weights for a bf16 model)."""
+
+import pytest
+import torch
+
+from megatron_psrl.checkpoint import ModelSource, load_model
+from megatron_psrl.distributed.setup import initialize_parallel
+from megatron_psrl.training.optimizer import CPUTrainingOptimizer, OptimizerSettings
+
+
+def _model(dtype):
+    initialize_parallel(1, 1, seed=0, device="cpu")
+    return load_model(ModelSource(tiny="debug-llama"), dtype=dtype)[1]
+
+
+def _fill_grads(model, value):
+    for p in model.parameters():
+        p.grad = torch.full_like(p, value)
+
+
+def test_bf16_model_steps_through_fp32_masters():
+    model = _model(torch.bfloat16)
+    opt = CPUTrainingOptimizer(model, OptimizerSettings(optimizer="sgd", lr=1e-4, clip_grad=0.0))
+    before = [p.detach().float().clone() for p in model.parameters()]
+    for _ in range(3):
+        _fill_grads(model, 1.0)
+        opt.step()
+    assert any(p.dtype == torch.bfloat16 for p in model.parameters())
+    for p, master, b in zip(model.parameters(), opt.masters, before):
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master.detach(), b - 3e-4, rtol=0, atol=1e-6)  # exact fp32 updates
+        assert torch.equal(p.detach(), master.detach().to(p.dtype))  # the model holds them (rounded)
+    state = opt.state_dict()
+    assert "fp32_params" in state
+
+
+def test_clipping_and_weight_decay_rules():
+    model = _model(torch.float32)
+    opt = CPUTrainingOptimizer(model, OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=1.0, weight_decay=0.5))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _fill_grads(model, 1.0)
+    n_elems = sum(p.numel() for p in model.parameters())
+    norm = opt.step()
+    assert norm == pytest.approx(n_elems ** 0.5, rel=1e-6)
+    scale = 1.0 / (norm + 1e-6)
+    for n, p in model.named_parameters():
+        decay = 0.0 if (p.ndim == 1 or n.endswith(".bias")) else 0.5
+        expected = before[n] * (1 - decay) - scale  # torch SGD: p -= lr * (g + wd * p)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="--bf16 on CPU"):
+        CPUTrainingOptimizer(_model(torch.float16), OptimizerSettings())
