@@ -137,42 +137,41 @@ def simulated_peak_bytes(
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int) -> MemoryPlan:
     """Decide block size, pool size and keep/recompute for every producer of ``plan``.
 
-    Starts from keeping every producer's graph and, while the simulated peak exceeds the
-    budget, drops the graph whose recomputation lowers the peak most (fewest tokens on ties).
+    Starts from keeping every producer's graph. While the simulated timeline exceeds the
+    budget, it finds the first schedule step over budget and drops the largest graph alive at
+    that step (fewest tokens on ties), then simulates again: one simulation per dropped graph.
     Dropping is not always a saving: a reader that recomputes reads its cached prefixes again
-    later, which keeps their K/V blocks alive longer.
+    later, which keeps their K/V blocks alive longer; the simulation accounts for that.
     """
     block_size = choose_block_size([s.length for s in plan.sources.values()])
+    block_bytes = geometry.block_bytes(block_size)
     producers = sorted({s.producer for s in plan.sources.values()})
     keep = {p: True for p in producers}
+    graph_bytes, read_bytes = _byte_tables(plan, geometry, act_bytes_per_token)
+    forward_at = {i: t for t, (op, i) in enumerate(plan.schedule) if op == "forward"}
+    backward_at = {i: t for t, (op, i) in enumerate(plan.schedule) if op == "backward"}
 
-    def peak(decisions) -> int:
-        return simulated_peak_bytes(plan, geometry, decisions, act_bytes_per_token, block_size)
+    def timeline(decisions) -> np.ndarray:
+        blocks, other, _ = _simulate(plan, decisions, block_size, graph_bytes, read_bytes)
+        return blocks * block_bytes + other
 
-    current = peak(keep)
-    while current > budget_bytes:
-        trials = []
-        for p in producers:
-            if keep[p]:
-                trial = {**keep, p: False}
-                trials.append((peak(trial), plan.micro_batches[p].num_tokens, p))
-        if not trials:
-            break
-        best_peak, _, p = min(trials)
-        if best_peak >= current and any(keep.values()) and best_peak > budget_bytes:
-            # No single drop helps: drop them all (the minimum-graph configuration).
-            keep = {q: False for q in producers}
-            current = peak(keep)
-            break
-        keep[p] = False
-        current = best_peak
+    held = timeline(keep)
+    while held.max(initial=0) > budget_bytes:
+        t = int(np.argmax(held > budget_bytes))  # first step over budget
+        alive = [p for p in producers if keep[p] and forward_at[p] <= t < backward_at[p]]
+        if not alive:
+            break  # only blocks and running micro-batches at that step: no graph to drop
+        victim = max(alive, key=lambda p: (graph_bytes[p] + read_bytes[p], -plan.micro_batches[p].num_tokens, -p))
+        keep[victim] = False
+        held = timeline(keep)
+    current = int(held.max(initial=0))
     if current > budget_bytes:
         raise CacheBudgetError(
             f"the cached prefixes of this step need {current} bytes of KV blocks at their peak but "
             f"--kv-cache-budget is {budget_bytes} bytes"
         )
-    blocks, other, last_read = _simulate(plan, keep, block_size, *_byte_tables(plan, geometry, act_bytes_per_token))
-    held = blocks * geometry.block_bytes(block_size) + other
+    blocks, other, last_read = _simulate(plan, keep, block_size, graph_bytes, read_bytes)
+    held = blocks * block_bytes + other
     recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
     return MemoryPlan(
         block_size=block_size,
