@@ -8,7 +8,13 @@ from megatron_psrl.kvcache.manager import (
     KVGeometry,
     choose_block_size,
 )
-from megatron_psrl.kvcache.memory_plan import MemoryPlan, activation_bytes_per_token, plan_memory, simulated_peak_bytes
+from megatron_psrl.kvcache.memory_plan import (
+    MemoryPlan,
+    activation_bytes_per_token,
+    plan_forward_memory,
+    plan_memory,
+    simulated_peak_bytes,
+)
 
 __all__ = [
     "BLOCK_SIZE_CLASSES",
@@ -19,6 +25,7 @@ __all__ = [
     "MemoryPlan",
     "activation_bytes_per_token",
     "choose_block_size",
+    "plan_forward_memory",
     "plan_memory",
     "simulated_peak_bytes",
 ]

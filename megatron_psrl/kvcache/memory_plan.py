@@ -21,7 +21,7 @@ dropped greedily (see :func:`plan_memory`). If no choice fits, the plan is infea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -184,4 +184,34 @@ def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_byt
     )
 
 
-__all__ = ["KINDS", "MemoryPlan", "activation_bytes_per_token", "plan_memory", "simulated_peak_bytes"]
+def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int) -> MemoryPlan:
+    """The forward-only (log-prob) variant: micro-batches in order, K and V blocks only, freed
+    after their last reader; no gradient blocks, no retained graphs."""
+    block_size = choose_block_size([s.length for s in plan.sources.values()])
+    block_bytes = geometry.block_bytes(block_size)
+    last_read = {s: max(src.consumers) for s, src in plan.sources.items()}
+    blocks, held, peak_blocks = 0, [], 0
+    for i, mb in enumerate(plan.micro_batches):
+        blocks += sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.produces)
+        reads = 2 * geometry.bytes_per_token * sum(plan.sources[s].length for s in mb.reads)
+        held.append(blocks * block_bytes + reads)
+        peak_blocks = max(peak_blocks, blocks)
+        blocks -= sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.reads if last_read[s] == i)
+    peak = max(held, default=0)
+    if peak > budget_bytes:
+        raise CacheBudgetError(
+            f"the cached prefixes need {peak} bytes of KV blocks at their peak but --kv-cache-budget is "
+            f"{budget_bytes} bytes"
+        )
+    return MemoryPlan(block_size=block_size, pool_blocks=peak_blocks, keep_graph={}, kv_release_step=last_read,
+                      peak_bytes=peak, timeline_bytes=held)
+
+
+__all__ = [
+    "KINDS",
+    "MemoryPlan",
+    "activation_bytes_per_token",
+    "plan_forward_memory",
+    "plan_memory",
+    "simulated_peak_bytes",
+]

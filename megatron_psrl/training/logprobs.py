@@ -17,11 +17,12 @@ from megatron.core import parallel_state
 
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.training.step import StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
+from megatron_psrl.training.planning import plan_with_memory
+from megatron_psrl.tree.planner import PlannerConfig
 
 
 def compute_logprobs(
@@ -47,17 +48,14 @@ def compute_logprobs(
     dp_rank = parallel_state.get_data_parallel_rank() if dp > 1 else 0
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     tree = build_prefix_tree(batch)
-    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=dp,
-                                         sharing="tree" if prefix_sharing else "none"))
     dtype = next(model.parameters()).dtype
     geometry = KVGeometry(num_layers=arch.num_layers, num_groups=arch.num_kv_heads // tp, head_dim=arch.head_dim,
                           dtype=dtype, device=device)
-    rank_plan = plan.ranks[dp_rank]
+    config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=dp,
+                           sharing="tree" if prefix_sharing else "none")
+    plan, memories, _ = plan_with_memory(tree, config, lambda r: plan_forward_memory(r, geometry, kv_cache_budget))
+    memory = memories[dp_rank]
     cache = BlockKVCache(geometry, kv_cache_budget)
-    memory = None
-    if rank_plan.sources:
-        memory = plan_memory(rank_plan, geometry, kv_cache_budget,
-                             activation_bytes_per_token(arch, tp, torch.tensor([], dtype=dtype).element_size()))
     runner = StepRunner(model, arch.vocab_size, device, attention_backend, cache)
     was_training = model.training
     model.eval()

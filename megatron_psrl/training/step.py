@@ -259,10 +259,10 @@ class StepRunner:
         out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs={})
         cache = self.kv_cache
         if rank_plan.sources:
+            if memory is None:
+                raise RuntimeError("a plan with cached prefixes needs a memory plan (plan_forward_memory)")
             cache.begin_step(memory.block_size, memory.pool_blocks)
-        last_reader: Dict[int, int] = {}
-        for s, src in rank_plan.sources.items():
-            last_reader[s] = max(src.consumers)
+        last_reader = memory.kv_release_step if rank_plan.sources else {}
         for i in range(len(rank_plan.micro_batches)):
             mb = rank_plan.micro_batches[i]
             for s in mb.produces:

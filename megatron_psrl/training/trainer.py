@@ -36,9 +36,8 @@ from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.synthetic import WORKLOADS, make_workload
 from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
-from megatron_psrl.kvcache import BlockKVCache, CacheBudgetError, KVGeometry, activation_bytes_per_token, plan_memory
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.model.builder import parse_dtype
 from megatron_psrl.training.checkpointing import save_training_checkpoint
 from megatron_psrl.training.loss import LossConfig
 from megatron_psrl.training.memory import PeakMemory
@@ -46,7 +45,8 @@ from megatron_psrl.training.optimizer import OptimizerSettings, build_optimizer
 from megatron_psrl.training.step import StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.cost import CostModel
-from megatron_psrl.tree.planner import PlannerConfig, PlanningError, StepPlan, plan_step
+from megatron_psrl.training.planning import plan_with_memory
+from megatron_psrl.tree.planner import PlannerConfig, StepPlan
 
 logger = logging.getLogger("megatron_psrl")
 
@@ -211,19 +211,11 @@ class Trainer:
         config = PlannerConfig(micro_batch_tokens=args.micro_batch_tokens,
                                data_parallel_size=self.layout.data_parallel_size,
                                sharing=args.prefix_sharing, cost_model=self.cost_model)
-        plan = plan_step(tree, config)
-        try:
-            memories = [plan_memory(r, self.geometry, args.kv_cache_budget, self.act_bytes) if r.sources else None
-                        for r in plan.ranks]
-            return plan, memories[self.layout.dp_rank], args.prefix_sharing
-        except CacheBudgetError as exc:
-            # Cut differently: duplicate the prefixes instead of caching them.
-            try:
-                plan = plan_step(tree, dataclasses.replace(config, sharing="tree-dup"))
-            except PlanningError as dup_exc:
-                raise CacheBudgetError(f"{exc}; and without caching: {dup_exc}") from None
-            self.log(f"warning: {exc}; falling back to prefix duplication for this step")
-            return plan, None, "tree-dup"
+        plan, memories, mode = plan_with_memory(
+            tree, config, lambda r: plan_memory(r, self.geometry, args.kv_cache_budget, self.act_bytes))
+        if mode != args.prefix_sharing:
+            self.log("warning: the cached prefixes do not fit --kv-cache-budget; duplicating them this step")
+        return plan, memories[self.layout.dp_rank], mode
 
     # ------------------------------------------------------------------ loop
     def log(self, msg: str) -> None:

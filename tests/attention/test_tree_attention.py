@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from attn_reference import Forest, forests, make_qkv, per_query_attention, random_forest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from megatron_psrl.attention.backends import blockwise_tree_attention, dense_tree_attention
 from megatron_psrl.attention.plan import AttentionPlan, causal_plan, tree_plan

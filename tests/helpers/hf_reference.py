@@ -8,7 +8,6 @@ is restated here from interfaces.md, not imported).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Dict, List, Tuple
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
-from helpers.families import FAMILIES, family_config, make_family_checkpoint
+from helpers.families import FAMILIES, family_config
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, load_hf_model
 
 from megatron_psrl.attention import TreeAttentionMetadata, causal_plan, tree_plan

@@ -128,3 +128,22 @@ def test_logprobs_equal_reference(psrl_model, hf_model, sharing, budget):
     for a, b in zip(ours, ref):
         assert a.shape == b.shape and a[0] == 0.0
         np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_logprobs_under_a_tiny_kv_budget_duplicate_prefixes_instead(psrl_model, hf_model):
+    """A KV budget that cannot hold the cached prefixes: the forward pass duplicates them
+    instead (same result); with samples longer than a micro-batch it cannot and says so."""
+    from megatron_psrl.kvcache import CacheBudgetError
+
+    arch, model = psrl_model
+    batch = random_tree_batch(seed=21)
+    one_block = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4 * 16
+    ref = per_sample_logprobs(hf_model, batch)
+    longest = int(batch.lengths.max())  # duplication can still split the trees
+    tree = build_prefix_tree(batch)
+    assert tree.subtree_tokens()[tree.node_parent < 0].max() > longest  # caching would be needed
+    ours = compute_logprobs(model, arch, batch, micro_batch_tokens=longest, kv_cache_budget=one_block)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    with pytest.raises(CacheBudgetError, match="without caching"):
+        compute_logprobs(model, arch, batch, micro_batch_tokens=16, kv_cache_budget=one_block)
