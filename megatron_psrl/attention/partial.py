@@ -10,7 +10,8 @@ ring attention uses): with ``P_b = exp(S_b - lse)`` and ``D = rowsum(dO * O)``,
 Two implementations with one signature:
 - ``aten``: PyTorch's CPU flash-attention kernels (``_scaled_dot_product_flash_attention_for_cpu``
   and its backward), which return the lse, accept strided inputs and handle GQA natively;
-- ``math``: the formulas above in plain torch (any device; the reference, O(nq * nk) memory).
+- ``math``: the formulas above in plain torch (any device; the reference), over chunks of
+  queries so that the score tensor stays bounded (``MATH_SCORE_ELEMENTS``).
 
 Layouts (token-major, as megatron hands them to core attention, batch dimension removed):
 q ``[nq, np, hn]``, k/v ``[nk, ng, hn]`` (np a multiple of ng: GQA groups are not expanded),
@@ -72,41 +73,60 @@ def partial_attention_backward(
 
 
 # ---------------------------------------------------------------------- reference math
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    """``[ng, rep, nq, nk]`` float32 scores, queries grouped by their K/V head."""
+MATH_SCORE_ELEMENTS = 1 << 25
+"""The math path materialises scores for at most this many (head, query, key) triples at once
+(128 MiB in fp32): queries are processed in chunks, so memory stays linear in the keys."""
+
+
+def _query_chunks(nq: int, np_: int, nk: int, max_elements: int):
+    step = max(1, max_elements // max(1, np_ * nk))
+    return [(a, min(nq, a + step)) for a in range(0, nq, step)]
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int, nq_total: int) -> Tensor:
+    """``[ng, rep, nq, nk]`` scores of queries ``q_offset:q_offset+nq`` of ``nq_total``, grouped
+    by their K/V head (float32; float64 for float64 inputs)."""
     nq, np_, hn = q.shape
     ng = k.shape[1]
     qg = q.to(lse_dtype(q)).reshape(nq, ng, np_ // ng, hn)
     s = torch.einsum("qgrd,kgd->grqk", qg, k.to(qg.dtype)) * scale
     if causal:
         nk = k.shape[0]
-        keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+        rows = torch.arange(q_offset, q_offset + nq, device=q.device)[:, None]
+        keep = torch.arange(nk, device=q.device)[None, :] <= rows + (nk - nq_total)
         s = s.masked_fill(~keep, float("-inf"))
     return s
 
 
-def _math_forward(q, k, v, causal, scale):
+def _math_forward(q, k, v, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS):
     nq, np_, hn = q.shape
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)  # [ng, rep, nq]
-    p = torch.exp(s - lse.unsqueeze(-1))
-    o = torch.einsum("grqk,kgd->qgrd", p, v.to(p.dtype)).reshape(nq, np_, hn)
-    return o.to(q.dtype), lse.reshape(np_, nq).transpose(0, 1).contiguous()
+    outs, lses = [], []
+    for a, b in _query_chunks(nq, np_, k.shape[0], max_elements):
+        s = _scores(q[a:b], k, causal, scale, a, nq)
+        lse = torch.logsumexp(s, dim=-1)  # [ng, rep, n]
+        p = torch.exp(s - lse.unsqueeze(-1))
+        outs.append(torch.einsum("grqk,kgd->qgrd", p, v.to(p.dtype)).reshape(b - a, np_, hn).to(q.dtype))
+        lses.append(lse.reshape(np_, b - a).transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses).contiguous()
 
 
-def _math_backward(do, q, k, v, o, lse, causal, scale):
+def _math_backward(do, q, k, v, o, lse, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS):
     nq, np_, hn = q.shape
     ng = k.shape[1]
     rep = np_ // ng
-    s = _scores(q, k, causal, scale)
-    f = s.dtype
-    lse_g = lse.to(f).transpose(0, 1).reshape(ng, rep, nq)
-    p = torch.exp(s - lse_g.unsqueeze(-1))  # [ng, rep, nq, nk]
-    do_g = do.to(f).reshape(nq, ng, rep, hn)
-    delta = (do.to(f) * o.to(f)).sum(-1).transpose(0, 1).reshape(ng, rep, nq)
-    dv = torch.einsum("grqk,qgrd->kgd", p, do_g)
-    dp = torch.einsum("qgrd,kgd->grqk", do_g, v.to(f))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.einsum("grqk,kgd->qgrd", ds, k.to(f)).reshape(nq, np_, hn) * scale
-    dk = torch.einsum("grqk,qgrd->kgd", ds, q.to(f).reshape(nq, ng, rep, hn)) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    f = lse_dtype(q)
+    dqs = []
+    dk = torch.zeros(k.shape, dtype=f, device=k.device)
+    dv = torch.zeros(v.shape, dtype=f, device=v.device)
+    for a, b in _query_chunks(nq, np_, k.shape[0], max_elements):
+        n = b - a
+        s = _scores(q[a:b], k, causal, scale, a, nq)
+        lse_g = lse[a:b].to(f).transpose(0, 1).reshape(ng, rep, n)
+        p = torch.exp(s - lse_g.unsqueeze(-1))  # [ng, rep, n, nk]
+        do_g = do[a:b].to(f).reshape(n, ng, rep, hn)
+        delta = (do[a:b].to(f) * o[a:b].to(f)).sum(-1).transpose(0, 1).reshape(ng, rep, n)
+        dv += torch.einsum("grqk,qgrd->kgd", p, do_g)
+        ds = p * (torch.einsum("qgrd,kgd->grqk", do_g, v.to(f)) - delta.unsqueeze(-1))
+        dqs.append((torch.einsum("grqk,kgd->qgrd", ds, k.to(f)).reshape(n, np_, hn) * scale).to(q.dtype))
+        dk += torch.einsum("grqk,qgrd->kgd", ds, q[a:b].to(f).reshape(n, ng, rep, hn)) * scale
+    return torch.cat(dqs), dk.to(k.dtype), dv.to(v.dtype)

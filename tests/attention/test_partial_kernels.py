@@ -161,3 +161,24 @@ def test_aten_and_math_backward_agree_on_random_blocks():
         m = partial_attention_backward(do, q, k, v, o, lse, False, 0.35, "math")
         for x, y in zip(a, m):
             torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_math_path_in_query_chunks_equals_one_chunk(causal):
+    """The math path bounds its score tensor by processing queries in chunks (how the torch
+    backend runs on CUDA); chunk boundaries must not change anything, causal masks included."""
+    from megatron_psrl.attention.partial import _math_backward, _math_forward
+
+    torch.manual_seed(0)
+    nq, nk = (13, 13) if causal else (13, 29)
+    q, k, v = torch.randn(nq, 4, 8, dtype=torch.float64), torch.randn(nk, 2, 8, dtype=torch.float64), \
+        torch.randn(nk, 2, 8, dtype=torch.float64)
+    do = torch.randn(nq, 4, 8, dtype=torch.float64)
+    o1, l1 = _math_forward(q, k, v, causal, 0.3)
+    o2, l2 = _math_forward(q, k, v, causal, 0.3, max_elements=4 * nk * 3)  # chunks of 3 queries
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(l1, l2)
+    g1 = _math_backward(do, q, k, v, o1, l1, causal, 0.3)
+    g2 = _math_backward(do, q, k, v, o1, l1, causal, 0.3, max_elements=4 * nk * 3)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
