@@ -6,20 +6,23 @@ advantage, old/ref log-prob and sample weight: PPO/GRPO clipping is non-linear i
 advantage, so claims are never merged. Per claim (token i of sample s)::
 
     r   = exp(logp - old_logp)                      (old_logp = logp.detach() when absent)
-    pg  = -min(r * A, clip(r, 1 - eps, 1 + eps) * A) * weight_s
+    pg  = -min(r * A, clip(r, 1 - eps, 1 + eps) * A)
     kl  = exp(ref - logp) - (ref - logp) - 1        (k3 estimator; only when kl_coef != 0)
-    l   = pg + kl_coef * kl - entropy_coef * H      (H: entropy of the predicting distribution)
+    l   = weight_s * (pg + kl_coef * kl - entropy_coef * H)   (H: entropy of the predicting
+                                                                 distribution)
+
+The sample weight multiplies every loss term of the sample (interfaces.md: "multiplied into its
+loss terms"), so a sample of weight 0 does not train at all.
 
 and the step loss is ``sum_c coef_c * l_c`` where the coefficients implement the aggregation
 over the *whole global batch* (all micro-batches, all ranks), computed from the original
 samples, never from the deduplicated tree:
 
 - ``token-mean``: 1 / (claims in the global batch);
-- ``seq-mean-token-mean``: 1 / (S * claims of the claim's sample);
-- ``seq-mean-token-sum``: 1 / S;
-
-with S the number of samples that have at least one claim (a sample without trained tokens
-has no mean to average).
+- ``seq-mean-token-mean``: 1 / (S' * claims of the claim's sample), S' = samples with at least
+  one claim (a sample without trained tokens has no token mean to average);
+- ``seq-mean-token-sum``: 1 / S, S = all samples (a sample without claims sums to 0), as
+  verl's ``seq-mean-token-sum``.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def claim_coefficients(tree: PrefixTree, loss_agg: str) -> np.ndarray:
     if loss_agg == "seq-mean-token-mean":
         return 1.0 / (num_trained_samples * per_sample[tree.claim_sample].astype(np.float64))
     if loss_agg == "seq-mean-token-sum":
-        return np.full(num_claims, 1.0 / num_trained_samples)
+        return np.full(num_claims, 1.0 / tree.batch.num_samples)
     raise ValueError(f"unknown loss aggregation {loss_agg!r}")
 
 
@@ -97,6 +100,9 @@ class ClaimBatch:
 
     weight: Tensor
     """``[c]`` sample weights."""
+
+    metric_coef: Tensor
+    """``[c]`` 1 / (claims in the global batch): metrics are claim means."""
 
     @property
     def num_claims(self) -> int:
@@ -139,6 +145,7 @@ def gather_claims(
         old_logprob=as_t(old),
         ref_logprob=ref,
         weight=as_t(b.weights[sample]),
+        metric_coef=torch.full((total,), 1.0 / max(1, len(tree.claim_token)), dtype=torch.float32, device=device),
     )
 
 
@@ -157,21 +164,23 @@ def policy_loss(
     adv = claims.advantage
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - loss.clip_eps, 1.0 + loss.clip_eps) * adv
-    pg = -torch.minimum(unclipped, clipped) * claims.weight
+    pg = -torch.minimum(unclipped, clipped)
     per_claim = pg
+    # Metrics are means over the claims of the global batch, whatever the loss aggregation.
     metrics: Dict[str, Tensor] = {}
     if loss.kl_coef != 0.0:
         diff = claims.ref_logprob - logp
         kl = torch.exp(diff) - diff - 1.0
         per_claim = per_claim + loss.kl_coef * kl
-        metrics["kl"] = (claims.coef * kl).sum().detach()
+        metrics["kl"] = (claims.metric_coef * kl).sum().detach()
     if loss.entropy_coef != 0.0:
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs the entropies of the logit rows")
         ent = entropy[claims.row]
         per_claim = per_claim - loss.entropy_coef * ent
-        metrics["entropy"] = (claims.coef * ent).sum().detach()
-    total = (claims.coef * per_claim).sum()
-    metrics["pg_loss"] = (claims.coef * pg).sum().detach()
-    metrics["clip_frac"] = (claims.coef * (clipped < unclipped).float()).sum().detach()
+        metrics["entropy"] = (claims.metric_coef * ent).sum().detach()
+    weighted = claims.coef * claims.weight  # the sample weight scales every term of its claims
+    total = (weighted * per_claim).sum()
+    metrics["pg_loss"] = (weighted * pg).sum().detach()
+    metrics["clip_frac"] = (claims.metric_coef * (clipped < unclipped).float()).sum().detach()
     return total, metrics

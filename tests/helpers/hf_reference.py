@@ -66,7 +66,7 @@ def _coefficients(batch: SampleBatch, loss_agg: str) -> List[np.ndarray]:
         elif loss_agg == "seq-mean-token-mean":
             c = 1.0 / (trained * n) if n else 0.0
         else:
-            c = 1.0 / trained
+            c = 1.0 / len(masks)  # seq-mean-token-sum: mean over all samples
         coefs.append(np.where(m, c, 0.0))
     return coefs
 
@@ -92,7 +92,7 @@ def per_sample_loss_and_grads(
         else:
             old = logp.detach()
         ratio = torch.exp(logp - old)
-        pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * float(batch.weights[s])
+        pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
         per_tok = pg
         if kl_coef:
             ref = torch.from_numpy(batch.ref_logprobs[sl][1:]).float()
@@ -101,7 +101,7 @@ def per_sample_loss_and_grads(
         if entropy_coef:
             ent = -(logsm.exp() * logsm).sum(-1)
             per_tok = per_tok - entropy_coef * ent
-        loss = (coef * per_tok * mask).sum()
+        loss = float(batch.weights[s]) * (coef * per_tok * mask).sum()  # the weight scales every term
         if mask.any():
             loss.backward()
         total += float(loss.detach())

@@ -27,7 +27,7 @@ def test_coefficients_follow_the_original_samples():
     c = claim_coefficients(tree, "seq-mean-token-mean")
     per_sample = {0: 1 / (2 * 3), 1: 1 / (2 * 2)}
     assert np.allclose(c, [per_sample[int(s)] for s in tree.claim_sample])
-    assert np.allclose(claim_coefficients(tree, "seq-mean-token-sum"), 1 / 2)
+    assert np.allclose(claim_coefficients(tree, "seq-mean-token-sum"), 1 / 3)  # all samples, c included
 
 
 def test_policy_loss_matches_the_formula_per_claim():
@@ -49,12 +49,29 @@ def test_policy_loss_matches_the_formula_per_claim():
         old = float(b.old_logprobs[flat]) if b.has_old_logprobs[s] else lp
         r = np.exp(lp - old)
         a = float(b.advantages[flat])
-        pg = -min(r * a, np.clip(r, 0.8, 1.2) * a) * float(b.weights[s])
+        pg = -min(r * a, np.clip(r, 0.8, 1.2) * a)
         d = float(b.ref_logprobs[flat]) - lp
         kl = np.exp(d) - d - 1
-        expected += coef[k] * (pg + 0.1 * kl - 0.01 * float(ent[row]))
+        expected += coef[k] * float(b.weights[s]) * (pg + 0.1 * kl - 0.01 * float(ent[row]))
     assert float(total.detach()) == pytest.approx(expected, rel=1e-6)
     assert set(metrics) == {"pg_loss", "kl", "entropy", "clip_frac"}
+    assert 0.0 <= float(metrics["clip_frac"]) <= 1.0
+    assert float(metrics["entropy"]) == pytest.approx(float(ent[np.searchsorted(targets, tree.claim_token)].mean()))
+
+
+def test_weight_zero_sample_does_not_train():
+    batch = samples_from_dicts([
+        {"id": "a", "tokens": [1, 2, 3], "advantage": 1.0, "ref_logprobs": [0, -1.0, -2.0], "weight": 0.0},
+    ])
+    tree = build_prefix_tree(batch)
+    cfg = LossConfig(kl_coef=0.5, entropy_coef=0.5)
+    targets = np.array([1, 2])
+    claims = gather_claims(tree, claim_coefficients(tree, cfg.loss_agg), targets, cfg, torch.device("cpu"))
+    logp = torch.tensor([-1.5, -0.5], requires_grad=True)
+    ent = torch.tensor([2.0, 3.0], requires_grad=True)
+    total, _ = policy_loss(logp, ent, claims, cfg)
+    total.backward()
+    assert float(total.detach()) == 0.0 and torch.all(logp.grad == 0) and torch.all(ent.grad == 0)
 
 
 def test_missing_ref_logprobs_with_kl_names_the_sample():
