@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None, help="also save every N iterations")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-json", default=None, help="append one JSON object per iteration to this file")
-    g.add_argument("--no-memory-tracking", action="store_true", help="skip measuring peak memory (CPU)")
+    g.add_argument("--memory-tracking", default="sampled", choices=["sampled", "ops", "off"],
+                   help="CPU peak memory: heap sampled every ms (cheap), read after every torch op (exact), or off")
+    g.add_argument("--no-memory-tracking", action="store_true", help="same as --memory-tracking off")
     g.add_argument("--quiet", action="store_true", help="only errors on stdout")
     return p
 
@@ -107,6 +109,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.no_prefix_sharing:
         args.prefix_sharing = "none"
+    if args.no_memory_tracking:
+        args.memory_tracking = "off"
     sources = [x for x in (args.hf_dir, args.load, args.model) if x]
     if len(sources) > 1:
         parser.error("give at most one of --hf-dir, --load, --model")

@@ -3,9 +3,16 @@
 - CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
 - CPU: torch's CPU allocator takes its memory from the C heap, so the bytes the heap has handed
   out (glibc ``mallinfo2``: ``uordblks + hblkhd``) are the process's live allocations, tensors
-  included. A ``TorchDispatchMode`` samples that figure after every torch operation (forward
-  and backward), which is where new peaks happen. Without glibc it falls back to the peak
-  resident set size of the process (``ru_maxrss``), which never decreases.
+  included. Two ways to watch that figure:
+
+  - ``ops`` (exact): a ``TorchDispatchMode`` reads it after every torch operation (forward and
+    backward), which is where new peaks happen; costs a few microseconds per operation (used
+    by tests and benchmarks);
+  - ``sampled`` (cheap, the training default): a background thread reads it every millisecond;
+    it can miss a peak shorter than that.
+
+  Without glibc it falls back to the peak resident set size of the process (``ru_maxrss``),
+  which never decreases.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import resource
+import threading
 from typing import Optional
 
 import torch
@@ -59,15 +67,47 @@ class _HeapPeakMode(TorchDispatchMode):
         return out
 
 
-class PeakMemory:
-    """``with PeakMemory(device) as m: ...; m.peak_bytes``: the peak during the block."""
+class _HeapSampler:
+    """Reads the heap figure every ``interval`` seconds on a daemon thread."""
 
-    def __init__(self, device: torch.device, enabled: bool = True):
+    def __init__(self, interval: float = 1e-3):
+        self.interval = interval
+        self.peak = heap_bytes_in_use() or 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, heap_bytes_in_use())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, heap_bytes_in_use())
+
+
+MEMORY_TRACKING = ("sampled", "ops", "off")
+
+
+class PeakMemory:
+    """``with PeakMemory(device) as m: ...; m.peak_bytes``: the peak during the block.
+
+    ``mode`` (CPU only): ``ops`` (exact, default), ``sampled`` or ``off`` (see module doc).
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True, mode: str = "ops"):
+        if mode not in MEMORY_TRACKING:
+            raise ValueError(f"memory tracking mode must be one of {MEMORY_TRACKING}, got {mode!r}")
         self.device = torch.device(device)
-        self.enabled = enabled
+        self.enabled = enabled and mode != "off"
+        self.mode = mode
         self.peak_bytes = 0
         self.start_bytes = 0
-        self._mode: Optional[_HeapPeakMode] = None
+        self._mode = None
 
     @property
     def method(self) -> str:
@@ -84,7 +124,7 @@ class PeakMemory:
             self.start_bytes = torch.cuda.memory_allocated(self.device)
         elif _MALLINFO2 is not None:
             self.start_bytes = heap_bytes_in_use()
-            self._mode = _HeapPeakMode()
+            self._mode = _HeapPeakMode() if self.mode == "ops" else _HeapSampler()
             self._mode.__enter__()
         return self
 

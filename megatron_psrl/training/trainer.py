@@ -234,7 +234,7 @@ class Trainer:
         tree = build_prefix_tree(batch)
         plan, memory, mode = self.plan(tree)
         self.optimizer.zero_grad()
-        with PeakMemory(self.layout.device, enabled=not args.no_memory_tracking) as mem:
+        with PeakMemory(self.layout.device, mode=args.memory_tracking) as mem:
             out = self.runner.train(plan, self.layout.dp_rank, self.loss_cfg, memory,
                                     loss_scale=self.optimizer.loss_scale)
             grad_norm = self.optimizer.step()
@@ -248,8 +248,7 @@ class Trainer:
         peak, step_time = self._reduce([float(mem.peak_bytes), step_time], op=dist.ReduceOp.MAX)
         tokens_total = int(batch.num_tokens)
         extra = {k: v for k, v in zip(keys, sums[4:])}
-        if memory is not None:
-            extra.update(self.kv_cache.metrics.to_dict())
+        extra.update(self._kv_metrics(memory is not None, dp_group))
         extra["attention_backend"] = self.backend_name
         return IterationRecord(
             iter=iteration + 1, step_time_s=step_time, tokens_total=tokens_total, tokens_computed=int(sums[1]),
@@ -260,6 +259,27 @@ class Trainer:
             sharing_ratio=tokens_total / max(1.0, sums[1]),
             tokens_per_s=tokens_total / step_time, prefix_sharing=mode, extra=extra,
         )
+
+    def _kv_metrics(self, used: bool, dp_group) -> Dict[str, float]:
+        """KV cache metrics of the step over all data-parallel ranks (same collectives on every
+        rank, zeros where a rank ran no mechanism-2 work); empty when no rank used the cache."""
+        m = self.kv_cache.metrics
+        util = m.utilisation_samples
+        local_sum = [m.tokens_read, m.tokens_recomputed, m.allocated_slots, m.used_slots,
+                     float(np.mean(util)) if util else 0.0, 1.0] if used else [0.0] * 6
+        local_max = [m.peak_blocks_used / m.pool_blocks if m.pool_blocks else 0.0, m.block_size,
+                     m.pool_blocks] if used else [0.0] * 3
+        read, recomputed, allocated, occupied, util_sum, ranks = self._reduce(local_sum, group=dp_group)
+        peak_util, block_size, pool_blocks = self._reduce(local_max, op=dist.ReduceOp.MAX, group=dp_group)
+        if ranks == 0:
+            return {}
+        return {
+            "kv_block_size": int(block_size), "kv_pool_blocks": int(pool_blocks), "kv_peak_utilisation": peak_util,
+            "kv_mean_utilisation": util_sum / ranks,
+            "kv_fragmentation": 1.0 - occupied / allocated if allocated else 0.0,
+            "kv_hit_rate": read / (read + recomputed) if read + recomputed else 1.0,
+            "kv_tokens_recomputed": int(recomputed),
+        }
 
     def run(self) -> List[IterationRecord]:
         args = self.args
