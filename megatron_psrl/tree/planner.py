@@ -231,7 +231,6 @@ class _Bin:
     ranges: List[Tuple[int, int]] = field(default_factory=list)  # owned tree-token ranges
     context: List[np.ndarray] = field(default_factory=list)  # duplicated tokens (not owned)
     size: int = 0
-    chunk: Optional[int] = None  # index into the stream chunks it holds, if any
     small_trees: int = 0  # whole small trees packed in
 
 
@@ -252,7 +251,7 @@ def _plan_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig) -> Ra
             bounds = _stream_chunks(index, int(unit_start[u]), int(unit_end[u]), budget, config.snap_fraction)
             ids = []
             for a, b in zip(bounds[:-1], bounds[1:]):
-                bins.append(_Bin(ranges=[(a, b)], size=b - a, chunk=len(streams)))
+                bins.append(_Bin(ranges=[(a, b)], size=b - a))
                 ids.append(len(bins) - 1)
             streams.append(bounds)
             stream_bins.append(ids)
