@@ -27,7 +27,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Dict, List
+from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +38,7 @@ from bench_update_step import Bench  # noqa: E402
 
 from megatron_psrl.data import samples_from_dicts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
-from megatron_psrl.kvcache import activation_bytes_per_token, plan_memory, simulated_peak_bytes  # noqa: E402
+from megatron_psrl.kvcache import activation_bytes_per_token, simulated_peak_bytes  # noqa: E402
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
 from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
 
