@@ -22,7 +22,7 @@ ancestors of the mechanism-1 split stopgap, computed again but claimed elsewhere
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -99,6 +99,30 @@ class PackedMicroBatch:
         return self.plan.key_pairs()
 
 
+def chain_structure(
+    index: TreeIndex, tokens: np.ndarray, break_after: Optional[np.ndarray] = None
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Chains inside a sorted set of tree tokens.
+
+    Returns ``(pred_pos, continues)``: the position of every token's predecessor in the set
+    (-1 if absent), and whether the token continues the previous token's chain: it is that
+    token's successor, that token has no other successor in the set (else it is a branch
+    point), and ``break_after`` (bool per token, optional) is not set for that token.
+    """
+    n = len(tokens)
+    pred = index.pred[tokens]
+    pos = np.searchsorted(tokens, pred)
+    present = (pred >= 0) & (pos < n)
+    present[present] &= tokens[pos[present]] == pred[present]
+    pred_pos = np.where(present, pos, -1)
+    successors = np.bincount(pred_pos[present], minlength=n)
+    continues = present & (pred_pos == np.arange(n) - 1)
+    continues[1:] &= successors[:-1] == 1
+    if break_after is not None:
+        continues[1:] &= ~break_after[:-1]
+    return pred_pos, continues
+
+
 def pack_tokens(
     index: TreeIndex,
     tokens: np.ndarray,
@@ -127,17 +151,8 @@ def pack_tokens(
     owned = np.ones(t, dtype=bool) if owned is None else np.asarray(owned, dtype=bool)
 
     pred_tree = index.pred[tok]
-    pred_pack = np.searchsorted(tok, pred_tree)
-    present = (pred_tree >= 0) & (pred_pack < t)
-    present[present] &= tok[pred_pack[present]] == pred_tree[present]
-    pred_pack = np.where(present, pred_pack, -1)
-
-    # A token continues the previous pack token's segment iff it is that token's successor
-    # and that token has no other successor in the pack (otherwise it is a branch point).
-    successors = np.bincount(pred_pack[present], minlength=t)
-    prev = np.arange(t) - 1
-    continues = present & (pred_pack == prev)
-    continues[1:] &= successors[:-1] == 1
+    pred_pack, continues = chain_structure(index, tok)
+    present = pred_pack >= 0
     seg_start = np.flatnonzero(~continues)
     seg_end = np.append(seg_start[1:], t)
     seg_of_token = np.cumsum(~continues) - 1

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from megatron_psrl.tree.cost import CostModel
-from megatron_psrl.tree.packing import ExternalSource, PackedMicroBatch, TreeIndex, pack_tokens
+from megatron_psrl.tree.packing import ExternalSource, PackedMicroBatch, TreeIndex, chain_structure, pack_tokens
 from megatron_psrl.tree.prefix_tree import PrefixTree
 from megatron_psrl.tree.unshared import build_unshared_tree
 
@@ -401,14 +401,7 @@ def _link_stream(
 def _split_chains(index: TreeIndex, tokens: np.ndarray, attach_points: np.ndarray) -> List[np.ndarray]:
     """Split a set of path tokens (a union of root paths, ascending) into chains that end at
     attach points or branch points, so every reader sees whole chains."""
-    pred = index.pred[tokens]
-    pos = np.searchsorted(tokens, pred)
-    present = (pred >= 0) & (pos < len(tokens))
-    present[present] &= tokens[np.minimum(pos[present], len(tokens) - 1)] == pred[present]
-    successors = np.bincount(pos[present], minlength=len(tokens))
-    is_attach = np.isin(tokens, attach_points)
-    cont = present & (pos == np.arange(len(tokens)) - 1)
-    cont[1:] &= (successors[:-1] == 1) & ~is_attach[:-1]
+    _, cont = chain_structure(index, tokens, break_after=np.isin(tokens, attach_points))
     starts = np.flatnonzero(~cont)
     return [tokens[a:b] for a, b in zip(starts, np.append(starts[1:], len(tokens)))]
 
