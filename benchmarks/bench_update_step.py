@@ -101,8 +101,7 @@ class Bench:
         self.cost = cost_model_for(self.arch)
         self.loss = LossConfig(loss_agg="token-mean")
         self.budget = micro_batch_tokens
-        self.geometry = KVGeometry(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim, torch.float32,
-                                   device)
+        self.geometry = KVGeometry.for_model(self.arch, 1, 1, torch.float32, device)
         self.cache = BlockKVCache(self.geometry, 4 << 30)
 
     def step(self, batch: SampleBatch, variant: str, measure_memory: bool = False,

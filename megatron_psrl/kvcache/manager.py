@@ -73,6 +73,14 @@ class KVGeometry:
     layer_offset: int = 1
     """megatron layer number of this rank's first layer (1-based)."""
 
+    @classmethod
+    def for_model(cls, arch, tensor_parallel_size: int, pipeline_parallel_size: int, dtype: torch.dtype,
+                  device: torch.device) -> "KVGeometry":
+        """This rank's K/V shape for a ModelArchitecture under TP x PP."""
+        return cls(num_layers=arch.num_layers // pipeline_parallel_size,
+                   num_groups=arch.num_kv_heads // tensor_parallel_size, head_dim=arch.head_dim,
+                   dtype=dtype, device=device)
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token of one kind (K, V, dK or dV) over all layers."""

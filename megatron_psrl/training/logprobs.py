@@ -49,8 +49,7 @@ def compute_logprobs(
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     tree = build_prefix_tree(batch)
     dtype = next(model.parameters()).dtype
-    geometry = KVGeometry(num_layers=arch.num_layers, num_groups=arch.num_kv_heads // tp, head_dim=arch.head_dim,
-                          dtype=dtype, device=device)
+    geometry = KVGeometry.for_model(arch, tp, 1, dtype, device)
     config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=dp,
                            sharing="tree" if prefix_sharing else "none")
     plan, memories, _ = plan_with_memory(tree, config, lambda r: plan_forward_memory(r, geometry, kv_cache_budget))

@@ -194,10 +194,7 @@ class Trainer:
                                    loss_agg=args.loss_agg)
         self.cost_model = cost_model_for(self.arch)
         tp = self.layout.tensor_parallel_size
-        self.geometry = KVGeometry(
-            num_layers=self.arch.num_layers // self.layout.pipeline_parallel_size,
-            num_groups=self.arch.num_kv_heads // tp, head_dim=self.arch.head_dim, dtype=dtype, device=device,
-        )
+        self.geometry = KVGeometry.for_model(self.arch, tp, self.layout.pipeline_parallel_size, dtype, device)
         self.kv_cache = BlockKVCache(self.geometry, args.kv_cache_budget)
         self.act_bytes = activation_bytes_per_token(self.arch, tp, torch.tensor([], dtype=dtype).element_size())
         backend = None if args.attention_backend == "auto" else args.attention_backend
