@@ -185,7 +185,11 @@ class StepRunner:
             cache.begin_step(memory.block_size, memory.pool_blocks)
         elif cache is not None:
             cache.release_pool()  # a step without cached prefixes holds no KV memory
-        pending: Dict[int, Tuple[Optional[Tensor], List]] = {}
+        # producer -> (its loss and captured K/V rows if the graph is kept, else its pack to recompute)
+        pending: Dict[int, Tuple[Optional[Tensor], Optional[List], Optional[PackedMicroBatch]]] = {}
+        release_kv_after: Dict[int, List[int]] = {}  # schedule step -> sources whose K/V go then
+        for s, last in (memory.kv_release_step.items() if rank_plan.sources else ()):
+            release_kv_after.setdefault(last, []).append(s)
         metric_sums: Dict[str, float] = {}
 
         def account(loss, metrics):
@@ -194,7 +198,6 @@ class StepRunner:
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
 
-        packs: Dict[int, PackedMicroBatch] = {}
         for step_idx, (op, i) in enumerate(rank_plan.schedule):
             mb = rank_plan.micro_batches[i]
             if op in ("forward", "forward_backward"):
@@ -217,14 +220,12 @@ class StepRunner:
                                                        coefficients=coefficients, grad=keep, store=True, capture=keep)
                 if keep:
                     account(loss, metrics)
-                    pending[i] = (loss, hook.captured)
+                    pending[i] = (loss, hook.captured, None)
                 else:
-                    packs[i] = pack
-                    pending[i] = (None, None)
+                    pending[i] = (None, None, pack)
             else:  # backward of a producer
-                loss, captured = pending.pop(i)
+                loss, captured, pack = pending.pop(i)
                 if captured is None:  # graph was dropped: rebuild it
-                    pack = packs.pop(i)
                     rows = self._claimed_rows(plan, pack)
                     loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=loss_cfg,
                                                            coefficients=coefficients, grad=True, store=False, capture=True)
@@ -242,10 +243,8 @@ class StepRunner:
                     torch.autograd.backward(tensors, grads)
                 for s in mb.produces:
                     cache.free(s, ("gk", "gv", "k", "v"))
-            if rank_plan.sources:
-                for s, last in memory.kv_release_step.items():
-                    if last == step_idx:
-                        cache.free(s, ("k", "v"))
+            for s in release_kv_after.get(step_idx, ()):
+                cache.free(s, ("k", "v"))
         if rank_plan.sources:
             cache.end_step()
         out.metrics = metric_sums
