@@ -190,11 +190,11 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
     block_size = choose_block_size([s.length for s in plan.sources.values()])
     block_bytes = geometry.block_bytes(block_size)
     last_read = {s: max(src.consumers) for s, src in plan.sources.items()}
+    _, read_bytes = _byte_tables(plan, geometry, 0)
     blocks, held, peak_blocks = 0, [], 0
     for i, mb in enumerate(plan.micro_batches):
         blocks += sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.produces)
-        reads = 2 * geometry.bytes_per_token * sum(plan.sources[s].length for s in mb.reads)
-        held.append(blocks * block_bytes + reads)
+        held.append(blocks * block_bytes + read_bytes[i])
         peak_blocks = max(peak_blocks, blocks)
         blocks -= sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.reads if last_read[s] == i)
     peak = max(held, default=0)
