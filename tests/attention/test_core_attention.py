@@ -149,6 +149,7 @@ def test_tree_metadata_with_causal_plan_equals_thd():
     thd = _attention()(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
     tree = _attention()(q[:, None], k[:, None], v[:, None], None,
                         packed_seq_params=TreeAttentionMetadata(plan=causal_plan(lengths)))
+    # Bit for bit: both paths run the same plan through the same kernels in the same order.
     torch.testing.assert_close(tree[:, 0], thd, atol=0, rtol=0)
 
 

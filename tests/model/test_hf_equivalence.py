@@ -8,12 +8,14 @@ Reference: transformers' own model (eager attention, fp32), one sample at a time
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
 import torch
 from helpers.families import FAMILIES, family_config
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, load_hf_model
+from helpers.tolerance import assert_equal_up_to_rounding
 
 from megatron_psrl.attention import TreeAttentionMetadata, causal_plan, tree_plan
 from megatron_psrl.checkpoint import ModelSource, load_model
@@ -184,7 +186,8 @@ def test_tree_pack_logprobs_and_gradients_equal_per_sample_hf(family, models):
 
 def test_entropy_with_padded_vocab_rows_is_unchanged(models):
     """vocab_parallel_logprobs masks columns past vocab_size (TP padding): appending junk
-    columns to the logits changes neither log-probs nor entropy."""
+    columns to the logits changes neither log-probs nor entropy (beyond the rounding of a
+    reduction over a wider row, which depends on the CPU's SIMD width)."""
     arch, model, hf = models("mistral")
     tokens = _tokens(12, arch.vocab_size, seed=5)
     with torch.no_grad():
@@ -193,8 +196,10 @@ def test_entropy_with_padded_vocab_rows_is_unchanged(models):
         padded = torch.cat([logits, 50 + torch.randn(11, 3)], 1)
         lp, ent = vocab_parallel_logprobs(logits, tokens[1:], arch.vocab_size, with_entropy=True)
         lp2, ent2 = vocab_parallel_logprobs(padded, tokens[1:], arch.vocab_size, with_entropy=True)
-    torch.testing.assert_close(lp, lp2, atol=0, rtol=0)
-    torch.testing.assert_close(ent, ent2, atol=0, rtol=0)
+    # log-sum-exp works at the magnitude of the largest logit plus log(vocab)
+    scale = float(logits.abs().max()) + math.log(arch.vocab_size)
+    assert_equal_up_to_rounding(lp, lp2, scale)
+    assert_equal_up_to_rounding(ent, ent2, scale)
     ref_lp, ref_ent = _hf(hf, tokens)
     assert (lp - ref_lp).abs().max() <= ATOL and (ent - ref_ent).abs().max() <= ATOL
 
