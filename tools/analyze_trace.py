@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_psrl.cli import call_cli  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
-from megatron_psrl.data.validation import SampleValidationError  # noqa: E402
 from megatron_psrl.tree import (  # noqa: E402
     NAMED_MODEL_DIMS,
     CostModel,
@@ -160,13 +160,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    return call_cli(lambda: _main(argv))
+
+
+def _main(argv: Optional[List[str]]) -> int:
     args = parse_args(argv)
     large = os.path.exists(args.data) and os.path.getsize(args.data) > LARGE_INPUT_BYTES
-    try:
-        batch = load_samples(args.data, vocab_size=args.vocab_size, progress=large)
-    except SampleValidationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    batch = load_samples(args.data, vocab_size=args.vocab_size, progress=large)
     model = CostModel.named(args.model)
     start = time.perf_counter()
     tree = build_prefix_tree(batch)
@@ -183,7 +183,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if key != "cost_model":
             print(f"  {key:<{width}}  {value:.4g}" if isinstance(value, float)
                   else f"  {key:<{width}}  {value}")
-    print(f"  ideal speedup by model: "
+    print("  ideal speedup by model: "
           + ", ".join(f"{name} {value:.3f}x" for name, value in by_model.items()))
     print("  ideal speedup vs context length: "
           + ", ".join(f"{row['max_len']}: {row['ideal_speedup']:.2f}x" for row in curve))

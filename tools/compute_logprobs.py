@@ -24,15 +24,13 @@ import torch  # noqa: E402
 
 from megatron_psrl.checkpoint.loading import ModelSource, load_model  # noqa: E402
 from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info  # noqa: E402
+from megatron_psrl.cli import positive_int, run_cli  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
-from megatron_psrl.data.validation import SampleValidationError  # noqa: E402
 from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel  # noqa: E402
-from megatron_psrl.kvcache import CacheBudgetError  # noqa: E402
-from megatron_psrl.model.architecture import ModelArchitecture, UnsupportedModelError  # noqa: E402
+from megatron_psrl.model.architecture import ModelArchitecture  # noqa: E402
 from megatron_psrl.model.builder import parse_dtype  # noqa: E402
 from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
 from megatron_psrl.training.logprobs import compute_logprobs  # noqa: E402
-from megatron_psrl.tree.planner import PlanningError  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -43,9 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--data", required=True, help="samples file (.jsonl or .parquet)")
     p.add_argument("--out", required=True, help="output JSONL file")
     p.add_argument("--no-prefix-sharing", action="store_true", help="pack samples back to back (no sharing)")
-    p.add_argument("--micro-batch-tokens", type=int, default=8192, help="token budget of one micro-batch")
+    p.add_argument("--micro-batch-tokens", type=positive_int, default=8192, help="token budget of one micro-batch")
     p.add_argument("--kv-cache-budget", type=parse_bytes, default=parse_bytes("1GiB"))
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, help="GPU compute dtype (default: the checkpoint's); CPU is always fp32")
     p.add_argument("--attention-backend", default=None, choices=["torch", "dense", "flash", "te"])
@@ -94,12 +92,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except (SampleValidationError, UnsupportedModelError, CacheBudgetError, PlanningError, FileNotFoundError,
-            ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        code = 2
-    finally:
-        shutdown_parallel()
-    sys.exit(code)
+    run_cli(main, cleanup=shutdown_parallel)

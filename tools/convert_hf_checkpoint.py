@@ -16,9 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_psrl.checkpoint.atomic import OutputExistsError  # noqa: E402
 from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf  # noqa: E402
-from megatron_psrl.model.architecture import UnsupportedModelError  # noqa: E402
+from megatron_psrl.cli import call_cli, positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -27,8 +26,8 @@ def parse_args(argv=None):
     a = sub.add_parser("hf-to-mcore", help="Hugging Face folder -> sharded megatron_psrl checkpoint")
     a.add_argument("--hf-dir", required=True, help="save_pretrained folder (config.json + safetensors)")
     a.add_argument("--out-dir", required=True, help="checkpoint directory to create")
-    a.add_argument("--tp", type=int, default=1, help="tensor-parallel shards (default 1)")
-    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default 1)")
+    a.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards (default 1)")
+    a.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel stages (default 1)")
     b = sub.add_parser("mcore-to-hf", help="megatron_psrl checkpoint (any TP/PP) -> Hugging Face folder")
     b.add_argument("--load", required=True, help="checkpoint directory (as written by hf-to-mcore or --save)")
     b.add_argument("--out-dir", required=True, help="Hugging Face folder to create")
@@ -42,17 +41,17 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     args = parse_args(argv)
-    try:
-        if args.direction == "hf-to-mcore":
-            info = hf_to_mcore(args.hf_dir, args.out_dir, args.tp, args.pp, overwrite=args.force, progress=not args.no_progress)
-            print(f"converted {args.hf_dir} ({info.architecture.model_type}, {info.dtype}) -> {args.out_dir} "
-                  f"with TP={args.tp} PP={args.pp}")
-        else:
-            info = mcore_to_hf(args.load, args.out_dir, args.hf_template, overwrite=args.force, progress=not args.no_progress)
-            print(f"converted {args.load} ({info.architecture.model_type}) -> {args.out_dir}")
-    except (UnsupportedModelError, OutputExistsError, FileNotFoundError, ValueError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return call_cli(lambda: _convert(args))
+
+
+def _convert(args) -> int:
+    if args.direction == "hf-to-mcore":
+        info = hf_to_mcore(args.hf_dir, args.out_dir, args.tp, args.pp, overwrite=args.force, progress=not args.no_progress)
+        print(f"converted {args.hf_dir} ({info.architecture.model_type}, {info.dtype}) -> {args.out_dir} "
+              f"with TP={args.tp} PP={args.pp}")
+    else:
+        info = mcore_to_hf(args.load, args.out_dir, args.hf_template, overwrite=args.force, progress=not args.no_progress)
+        print(f"converted {args.load} ({info.architecture.model_type}) -> {args.out_dir}")
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_psrl.cli import call_cli  # noqa: E402
 from megatron_psrl.data.loader import write_samples  # noqa: E402
 from megatron_psrl.data.synthetic import DEFAULT_VOCAB_SIZE, WORKLOADS, make_workload  # noqa: E402
 
@@ -75,17 +76,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    return call_cli(lambda: _main(argv))
+
+
+def _main(argv: Optional[List[str]]) -> int:
     args = parse_args(argv)
     overrides = {dest: getattr(args, dest) for _, dest, _, _ in WORKLOAD_FLAGS
                  if getattr(args, dest) is not None}
     if args.with_logprobs:
         overrides["with_logprobs"] = True
-    try:
-        batch = make_workload(args.workload, num_tokens_target=args.num_tokens,
-                              vocab_size=args.vocab_size, seed=args.seed, **overrides)
-    except (TypeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    batch = make_workload(args.workload, num_tokens_target=args.num_tokens,
+                          vocab_size=args.vocab_size, seed=args.seed, **overrides)
     path = write_samples(batch, args.out)
     print(f"wrote {batch.num_samples} samples, {batch.num_tokens} tokens "
           f"({args.workload}, seed {args.seed}) to {path}")

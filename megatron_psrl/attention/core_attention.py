@@ -32,6 +32,7 @@ from megatron_psrl.attention.backends import (
 from megatron_psrl.attention.backends.varlen import _require_cuda
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.attention.plan import AttentionPlan, causal_plan
+from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 
 Tensor = torch.Tensor
 
@@ -60,11 +61,11 @@ class PrefixSharingAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout != 0.0:
             # Dropout would make a shared prefix differ between the samples that share it.
-            raise ValueError("prefix sharing is exact only without attention dropout (set it to 0)")
+            raise ConfigurationError("prefix sharing is exact only without attention dropout (set it to 0)")
         if config.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism is not supported by PrefixSharingAttention")
+            raise UnsupportedFeatureError("context parallelism is not supported by PrefixSharingAttention")
         if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+            raise ConfigurationError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.head_dim = config.kv_channels

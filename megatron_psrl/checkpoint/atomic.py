@@ -13,8 +13,10 @@ import shutil
 import tempfile
 from typing import Iterator
 
+from megatron_psrl.errors import PsrlError
 
-class OutputExistsError(FileExistsError):
+
+class OutputExistsError(PsrlError, FileExistsError):
     """The output directory exists and is not empty (and overwriting was not requested)."""
 
 

@@ -13,6 +13,7 @@ from megatron_psrl.checkpoint.atomic import atomic_directory
 from megatron_psrl.checkpoint.hf_io import HFCheckpointReader, write_hf_checkpoint
 from megatron_psrl.checkpoint.mcore_format import CheckpointInfo, load_full_state_dict, save_sharded_checkpoint
 from megatron_psrl.checkpoint.sharding import shard_state_dict
+from megatron_psrl.errors import CheckpointError, ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 
@@ -29,19 +30,19 @@ def hf_to_mcore(
     """Convert a HF folder into a TP x PP sharded megatron_psrl checkpoint ("release")."""
     arch = ModelArchitecture.from_hf_dir(hf_dir)  # refuses unsupported models before any I/O
     if arch.num_kv_heads % tp:
-        raise ValueError(f"--tp {tp} must divide the model's {arch.num_kv_heads} key/value heads")
+        raise ConfigurationError(f"--tp {tp} must divide the model's {arch.num_kv_heads} key/value heads")
     if arch.num_layers % pp:
-        raise ValueError(f"--pp {pp} must divide the model's {arch.num_layers} layers")
+        raise ConfigurationError(f"--pp {pp} must divide the model's {arch.num_layers} layers")
     reader = HFCheckpointReader(hf_dir)
     adapter = get_adapter(arch)
     keys = adapter.hf_keys()
     missing = [k for k in keys if k not in reader.weight_map]
     if missing:
-        raise ValueError(f"{hf_dir}: missing tensors for a {arch.model_type} model: {missing[:5]}")
+        raise CheckpointError(hf_dir, f"missing tensors for a {arch.model_type} model: {missing[:5]}")
     extra = sorted(set(reader.weight_map) - set(keys) - {"lm_head.weight"})
     extra = [k for k in extra if not k.endswith("rotary_emb.inv_freq")]
     if extra:
-        raise ValueError(f"{hf_dir}: unexpected tensors (not a plain {arch.model_type} model?): {extra[:5]}")
+        raise CheckpointError(hf_dir, f"unexpected tensors (not a plain {arch.model_type} model?): {extra[:5]}")
     full = {}
     with _bar(len(keys), "reading HF tensors", progress) as bar:
         def get(name):
@@ -70,7 +71,7 @@ def mcore_to_hf(
     if hf_template is not None and (template_arch.model_type, template_arch.num_layers, template_arch.hidden_size) != (
         arch.model_type, arch.num_layers, arch.hidden_size
     ):
-        raise ValueError(f"--hf-template {hf_template} describes a different model than {load}")
+        raise ConfigurationError(f"--hf-template {hf_template} describes a different model than {load}")
     adapter = get_adapter(arch)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         with _bar(len(adapter.hf_keys()), "writing HF tensors", progress) as bar:

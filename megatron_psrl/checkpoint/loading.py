@@ -10,6 +10,7 @@ import torch
 from megatron_psrl.checkpoint.hf_io import HFCheckpointReader
 from megatron_psrl.checkpoint.mcore_format import load_rank_state, read_checkpoint_info
 from megatron_psrl.checkpoint.sharding import shard_state_dict
+from megatron_psrl.errors import CheckpointError, ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.builder import build_model, parallel_layout
@@ -35,7 +36,7 @@ class ModelSource:
     def __post_init__(self) -> None:
         given = [x for x in (self.hf_dir, self.checkpoint, self.tiny) if x]
         if len(given) != 1:
-            raise ValueError("give exactly one model source: --hf-dir, --load or --model")
+            raise ConfigurationError("give exactly one model source: --hf-dir, --load or --model")
 
 
 # Transformer Engine's layer spec fuses the pre-attention / pre-MLP norms into the following
@@ -83,7 +84,7 @@ def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, pr
     adapter = get_adapter(arch)
     missing = [k for k in adapter.hf_keys() if k not in reader.weight_map]
     if missing:
-        raise ValueError(f"{hf_dir}: checkpoint lacks tensors the {arch.model_type} layout needs: {missing[:5]}")
+        raise CheckpointError(hf_dir, f"checkpoint lacks tensors the {arch.model_type} layout needs: {missing[:5]}")
     full = {}
     for name, tensor in adapter.hf_to_mcore(reader.get):
         full[name] = tensor

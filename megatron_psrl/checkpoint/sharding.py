@@ -23,6 +23,7 @@ from typing import Dict, List
 
 import torch
 
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
 
 Tensor = torch.Tensor
@@ -88,9 +89,9 @@ def shard_state_dict(
 ) -> Dict[tuple, Dict[str, Tensor]]:
     """Full state dict -> ``{(tp_rank, pp_rank): shard}`` for every rank of a TP x PP grid."""
     if arch.num_layers % pp:
-        raise ValueError(f"pipeline parallel size {pp} must divide the {arch.num_layers} layers")
+        raise ConfigurationError(f"pipeline parallel size {pp} must divide the {arch.num_layers} layers")
     if arch.num_kv_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide the {arch.num_kv_heads} key/value heads")
+        raise ConfigurationError(f"tensor parallel size {tp} must divide the {arch.num_kv_heads} key/value heads")
     shards: Dict[tuple, Dict[str, Tensor]] = {(r, p): {} for r in range(tp) for p in range(pp)}
     per = arch.num_layers // pp
     for name, tensor in full.items():

@@ -31,6 +31,7 @@ import numpy as np
 
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.data.samples import SampleBatch
+from megatron_psrl.errors import ConfigurationError
 
 LengthSpec = Union[int, Tuple[int, int]]
 """A length: an int, or an inclusive range ``(lo, hi)`` sampled log-uniformly."""
@@ -46,11 +47,11 @@ def sample_lengths(rng: np.random.Generator, spec: LengthSpec, size: int) -> np.
     """int64 ``[size]`` lengths drawn from ``spec`` (log-uniform over ``[lo, hi]``)."""
     if isinstance(spec, (int, np.integer)):
         if spec < 0:
-            raise ValueError(f"a length must be >= 0, got {spec}")
+            raise ConfigurationError(f"a length must be >= 0, got {spec}")
         return np.full(size, int(spec), dtype=np.int64)
     lo, hi = (int(v) for v in spec)
     if not 0 <= lo <= hi:
-        raise ValueError(f"a length range must satisfy 0 <= lo <= hi, got {spec}")
+        raise ConfigurationError(f"a length range must satisfy 0 <= lo <= hi, got {spec}")
     if lo == hi:
         return np.full(size, lo, dtype=np.int64)
     # log-uniform on [lo, hi + 1) (shifted by one so that lo = 0 works), floored.
@@ -143,7 +144,7 @@ def _system_prompt(seed: int, system_len: int, vocab_size: int) -> Optional[_Seg
 
 def _check_vocab(vocab_size: int) -> None:
     if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        raise ConfigurationError(f"vocab_size must be >= 1, got {vocab_size}")
 
 
 # ---------------------------------------------------------------------- units
@@ -154,7 +155,7 @@ def _grpo_units(
 ) -> Iterator[List[Record]]:
     """One GRPO group (a prompt and ``group_size`` responses) per unit."""
     if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+        raise ConfigurationError(f"group_size must be >= 1, got {group_size}")
     for p in itertools.count():
         prompt = _Segment(rng, max(_sample_length(rng, prompt_len), 1), vocab_size)
         advantages = _normalised(rng, group_size)
@@ -201,7 +202,7 @@ def _tree_units(
     """One rollout tree per unit: from a prompt, every turn branches into ``branching``
     continuations (action, then observation except after the last action)."""
     if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+        raise ConfigurationError(f"depth must be >= 1, got {depth}")
     for r in itertools.count():
         root = ([] if system is None else [system]) + [
             _Segment(rng, max(_sample_length(rng, prompt_len), 1), vocab_size)
@@ -235,7 +236,7 @@ def _collect(
     records: List[Record] = []
     if num_tokens_target is not None:
         if num_tokens_target < 1:
-            raise ValueError(f"num_tokens_target must be >= 1, got {num_tokens_target}")
+            raise ConfigurationError(f"num_tokens_target must be >= 1, got {num_tokens_target}")
         total = 0
         while total < num_tokens_target:
             unit = next(units)
@@ -243,7 +244,7 @@ def _collect(
             total += sum(rec["tokens"].shape[0] for rec in unit)
         return records
     if num_units is None or num_units < 1:
-        raise ValueError(f"the number of units must be >= 1, got {num_units}")
+        raise ConfigurationError(f"the number of units must be >= 1, got {num_units}")
     for unit in itertools.islice(units, num_units):
         records.extend(unit)
     return records
@@ -433,11 +434,11 @@ def make_workload(
     that many tokens. ``overrides`` are keyword arguments of the generator.
     """
     if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
+        raise ConfigurationError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
     generator = WORKLOADS[name]
     params = {**WORKLOAD_DEFAULTS[name], **overrides}
     try:
         return generator(num_tokens_target=num_tokens_target, vocab_size=vocab_size, seed=seed,
                          **params)
-    except TypeError as exc:
-        raise TypeError(f"workload {name!r}: {exc}") from None
+    except TypeError as exc:  # an unknown or missing parameter of the generator
+        raise ConfigurationError(f"workload {name!r}: {exc}") from None

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from megatron_psrl.data.samples import SampleBatch, SampleId
+from megatron_psrl.errors import ConfigurationError, PsrlError
 
 KNOWN_FIELDS = ("id", "tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight")
 """The fields of the data contract (interfaces.md section 1); anything else is ignored with an
@@ -42,7 +43,7 @@ _FLOAT_TYPES = (int, float, np.integer, np.floating)
 _BOOL_TYPES = (bool, np.bool_)
 
 
-class SampleValidationError(ValueError):
+class SampleValidationError(PsrlError, ValueError):
     """A sample (or the file holding it) violates the data contract.
 
     The message is ``"<source> <line|row> <k> (sample id <id>): field '<field>': <reason>"``;
@@ -133,7 +134,7 @@ class SampleAccumulator:
         kl_required: bool = False,
     ) -> None:
         if vocab_size is not None and not (0 < int(vocab_size) <= MAX_TOKEN_ID + 1):
-            raise ValueError(f"vocab_size must be in [1, {MAX_TOKEN_ID + 1}], got {vocab_size}")
+            raise ConfigurationError(f"vocab_size must be in [1, {MAX_TOKEN_ID + 1}], got {vocab_size}")
         self.source = str(source)
         self.row_label = row_label
         self.vocab_size = None if vocab_size is None else int(vocab_size)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_psrl.compat import quiet_expected_import_warnings, seed_model_parallel_rng
+from megatron_psrl.errors import ConfigurationError, MissingRequirementError
 
 quiet_expected_import_warnings()
 
@@ -67,7 +68,7 @@ def pick_device(requested: str = "auto") -> torch.device:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda requested but CUDA is not available")
+            raise MissingRequirementError("--device cuda requested but CUDA is not available")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -92,7 +93,7 @@ def initialize_parallel(
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tensor_parallel_size * pipeline_parallel_size):
-        raise ValueError(
+        raise ConfigurationError(
             f"world size {world} is not a multiple of TP {tensor_parallel_size} x PP {pipeline_parallel_size}"
         )
     if parallel_state.model_parallel_is_initialized():

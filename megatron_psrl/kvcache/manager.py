@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron_psrl.errors import PsrlError
+
 Tensor = torch.Tensor
 
 BLOCK_SIZE_CLASSES = (16, 32, 64, 128, 256, 512)
@@ -33,7 +35,7 @@ _BLOCK_TABLE_COST_TOKENS = 2.0
 """A block costs as much as this many wasted token slots (table entry, gather bookkeeping)."""
 
 
-class CacheBudgetError(MemoryError):
+class CacheBudgetError(PsrlError, MemoryError):
     """The KV cache budget cannot hold what was asked."""
 
 

@@ -16,12 +16,14 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from megatron_psrl.errors import CheckpointError, PsrlError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(PsrlError, ValueError):
     """The Hugging Face model uses a feature megatron_psrl does not implement."""
 
 
@@ -291,7 +293,7 @@ class ModelArchitecture:
         except FileNotFoundError:
             raise FileNotFoundError(f"{hf_dir}: no config.json (expected a Hugging Face save_pretrained folder)") from None
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: invalid JSON: {exc}") from None
+            raise CheckpointError(path, f"invalid JSON: {exc}") from None
         try:
             return cls.from_hf_config(hf)
         except KeyError as exc:

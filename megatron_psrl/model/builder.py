@@ -7,6 +7,7 @@ from typing import Tuple
 import torch
 from megatron.core import parallel_state
 
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import PsrlGPTModel, build_transformer_config
 
@@ -18,7 +19,7 @@ def parse_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(_DTYPES)}") from None
+        raise ConfigurationError(f"unknown dtype {name!r}; choose from {sorted(_DTYPES)}") from None
 
 
 def parallel_layout() -> Tuple[int, int, int, int]:

@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_psrl.attention import PrefixSharingAttention, TreeAttentionMetadata
 from megatron_psrl.compat import quiet_expected_import_warnings, transformer_config_overrides
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
 
 quiet_expected_import_warnings()
@@ -43,11 +44,11 @@ def build_transformer_config(
 ) -> TransformerConfig:
     """megatron TransformerConfig equivalent to the HF architecture."""
     if arch.num_kv_heads % tensor_parallel_size:
-        raise ValueError(
+        raise ConfigurationError(
             f"tensor parallel size {tensor_parallel_size} must divide the {arch.num_kv_heads} key/value heads"
         )
     if arch.num_layers % pipeline_parallel_size:
-        raise ValueError(f"pipeline parallel size {pipeline_parallel_size} must divide the {arch.num_layers} layers")
+        raise ConfigurationError(f"pipeline parallel size {pipeline_parallel_size} must divide the {arch.num_layers} layers")
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -90,7 +91,7 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local") -
     elif transformer_impl == "local":
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     else:
-        raise ValueError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
+        raise ConfigurationError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
     spec.submodules.self_attention.submodules.core_attention = PrefixSharingAttention
     return spec
 

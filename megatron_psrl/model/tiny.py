@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict
 
+from megatron_psrl.errors import ConfigurationError
+
 _BASE: Dict[str, Any] = dict(
     vocab_size=1024,
     hidden_size=128,
@@ -44,4 +46,4 @@ def tiny_config(name: str) -> Dict[str, Any]:
     try:
         return copy.deepcopy(TINY_CONFIGS[name])
     except KeyError:
-        raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(sorted(TINY_CONFIGS))}") from None
+        raise ConfigurationError(f"unknown tiny model {name!r}; choose from {', '.join(sorted(TINY_CONFIGS))}") from None

@@ -19,9 +19,9 @@ from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.training.planning import plan_with_memory
 from megatron_psrl.training.step import StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
-from megatron_psrl.training.planning import plan_with_memory
 from megatron_psrl.tree.planner import PlannerConfig
 
 

@@ -33,6 +33,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -58,9 +59,9 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGGREGATIONS:
-            raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
+            raise ConfigurationError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
         if self.clip_eps < 0:
-            raise ValueError(f"clip_eps must be >= 0, got {self.clip_eps}")
+            raise ConfigurationError(f"clip_eps must be >= 0, got {self.clip_eps}")
 
 
 def claim_coefficients(tree: PrefixTree, loss_agg: str) -> np.ndarray:
@@ -76,7 +77,7 @@ def claim_coefficients(tree: PrefixTree, loss_agg: str) -> np.ndarray:
         return 1.0 / (num_trained_samples * per_sample[tree.claim_sample].astype(np.float64))
     if loss_agg == "seq-mean-token-sum":
         return np.full(num_claims, 1.0 / tree.batch.num_samples)
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+    raise ConfigurationError(f"unknown loss aggregation {loss_agg!r}")
 
 
 @dataclass
@@ -126,7 +127,7 @@ def gather_claims(
     flat = tree.claim_flat[claim]
     sample = tree.claim_sample[claim]
     if b.advantages is None:
-        raise ValueError(f"{b.source}: training needs an 'advantage' for every sample")
+        raise ConfigurationError(f"{b.source}: training needs an 'advantage' for every sample")
     old = np.full(total, np.nan, dtype=np.float32)
     if b.old_logprobs is not None:
         has = b.has_old_logprobs[sample]
@@ -135,7 +136,7 @@ def gather_claims(
     if loss.kl_coef != 0.0:
         if b.ref_logprobs is None or not np.all(b.has_ref_logprobs[sample]):
             missing = sample[0] if b.ref_logprobs is None else sample[~b.has_ref_logprobs[sample]][0]
-            raise ValueError(f"{b.describe_sample(int(missing))}: --kl-coef > 0 needs 'ref_logprobs'")
+            raise ConfigurationError(f"{b.describe_sample(int(missing))}: --kl-coef > 0 needs 'ref_logprobs'")
         ref = torch.from_numpy(b.ref_logprobs[flat].astype(np.float32)).to(device)
     as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)  # noqa: E731
     return ClaimBatch(

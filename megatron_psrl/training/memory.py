@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_psrl.errors import ConfigurationError
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (
@@ -101,7 +103,7 @@ class PeakMemory:
 
     def __init__(self, device: torch.device, enabled: bool = True, mode: str = "ops"):
         if mode not in MEMORY_TRACKING:
-            raise ValueError(f"memory tracking mode must be one of {MEMORY_TRACKING}, got {mode!r}")
+            raise ConfigurationError(f"memory tracking mode must be one of {MEMORY_TRACKING}, got {mode!r}")
         self.device = torch.device(device)
         self.enabled = enabled and mode != "off"
         self.mode = mode

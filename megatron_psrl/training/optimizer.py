@@ -24,6 +24,7 @@ from megatron_psrl.distributed.grad_sync import (
     clip_gradients_,
     gradient_norm,
 )
+from megatron_psrl.errors import ConfigurationError
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -73,9 +74,9 @@ class OptimizerSettings:
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+            raise ConfigurationError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
-            raise ValueError("--lr, --weight-decay and --clip-grad must be >= 0")
+            raise ConfigurationError("--lr, --weight-decay and --clip-grad must be >= 0")
 
 
 def _no_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -129,7 +130,7 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params: List[torch.nn.Parameter] = [p for _, p in named]
         if any(p.dtype == torch.float16 for p in self.params):
-            raise ValueError("--fp16 needs dynamic loss scaling (megatron's optimizer on CUDA); use --bf16 on CPU")
+            raise ConfigurationError("--fp16 needs dynamic loss scaling (megatron's optimizer on CUDA); use --bf16 on CPU")
         self.masters: List[torch.nn.Parameter] = [
             p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
         ]
@@ -252,5 +253,5 @@ def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings, device:
     if use_megatron_ddp(device):
         return MegatronTrainingOptimizer(model, settings)
     if settings.use_distributed_optimizer:
-        raise ValueError("--use-distributed-optimizer needs CUDA (megatron's distributed optimizer)")
+        raise ConfigurationError("--use-distributed-optimizer needs CUDA (megatron's distributed optimizer)")
     return CPUTrainingOptimizer(model, settings)

@@ -26,9 +26,9 @@ from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.logits import vocab_parallel_logprobs
+from megatron_psrl.training.loss import LossConfig, claim_coefficients, gather_claims, policy_loss
 from megatron_psrl.tree.packing import PackedMicroBatch
 from megatron_psrl.tree.planner import RankPlan, StepPlan
-from megatron_psrl.training.loss import LossConfig, claim_coefficients, gather_claims, policy_loss
 
 Tensor = torch.Tensor
 
@@ -69,8 +69,8 @@ class _PrefixKV:
             if self.track_grads:
                 k.requires_grad_(True)
                 v.requires_grad_(True)
-                k.register_hook(lambda g, s=s, l=layer_number: cache.accumulate_grad(s, l, g, None))
-                v.register_hook(lambda g, s=s, l=layer_number: cache.accumulate_grad(s, l, None, g))
+                k.register_hook(lambda g, s=s, layer=layer_number: cache.accumulate_grad(s, layer, g, None))
+                v.register_hook(lambda g, s=s, layer=layer_number: cache.accumulate_grad(s, layer, None, g))
             out.append((k, v))
         return out
 

@@ -36,16 +36,17 @@ from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.synthetic import WORKLOADS, make_workload
 from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
+from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.training.checkpointing import save_training_checkpoint
 from megatron_psrl.training.loss import LossConfig
 from megatron_psrl.training.memory import PeakMemory
 from megatron_psrl.training.optimizer import OptimizerSettings, build_optimizer
+from megatron_psrl.training.planning import plan_with_memory
 from megatron_psrl.training.step import StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.cost import CostModel
-from megatron_psrl.training.planning import plan_with_memory
 from megatron_psrl.tree.planner import PlannerConfig, StepPlan
 
 logger = logging.getLogger("megatron_psrl")
@@ -80,7 +81,7 @@ class BatchSource:
         self.samples = load_samples(data, vocab_size=vocab_size, require_advantage=True,
                                     kl_required=kl_required, progress=progress)
         if self.samples.num_samples == 0:
-            raise ValueError(f"{data}: no samples")
+            raise ConfigurationError(f"{data}: no samples")
         if max_sequence_length is not None:
             check_max_sample_length(self.samples, max_sequence_length, "the model's sliding window")
 
@@ -136,7 +137,7 @@ class Trainer:
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed, args.device
         )
         if args.pipeline_model_parallel_size > 1:
-            raise NotImplementedError(
+            raise UnsupportedFeatureError(
                 "training with --pipeline-model-parallel-size > 1 is not supported yet (the converter and "
                 "--load handle PP-sharded checkpoints; train with TP and DP)"
             )
@@ -155,7 +156,7 @@ class Trainer:
         source = ModelSource(hf_dir=args.hf_dir, checkpoint=args.load, tiny=args.model)
         self.start_iteration = 0
         if args.use_distributed_optimizer and (args.save or (args.load and not (args.finetune or args.no_load_optim))):
-            raise NotImplementedError(
+            raise UnsupportedFeatureError(
                 "checkpoints of the distributed optimizer's sharded state are not implemented yet: use --save/--load "
                 "without --use-distributed-optimizer, or --load with --finetune / --no-load-optim"
             )
@@ -166,7 +167,7 @@ class Trainer:
             if info.has_optimizer_state and not args.no_load_optim and layout != (
                 self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
             ):
-                raise ValueError(
+                raise ConfigurationError(
                     f"{args.load} was saved with TP={layout[0]} PP={layout[1]}; its optimizer state cannot be loaded "
                     f"with TP={self.layout.tensor_parallel_size} PP={self.layout.pipeline_parallel_size}. Pass "
                     "--no-load-optim to resume with a fresh optimizer, or --finetune to start a new run"

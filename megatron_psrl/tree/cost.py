@@ -23,6 +23,7 @@ from typing import Dict, Optional, Union
 import numpy as np
 
 from megatron_psrl.data.samples import SampleBatch
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 FORWARD_BACKWARD_FACTOR = 3.0
@@ -165,7 +166,7 @@ class CostModel:
     def named(cls, name: str) -> "CostModel":
         """The cost model of a model size in :data:`NAMED_MODEL_DIMS`."""
         if name not in NAMED_MODEL_DIMS:
-            raise ValueError(f"unknown model size {name!r}; choose from {sorted(NAMED_MODEL_DIMS)}")
+            raise ConfigurationError(f"unknown model size {name!r}; choose from {sorted(NAMED_MODEL_DIMS)}")
         return cls.from_model_dims(NAMED_MODEL_DIMS[name], name=name)
 
     # ------------------------------------------------------------------ costs

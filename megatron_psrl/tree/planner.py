@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from megatron_psrl.errors import ConfigurationError, PsrlError
 from megatron_psrl.tree.cost import CostModel
 from megatron_psrl.tree.packing import ExternalSource, PackedMicroBatch, TreeIndex, chain_structure, pack_tokens
 from megatron_psrl.tree.prefix_tree import PrefixTree
@@ -44,7 +45,7 @@ from megatron_psrl.tree.unshared import build_unshared_tree
 SHARING_MODES = ("tree", "tree-dup", "none")
 
 
-class PlanningError(ValueError):
+class PlanningError(PsrlError, ValueError):
     """The batch cannot be planned under the given budgets."""
 
 
@@ -75,11 +76,11 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+            raise ConfigurationError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+            raise ConfigurationError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.sharing not in SHARING_MODES:
-            raise ValueError(f"sharing must be one of {SHARING_MODES}, got {self.sharing!r}")
+            raise ConfigurationError(f"sharing must be one of {SHARING_MODES}, got {self.sharing!r}")
         if not 0.0 < self.snap_fraction <= 1.0:
             raise ValueError(f"snap_fraction must be in (0, 1], got {self.snap_fraction}")
 

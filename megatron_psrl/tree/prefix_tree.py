@@ -12,6 +12,7 @@ All fields are flat numpy arrays (no Python object per node or token), see docs/
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from megatron_psrl.data.samples import SampleBatch

@@ -16,9 +16,8 @@ from helpers.families import family_config
 from helpers.hf_reference import load_hf_model
 from safetensors import safe_open
 
-from megatron_psrl.checkpoint import ModelSource, OutputExistsError, load_model
+from megatron_psrl.checkpoint import ModelSource, OutputExistsError, hf_io, load_model, mcore_format
 from megatron_psrl.checkpoint import convert as convert_lib
-from megatron_psrl.checkpoint import hf_io, mcore_format
 from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf
 from megatron_psrl.model.architecture import UnsupportedModelError
 

@@ -18,6 +18,7 @@ from megatron_psrl.data import (
     write_samples,
 )
 from megatron_psrl.data.synthetic import sample_lengths
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.tree import build_prefix_tree, check_tree
 
 ARRAYS = ("offsets", "tokens", "loss_mask", "advantages", "old_logprobs", "ref_logprobs")
@@ -147,7 +148,7 @@ def test_num_tokens_target(name):
 def test_registry_errors_and_overrides():
     with pytest.raises(ValueError, match="unknown workload 'ppo'"):
         make_workload("ppo")
-    with pytest.raises(TypeError, match="workload 'grpo'"):
+    with pytest.raises(ConfigurationError, match="workload 'grpo'"):
         make_workload("grpo", turns=3)
     batch = make_workload("grpo", group_size=2, num_prompts=1, prompt_len=8, response_len=4)
     assert batch.num_samples == 2 and batch.num_tokens == 24

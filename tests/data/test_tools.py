@@ -72,7 +72,7 @@ def test_analyze_trace_writes_summary_and_plots(tmp_path, capsys):
 def test_analyze_trace_reports_bad_input(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "tokens": [1]}\n')
-    assert analyze.main(["--data", str(bad)]) == 1
+    assert analyze.main(["--data", str(bad)]) == 2  # input errors exit 2, as in every tool
     assert "bad.jsonl line 1 (sample id 'a'): field 'tokens'" in capsys.readouterr().err
 
 

@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint, per_sample_logprobs
 from helpers.torchrun import REPO_ROOT
+
 from megatron_psrl.data import make_workload, write_samples
 from megatron_psrl.model import tiny_config
 

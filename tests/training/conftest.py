@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint
+
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.distributed.setup import initialize_parallel
 from megatron_psrl.model import tiny_config

@@ -7,7 +7,6 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from helpers.batches import random_tree_batch
 from helpers.hf_reference import (
     assert_grads_close,
@@ -18,6 +17,7 @@ from helpers.hf_reference import (
     per_sample_loss_and_grads,
 )
 from helpers.torchrun import run_torchrun
+
 from megatron_psrl.model import ModelArchitecture, tiny_config
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "distributed_step.py")

@@ -10,9 +10,9 @@ equal a plain per-sample forward/backward of the HF model (fp32, rel. err <= 1e-
 import numpy as np
 import pytest
 import torch
-
 from helpers.batches import random_tree_batch
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_logprobs, per_sample_loss_and_grads
+
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
 from megatron_psrl.training.logprobs import compute_logprobs
 from megatron_psrl.training.loss import LossConfig

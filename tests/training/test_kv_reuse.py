@@ -9,8 +9,8 @@ measured peak memory of the step stays under the memory of a cache-free step plu
 import numpy as np
 import pytest
 import torch
-
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_loss_and_grads
+
 from megatron_psrl.data import samples_from_dicts
 from megatron_psrl.kvcache import (
     BlockKVCache,

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers.torchrun import REPO_ROOT, run_torchrun
+
 from megatron_psrl.checkpoint.mcore_format import TRACKER, read_checkpoint_info
 from megatron_psrl.training.trainer import main
 

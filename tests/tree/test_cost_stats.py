@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from naive_trie_lib import batches, make_batch
 
 from megatron_psrl.tree import (
     NAMED_MODEL_DIMS,
@@ -17,8 +18,6 @@ from megatron_psrl.tree import (
     sample_shared_fraction,
     tree_stats,
 )
-
-from naive_trie_lib import batches, make_batch
 
 
 def linear_weights(model: CostModel) -> float:

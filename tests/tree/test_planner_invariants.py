@@ -8,8 +8,8 @@ once; every log-prob target exactly once; schedules must respect producer/reader
 
 import numpy as np
 import pytest
-
 from helpers.batches import random_tree_batch
+
 from megatron_psrl.data import make_workload
 from megatron_psrl.tree import build_prefix_tree
 from megatron_psrl.tree.planner import PlannerConfig, PlanningError, plan_step

@@ -17,6 +17,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 
 from megatron_psrl.attention.plan import AttentionPlan
+from megatron_psrl.errors import MissingRequirementError
 
 Tensor = torch.Tensor
 
@@ -41,7 +42,7 @@ def _gather_inputs(k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence
 
 def _require_cuda(name: str, q: Tensor) -> None:
     if q.device.type != "cuda":
-        raise RuntimeError(
+        raise MissingRequirementError(
             f"attention backend {name!r} needs CUDA tensors (got {q.device}); use "
             "--attention-backend torch on CPU"
         )
@@ -56,7 +57,7 @@ def flash_tree_attention(
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError as exc:  # pragma: no cover - GPU extra
-        raise RuntimeError("attention backend 'flash' needs flash-attn: pip install 'megatron_psrl[gpu]'") from exc
+        raise MissingRequirementError("attention backend 'flash' needs flash-attn: pip install 'megatron_psrl[gpu]'") from exc
     kg, vg, cu_q, cu_k, max_q, max_k = _gather_inputs(k, v, plan, external)
     # flash-attn >= 2.1 aligns the causal mask to the bottom right when seqlen_q < seqlen_k.
     return flash_attn_varlen_func(
@@ -72,7 +73,7 @@ class TETreeAttention(torch.nn.Module):
         try:
             import transformer_engine.pytorch as te
         except ImportError as exc:  # pragma: no cover - GPU extra
-            raise RuntimeError(
+            raise MissingRequirementError(
                 "attention backend 'te' needs transformer-engine: pip install 'megatron_psrl[gpu]'"
             ) from exc
         # Heads here are already this tensor-parallel rank's heads: no TP inside TE.

@@ -7,9 +7,9 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from helpers.batches import random_tree_batch
 from megatron.core import parallel_state
 
-from helpers.batches import random_tree_batch
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.checkpoint.sharding import merge_state_dicts
 from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel

@@ -1,0 +1,79 @@
+"""The one top-level error handler of every entry point.
+
+``run_cli(main)`` runs ``main`` and exits the process with the status below; ``call_cli(main)``
+returns that status instead (for ``main(argv) -> int`` functions that tests call directly):
+
+- 0 on success (or ``main``'s return value);
+- 2 with one line ``error: <file>: <what is wrong>`` for a :class:`~megatron_psrl.errors.PsrlError`
+  (bad input, configuration, checkpoint, timeout, non-finite training) or an ``OSError``
+  (unwritable folder, full disk, missing file);
+- 1 with the traceback for anything else: that is a bug, and the traceback is what fixes it;
+- 130 on Ctrl-C.
+
+In a multi-rank job every line is prefixed with the rank that hit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Callable, NoReturn, Optional
+
+from megatron_psrl.errors import PsrlError, describe_os_error
+
+EXIT_USER_ERROR = 2
+EXIT_BUG = 1
+EXIT_INTERRUPTED = 130
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _prefix() -> str:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"[rank {os.environ.get('RANK', '?')}] "
+    return ""
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line printed for a user-facing error."""
+    text = describe_os_error(exc) if isinstance(exc, OSError) and not isinstance(exc, PsrlError) else str(exc)
+    return f"error: {_prefix()}{' '.join(text.split())}"
+
+
+def call_cli(main: Callable[[], Optional[int]], cleanup: Optional[Callable[[], None]] = None) -> int:
+    """Run ``main`` under the handler described in the module docstring; returns the exit status."""
+    try:
+        code = main() or 0
+    except KeyboardInterrupt:
+        print(f"error: {_prefix()}interrupted", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
+    except (PsrlError, OSError) as exc:
+        print(error_line(exc), file=sys.stderr, flush=True)
+        code = EXIT_USER_ERROR
+    except Exception:  # a bug: keep everything needed to fix it
+        traceback.print_exc()
+        sys.stderr.flush()
+        code = EXIT_BUG
+    finally:
+        if cleanup is not None:
+            try:
+                cleanup()
+            except Exception:  # never mask the real outcome with a shutdown error
+                pass
+    return code
+
+
+def run_cli(main: Callable[[], Optional[int]], cleanup: Optional[Callable[[], None]] = None) -> NoReturn:
+    """:func:`call_cli`, then exit the process with its status."""
+    sys.exit(call_cli(main, cleanup))
