@@ -45,10 +45,15 @@ def _prefix() -> str:
     return ""
 
 
+def error_text(exc: BaseException) -> str:
+    """What a user-facing error says, on one line (an OSError names its file)."""
+    text = describe_os_error(exc) if isinstance(exc, OSError) and not isinstance(exc, PsrlError) else str(exc)
+    return " ".join(text.split())
+
+
 def error_line(exc: BaseException) -> str:
     """The one line printed for a user-facing error."""
-    text = describe_os_error(exc) if isinstance(exc, OSError) and not isinstance(exc, PsrlError) else str(exc)
-    return f"error: {_prefix()}{' '.join(text.split())}"
+    return f"error: {_prefix()}{error_text(exc)}"
 
 
 def call_cli(main: Callable[[], Optional[int]], cleanup: Optional[Callable[[], None]] = None) -> int:

@@ -3,17 +3,28 @@
 Everything is written into a temporary sibling directory (same filesystem) and renamed into
 place at the end, so an interrupted job never leaves a half-written output behind. An existing
 non-empty output is only replaced when the caller says so (``--force``).
+
+Temporaries carry the writer's pid (``NAME.tmp-<pid>...``). A writer that fails removes its
+own; one that is killed cannot, so the next writer removes those whose process is gone
+(:func:`remove_stale_temporaries`), and a disk filled by a dead save does not stay full.
+Files are written through :func:`write_file`, which turns every write failure (a full disk
+included, which torch reports without a path) into one error naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
-from typing import Iterator
+from typing import IO, Callable, Iterator, List
 
-from megatron_psrl.errors import PsrlError
+from megatron_psrl.errors import CheckpointWriteError, PsrlError
+
+_TEMPORARY = re.compile(r"\.(?:tmp|old)-(\d+)(?:[-.].*)?$")
+"""A temporary of :func:`atomic_directory` / :func:`atomic_write_text` / a checkpoint save,
+with its writer's pid."""
 
 
 class OutputExistsError(PsrlError, FileExistsError):
@@ -34,7 +45,8 @@ def atomic_directory(final_path: str, overwrite: bool = False) -> Iterator[str]:
         raise OutputExistsError(f"{final_path} is not empty; pass --force to overwrite it")
     parent = os.path.dirname(final_path)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-", dir=parent)
+    remove_stale_temporaries(parent, prefix=f".{os.path.basename(final_path)}.")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-{os.getpid()}-", dir=parent)
     try:
         yield tmp
     except BaseException:
@@ -42,7 +54,7 @@ def atomic_directory(final_path: str, overwrite: bool = False) -> Iterator[str]:
         raise
     old = None
     if os.path.exists(final_path):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.old-", dir=parent)
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.old-{os.getpid()}-", dir=parent)
         os.rmdir(old)
         os.rename(final_path, old)
     os.rename(tmp, final_path)
@@ -53,14 +65,97 @@ def atomic_directory(final_path: str, overwrite: bool = False) -> Iterator[str]:
 def atomic_write_text(path: str, text: str) -> None:
     """Write a small text file atomically (temp file + os.replace)."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise CheckpointWriteError(path, exc.strerror or str(exc)) from exc
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_file(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Create ``path`` and fill it with ``write(f)``, synced to disk.
+
+    Any failure (full disk, quota, permissions, I/O error) raises
+    :class:`~megatron_psrl.errors.CheckpointWriteError` naming ``path``; the partial file is
+    removed."""
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        reason = exc.strerror or str(exc)
+        raise CheckpointWriteError(path, reason) from exc
+    except RuntimeError as exc:  # torch's zip writer reports a failed write without the OS error
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise CheckpointWriteError(path, f"write failed ({_free_space_hint(path)}): {exc}") from exc
+
+
+def _free_space_hint(path: str) -> str:
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / 2**20:.1f} MiB free on its disk"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str, prefix: str = "", all_but_own: bool = False) -> List[str]:
+    """Remove the temporaries in ``directory`` (names starting with ``prefix``) whose writer is
+    gone: its pid no longer exists, or, with ``all_but_own`` (the caller holds the folder's
+    lock, so no one else writes there), every writer but this process. Returns what it removed."""
+    removed = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in entries:
+        m = _TEMPORARY.search(name)
+        if not name.startswith(prefix) or m is None:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or (not all_but_own and _pid_alive(pid)):
+            continue
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        removed.append(path)
+    return removed
+
+
+def check_writable_dir(path: str, what: str) -> None:
+    """Create ``path`` if needed and prove it writable (a probe file), before any work is done.
+
+    Raises :class:`~megatron_psrl.errors.CheckpointWriteError` naming ``what`` and the path."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise CheckpointWriteError(path, f"{what} is not writable: {exc.strerror or exc}") from exc

@@ -9,11 +9,12 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from megatron_psrl.checkpoint.atomic import atomic_directory
-from megatron_psrl.checkpoint.hf_io import HFCheckpointReader, write_hf_checkpoint
+from megatron_psrl.checkpoint.atomic import atomic_directory, check_writable_dir
+from megatron_psrl.checkpoint.hf_io import write_hf_checkpoint
+from megatron_psrl.checkpoint.loading import hf_full_state_dict
 from megatron_psrl.checkpoint.mcore_format import CheckpointInfo, load_full_state_dict, save_sharded_checkpoint
 from megatron_psrl.checkpoint.sharding import shard_state_dict
-from megatron_psrl.errors import CheckpointError, ConfigurationError
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 
@@ -33,24 +34,9 @@ def hf_to_mcore(
         raise ConfigurationError(f"--tp {tp} must divide the model's {arch.num_kv_heads} key/value heads")
     if arch.num_layers % pp:
         raise ConfigurationError(f"--pp {pp} must divide the model's {arch.num_layers} layers")
-    reader = HFCheckpointReader(hf_dir)
-    adapter = get_adapter(arch)
-    keys = adapter.hf_keys()
-    missing = [k for k in keys if k not in reader.weight_map]
-    if missing:
-        raise CheckpointError(hf_dir, f"missing tensors for a {arch.model_type} model: {missing[:5]}")
-    extra = sorted(set(reader.weight_map) - set(keys) - {"lm_head.weight"})
-    extra = [k for k in extra if not k.endswith("rotary_emb.inv_freq")]
-    if extra:
-        raise CheckpointError(hf_dir, f"unexpected tensors (not a plain {arch.model_type} model?): {extra[:5]}")
-    full = {}
-    with _bar(len(keys), "reading HF tensors", progress) as bar:
-        def get(name):
-            bar.update(1)
-            return reader.get(name)
-
-        for name, tensor in adapter.hf_to_mcore(get):
-            full[name] = tensor
+    check_writable_dir(os.path.dirname(os.path.abspath(out_dir)), "the parent of --out-dir")
+    with _bar(len(get_adapter(arch).hf_keys()), "reading HF tensors", progress) as bar:
+        full = hf_full_state_dict(hf_dir, arch, progress=lambda _: bar.update(1), strict=True)
     dtype = str(next(iter(full.values())).dtype).replace("torch.", "")
     info = CheckpointInfo(architecture=arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, iteration=0, dtype=dtype)
     shards = shard_state_dict(full, arch, tp, pp)
@@ -66,6 +52,7 @@ def mcore_to_hf(
     """Convert a megatron_psrl checkpoint (any TP/PP) back into a HF save_pretrained folder."""
     if hf_template is not None:
         template_arch = ModelArchitecture.from_hf_dir(hf_template)
+    check_writable_dir(os.path.dirname(os.path.abspath(out_dir)), "the parent of --out-dir")
     info, full = load_full_state_dict(load)
     arch = info.architecture
     if hf_template is not None and (template_arch.model_type, template_arch.num_layers, template_arch.hidden_size) != (

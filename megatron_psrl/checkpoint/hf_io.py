@@ -8,8 +8,11 @@ import shutil
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from megatron_psrl.checkpoint.atomic import write_file
+from megatron_psrl.errors import CheckpointError, CheckpointWriteError
 
 Tensor = torch.Tensor
 INDEX_NAME = "model.safetensors.index.json"
@@ -19,18 +22,21 @@ WEIGHT_INDEX_FILES = (INDEX_NAME, "pytorch_model.bin.index.json")
 
 
 class HFCheckpointReader:
-    """Lazy tensor access to a (possibly sharded) safetensors checkpoint."""
+    """Lazy tensor access to a (possibly sharded) safetensors checkpoint.
+
+    Every defect raises :class:`~megatron_psrl.errors.CheckpointError` naming the file (and the
+    tensor): a corrupt index, an index entry that points outside the folder, a truncated or
+    foreign safetensors file, a tensor that is missing or (with ``expected_shape``) of the wrong
+    shape."""
 
     def __init__(self, hf_dir: str):
         self.hf_dir = hf_dir
         index_path = os.path.join(hf_dir, INDEX_NAME)
         single_path = os.path.join(hf_dir, SINGLE_NAME)
         if os.path.exists(index_path):
-            with open(index_path, encoding="utf-8") as f:
-                self.weight_map: Dict[str, str] = json.load(f)["weight_map"]
+            self.weight_map: Dict[str, str] = _read_index(index_path)
         elif os.path.exists(single_path):
-            with safe_open(single_path, framework="pt") as f:
-                self.weight_map = {k: SINGLE_NAME for k in f.keys()}
+            self.weight_map = {k: SINGLE_NAME for k in self._open(SINGLE_NAME).keys()}
         else:
             raise FileNotFoundError(
                 f"{hf_dir}: no {SINGLE_NAME} or {INDEX_NAME} (only safetensors checkpoints are supported)"
@@ -40,14 +46,54 @@ class HFCheckpointReader:
     def keys(self) -> List[str]:
         return list(self.weight_map)
 
-    def get(self, name: str) -> Tensor:
+    def path_of(self, name: str) -> str:
+        return os.path.join(self.hf_dir, self.weight_map[name])
+
+    def _open(self, filename: str):
+        path = os.path.join(self.hf_dir, filename)
+        if not os.path.exists(path):
+            raise CheckpointError(path, "missing (named by the checkpoint index)")
+        try:
+            return safe_open(path, framework="pt")
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            reason = " ".join(str(exc).split())[:200]
+            raise CheckpointError(path, f"not a readable safetensors file: truncated or corrupt ({reason})") from None
+
+    def get(self, name: str, expected_shape: Optional[Tuple[int, ...]] = None) -> Tensor:
         try:
             filename = self.weight_map[name]
         except KeyError:
-            raise KeyError(f"{self.hf_dir}: tensor {name!r} is missing from the checkpoint") from None
+            raise CheckpointError(self.hf_dir, "missing from the checkpoint", tensor=name) from None
         if filename not in self._handles:
-            self._handles[filename] = safe_open(os.path.join(self.hf_dir, filename), framework="pt")
-        return self._handles[filename].get_tensor(name)
+            self._handles[filename] = self._open(filename)
+        path = os.path.join(self.hf_dir, filename)
+        try:
+            tensor = self._handles[filename].get_tensor(name)
+        except Exception as exc:
+            reason = " ".join(str(exc).split())[:200]
+            raise CheckpointError(path, f"cannot be read: truncated or corrupt ({reason})", tensor=name) from None
+        if expected_shape is not None and tuple(tensor.shape) != tuple(expected_shape):
+            raise CheckpointError(path, f"shape {tuple(tensor.shape)} does not match {tuple(expected_shape)} "
+                                        "implied by config.json", tensor=name)
+        return tensor
+
+
+def _read_index(index_path: str) -> Dict[str, str]:
+    """``weight_map`` of a safetensors index; every file it names must lie inside the folder."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(index_path, f"not a safetensors index (corrupt JSON or no 'weight_map': {exc})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(index_path, "'weight_map' must map tensor names to file names")
+    for name, filename in weight_map.items():
+        if (not isinstance(filename, str) or not filename or os.path.isabs(filename)
+                or os.path.normpath(filename) != filename or filename.startswith("..")
+                or os.sep in filename or (os.altsep and os.altsep in filename)):
+            raise CheckpointError(index_path, f"entry for tensor {name!r} names {filename!r}, which is not a file "
+                                              "inside the checkpoint folder")
+    return weight_map
 
 
 def write_hf_checkpoint(
@@ -72,7 +118,7 @@ def write_hf_checkpoint(
         if shard:
             shards.append(shard)
             name = f"model-{len(shards):05d}.safetensors"
-            save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name), metadata={"format": "pt"})
+            _save_safetensors({k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name))
             files.append(name)
             shard, shard_bytes = {}, 0
 
@@ -98,8 +144,8 @@ def write_hf_checkpoint(
             os.rename(os.path.join(out_dir, f), os.path.join(out_dir, new))
             renamed[f] = new
         index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
-        with open(os.path.join(out_dir, INDEX_NAME), "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
+        text = json.dumps(index, indent=2, sort_keys=True)
+        write_file(os.path.join(out_dir, INDEX_NAME), lambda f: f.write(text.encode("utf-8")))
     if template_dir:
         for entry in sorted(os.listdir(template_dir)):
             src = os.path.join(template_dir, entry)
@@ -107,9 +153,15 @@ def write_hf_checkpoint(
                 continue
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(out_dir, entry))
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    write_file(os.path.join(out_dir, "config.json"), lambda f: f.write(text.encode("utf-8")))
+
+
+def _save_safetensors(tensors: Dict[str, Tensor], path: str) -> None:
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error type
+        raise CheckpointWriteError(path, " ".join(str(exc).split())) from exc
 
 
 def iter_hf_tensors(reader: HFCheckpointReader, names: Iterable[str]) -> Iterator[Tuple[str, Tensor]]:

@@ -77,20 +77,34 @@ def load_state_into(model: PsrlGPTModel, shard: Dict[str, Tensor]) -> None:
             target.copy_(src.to(dtype=target.dtype, device=target.device))
 
 
-def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, progress=None) -> Dict[str, Tensor]:
-    """Full (unsharded) megatron state dict of a HF folder."""
+def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, progress=None,
+                       strict: bool = False) -> Dict[str, Tensor]:
+    """Full (unsharded) megatron state dict of a HF folder.
+
+    Every tensor is checked against the shape config.json implies before it is used (a wrong
+    one names the file and the tensor). ``strict`` also refuses tensors the layout does not
+    know (the converter: a round trip must not drop anything). ``progress(hf_name)`` is
+    called for every HF tensor read."""
     arch = arch or ModelArchitecture.from_hf_dir(hf_dir)
     reader = HFCheckpointReader(hf_dir)
     adapter = get_adapter(arch)
-    missing = [k for k in adapter.hf_keys() if k not in reader.weight_map]
+    shapes = adapter.hf_shapes()
+    missing = [k for k in shapes if k not in reader.weight_map]
     if missing:
-        raise CheckpointError(hf_dir, f"checkpoint lacks tensors the {arch.model_type} layout needs: {missing[:5]}")
-    full = {}
-    for name, tensor in adapter.hf_to_mcore(reader.get):
-        full[name] = tensor
+        raise CheckpointError(hf_dir, f"missing tensors for a {arch.model_type} model: {missing[:5]}")
+    if strict:
+        extra = sorted(set(reader.weight_map) - set(shapes) - {"lm_head.weight"})
+        extra = [k for k in extra if not k.endswith("rotary_emb.inv_freq")]
+        if extra:
+            raise CheckpointError(hf_dir, f"unexpected tensors (not a plain {arch.model_type} model?): {extra[:5]}")
+
+    def get(name: str) -> Tensor:
+        tensor = reader.get(name, expected_shape=shapes[name])
         if progress is not None:
             progress(name)
-    return full
+        return tensor
+
+    return dict(adapter.hf_to_mcore(get))
 
 
 def source_architecture(source: ModelSource) -> ModelArchitecture:

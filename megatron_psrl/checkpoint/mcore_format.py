@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text
+from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, write_file
 from megatron_psrl.checkpoint.sharding import merge_state_dicts, shard_state_dict
+from megatron_psrl.errors import CheckpointError, PsrlError
 from megatron_psrl.model.architecture import ModelArchitecture
 
 Tensor = torch.Tensor
@@ -75,17 +77,30 @@ class CheckpointInfo:
 
     @classmethod
     def from_json(cls, text: str, path: str) -> "CheckpointInfo":
-        d = json.loads(text)
+        """Parse ``psrl_model.json``; any defect raises :class:`CheckpointError` naming ``path``."""
+        try:
+            d = json.loads(text)
+        except ValueError as exc:
+            raise CheckpointError(path, f"not valid JSON ({exc}); the file is corrupt or truncated") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(path, "expected a JSON object")
         if d.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: unsupported checkpoint format version {d.get('format_version')!r}")
-        return cls(
-            architecture=ModelArchitecture.from_dict(d["architecture"]),
-            tensor_parallel_size=int(d["tensor_parallel_size"]),
-            pipeline_parallel_size=int(d["pipeline_parallel_size"]),
-            iteration=int(d["iteration"]),
-            dtype=d["dtype"],
-            has_optimizer_state=bool(d.get("has_optimizer_state", False)),
-        )
+            raise CheckpointError(path, f"unsupported checkpoint format version {d.get('format_version')!r}")
+        try:
+            return cls(
+                architecture=ModelArchitecture.from_dict(d["architecture"]),
+                tensor_parallel_size=int(d["tensor_parallel_size"]),
+                pipeline_parallel_size=int(d["pipeline_parallel_size"]),
+                iteration=int(d["iteration"]),
+                dtype=str(d["dtype"]),
+                has_optimizer_state=bool(d.get("has_optimizer_state", False)),
+            )
+        except KeyError as exc:
+            raise CheckpointError(path, f"missing field {exc.args[0]!r}") from None
+        except PsrlError as exc:
+            raise CheckpointError(path, str(exc)) from None
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(path, f"malformed field: {exc}") from None
 
 
 def iteration_dir_name(iteration: Optional[int]) -> str:
@@ -96,12 +111,20 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+def has_checkpoint(ckpt_dir: str) -> bool:
+    """``ckpt_dir`` holds a saved iteration (its tracker file exists)."""
+    return os.path.exists(os.path.join(ckpt_dir, TRACKER))
+
+
 def resolve_iteration_dir(ckpt_dir: str) -> str:
     """The directory of the latest saved iteration of ``ckpt_dir``."""
     tracker = os.path.join(ckpt_dir, TRACKER)
     if not os.path.exists(tracker):
         raise FileNotFoundError(f"{ckpt_dir}: not a megatron_psrl checkpoint (no {TRACKER})")
-    value = open(tracker, encoding="utf-8").read().strip()
+    with open(tracker, encoding="utf-8", errors="replace") as f:
+        value = f.read().strip()
+    if value != "release" and not value.isdigit():
+        raise CheckpointError(tracker, f"expected an iteration number or 'release', found {value[:40]!r}")
     name = "release" if value == "release" else iteration_dir_name(int(value))
     path = os.path.join(ckpt_dir, name)
     if not os.path.isdir(path):
@@ -112,12 +135,28 @@ def resolve_iteration_dir(ckpt_dir: str) -> str:
 def read_checkpoint_info(ckpt_dir: str) -> Tuple[str, CheckpointInfo]:
     it_dir = resolve_iteration_dir(ckpt_dir)
     path = os.path.join(it_dir, MODEL_JSON)
-    with open(path, encoding="utf-8") as f:
-        return it_dir, CheckpointInfo.from_json(f.read(), path)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing (the checkpoint is incomplete)") from None
+    return it_dir, CheckpointInfo.from_json(text, path)
 
 
 def _load_rank_file(path: str) -> Dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """One rank file; a missing, empty, truncated or foreign file raises an error naming it."""
+    if not os.path.exists(path):
+        raise CheckpointError(path, "missing (the checkpoint is incomplete)")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(path, "empty file (0 bytes): the checkpoint is truncated")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise CheckpointError(path, f"cannot be read: the file is truncated or corrupt ({reason})") from None
+    if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict):
+        raise CheckpointError(path, "not a megatron_psrl rank file (no 'model' state dict)")
+    return blob
 
 
 def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, Dict[str, Tensor]]:
@@ -150,7 +189,7 @@ def load_rank_state(
 def write_rank_file(it_dir: str, tp_rank: int, pp_rank: int, pp: int, payload: Dict[str, Any]) -> None:
     d = os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, pp))
     os.makedirs(d, exist_ok=True)
-    torch.save(payload, os.path.join(d, RANK_FILE))
+    write_file(os.path.join(d, RANK_FILE), lambda f: torch.save(payload, f))
 
 
 def save_sharded_checkpoint(
@@ -171,6 +210,5 @@ def save_sharded_checkpoint(
             })
             if progress is not None:
                 progress(rank_dir_name(r, p, info.pipeline_parallel_size))
-        with open(os.path.join(it_dir, MODEL_JSON), "w", encoding="utf-8") as f:
-            f.write(info.to_json())
+        write_file(os.path.join(it_dir, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
         atomic_write_text(os.path.join(tmp, TRACKER), "release" if release else str(info.iteration))

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_psrl.compat import quiet_expected_import_warnings, seed_model_parallel_rng
+from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES, CollectiveMonitor, timeout_delta
 from megatron_psrl.errors import ConfigurationError, MissingRequirementError
 
 quiet_expected_import_warnings()
@@ -52,6 +54,9 @@ class ParallelLayout:
     device: torch.device
     """Device this rank computes on."""
 
+    monitor: Optional[CollectiveMonitor] = field(default=None, repr=False, compare=False)
+    """Names the phase and the peer when a collective times out (``monitor.phase(name)``)."""
+
     @property
     def is_logging_rank(self) -> bool:
         return self.rank == 0
@@ -80,17 +85,24 @@ def initialize_parallel(
     pipeline_parallel_size: int = 1,
     seed: int = 1234,
     device: str = "auto",
+    timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
 ) -> ParallelLayout:
-    """Initialise torch.distributed (if needed), megatron's parallel_state, and RNG seeds."""
+    """Initialise torch.distributed (if needed), megatron's parallel_state, and RNG seeds.
+
+    ``timeout_minutes`` (``--distributed-timeout-minutes``) bounds every collective: a rank
+    that waits longer on a stopped or dead peer raises an error naming the operation and the
+    peer (see :mod:`megatron_psrl.distributed.monitor`)."""
     dev = pick_device(device)
     if not dist.is_initialized():
         # On CUDA: NCCL for tensors on the GPU and gloo for CPU tensors (object collectives,
         # small metadata), so neither kind of collective can hit a backend that lacks it.
         backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+        timeout = timeout_delta(timeout_minutes)
         if "RANK" in os.environ:  # torchrun / a launcher
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:  # a plain single process; no environment variables are set (children inherit them)
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                    world_size=1, timeout=timeout)
     world = dist.get_world_size()
     if world % (tensor_parallel_size * pipeline_parallel_size):
         raise ConfigurationError(
@@ -103,7 +115,11 @@ def initialize_parallel(
         ):
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+        # Its sub-groups get the same timeout (megatron takes minutes; fractions work).
+        parallel_state.initialize_model_parallel(
+            tensor_parallel_size, pipeline_parallel_size,
+            distributed_timeout_minutes=timeout_delta(timeout_minutes).total_seconds() / 60.0,
+        )
     seed_model_parallel_rng(seed, dev)
     return ParallelLayout(
         rank=dist.get_rank(),
@@ -115,6 +131,7 @@ def initialize_parallel(
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         device=dev,
+        monitor=CollectiveMonitor(timeout_minutes),
     )
 
 

@@ -21,6 +21,7 @@ from megatron_psrl.errors import CheckpointError, PsrlError
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
+_REQUIRED = object()
 
 
 class UnsupportedModelError(PsrlError, ValueError):
@@ -260,25 +261,39 @@ class ModelArchitecture:
                 raise UnsupportedModelError("sliding-window attention (use_sliding_window) is not supported")
         elif hf.get("sliding_window") is not None:
             sliding = int(hf["sliding_window"])
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
+        def number(key: str, kind=int, default: Any = _REQUIRED) -> Any:
+            """A numeric config field; a wrong type names the field and its value."""
+            value = hf.get(key)
+            if value is None:
+                if default is _REQUIRED:
+                    raise KeyError(key)
+                return default
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+                raise UnsupportedModelError(f"field {key!r} must be {'an integer' if kind is int else 'a number'}, "
+                                            f"got {value!r}")
+            return kind(value)
+
+        heads = number("num_attention_heads")
+        hidden = number("hidden_size")
+        if heads < 1:
+            raise UnsupportedModelError(f"num_attention_heads must be positive, got {heads}")
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         return cls(
             model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=number("vocab_size"),
             hidden_size=hidden,
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=number("num_hidden_layers"),
             num_attention_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            num_kv_heads=number("num_key_value_heads", default=None) or heads,
+            head_dim=number("head_dim", default=None) or hidden // heads,
+            ffn_hidden_size=number("intermediate_size"),
+            rms_norm_eps=number("rms_norm_eps", float, 1e-6),
+            max_position_embeddings=number("max_position_embeddings", default=4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
             rope=RopeConfig.from_hf(hf),
-            initializer_range=float(hf.get("initializer_range", 0.02)),
+            initializer_range=number("initializer_range", float, 0.02),
             sliding_window=sliding,
             torch_dtype=str(dtype).replace("torch.", ""),
             hf_config=dict(hf),
@@ -294,10 +309,16 @@ class ModelArchitecture:
             raise FileNotFoundError(f"{hf_dir}: no config.json (expected a Hugging Face save_pretrained folder)") from None
         except json.JSONDecodeError as exc:
             raise CheckpointError(path, f"invalid JSON: {exc}") from None
+        if not isinstance(hf, dict):
+            raise CheckpointError(path, "expected a JSON object")
         try:
             return cls.from_hf_config(hf)
         except KeyError as exc:
             raise UnsupportedModelError(f"{path}: missing field {exc.args[0]!r}") from None
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"{path}: {exc}") from None
+        except (TypeError, ValueError) as exc:  # e.g. a rope_scaling value of the wrong type
+            raise UnsupportedModelError(f"{path}: malformed config: {exc}") from None
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> Dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from megatron_psrl.attention.backends import BACKENDS
 from megatron_psrl.data.synthetic import WORKLOADS
+from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES
 from megatron_psrl.model.tiny import TINY_CONFIGS
 from megatron_psrl.training.loss import LOSS_AGGREGATIONS
 from megatron_psrl.training.optimizer import OPTIMIZERS
@@ -15,6 +16,9 @@ from megatron_psrl.tree.planner import SHARING_MODES
 
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_WORKLOAD = "mixed"
+MIN_MICRO_BATCH_TOKENS = 64
+"""Smallest ``--micro-batch-tokens`` accepted: below it a step is thousands of tiny
+micro-batches whose per-call overhead dwarfs the work (``1`` ran for minutes on 8k tokens)."""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
@@ -37,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model")
     g.add_argument("--hf-dir", default=None, help="Hugging Face save_pretrained folder (converted in memory)")
-    g.add_argument("--load", default=None, help="megatron_psrl checkpoint directory (any TP/PP layout)")
+    g.add_argument("--load", default=None,
+                   help="megatron_psrl checkpoint directory (any TP/PP layout) to resume from; together with "
+                        "--hf-dir/--model (Megatron's convention, usually the same folder as --save): resume when "
+                        "it holds a checkpoint, else start from --hf-dir/--model")
     g.add_argument("--model", default=None, choices=sorted(TINY_CONFIGS),
                    help=f"named tiny config with random weights (default {DEFAULT_MODEL} when no --hf-dir/--load)")
     g.add_argument("--finetune", action="store_true", help="with --load: start at iteration 0, no optimizer state")
@@ -52,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix-sharing attention kernel (auto: flash on CUDA when installed, else torch)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
+                   help="timeout of every collective (fractions allowed); a rank stuck longer ends the job with an "
+                        "error naming the operation and the rank it waited on")
 
     g = p.add_argument_group("data")
     g.add_argument("--data", default=DEFAULT_WORKLOAD,
@@ -60,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per iteration of a synthetic workload (default: its small default size)")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per iteration from a file (default: the whole file every iteration)")
-    g.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget of one micro-batch")
+    g.add_argument("--micro-batch-tokens", type=int, default=4096,
+                   help=f"token budget of one micro-batch (at least {MIN_MICRO_BATCH_TOKENS})")
+    g.add_argument("--allow-rope-extrapolation", action="store_true",
+                   help="train samples longer than the model's max_position_embeddings (warned); refused otherwise")
 
     g = p.add_argument_group("prefix sharing")
     g.add_argument("--prefix-sharing", default="tree", choices=SHARING_MODES,
@@ -85,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=float, default=0.0)
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip; 0 disables")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (CUDA)")
+    g.add_argument("--max-skipped-iters", type=int, default=3,
+                   help="a step whose loss or gradient norm is not finite is skipped (no change at all); this many "
+                        "consecutive skipped steps stop the run with an error")
 
     g = p.add_argument_group("loss")
     g.add_argument("--clip-eps", type=float, default=0.2)
@@ -111,17 +127,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.prefix_sharing = "none"
     if args.no_memory_tracking:
         args.memory_tracking = "off"
-    sources = [x for x in (args.hf_dir, args.load, args.model) if x]
-    if len(sources) > 1:
-        parser.error("give at most one of --hf-dir, --load, --model")
-    if not sources:
+    if args.hf_dir and args.model:
+        parser.error("give at most one of --hf-dir and --model")
+    if not (args.hf_dir or args.load or args.model):
         args.model = DEFAULT_MODEL
     if args.bf16 and args.fp16:
         parser.error("--bf16 and --fp16 are exclusive")
     for name in ("train_iters", "micro_batch_tokens", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "log_interval"):
+                 "log_interval", "max_skipped_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:
+        parser.error(f"--micro-batch-tokens {args.micro_batch_tokens} is below the floor of {MIN_MICRO_BATCH_TOKENS} "
+                     "tokens (a step would be thousands of tiny micro-batches)")
+    if not args.distributed_timeout_minutes > 0:
+        parser.error("--distributed-timeout-minutes must be > 0")
     if args.global_batch_size is not None and args.global_batch_size < 1:
         parser.error("--global-batch-size must be >= 1")
     if args.save_interval is not None and args.save_interval < 1:

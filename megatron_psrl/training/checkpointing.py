@@ -2,32 +2,44 @@
 
 Layout and format: :mod:`megatron_psrl.checkpoint.mcore_format` (Megatron legacy per-rank
 files + ``psrl_model.json``), readable by ``--load``, ``tools/compute_logprobs.py`` and
-``tools/convert_hf_checkpoint.py mcore-to-hf``. Procedure: rank 0 creates a temporary
-iteration directory; the first data-parallel replica of every (TP, PP) rank writes its model
-shard and optimizer state; after a barrier rank 0 writes the model description, renames the
-directory into place and atomically updates the tracker file. An interrupted save leaves the
-previous checkpoint untouched.
+``tools/convert_hf_checkpoint.py mcore-to-hf``. Procedure:
+
+1. rank 0 removes what dead writers left (``iter_*.tmp-<pid>``) and creates this save's
+   temporary iteration directory;
+2. the first data-parallel replica of every (TP, PP) rank checks that every tensor it is about
+   to write is finite, then writes its model shard and optimizer state;
+3. every rank learns whether every other rank succeeded (one all-gather of the error, if any);
+   on any failure (a full disk, a non-finite tensor) rank 0 removes the temporary directory
+   and every rank raises the same error naming the file;
+4. otherwise rank 0 writes the model description, renames the directory into place and
+   atomically updates the tracker file.
+
+An interrupted save leaves the previous checkpoint untouched, and its temporary directory is
+removed by the next save.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_psrl.checkpoint.atomic import atomic_write_text
+from megatron_psrl.checkpoint.atomic import atomic_write_text, remove_stale_temporaries, write_file
 from megatron_psrl.checkpoint.loading import canonical_state_dict
 from megatron_psrl.checkpoint.mcore_format import (
     MODEL_JSON,
     TRACKER,
     CheckpointInfo,
     iteration_dir_name,
+    rank_dir_name,
     write_rank_file,
 )
+from megatron_psrl.cli import error_text
 from megatron_psrl.distributed.setup import ParallelLayout
+from megatron_psrl.errors import CheckpointWriteError, NonFiniteTrainingError, PsrlError
 from megatron_psrl.model.architecture import ModelArchitecture
 
 
@@ -35,6 +47,25 @@ def _broadcast_str(value: Optional[str]) -> str:
     obj = [value]
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
+
+
+def _tensors(obj: Any, prefix: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every tensor inside nested dicts / lists, with a dotted path."""
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def check_finite(payload: Any, where: str) -> None:
+    """Refuse to save a NaN or inf (a checkpoint never holds one)."""
+    for name, t in _tensors(payload):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteTrainingError(f"{where}: tensor {name!r} holds NaN or inf; refusing to save it")
 
 
 def save_training_checkpoint(
@@ -45,37 +76,70 @@ def save_training_checkpoint(
     arch: ModelArchitecture,
     layout: ParallelLayout,
 ) -> str:
-    """Write iteration ``iteration`` of a training run into ``save_dir``; returns its path."""
+    """Write iteration ``iteration`` of a training run into ``save_dir``; returns its path.
+
+    Every rank must call it (it has collectives); the caller holds ``save_dir``'s lock."""
     final = os.path.join(os.path.abspath(save_dir), iteration_dir_name(iteration))
     tmp = None
     if layout.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
+        remove_stale_temporaries(save_dir, all_but_own=True)
         tmp = final + f".tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     tmp = _broadcast_str(tmp)
+    error: Optional[str] = None
     if layout.dp_rank == 0:
-        state = canonical_state_dict(model)
-        write_rank_file(tmp, layout.tp_rank, layout.pp_rank, layout.pipeline_parallel_size, {
-            "model": state,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "iteration": iteration,
-            "checkpoint_version": 3.0,
-        })
-    dist.barrier()
+        try:
+            payload = {
+                "model": canonical_state_dict(model),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "iteration": iteration,
+                "checkpoint_version": 3.0,
+            }
+            check_finite(payload, os.path.join(tmp, rank_dir_name(layout.tp_rank, layout.pp_rank,
+                                                                  layout.pipeline_parallel_size)))
+            write_rank_file(tmp, layout.tp_rank, layout.pp_rank, layout.pipeline_parallel_size, payload)
+        except (PsrlError, OSError) as exc:
+            error = error_text(exc)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        if layout.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rank, first = failed[0]
+        where = "" if rank == layout.rank else f"rank {rank}: "
+        raise CheckpointWriteError(final, f"the save failed and was removed; {where}{first}")
     if layout.rank == 0:
-        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype,
-                              has_optimizer_state=optimizer is not None)
-        with open(os.path.join(tmp, MODEL_JSON), "w", encoding="utf-8") as f:
-            f.write(info.to_json())
-        old = None
-        if os.path.exists(final):  # re-saving an iteration: swap, never leave it missing
-            old = final + f".old-{os.getpid()}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            _publish(tmp, final, save_dir, iteration, model, optimizer, arch, layout)
+        except (PsrlError, OSError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = error_text(exc)
+    error = _broadcast_str(error if layout.rank == 0 else None)  # also the closing barrier
+    if error is not None:
+        raise CheckpointWriteError(final, f"the save failed and was removed; rank 0: {error}")
     return final
+
+
+def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimizer, arch: ModelArchitecture,
+             layout: ParallelLayout) -> None:
+    """Rank 0: describe the model, move the iteration into place, point the tracker at it."""
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype,
+                          has_optimizer_state=optimizer is not None)
+    write_file(os.path.join(tmp, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
+    old = None
+    if os.path.exists(final):  # re-saving an iteration: swap, never leave it missing
+        old = final + f".old-{os.getpid()}"
+        os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if old is not None:
+            os.rename(old, final)
+        raise
+    atomic_write_text(os.path.join(save_dir, TRACKER), str(iteration))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -5,7 +5,7 @@ has its log-prob computed once but its loss evaluated once per claim, with that 
 advantage, old/ref log-prob and sample weight: PPO/GRPO clipping is non-linear in the
 advantage, so claims are never merged. Per claim (token i of sample s)::
 
-    r   = exp(logp - old_logp)                      (old_logp = logp.detach() when absent)
+    r   = exp(clamp(logp - old_logp, -20, 20))      (old_logp = logp.detach() when absent)
     pg  = -min(r * A, clip(r, 1 - eps, 1 + eps) * A)
     kl  = exp(ref - logp) - (ref - logp) - 1        (k3 estimator; only when kl_coef != 0)
     l   = weight_s * (pg + kl_coef * kl - entropy_coef * H)   (H: entropy of the predicting
@@ -37,6 +37,13 @@ from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+LOG_RATIO_BOUND = 20.0
+"""``logp - old_logp`` is clamped to ``[-20, 20]`` before ``exp`` (ratios within about
+``[2e-9, 4.9e8]``), as verl does: a rollout log-prob far below the model's own (a wrong or
+stale ``old_logprobs``) would otherwise overflow the ratio to inf and the loss to NaN. The
+clamp is the identity on every sane claim; clamped claims are counted (``ratio_clamped``) and
+carry no gradient through the ratio."""
 
 Tensor = torch.Tensor
 
@@ -161,7 +168,8 @@ def policy_loss(
     """
     logp = logprobs[claims.row]
     old = torch.where(torch.isnan(claims.old_logprob), logp.detach(), claims.old_logprob)
-    ratio = torch.exp(logp - old)
+    log_ratio = logp - old
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     adv = claims.advantage
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - loss.clip_eps, 1.0 + loss.clip_eps) * adv
@@ -184,4 +192,5 @@ def policy_loss(
     total = (weighted * per_claim).sum()
     metrics["pg_loss"] = (weighted * pg).sum().detach()
     metrics["clip_frac"] = (claims.metric_coef * (clipped < unclipped).float()).sum().detach()
+    metrics["ratio_clamped"] = (log_ratio.detach().abs() > LOG_RATIO_BOUND).sum().to(torch.float32)
     return total, metrics

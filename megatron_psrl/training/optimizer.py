@@ -11,6 +11,7 @@ global (TP/PP-aware) norm, and megatron's ``OptimizerParamScheduler`` for the le
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
@@ -79,6 +80,23 @@ class OptimizerSettings:
             raise ConfigurationError("--lr, --weight-decay and --clip-grad must be >= 0")
 
 
+@dataclass
+class StepOutcome:
+    """What one optimizer step did."""
+
+    grad_norm: float
+    """Global gradient norm before clipping (non-finite when the step was skipped for it)."""
+
+    skipped: bool
+    """True when nothing changed: the loss or the gradient norm was not finite (as Megatron
+    skips a step whose gradients overflowed). Parameters, optimizer state and the learning-rate
+    schedule are untouched, the gradients are dropped."""
+
+    loss_scale_overflow: bool = False
+    """fp16 only: skipped because the scaled gradients overflowed, which dynamic loss scaling
+    expects now and then (the scale was lowered); not a sign of bad data on its own."""
+
+
 def _no_decay(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim == 1 or name.endswith(".bias")
 
@@ -100,9 +118,15 @@ def _scheduler(optimizer, s: OptimizerSettings) -> OptimizerParamScheduler:
 
 
 class _TrainingOptimizer:
-    """What the training loop uses: ``zero_grad``, ``step`` (returns the gradient norm), the
-    current learning rate, and state for checkpoints. Subclasses set ``optimizer`` and
-    ``scheduler``."""
+    """What the training loop uses: ``zero_grad``, ``step`` (returns a :class:`StepOutcome`),
+    the current learning rate, and state for checkpoints. Subclasses set ``optimizer`` and
+    ``scheduler``.
+
+    ``step(skip=...)`` is the non-finite guard: the caller passes ``skip=True`` when the global
+    loss is not finite, and the step also skips itself when the global gradient norm is not.
+    Both are the same on every rank (the loss is reduced over data-parallel ranks, the norm
+    over the model-parallel group after the data-parallel gradient sum, and a NaN or inf
+    anywhere reaches every rank), so all ranks skip alike and issue the same collectives."""
 
     @property
     def lr(self) -> float:
@@ -159,10 +183,13 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
         allreduce_tensor_parallel_partial_gradients(self.model)
         allreduce_gradients(self.params)
 
-    def step(self) -> float:
-        """Reduce, clip and apply the gradients; returns the global gradient norm."""
+    def step(self, skip: bool = False) -> StepOutcome:
+        """Reduce, clip and apply the gradients (unless skipped, see the class docstring)."""
         self.reduce_gradients()
         norm = gradient_norm(self.params)
+        if skip or not math.isfinite(norm):
+            self.zero_grad()
+            return StepOutcome(norm, skipped=True)
         if self.settings.clip_grad > 0:
             clip_gradients_(self.params, self.settings.clip_grad, norm)
         for p, master in zip(self.params, self.masters):
@@ -174,7 +201,7 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
                 if master is not p:
                     p.copy_(master)
         self.scheduler.step(1)
-        return norm
+        return StepOutcome(norm, skipped=False)
 
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()
@@ -237,14 +264,23 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
         scale = self.optimizer.get_loss_scale()
         return float(scale.item() if torch.is_tensor(scale) else scale)
 
-    def step(self) -> float:
+    def step(self, skip: bool = False) -> StepOutcome:
         from megatron.core.distributed import finalize_model_grads
 
         # DP reduction (sum: config.calculate_per_token_loss) + TP-partial q/k-norm sums.
         finalize_model_grads([self.ddp])
-        ok, norm, _ = self.optimizer.step()
+        # megatron's MegatronOptimizer.step, split open so that a non-finite norm skips the
+        # step for bf16/fp32 too (megatron skips only on fp16 overflow).
+        found_inf = self.optimizer.prepare_grads()
+        norm = float("inf") if found_inf else float(self.optimizer.get_grad_norm())
+        if skip or found_inf or not math.isfinite(norm):
+            self.zero_grad()
+            return StepOutcome(norm, skipped=True, loss_scale_overflow=bool(found_inf) and not skip)
+        if self.settings.clip_grad > 0:
+            self.optimizer.clip_grad_norm(self.settings.clip_grad)
+        self.optimizer.step_with_ready_grads()
         self.scheduler.step(1)
-        return float(norm) if norm is not None else float("nan")
+        return StepOutcome(norm, skipped=False)
 
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from typing import Dict, List, Optional, Tuple
@@ -30,13 +31,13 @@ from megatron.core import parallel_state
 
 from megatron_psrl.attention.backends import default_backend
 from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture
-from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
+from megatron_psrl.checkpoint.mcore_format import has_checkpoint, read_checkpoint_info
 from megatron_psrl.data.loader import load_samples
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.synthetic import WORKLOADS, make_workload
 from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
-from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
+from megatron_psrl.errors import ConfigurationError, NonFiniteTrainingError, UnsupportedFeatureError
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.training.checkpointing import save_training_checkpoint
@@ -44,6 +45,7 @@ from megatron_psrl.training.loss import LossConfig
 from megatron_psrl.training.memory import PeakMemory
 from megatron_psrl.training.optimizer import OptimizerSettings, build_optimizer
 from megatron_psrl.training.planning import plan_with_memory
+from megatron_psrl.training.preflight import checkpoint_bytes, prepare_outputs, warn_if_disk_short
 from megatron_psrl.training.step import StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.cost import CostModel
@@ -65,14 +67,18 @@ class BatchSource:
 
     def __init__(self, data: str, vocab_size: int, seed: int, global_batch_size: Optional[int],
                  synthetic_tokens: Optional[int], kl_required: bool, progress: bool,
-                 max_sequence_length: Optional[int] = None):
+                 max_sequence_length: Optional[int] = None, max_positions: Optional[int] = None):
         self.data = data
         self.vocab_size = vocab_size
         self.seed = seed
         self.global_batch_size = global_batch_size
         self.synthetic_tokens = synthetic_tokens
         self.kl_required = kl_required
-        self.max_sequence_length = max_sequence_length
+        # Samples longer than these are refused (a file at start-up, synthetic batches as made).
+        self.length_limits = [(n, why) for n, why in (
+            (max_sequence_length, "the model's sliding window"),
+            (max_positions, "the model's max_position_embeddings (--allow-rope-extrapolation trains it anyway)"),
+        ) if n is not None]
         self.samples: Optional[SampleBatch] = None
         if data in WORKLOADS and not os.path.exists(data):
             self.kind = "synthetic"
@@ -82,16 +88,18 @@ class BatchSource:
                                     kl_required=kl_required, progress=progress)
         if self.samples.num_samples == 0:
             raise ConfigurationError(f"{data}: no samples")
-        if max_sequence_length is not None:
-            check_max_sample_length(self.samples, max_sequence_length, "the model's sliding window")
+        self._check_lengths(self.samples)
+
+    def _check_lengths(self, batch: SampleBatch) -> None:
+        for limit, why in self.length_limits:
+            check_max_sample_length(batch, limit, why)
 
     def batch(self, iteration: int) -> SampleBatch:
         if self.kind == "synthetic":
             # Synthetic rollouts carry old/ref log-probs when the KL term needs them.
             batch = make_workload(self.data, num_tokens_target=self.synthetic_tokens, vocab_size=self.vocab_size,
                                   seed=self.seed + iteration, with_logprobs=self.kl_required)
-            if self.max_sequence_length is not None:
-                check_max_sample_length(batch, self.max_sequence_length, "the model's sliding window")
+            self._check_lengths(batch)
             return batch
         if self.global_batch_size is None:
             return self.samples
@@ -123,9 +131,10 @@ class IterationRecord:
     extra: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
+        """One line of strict JSON: a non-finite value (a skipped step's loss) is written as null."""
         d = dataclasses.asdict(self)
         d.update(d.pop("extra"))
-        return json.dumps(d)
+        return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()})
 
 
 class Trainer:
@@ -134,13 +143,47 @@ class Trainer:
     def __init__(self, args):
         self.args = args
         self.layout: ParallelLayout = initialize_parallel(
-            args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed, args.device
+            args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed, args.device,
+            timeout_minutes=args.distributed_timeout_minutes,
         )
         if args.pipeline_model_parallel_size > 1:
             raise UnsupportedFeatureError(
                 "training with --pipeline-model-parallel-size > 1 is not supported yet (the converter and "
                 "--load handle PP-sharded checkpoints; train with TP and DP)"
             )
+        if args.use_distributed_optimizer and (args.save or (args.load and not (args.finetune or args.no_load_optim))):
+            raise UnsupportedFeatureError(
+                "checkpoints of the distributed optimizer's sharded state are not implemented yet: use --save/--load "
+                "without --use-distributed-optimizer, or --load with --finetune / --no-load-optim"
+            )
+        # Everything the run will write is checked (and locked) before any compute.
+        with self.layout.monitor.phase("start-up checks"):
+            self.outputs = prepare_outputs(args.save, args.log_json, self.layout.is_logging_rank)
+        try:
+            for note in self.outputs.notes:
+                self.log(note)
+            self._build()
+        except BaseException:
+            self.outputs.close(abandon=True)
+            raise
+        self.skipped_iters = 0
+        self.consecutive_skipped = 0
+
+    def _model_source(self) -> ModelSource:
+        """Megatron's convention: ``--load`` resumes when it holds a checkpoint; otherwise the
+        run starts from ``--hf-dir`` / ``--model`` (a first start with ``--load`` = ``--save``)."""
+        args = self.args
+        if args.load and has_checkpoint(args.load):
+            if args.hf_dir or args.model:
+                self.log(f"resuming from {args.load} (--hf-dir/--model are used only while it holds no checkpoint)")
+            return ModelSource(checkpoint=args.load)
+        if args.load and (args.hf_dir or args.model):
+            self.log(f"{args.load} holds no checkpoint yet: starting from {args.hf_dir or args.model}")
+            return ModelSource(hf_dir=args.hf_dir, tiny=args.model)
+        return ModelSource(hf_dir=args.hf_dir, checkpoint=args.load, tiny=args.model)
+
+    def _build(self) -> None:
+        args = self.args
         device = self.layout.device
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
         impl = args.transformer_impl
@@ -153,15 +196,10 @@ class Trainer:
                     impl = "transformer_engine"
                 except ImportError:
                     pass
-        source = ModelSource(hf_dir=args.hf_dir, checkpoint=args.load, tiny=args.model)
+        source = self._model_source()
         self.start_iteration = 0
-        if args.use_distributed_optimizer and (args.save or (args.load and not (args.finetune or args.no_load_optim))):
-            raise UnsupportedFeatureError(
-                "checkpoints of the distributed optimizer's sharded state are not implemented yet: use --save/--load "
-                "without --use-distributed-optimizer, or --load with --finetune / --no-load-optim"
-            )
-        if args.load and not args.finetune:
-            _, info = read_checkpoint_info(args.load)
+        if source.checkpoint and not args.finetune:
+            _, info = read_checkpoint_info(source.checkpoint)
             self.start_iteration = info.iteration
             layout = (info.tensor_parallel_size, info.pipeline_parallel_size)
             if info.has_optimizer_state and not args.no_load_optim and layout != (
@@ -178,9 +216,19 @@ class Trainer:
             args.data, arch.vocab_size, args.seed, args.global_batch_size, args.synthetic_tokens,
             kl_required=args.kl_coef != 0.0, progress=self.layout.is_logging_rank and not args.quiet,
             max_sequence_length=arch.sliding_window,
+            max_positions=None if args.allow_rope_extrapolation else arch.max_position_embeddings,
         )
+        if args.allow_rope_extrapolation and self.data.samples is not None:
+            longer = int((self.data.samples.lengths > arch.max_position_embeddings).sum())
+            if longer:
+                self.log(f"warning: {longer} sample(s) are longer than the model's max_position_embeddings "
+                         f"({arch.max_position_embeddings}); RoPE extrapolates (--allow-rope-extrapolation)")
         self.arch, self.model, optimizer_state = load_model(source, dtype=dtype, device=device, transformer_impl=impl)
         self.dtype = dtype
+        if args.save and self.layout.is_logging_rank:
+            warning = warn_if_disk_short(args.save, checkpoint_bytes(self.arch, dtype, args.optimizer, args.sgd_momentum))
+            if warning:
+                self.log(warning)
         settings = OptimizerSettings(
             optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
             lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
@@ -226,32 +274,47 @@ class Trainer:
         return t.tolist()
 
     def train_iteration(self, iteration: int) -> IterationRecord:
+        """One step. A step whose global loss or gradient norm is not finite changes nothing
+        (see :class:`~megatron_psrl.training.optimizer.StepOutcome`) and is counted."""
         args = self.args
+        monitor = self.layout.monitor
         t0 = time.perf_counter()
         batch = self.data.batch(iteration)
         tree = build_prefix_tree(batch)
         plan, memory, mode = self.plan(tree)
         self.optimizer.zero_grad()
-        with PeakMemory(self.layout.device, mode=args.memory_tracking) as mem:
-            out = self.runner.train(plan, self.layout.dp_rank, self.loss_cfg, memory,
-                                    loss_scale=self.optimizer.loss_scale)
-            grad_norm = self.optimizer.step()
-        step_time = time.perf_counter() - t0
         dp_group = parallel_state.get_data_parallel_group()
-        keys = ["clip_frac", "pg_loss"]  # the same keys on every rank, even one without claims
+        keys = ["clip_frac", "pg_loss", "ratio_clamped"]  # the same keys on every rank, even one without claims
         keys += ["kl"] if self.loss_cfg.kl_coef else []
         keys += ["entropy"] if self.loss_cfg.entropy_coef else []
-        sums = self._reduce([out.loss, out.tokens_computed, out.tokens_recomputed, out.num_micro_batches]
-                            + [out.metrics.get(k, 0.0) for k in keys], group=dp_group)
-        peak, step_time = self._reduce([float(mem.peak_bytes), step_time], op=dist.ReduceOp.MAX)
-        tokens_total = int(batch.num_tokens)
-        extra = {k: v for k, v in zip(keys, sums[4:])}
-        extra.update(self._kv_metrics(memory is not None, dp_group))
+        with PeakMemory(self.layout.device, mode=args.memory_tracking) as mem:
+            with monitor.phase(f"forward/backward of iteration {iteration + 1}"):
+                out = self.runner.train(plan, self.layout.dp_rank, self.loss_cfg, memory,
+                                        loss_scale=self.optimizer.loss_scale)
+            with monitor.phase(f"loss all-reduce of iteration {iteration + 1}"):
+                sums = self._reduce([out.loss, out.tokens_computed, out.tokens_recomputed, out.num_micro_batches]
+                                    + [out.metrics.get(k, 0.0) for k in keys], group=dp_group)
+            with monitor.phase(f"gradient all-reduce and optimizer step of iteration {iteration + 1}"):
+                outcome = self.optimizer.step(skip=not math.isfinite(sums[0]))
+        step_time = time.perf_counter() - t0
+        with monitor.phase(f"metrics all-reduce of iteration {iteration + 1}"):
+            peak, step_time = self._reduce([float(mem.peak_bytes), step_time], op=dist.ReduceOp.MAX)
+            extra = {k: v for k, v in zip(keys, sums[4:])}
+            extra.update(self._kv_metrics(memory is not None, dp_group))
+        if outcome.skipped:
+            self.skipped_iters += 1
+            self.consecutive_skipped += 0 if outcome.loss_scale_overflow else 1
+        else:
+            self.consecutive_skipped = 0
+        extra["ratio_clamped"] = int(extra["ratio_clamped"])
+        extra["skipped"] = outcome.skipped
+        extra["skipped_iters"] = self.skipped_iters
         extra["attention_backend"] = self.backend_name
+        tokens_total = int(batch.num_tokens)
         return IterationRecord(
             iter=iteration + 1, step_time_s=step_time, tokens_total=tokens_total, tokens_computed=int(sums[1]),
             ideal_speedup=float(self.cost_model.ideal_speedup(tree)),
-            loss=sums[0], grad_norm=float(grad_norm), peak_mem_bytes=int(peak), lr=self.optimizer.lr,
+            loss=sums[0], grad_norm=float(outcome.grad_norm), peak_mem_bytes=int(peak), lr=self.optimizer.lr,
             samples=batch.num_samples, micro_batches=int(sums[3]),
             tokens_unique=int(tree.num_tree_tokens), tokens_recomputed=int(sums[2]),
             sharing_ratio=tokens_total / max(1.0, sums[1]),
@@ -279,6 +342,12 @@ class Trainer:
             "kv_tokens_recomputed": int(recomputed),
         }
 
+    def save(self, iteration: int) -> None:
+        with self.layout.monitor.phase(f"checkpoint save of iteration {iteration}"):
+            path = save_training_checkpoint(self.args.save, iteration, self.model, self.optimizer, self.arch,
+                                            self.layout)
+        self.log(f"saved checkpoint {path}")
+
     def run(self) -> List[IterationRecord]:
         args = self.args
         a = self.arch
@@ -287,10 +356,7 @@ class Trainer:
                  f"{self.layout.data_parallel_size} | {self.layout.device} {str(self.dtype).replace('torch.', '')} | "
                  f"prefix sharing: {args.prefix_sharing} | attention: {self.backend_name} | data: {args.data}")
         records = []
-        json_file = None
-        if args.log_json and self.layout.is_logging_rank:
-            os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
-            json_file = open(args.log_json, "a", encoding="utf-8")
+        json_file = self.outputs.log_json
         try:
             for it in range(self.start_iteration, args.train_iters):
                 rec = self.train_iteration(it)
@@ -298,18 +364,22 @@ class Trainer:
                 if json_file is not None:
                     json_file.write(rec.to_json() + "\n")
                     json_file.flush()
-                if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
+                if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters or rec.extra["skipped"]:
                     self.log(format_record(rec, args.train_iters))
+                if self.consecutive_skipped >= args.max_skipped_iters:
+                    first = it + 2 - self.consecutive_skipped
+                    raise NonFiniteTrainingError(
+                        f"iterations {first}-{it + 1}: {self.consecutive_skipped} consecutive steps had a non-finite "
+                        f"loss or gradient norm (--max-skipped-iters {args.max_skipped_iters}); they were skipped, "
+                        "so no parameter changed and no checkpoint holds them. Check the data for extreme "
+                        "'advantage' or 'old_logprobs' values, or lower --lr"
+                    )
                 if args.save and args.save_interval and (it + 1) % args.save_interval == 0 and it + 1 < args.train_iters:
-                    path = save_training_checkpoint(args.save, it + 1, self.model, self.optimizer, self.arch, self.layout)
-                    self.log(f"saved checkpoint {path}")
+                    self.save(it + 1)
             if args.save:
-                path = save_training_checkpoint(args.save, max(args.train_iters, self.start_iteration), self.model,
-                                                self.optimizer, self.arch, self.layout)
-                self.log(f"saved checkpoint {path}")
+                self.save(max(args.train_iters, self.start_iteration))
         finally:
-            if json_file is not None:
-                json_file.close()
+            self.outputs.close()
         return records
 
 
@@ -336,6 +406,12 @@ def format_record(rec: IterationRecord, total_iters: int) -> str:
     ]
     if "kv_hit_rate" in rec.extra:
         parts.append(f"kv hit {rec.extra['kv_hit_rate']:.2f} util {rec.extra['kv_peak_utilisation']:.2f}")
+    if rec.extra.get("ratio_clamped"):
+        parts.append(f"ratio clamped {rec.extra['ratio_clamped']}")
+    if rec.extra.get("skipped"):
+        parts.append("SKIPPED (non-finite loss or gradient norm)")
+    if rec.extra.get("skipped_iters"):
+        parts.append(f"skipped iters {rec.extra['skipped_iters']}")
     return " | ".join(parts)
 
 

@@ -54,7 +54,8 @@ def test_policy_loss_matches_the_formula_per_claim():
         kl = np.exp(d) - d - 1
         expected += coef[k] * float(b.weights[s]) * (pg + 0.1 * kl - 0.01 * float(ent[row]))
     assert float(total.detach()) == pytest.approx(expected, rel=1e-6)
-    assert set(metrics) == {"pg_loss", "kl", "entropy", "clip_frac"}
+    assert set(metrics) == {"pg_loss", "kl", "entropy", "clip_frac", "ratio_clamped"}
+    assert float(metrics["ratio_clamped"]) == 0.0
     assert 0.0 <= float(metrics["clip_frac"]) <= 1.0
     assert float(metrics["entropy"]) == pytest.approx(float(ent[np.searchsorted(targets, tree.claim_token)].mean()))
 

@@ -41,7 +41,7 @@ def test_clipping_and_weight_decay_rules():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     _fill_grads(model, 1.0)
     n_elems = sum(p.numel() for p in model.parameters())
-    norm = opt.step()
+    norm = opt.step().grad_norm
     assert norm == pytest.approx(n_elems ** 0.5, rel=1e-6)
     scale = 1.0 / (norm + 1e-6)
     for n, p in model.named_parameters():

@@ -30,29 +30,38 @@ class LlamaStyleAdapter:
     def __init__(self, arch: ModelArchitecture):
         self.arch = arch
 
-    # ------------------------------------------------------------------ names
-    def hf_layer_keys(self, i: int) -> List[str]:
-        p = f"model.layers.{i}."
-        return [
-            p + "input_layernorm.weight",
-            p + "self_attn.q_proj.weight",
-            p + "self_attn.k_proj.weight",
-            p + "self_attn.v_proj.weight",
-            p + "self_attn.o_proj.weight",
-            p + "post_attention_layernorm.weight",
-            p + "mlp.gate_proj.weight",
-            p + "mlp.up_proj.weight",
-            p + "mlp.down_proj.weight",
-        ]
+    # ------------------------------------------------------------------ names and shapes
+    def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Shapes of one layer's HF tensors, by name suffix after ``model.layers.{i}.``."""
+        a = self.arch
+        h, f = a.hidden_size, a.ffn_hidden_size
+        q, kv = a.num_attention_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        return {
+            "input_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h),
+            "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q),
+            "post_attention_layernorm.weight": (h,),
+            "mlp.gate_proj.weight": (f, h),
+            "mlp.up_proj.weight": (f, h),
+            "mlp.down_proj.weight": (h, f),
+        }
+
+    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Every tensor the HF checkpoint must contain, with the shape config.json implies."""
+        a = self.arch
+        shapes = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size), "model.norm.weight": (a.hidden_size,)}
+        if not a.tie_word_embeddings:
+            shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
+        layer = self.hf_layer_shapes()
+        for i in range(a.num_layers):
+            shapes.update({f"model.layers.{i}.{suffix}": shape for suffix, shape in layer.items()})
+        return shapes
 
     def hf_keys(self) -> List[str]:
         """Every tensor name the HF checkpoint must contain."""
-        keys = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not self.arch.tie_word_embeddings:
-            keys.append("lm_head.weight")
-        for i in range(self.arch.num_layers):
-            keys += self.hf_layer_keys(i)
-        return keys
+        return list(self.hf_shapes())
 
     # ------------------------------------------------------------------ qkv layout
     def _interleave_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

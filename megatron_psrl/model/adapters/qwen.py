@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, Tuple
 
 from megatron_psrl.model.adapters.base import GetTensor, LlamaStyleAdapter, Tensor
 
@@ -12,9 +12,10 @@ class Qwen2Adapter(LlamaStyleAdapter):
 
     model_types = ("qwen2",)
 
-    def hf_layer_keys(self, i: int) -> List[str]:
-        p = f"model.layers.{i}.self_attn."
-        return super().hf_layer_keys(i) + [p + "q_proj.bias", p + "k_proj.bias", p + "v_proj.bias"]
+    def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        q, kv = self.arch.num_attention_heads * self.arch.head_dim, self.arch.num_kv_heads * self.arch.head_dim
+        return {**super().hf_layer_shapes(), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                "self_attn.v_proj.bias": (kv,)}
 
     def _attention_extras_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
         p = hf + "self_attn."
@@ -34,9 +35,9 @@ class Qwen3Adapter(LlamaStyleAdapter):
 
     model_types = ("qwen3",)
 
-    def hf_layer_keys(self, i: int) -> List[str]:
-        p = f"model.layers.{i}.self_attn."
-        return super().hf_layer_keys(i) + [p + "q_norm.weight", p + "k_norm.weight"]
+    def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        hd = self.arch.head_dim
+        return {**super().hf_layer_shapes(), "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
 
     def _attention_extras_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
         yield mc + "self_attention.q_layernorm.weight", get(hf + "self_attn.q_norm.weight")
