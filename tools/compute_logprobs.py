@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,10 +21,12 @@ quiet_expected_import_warnings()
 
 import torch  # noqa: E402
 
-from megatron_psrl.checkpoint.loading import ModelSource, load_model  # noqa: E402
+from megatron_psrl.checkpoint.atomic import atomic_write_text, check_writable_dir  # noqa: E402
+from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture  # noqa: E402
 from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info  # noqa: E402
 from megatron_psrl.cli import positive_int, run_cli  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
+from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES  # noqa: E402
 from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel  # noqa: E402
 from megatron_psrl.model.architecture import ModelArchitecture  # noqa: E402
 from megatron_psrl.model.builder import parse_dtype  # noqa: E402
@@ -48,28 +49,23 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="GPU compute dtype (default: the checkpoint's); CPU is always fp32")
     p.add_argument("--attention-backend", default=None, choices=["torch", "dense", "flash", "te"])
     p.add_argument("--progress", action="store_true", help="progress bar while reading the data")
+    p.add_argument("--allow-rope-extrapolation", action="store_true",
+                   help="score samples longer than the model's max_position_embeddings (refused otherwise)")
+    p.add_argument("--distributed-timeout-minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
+                   help="timeout of every collective under torchrun")
     return p.parse_args(argv)
-
-
-def _write_atomic(path: str, lines) -> None:
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".logprobs-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    layout = initialize_parallel(args.tensor_model_parallel_size, 1, seed=0, device=args.device)
+    layout = initialize_parallel(args.tensor_model_parallel_size, 1, seed=0, device=args.device,
+                                 timeout_minutes=args.distributed_timeout_minutes)
+    if layout.rank == 0:  # before any work: an unwritable --out fails now, not after the forward pass
+        check_writable_dir(os.path.dirname(os.path.abspath(args.out)), "the folder of --out")
     source = ModelSource(hf_dir=args.hf_dir, checkpoint=args.load)
+    # The data needs only the vocabulary: validate it before any weight is read.
+    arch = source_architecture(source)
+    batch = load_samples(args.data, vocab_size=arch.vocab_size, progress=args.progress and layout.rank == 0)
     if layout.device.type == "cpu":
         dtype = torch.float32
     elif args.dtype:
@@ -79,14 +75,14 @@ def main(argv=None) -> int:
     else:
         dtype = parse_dtype(read_checkpoint_info(args.load)[1].dtype)
     arch, model, _ = load_model(source, dtype=dtype, device=layout.device)
-    batch = load_samples(args.data, vocab_size=arch.vocab_size, progress=args.progress and layout.rank == 0)
     logprobs = compute_logprobs(
         model, arch, batch, prefix_sharing=not args.no_prefix_sharing, micro_batch_tokens=args.micro_batch_tokens,
         kv_cache_budget=args.kv_cache_budget, attention_backend=args.attention_backend, device=layout.device,
+        allow_rope_extrapolation=args.allow_rope_extrapolation,
     )
     if layout.rank == 0:
-        _write_atomic(args.out, (json.dumps({"id": sid, "logprobs": [float(x) for x in lp]})
-                                 for sid, lp in zip(batch.ids, logprobs)))
+        atomic_write_text(args.out, (json.dumps({"id": sid, "logprobs": [float(x) for x in lp]}) + "\n"
+                                     for sid, lp in zip(batch.ids, logprobs)))
         print(f"wrote log-probs of {batch.num_samples} samples ({batch.num_tokens} tokens) to {args.out}")
     return 0
 

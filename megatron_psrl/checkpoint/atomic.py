@@ -14,11 +14,12 @@ included, which torch reports without a path) into one error naming the file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
 import tempfile
-from typing import IO, Callable, Iterator, List
+from typing import IO, Callable, Iterable, Iterator, List, Optional, Union
 
 from megatron_psrl.errors import CheckpointWriteError, PsrlError
 
@@ -62,13 +63,15 @@ def atomic_directory(final_path: str, overwrite: bool = False) -> Iterator[str]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write a small text file atomically (temp file + os.replace)."""
+def atomic_write_text(path: str, text: Union[str, Iterable[str]]) -> None:
+    """Write a text file atomically (temp file + os.replace); ``text`` may be an iterable of
+    chunks (lines with their newlines), written as they come. A failure names ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+            for chunk in [text] if isinstance(text, str) else text:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -88,20 +91,54 @@ def write_file(path: str, write: Callable[[IO[bytes]], None]) -> None:
     Any failure (full disk, quota, permissions, I/O error) raises
     :class:`~megatron_psrl.errors.CheckpointWriteError` naming ``path``; the partial file is
     removed."""
+    writer = None
     try:
-        with open(path, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(path, "wb", buffering=0) as raw:
+            writer = _WriteAll(raw)
+            write(writer)
+            os.fsync(raw.fileno())
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(path)
         reason = exc.strerror or str(exc)
         raise CheckpointWriteError(path, reason) from exc
-    except RuntimeError as exc:  # torch's zip writer reports a failed write without the OS error
+    except RuntimeError as exc:  # torch's zip writer swallows the OS error and reports a position
         with contextlib.suppress(OSError):
             os.unlink(path)
+        if writer is not None and writer.error is not None:
+            raise CheckpointWriteError(path, writer.error.strerror or str(writer.error)) from exc
         raise CheckpointWriteError(path, f"write failed ({_free_space_hint(path)}): {exc}") from exc
+
+
+class _WriteAll:
+    """A file whose ``write`` writes everything or raises, and remembers the OS error: on a
+    nearly full disk the OS accepts part of a write and refuses the rest (ENOSPC) only on the
+    next call, and torch's writer swallows that exception, reporting an "unexpected pos"."""
+
+    def __init__(self, raw):
+        self._raw = raw
+        self.error: Optional[OSError] = None
+        """The first OS error of a write (what torch does not pass on)."""
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        total = view.nbytes
+        try:
+            while view.nbytes:
+                n = self._raw.write(view)
+                if not n:
+                    raise OSError(errno.EIO, "the write made no progress")
+                view = view[n:]
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        return total
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
 
 
 def _free_space_hint(path: str) -> str:

@@ -68,12 +68,12 @@ def load_state_into(model: PsrlGPTModel, shard: Dict[str, Tensor]) -> None:
     missing = sorted(set(own) - set(shard))
     unexpected = sorted(k for k in set(shard) - set(own) if not k.endswith("_extra_state"))
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ConfigurationError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
         for name, target in own.items():
             src = shard[name]
             if tuple(src.shape) != tuple(target.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(target.shape)}")
+                raise ConfigurationError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(target.shape)}")
             target.copy_(src.to(dtype=target.dtype, device=target.device))
 
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, write_file
-from megatron_psrl.checkpoint.sharding import merge_state_dicts, shard_state_dict
+from megatron_psrl.checkpoint.sharding import expected_shard_shapes, merge_state_dicts, shard_state_dict
 from megatron_psrl.errors import CheckpointError, PsrlError
 from megatron_psrl.model.architecture import ModelArchitecture
 
@@ -143,8 +143,9 @@ def read_checkpoint_info(ckpt_dir: str) -> Tuple[str, CheckpointInfo]:
     return it_dir, CheckpointInfo.from_json(text, path)
 
 
-def _load_rank_file(path: str) -> Dict[str, Any]:
-    """One rank file; a missing, empty, truncated or foreign file raises an error naming it."""
+def _load_rank_file(path: str, expected: Optional[Dict[str, tuple]] = None) -> Dict[str, Any]:
+    """One rank file; a missing, empty, truncated or foreign file raises an error naming it, and
+    so does a model tensor that is missing, unexpected or of another shape than ``expected``."""
     if not os.path.exists(path):
         raise CheckpointError(path, "missing (the checkpoint is incomplete)")
     if os.path.getsize(path) == 0:
@@ -156,6 +157,17 @@ def _load_rank_file(path: str) -> Dict[str, Any]:
         raise CheckpointError(path, f"cannot be read: the file is truncated or corrupt ({reason})") from None
     if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict):
         raise CheckpointError(path, "not a megatron_psrl rank file (no 'model' state dict)")
+    if expected is not None:
+        model = blob["model"]
+        missing = [n for n in expected if n not in model]
+        unexpected = [n for n in model if n not in expected and not n.endswith("_extra_state")]
+        if missing or unexpected:
+            raise CheckpointError(path, f"does not match psrl_model.json: missing tensors {missing[:5]}, "
+                                        f"unexpected tensors {unexpected[:5]}")
+        for name, shape in expected.items():
+            if tuple(model[name].shape) != shape:
+                raise CheckpointError(path, f"shape {tuple(model[name].shape)} does not match {shape} implied by "
+                                            "psrl_model.json", tensor=name)
     return blob
 
 
@@ -163,11 +175,12 @@ def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, 
     """Merge all shards of the latest iteration into one full (unpadded) state dict."""
     it_dir, info = read_checkpoint_info(ckpt_dir)
     tp, pp = info.tensor_parallel_size, info.pipeline_parallel_size
+    expected = expected_shard_shapes(info.architecture, tp, pp)
     shards = {}
     for p in range(pp):
         for r in range(tp):
             path = os.path.join(it_dir, rank_dir_name(r, p, pp), RANK_FILE)
-            shards[(r, p)] = _load_rank_file(path)["model"]
+            shards[(r, p)] = _load_rank_file(path, expected[(r, p)])["model"]
             if progress is not None:
                 progress(path)
     return info, merge_state_dicts(shards, info.architecture, tp, pp)
@@ -180,7 +193,8 @@ def load_rank_state(
     matches, its saved optimizer state."""
     it_dir, info = read_checkpoint_info(ckpt_dir)
     if (info.tensor_parallel_size, info.pipeline_parallel_size) == (tp, pp):
-        blob = _load_rank_file(os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, pp), RANK_FILE))
+        blob = _load_rank_file(os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, pp), RANK_FILE),
+                               expected_shard_shapes(info.architecture, tp, pp)[(tp_rank, pp_rank)])
         return info, blob["model"], blob.get("optimizer")
     _, full = load_full_state_dict(ckpt_dir)
     return info, shard_state_dict(full, info.architecture, tp, pp)[(tp_rank, pp_rank)], None

@@ -128,3 +128,15 @@ def merge_state_dicts(
             global_name = f"decoder.layers.{int(m.group(1)) + p * per}.{m.group(2)}" if m else name
             full[global_name] = _tp_merge(name, [shards[(r, p)][name] for r in range(tp)], arch)
     return full
+
+
+def expected_shard_shapes(arch: ModelArchitecture, tp: int, pp: int) -> Dict[tuple, Dict[str, tuple]]:
+    """``{(tp_rank, pp_rank): {name: shape}}`` of a checkpoint of ``arch`` saved with TP x PP:
+    the shapes the HF layout implies, converted and sharded on the meta device (no memory)."""
+    from megatron_psrl.model.adapters import get_adapter
+
+    adapter = get_adapter(arch)
+    shapes = adapter.hf_shapes()
+    full = dict(adapter.hf_to_mcore(lambda name: torch.empty(shapes[name], device="meta")))
+    return {key: {name: tuple(t.shape) for name, t in shard.items()}
+            for key, shard in shard_state_dict(full, arch, tp, pp).items()}

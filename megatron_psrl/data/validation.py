@@ -512,15 +512,16 @@ def _float_scalar(value: Any, fail) -> float:
     return as_float32
 
 
-def check_max_sample_length(batch, max_length: int, why: str) -> None:
-    """Refuse the first sample longer than ``max_length`` tokens (e.g. a sliding window)."""
+def check_max_sample_length(batch, max_length: int, why: str, hint: Optional[str] = None) -> None:
+    """Refuse the first sample longer than ``max_length`` tokens (e.g. a sliding window);
+    ``hint`` says what the user can do about it."""
     import numpy as np
 
     too_long = np.flatnonzero(batch.lengths > max_length)
     if len(too_long):
         s = int(too_long[0])
         raise SampleValidationError(
-            f"length {int(batch.lengths[s])} exceeds {why} ({max_length} tokens)",
+            f"length {int(batch.lengths[s])} exceeds {why} ({max_length} tokens)" + (f"; {hint}" if hint else ""),
             source=batch.source, row_label=batch.row_label, row=int(batch.source_rows[s]),
             sample_id=batch.ids[s], has_sample_id=True, field="tokens",
         )

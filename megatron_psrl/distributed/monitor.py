@@ -142,7 +142,7 @@ class CollectiveMonitor:
                 elsewhere.append(f"rank {r} (still in {peer_phase!r})")
         minutes = self.timeout_s / 60.0
         what = "timed out" if "time" in str(exc).lower() else "failed"
-        head = f"rank {self.rank}: collective in {phase!r} {what} (--distributed-timeout-minutes {minutes:g})"
+        head = f"collective in {phase!r} {what} on rank {self.rank} (--distributed-timeout-minutes {minutes:g})"
         if stale:
             return f"{head}; waiting on {', '.join(stale)}"
         if elsewhere:

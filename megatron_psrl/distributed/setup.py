@@ -68,6 +68,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _restart_scoped_store(timeout) -> dist.Store:
+    """torchrun's store, with keys scoped to this restart of the worker group.
+
+    torchrun (``--max-restarts``) keeps the same store address across restarts, and the
+    ``env://`` rendezvous does not scope its keys by attempt, so a restarted group reads the
+    dead group's connection keys (gloo: "connectFullMesh failed ... Connection refused"; NCCL
+    would read a stale unique id). A prefix per ``TORCHELASTIC_RESTART_COUNT`` fixes that.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_hosts_store and rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"/megatron_psrl/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
 def pick_device(requested: str = "auto") -> torch.device:
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,7 +113,10 @@ def initialize_parallel(
         # small metadata), so neither kind of collective can hit a backend that lacks it.
         backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
         timeout = timeout_delta(timeout_minutes)
-        if "RANK" in os.environ:  # torchrun / a launcher
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun
+            dist.init_process_group(backend=backend, store=_restart_scoped_store(timeout), timeout=timeout,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        elif "RANK" in os.environ:  # another launcher
             dist.init_process_group(backend=backend, timeout=timeout)
         else:  # a plain single process; no environment variables are set (children inherit them)
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,

@@ -34,16 +34,21 @@ def compute_logprobs(
     kv_cache_budget: int = 1 << 30,
     attention_backend: Optional[str] = None,
     device: Optional[torch.device] = None,
+    allow_rope_extrapolation: bool = False,
 ) -> List[np.ndarray]:
     """float32 log-prob arrays, one per sample, aligned with its tokens (index 0 is 0.0).
 
     Works in a single process and under torchrun (data-parallel ranks split the trees, tensor-
-    parallel ranks split the model); every rank returns the full result.
+    parallel ranks split the model); every rank returns the full result. Samples longer than
+    the model's ``max_position_embeddings`` are refused unless ``allow_rope_extrapolation``.
     """
     device = device or next(model.parameters()).device
     if arch.sliding_window is not None:
         # Sliding-window attention is not implemented: longer samples would be silently wrong.
         check_max_sample_length(batch, arch.sliding_window, "the model's sliding window")
+    if not allow_rope_extrapolation:
+        check_max_sample_length(batch, arch.max_position_embeddings, "the model's max_position_embeddings",
+                                "--allow-rope-extrapolation scores it anyway")
     dp = parallel_state.get_data_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     dp_rank = parallel_state.get_data_parallel_rank() if dp > 1 else 0
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1

@@ -75,9 +75,9 @@ class BatchSource:
         self.synthetic_tokens = synthetic_tokens
         self.kl_required = kl_required
         # Samples longer than these are refused (a file at start-up, synthetic batches as made).
-        self.length_limits = [(n, why) for n, why in (
-            (max_sequence_length, "the model's sliding window"),
-            (max_positions, "the model's max_position_embeddings (--allow-rope-extrapolation trains it anyway)"),
+        self.length_limits = [(n, why, hint) for n, why, hint in (
+            (max_sequence_length, "the model's sliding window", None),
+            (max_positions, "the model's max_position_embeddings", "--allow-rope-extrapolation trains it anyway"),
         ) if n is not None]
         self.samples: Optional[SampleBatch] = None
         if data in WORKLOADS and not os.path.exists(data):
@@ -91,8 +91,8 @@ class BatchSource:
         self._check_lengths(self.samples)
 
     def _check_lengths(self, batch: SampleBatch) -> None:
-        for limit, why in self.length_limits:
-            check_max_sample_length(batch, limit, why)
+        for limit, why, hint in self.length_limits:
+            check_max_sample_length(batch, limit, why, hint)
 
     def batch(self, iteration: int) -> SampleBatch:
         if self.kind == "synthetic":

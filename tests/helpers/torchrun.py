@@ -31,3 +31,35 @@ def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout:
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{output[-6000:]}")
     return output
+
+
+def script_env() -> dict:
+    """Environment for a subprocess that imports the repository and its test helpers."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.path.join(REPO_ROOT, "tests") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def free_port() -> int:
+    return _free_port()
+
+
+def worker_pids(agent_pid: int) -> dict:
+    """``{rank: pid}`` of the worker processes a torchrun agent started (read from /proc)."""
+    workers = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"RANK" in env:
+            workers[int(env[b"RANK"])] = int(entry)
+    return workers

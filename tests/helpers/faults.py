@@ -1,0 +1,43 @@
+"""Fault-injection helpers: run an entry point in a subprocess and check that it failed the way
+an operator needs (exit status, one line naming the file, nothing left behind)."""
+
+import os
+import subprocess
+import sys
+from typing import List
+
+from helpers.torchrun import REPO_ROOT, script_env
+
+TRAIN = os.path.join(REPO_ROOT, "pretrain_agent_rl.py")
+TOOLS = os.path.join(REPO_ROOT, "tools")
+SMALL = ["--model", "debug-llama", "--data", "grpo", "--micro-batch-tokens", "512", "--kv-cache-budget", "64MiB"]
+
+
+def run(script: str, args: List[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, script, *args], cwd=str(cwd), env=script_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def train(args: List[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    return run(TRAIN, args, cwd, timeout)
+
+
+def tool(name: str, args: List[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    return run(os.path.join(TOOLS, name), args, cwd, timeout)
+
+
+def error_line(proc: subprocess.CompletedProcess, status: int = 2) -> str:
+    """The one ``error:`` line of a user-facing failure (no traceback)."""
+    assert proc.returncode == status, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    return lines[0]
+
+
+def leftovers(directory) -> List[str]:
+    """Temporaries of a save or a conversion left in ``directory`` (recursively)."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        found += [os.path.join(root, n) for n in dirs + files if ".tmp-" in n or ".old-" in n]
+    return found

@@ -1,0 +1,138 @@
+"""The launch scripts as operators run them: two torchrun agents meeting through c10d on this
+machine train like one agent with two processes; a worker killed mid-run is restarted by
+torchrun and the run resumes from its latest checkpoint to the same losses; the Slurm script
+runs the commands it should (checked with stub srun / scontrol)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+from helpers.torchrun import REPO_ROOT, free_port, script_env, worker_pids
+
+LAUNCH = os.path.join(REPO_ROOT, "launch")
+COMMON = dict(DEVICE="cpu", MODEL="debug-llama", DATA="grpo", MICRO_BATCH_TOKENS="512", KV_BUDGET="64MiB",
+              LR="1e-3", DIST_TIMEOUT_MINUTES="2")
+
+
+def _env(**knobs):
+    env = script_env()
+    env.update(COMMON)
+    env.update({k: str(v) for k, v in knobs.items()})
+    return env
+
+
+def _losses(path):
+    """{iteration: loss} of a --log-json file (a restarted run repeats iterations: the last wins)."""
+    out = {}
+    for line in open(path):
+        rec = json.loads(line)
+        out[rec["iter"]] = rec["loss"]
+    return out
+
+
+def _single_node(tmp_path, name, **knobs):
+    log = tmp_path / f"{name}.jsonl"
+    proc = subprocess.run(["bash", os.path.join(LAUNCH, "torchrun_single_node.sh")], cwd=REPO_ROOT,
+                          env=_env(NPROC=2, LOG_JSON=log, **knobs), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _losses(log)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_two_agents_over_c10d_train_like_one_agent(tmp_path, tp):
+    iters = 3
+    reference = _single_node(tmp_path, "one-agent", TP=tp, TRAIN_ITERS=iters)
+    log = tmp_path / "two-agents.jsonl"
+    env = _env(NNODES=2, NPROC=1, TP=tp, TRAIN_ITERS=iters, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
+               RUN_ID=uuid.uuid4().hex, LOG_JSON=log)
+    agents = [subprocess.Popen(["bash", os.path.join(LAUNCH, "torchrun_multi_node.sh")], cwd=REPO_ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [a.communicate(timeout=600) for a in agents]
+    for agent, (_, err) in zip(agents, outputs):
+        assert agent.returncode == 0, err[-4000:]
+    two = _losses(log)
+    assert sorted(two) == list(range(1, iters + 1))
+    for it, loss in reference.items():
+        assert two[it] == pytest.approx(loss, rel=1e-6, abs=1e-9), (it, two, reference)
+
+
+def test_killed_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
+    iters, interval = 6, 2
+    reference = _single_node(tmp_path, "uninterrupted", TRAIN_ITERS=iters)
+    save = tmp_path / "ckpt"
+    log = tmp_path / "restarted.jsonl"
+    env = _env(NPROC=2, TRAIN_ITERS=iters, SAVE=save, SAVE_INTERVAL=interval, MAX_RESTARTS=1, LOG_JSON=log,
+               EXTRA_ARGS="--log-interval 1")
+    agent = subprocess.Popen(["bash", os.path.join(LAUNCH, "torchrun_single_node.sh")], cwd=REPO_ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tracker = save / "latest_checkpointed_iteration.txt"
+        deadline = time.time() + 300
+        while not (tracker.exists() and tracker.read_text().strip() == str(interval)):
+            assert time.time() < deadline and agent.poll() is None, "no checkpoint appeared"
+            time.sleep(0.1)
+        # bash exec'd torchrun: the agent is the process we started
+        victim = worker_pids(agent.pid)[1]
+        os.kill(victim, signal.SIGKILL)
+        out, err = agent.communicate(timeout=600)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 0, err[-4000:]
+    assert "resuming from" in out  # the restarted group loaded the checkpoint
+    iterations = [json.loads(line)["iter"] for line in open(log)]
+    assert iterations.count(iters) == 1 and iterations[0] == 1
+    assert len(iterations) > iters or iterations.count(interval + 1) >= 1  # some iterations ran twice or resumed
+    restarted = _losses(log)
+    assert sorted(restarted) == list(range(1, iters + 1))
+    for it, loss in reference.items():
+        assert restarted[it] == pytest.approx(loss, rel=1e-6, abs=1e-9), (it, restarted, reference)
+    assert open(save / "latest_checkpointed_iteration.txt").read().strip() == str(iters)
+
+
+STUB_SRUN = """#!/usr/bin/env bash
+# Records its arguments, then runs the command once per node as Slurm would.
+echo "srun $*" >> "$STUB_LOG"
+while [[ "$1" == --* ]]; do shift; done
+for node in $(seq 0 $((SLURM_NNODES - 1))); do
+  SLURM_NODEID=$node SLURM_PROCID=$node "$@"
+done
+"""
+STUB_SCONTROL = """#!/usr/bin/env bash
+echo "scontrol $*" >> "$STUB_LOG"
+[[ "$1 $2" == "show hostnames" ]] && printf 'gpu-node-07\\ngpu-node-08\\n'
+"""
+STUB_TORCHRUN = """#!/usr/bin/env bash
+echo "torchrun $* | MASTER_ADDR=$MASTER_ADDR NNODES=$NNODES" >> "$STUB_LOG"
+"""
+
+
+def test_slurm_script_runs_one_agent_per_node_meeting_at_the_first_node(tmp_path):
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL), ("torchrun", STUB_TORCHRUN)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    log = tmp_path / "commands.txt"
+    env = _env(STUB_LOG=log, SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_NNODES=2, SLURM_JOB_ID=4242, NPROC=8, TP=4,
+               SAVE="/ckpt/run1", HF_DIR="/models/qwen")
+    env["PATH"] = f"{stubs}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(["bash", os.path.join(LAUNCH, "slurm.sbatch")], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0] == "scontrol show hostnames gpu-node-[07-08]"
+    assert lines[1] == "srun --kill-on-bad-exit=1 bash launch/torchrun_multi_node.sh"
+    agents = [line for line in lines if line.startswith("torchrun ")]
+    assert len(agents) == 2  # one agent per node
+    for line in agents:
+        assert "--nnodes 2 --nproc_per_node 8" in line
+        assert "--rdzv-backend c10d --rdzv-endpoint gpu-node-07:29500 --rdzv-id 4242" in line
+        assert "pretrain_agent_rl.py --hf-dir /models/qwen --load /ckpt/run1" in line  # restarts resume
+        assert "--save /ckpt/run1" in line and "--tensor-model-parallel-size 4" in line
+        assert line.endswith("MASTER_ADDR=gpu-node-07 NNODES=2")

@@ -1,0 +1,184 @@
+"""Outputs are checked before any compute; one writer per --save folder; a failed or killed save
+leaves nothing behind and a full disk does not stay full."""
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import uuid
+
+import pytest
+import torch
+from helpers.faults import SMALL, error_line, leftovers, train
+
+from megatron_psrl.checkpoint import mcore_format
+from megatron_psrl.checkpoint.lock import LOCK_NAME, SaveDirLock
+from megatron_psrl.checkpoint.mcore_format import TRACKER, read_checkpoint_info
+from megatron_psrl.distributed.setup import initialize_parallel
+from megatron_psrl.errors import CheckpointWriteError, ConfigurationError
+from megatron_psrl.model import tiny_config
+from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.builder import build_model
+from megatron_psrl.training.checkpointing import save_training_checkpoint
+from megatron_psrl.training.preflight import warn_if_disk_short
+
+
+def _not_a_dir(tmp_path):
+    """A path under a regular file: unwritable even for root."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    return blocker / "out"
+
+
+@pytest.mark.parametrize("flag", ["--save", "--log-json"])
+def test_unwritable_output_fails_before_any_compute(flag, tmp_path):
+    target = _not_a_dir(tmp_path)
+    proc = train(SMALL + ["--train-iters", "50", flag, str(target)], tmp_path, timeout=120)
+    line = error_line(proc)
+    assert str(target) in line and flag in line
+    assert "iteration" not in proc.stdout  # nothing trained
+
+
+def test_read_only_folder_fails_before_any_compute(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders; the not-a-folder case covers root")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        proc = train(SMALL + ["--train-iters", "50", "--save", str(ro / "ckpt")], tmp_path, timeout=120)
+    finally:
+        ro.chmod(0o700)
+    assert str(ro / "ckpt") in error_line(proc) and "iteration" not in proc.stdout
+
+
+def test_compute_logprobs_checks_out_before_loading(tmp_path):
+    from helpers.faults import tool
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
+    target = _not_a_dir(tmp_path) / "lp.jsonl"
+    proc = tool("compute_logprobs.py", ["--hf-dir", str(tmp_path / "no-such-model"), "--data", str(data),
+                                        "--out", str(target)], tmp_path, timeout=120)
+    assert str(target.parent) in error_line(proc)  # the output is checked first
+
+
+def test_second_writer_is_refused_naming_the_holder(tmp_path):
+    save = tmp_path / "ckpt"
+    holder = SaveDirLock(str(save))
+    save.mkdir()
+    holder.acquire()  # this (live) test process holds the folder
+    try:
+        proc = train(SMALL + ["--train-iters", "1", "--save", str(save)], tmp_path, timeout=120)
+    finally:
+        holder.release()
+    line = error_line(proc)
+    assert f"pid {os.getpid()}" in line and socket.gethostname() in line and LOCK_NAME in line
+    assert "iteration" not in proc.stdout
+    assert not (save / LOCK_NAME).exists()  # released by its holder
+
+
+def test_stale_lock_and_dead_writers_temporaries_are_cleaned(tmp_path, dead_pid):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / LOCK_NAME).write_text(json.dumps({"pid": dead_pid, "host": socket.gethostname(), "run_id": None,
+                                              "started": 0}))
+    stale = save / f"iter_0000007.tmp-{dead_pid}"
+    (stale / "mp_rank_00").mkdir(parents=True)
+    (stale / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"\0" * (1 << 20))  # a killed save's partial file
+    (save / f".tmp-{dead_pid}-abc").write_text("2")  # a killed tracker update
+    proc = train(SMALL + ["--train-iters", "1", "--save", str(save)], tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "took over the lock" in proc.stdout and "removed 2 unfinished save(s)" in proc.stdout
+    assert leftovers(save) == [] and not (save / LOCK_NAME).exists()
+    assert read_checkpoint_info(str(save))[1].iteration == 1
+
+
+def test_a_killed_save_is_removed_by_the_next_run(tmp_path):
+    """SIGKILL a real writer in the middle of its temporary folder; the next save cleans it."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    writer = subprocess.Popen(
+        ["python", "-c", "import os, sys, time\n"
+         f"d = os.path.join({str(save)!r}, 'iter_0000003.tmp-%d' % os.getpid())\n"
+         "os.makedirs(d)\n"
+         "open(os.path.join(d, 'partial.pt'), 'wb').write(b'x' * 4096)\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(600)\n"], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "ready"
+    writer.kill()
+    writer.wait()
+    assert len(leftovers(save)) == 1 and any(save.glob("iter_0000003.tmp-*/partial.pt"))
+    proc = train(SMALL + ["--train-iters", "1", "--save", str(save)], tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftovers(save) == []
+
+
+def _mount_tmpfs(path, size):
+    path.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True,
+                       capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        path.rmdir()
+        return False
+    return True
+
+
+def test_disk_full_during_save_names_the_file_and_frees_the_disk(tmp_path):
+    """A real full disk (a 600 KiB tmpfs, half a checkpoint; skipped where mounting is not allowed, the simulated
+    ENOSPC test below covers the logic): the run ends with one line naming the file, the
+    partial save is removed, and the disk is as free as before."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "600k"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        free_before = shutil.disk_usage(disk).free
+        proc = train(SMALL + ["--train-iters", "1", "--save", str(disk / "ckpt")], tmp_path, timeout=180)
+        line = error_line(proc)
+        assert "model_optim_rng.pt" in line and "No space left on device" in line, line
+        assert "the save failed and was removed" in line
+        assert leftovers(disk) == [] and shutil.disk_usage(disk).free == free_before
+        assert "iteration      1/" in proc.stdout  # it trained, then reported the save
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_simulated_disk_full_is_reported_and_removed(tmp_path, monkeypatch):
+    initialize_parallel(1, 1, seed=0, device="cpu")
+    layout = initialize_parallel(1, 1, seed=0, device="cpu")
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-llama"))
+    model = build_model(arch)
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mcore_format.torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"model_optim_rng\.pt.*No space left on device"):
+        save_training_checkpoint(str(tmp_path / "ckpt"), 4, model, None, arch, layout)
+    assert leftovers(tmp_path) == [] and not (tmp_path / "ckpt" / TRACKER).exists()
+
+
+def test_disk_space_warning_names_the_need(tmp_path):
+    assert warn_if_disk_short(str(tmp_path), 1) is None
+    warning = warn_if_disk_short(str(tmp_path), 1 << 60)
+    assert warning.startswith("warning:") and str(tmp_path) in warning and "GiB" in warning
+
+
+def test_lock_taken_over_within_the_same_torchrun_job(tmp_path, monkeypatch):
+    """A restarted worker group (same TORCHELASTIC_RUN_ID, maybe another host) takes its lock back."""
+    run_id = uuid.uuid4().hex
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "another-node", "run_id": run_id, "started": 0}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    lock = SaveDirLock(str(save)).acquire()
+    assert lock.took_over["host"] == "another-node"
+    lock.release()
+    (save / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "another-node", "run_id": "other", "started": 0}))
+    with pytest.raises(ConfigurationError, match="another-node"):
+        SaveDirLock(str(save)).acquire()
