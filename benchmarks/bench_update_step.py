@@ -11,11 +11,11 @@ every micro-batch; the optimizer update is identical for all and left out):
 - ``baseline``: ``--no-prefix-sharing``: samples packed back to back, every prefix recomputed;
 - ``dense``: prefix sharing with one dense boolean tree mask over the pack (SDPA), the usual
   way tree packing is done;
-- ``per-sample``: no sharing, every sample its own micro-batch (how the brief's prior-system
+- ``per-sample``: no sharing, every sample its own micro-batch (how published prefix-sharing
   figures define their speedups);
 
-and reports the median step time over ``--repeats`` interleaved runs, the ideal speedup of the
-brief (FLOPs ratio for this model and batch), efficiency = measured speedup / ideal, and the
+and reports the median step time over ``--repeats`` interleaved runs, the ideal speedup
+(FLOPs ratio for this model and batch, docs/prefix-tree.md), efficiency = measured speedup / ideal, and the
 measured peak memory of the step (heap bytes in use above the step's start, sampled after
 every torch operation in a separate, untimed run; CUDA: the allocator's peak).
 Results go to ``bench_update_step.json`` and ``bench_update_step.md`` in ``--out-dir``.
@@ -56,7 +56,7 @@ from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
 
 # ---------------------------------------------------------------------- workloads
 def _grpo_exact(prompt: int, group: int, response: int, vocab: int, seed: int = 0) -> SampleBatch:
-    """One prompt with ``group`` responses of exactly ``response`` tokens (the brief's shapes)."""
+    """One prompt with ``group`` responses of exactly ``response`` tokens (the shapes other prefix-sharing trainers were measured on)."""
     rng = np.random.default_rng(seed)
     p = rng.integers(0, vocab, prompt).tolist()
     recs = [{"id": i, "tokens": p + rng.integers(0, vocab, response).tolist(),
@@ -85,7 +85,7 @@ def workloads(vocab: int) -> Dict[str, Callable[[], SampleBatch]]:
                                           system_len=200, task_len=(100, 200), vocab_size=vocab, seed=1),
         "tree": lambda: make_tree_rollouts(num_roots=2, vocab_size=vocab, seed=1),
         "mixed": lambda: make_mixed(vocab_size=vocab, seed=1),
-        # The shapes of the brief's side-by-side measurements of prior systems (section 6).
+        # The shapes other prefix-sharing trainers were measured on (docs/benchmarks.md).
         "grpo-2048x8x128": lambda: _grpo_exact(2048, 8, 128, vocab),
         "grpo-512x8x512": lambda: _grpo_exact(512, 8, 512, vocab),
         "stepwise-8x256": lambda: _stepwise_exact(8, 256, 64, vocab),

@@ -5,7 +5,7 @@
         --out-json runs/summary.json --plots-dir runs/plots
 
 Reads (and validates) the trace, builds its global prefix tree, prints the statistics of
-megatron_psrl.tree.stats.TreeStats and the ideal speedup (brief section 7) for --model and
+megatron_psrl.tree.stats.TreeStats and the ideal speedup (docs/prefix-tree.md) for --model and
 for every other known model size, and writes:
 
 - ``--out-json``: the statistics, the per-sample redundancy summary, the ideal speedup per

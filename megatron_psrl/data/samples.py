@@ -3,7 +3,7 @@
 A global batch of agentic RL can hold millions of tokens, so samples are not kept as Python
 objects: every per-token field is one flat numpy array over the concatenation of all samples,
 and ``offsets`` delimits the samples. The fields are exactly those of the data contract
-(docs/data-format.md, interfaces.md section 1), already validated and with defaults filled in.
+(docs/data-format.md), already validated and with defaults filled in.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from megatron_psrl.data.samples import SampleBatch, SampleId
 from megatron_psrl.errors import ConfigurationError, PsrlError
 
 KNOWN_FIELDS = ("id", "tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight")
-"""The fields of the data contract (interfaces.md section 1); anything else is ignored with an
+"""The fields of the data contract (docs/data-format.md); anything else is ignored with an
 :class:`UnknownFieldWarning`."""
 
 MAX_TOKEN_ID = np.iinfo(np.int32).max

@@ -1,7 +1,7 @@
 """Per-token log-probs of samples under a model (the forward-only pass), with prefix sharing.
 
 ``compute_logprobs`` is the library function behind ``tools/compute_logprobs.py``
-(interfaces.md section 2): for every sample, ``logprobs[i] = log p(tokens[i] | tokens[:i])``
+(the output format of README.md, "Log-probs"): for every sample, ``logprobs[i] = log p(tokens[i] | tokens[:i])``
 for i >= 1 and ``logprobs[0] = 0.0``. With sharing every distinct prefix is computed once
 (mechanisms 1 and 2); without, samples are packed back to back. Results are identical.
 """

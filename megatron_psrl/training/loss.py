@@ -1,4 +1,4 @@
-"""The RL policy loss of interfaces.md section 4, evaluated per loss claim.
+"""The RL policy loss of docs/loss.md, evaluated per loss claim.
 
 A claim is a (tree token, sample) pair with loss_mask 1. A token shared by several samples
 has its log-prob computed once but its loss evaluated once per claim, with that claim's own
@@ -11,8 +11,8 @@ advantage, so claims are never merged. Per claim (token i of sample s)::
     l   = weight_s * (pg + kl_coef * kl - entropy_coef * H)   (H: entropy of the predicting
                                                                  distribution)
 
-The sample weight multiplies every loss term of the sample (interfaces.md: "multiplied into its
-loss terms"), so a sample of weight 0 does not train at all.
+The sample weight multiplies every loss term of the sample (docs/loss.md), so a sample of
+weight 0 does not train at all.
 
 and the step loss is ``sum_c coef_c * l_c`` where the coefficients implement the aggregation
 over the *whole global batch* (all micro-batches, all ranks), computed from the original

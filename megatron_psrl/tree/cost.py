@@ -6,8 +6,8 @@ FLOPs(computed tokens) = linear_flops_per_token * tokens
 A token at position p (0-based) attends to p + 1 keys (causal, itself included). Without
 sharing every sample of length n costs n tokens and n (n + 1) / 2 key pairs; with the prefix
 tree every tree token is computed once and sees ``position + 1`` keys (its ancestors' tokens and
-the earlier tokens of its node). The ratio of the two costs is the ideal speedup of brief
-section 7; the per-node and per-subtree costs are what the planner balances.
+the earlier tokens of its node). The ratio of the two costs is the ideal speedup
+(docs/prefix-tree.md); the per-node and per-subtree costs are what the planner balances.
 
 Both coefficients count forward + backward (backward = 2x forward, so 3x forward FLOPs) and a
 multiply-add as 2 FLOPs. Norms, activations, softmax, RoPE and biases are left out: they are
@@ -207,7 +207,7 @@ class CostModel:
         return self.cost(tree.num_tree_tokens, tree_key_pairs(tree))
 
     def ideal_speedup(self, tree: PrefixTree) -> float:
-        """baseline cost / tree cost: the limit of brief section 7 for this batch and model."""
+        """baseline cost / tree cost: the ideal speedup of this batch and model (docs/prefix-tree.md)."""
         shared = self.tree_cost(tree)
         if shared == 0:
             return 1.0

@@ -7,7 +7,7 @@ rank computes the same plan from the same tree (no communication).
 
 1. **Placement over ranks.** The independent trees of the forest (top-level subtrees) are
    assigned to data-parallel ranks largest-cost-first to the least-loaded rank (LPT), with
-   the cost model ``linear * tokens + attention * key_pairs`` (brief section 5).
+   the cost model ``linear * tokens + attention * key_pairs`` (docs/prefix-tree.md).
 2. **Micro-batches within a rank.** A tree that fits the token budget is packed whole
    (mechanism 1). A larger tree is handled by one of two mechanisms, chosen per tree by cost:
 

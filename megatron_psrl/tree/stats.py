@@ -66,7 +66,7 @@ class TreeStats:
     flops_shared: Optional[float] = None
     """Forward + backward FLOPs with the tree."""
     ideal_speedup: Optional[float] = None
-    """flops_unshared / flops_shared (brief section 7)."""
+    """flops_unshared / flops_shared (docs/prefix-tree.md, "Ideal speedup")."""
 
     def to_dict(self) -> dict:
         """JSON-ready dict (plain Python numbers)."""

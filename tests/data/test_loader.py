@@ -1,4 +1,4 @@
-"""Loading, validation and writing of trajectory samples (interfaces.md section 1)."""
+"""Loading, validation and writing of trajectory samples (docs/data-format.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Everything megatron_psrl computes with prefix sharing (log-probs, the RL loss, parameter
 gradients) is compared against this plain per-sample computation. It shares no code with the
 system under test except the data containers and the claim coefficients' definition (which
-is restated here from interfaces.md, not imported).
+is restated here from docs/loss.md, not imported).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def per_sample_logprobs(model, batch: SampleBatch) -> List[np.ndarray]:
 
 
 def _coefficients(batch: SampleBatch, loss_agg: str) -> List[np.ndarray]:
-    """Per-sample arrays of claim coefficients (restated from interfaces.md section 4)."""
+    """Per-sample arrays of claim coefficients (restated from docs/loss.md)."""
     masks = [batch.loss_mask[batch.sample_slice(s)] for s in range(batch.num_samples)]
     counts = np.array([m.sum() for m in masks])
     total, trained = counts.sum(), (counts > 0).sum()

@@ -1,4 +1,4 @@
-"""tools/compute_logprobs.py: interfaces.md section 2, against the per-sample HF reference."""
+"""tools/compute_logprobs.py: the output format of README.md, against the per-sample HF reference."""
 
 import json
 import os

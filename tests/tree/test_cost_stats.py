@@ -81,7 +81,7 @@ def test_grpo_and_stepwise_closed_forms():
     tree = build_prefix_tree(batch)
     linear_only = CostModel(1.0, 0.0)
     assert linear_only.ideal_speedup(tree) == pytest.approx(4 * 70 / (50 + 4 * 20))
-    # Step-wise with T equal turns: token redundancy (T + 1) / 2 (brief section 6).
+    # Step-wise with T equal turns: token redundancy (T + 1) / 2 (docs/prefix-tree.md).
     turns, turn_len = 8, 32
     history = list(range(turns * turn_len))
     tree = build_prefix_tree(make_batch([history[: turn_len * (t + 1)] for t in range(turns)]))
