@@ -21,5 +21,11 @@ from megatron_psrl.cli import run_cli  # noqa: E402
 from megatron_psrl.distributed.setup import shutdown_parallel  # noqa: E402
 from megatron_psrl.training.trainer import main  # noqa: E402
 
+
+def _train() -> int:
+    main()
+    return 0
+
+
 if __name__ == "__main__":
-    run_cli(lambda: main() and None, cleanup=shutdown_parallel)
+    run_cli(_train, cleanup=shutdown_parallel)

@@ -5,7 +5,7 @@ MICRO_BATCH_TOKENS=${MICRO_BATCH_TOKENS:-8192}
 KV_BUDGET=${KV_BUDGET:-8GiB}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
 MODEL_ARGS=()
-if [[ -n "${HF_DIR:-}" ]]; then MODEL_ARGS=(--hf-dir "$HF_DIR"); elif [[ -n "${MODEL:-}" ]]; then MODEL_ARGS=(--model "$MODEL"); fi
+if [[ -n "${HF_DIR:-}" ]]; then MODEL_ARGS=(--hf-dir "$HF_DIR"); else MODEL_ARGS=(--model "${MODEL:-tiny-llama}"); fi
 # Megatron's convention: --load and --save name the same folder, so a restarted job (torchrun
 # --max-restarts, a requeued Slurm job) resumes from its latest checkpoint; until the first
 # save it starts from HF_DIR / MODEL.

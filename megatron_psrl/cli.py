@@ -8,7 +8,7 @@ returns that status instead (for ``main(argv) -> int`` functions that tests call
   (bad input, configuration, checkpoint, timeout, non-finite training) or an ``OSError``
   (unwritable folder, full disk, missing file);
 - 1 with the traceback for anything else: that is a bug, and the traceback is what fixes it;
-- 130 on Ctrl-C.
+- 130 on Ctrl-C, 143 on SIGTERM (both run every ``finally``: the save lock is released).
 
 In a multi-rank job every line is prefixed with the rank that hit it.
 """
@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 from typing import Callable, NoReturn, Optional
 
-from megatron_psrl.errors import PsrlError, describe_os_error
+from megatron_psrl.errors import PsrlError, error_text
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 def positive_int(text: str) -> int:
@@ -45,24 +48,33 @@ def _prefix() -> str:
     return ""
 
 
-def error_text(exc: BaseException) -> str:
-    """What a user-facing error says, on one line (an OSError names its file)."""
-    text = describe_os_error(exc) if isinstance(exc, OSError) and not isinstance(exc, PsrlError) else str(exc)
-    return " ".join(text.split())
-
-
 def error_line(exc: BaseException) -> str:
     """The one line printed for a user-facing error."""
     return f"error: {_prefix()}{error_text(exc)}"
 
 
+class Terminated(BaseException):
+    """SIGTERM (torchrun stopping its workers, Slurm's scancel, preemption), raised so that every
+    ``finally`` runs: locks are released and temporaries removed instead of leaked."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def call_cli(main: Callable[[], Optional[int]], cleanup: Optional[Callable[[], None]] = None) -> int:
     """Run ``main`` under the handler described in the module docstring; returns the exit status."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         code = main() or 0
     except KeyboardInterrupt:
         print(f"error: {_prefix()}interrupted", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
+    except Terminated:
+        print(f"error: {_prefix()}terminated (SIGTERM)", file=sys.stderr, flush=True)
+        code = EXIT_TERMINATED
     except (PsrlError, OSError) as exc:
         print(error_line(exc), file=sys.stderr, flush=True)
         code = EXIT_USER_ERROR
@@ -76,6 +88,8 @@ def call_cli(main: Callable[[], Optional[int]], cleanup: Optional[Callable[[], N
                 cleanup()
             except Exception:  # never mask the real outcome with a shutdown error
                 pass
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return code
 
 

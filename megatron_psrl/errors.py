@@ -11,7 +11,6 @@ The concrete errors keep the builtin base they always had (``ValueError``, ``Mem
 
 from __future__ import annotations
 
-import errno
 import os
 from typing import Optional
 
@@ -79,5 +78,18 @@ def describe_os_error(exc: OSError) -> str:
     return str(exc) if not exc.strerror else reason
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+def error_text(exc: BaseException) -> str:
+    """What a user-facing error says, on one line (an OSError names its file)."""
+    text = describe_os_error(exc) if isinstance(exc, OSError) and not isinstance(exc, PsrlError) else str(exc)
+    return " ".join(text.split())
+
+
+def pid_alive(pid: int) -> bool:
+    """A process with this pid exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

@@ -32,6 +32,7 @@ from megatron_psrl.model.architecture import ModelArchitecture  # noqa: E402
 from megatron_psrl.model.builder import parse_dtype  # noqa: E402
 from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
 from megatron_psrl.training.logprobs import compute_logprobs  # noqa: E402
+from megatron_psrl.training.preflight import on_logging_rank  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -60,8 +61,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     layout = initialize_parallel(args.tensor_model_parallel_size, 1, seed=0, device=args.device,
                                  timeout_minutes=args.distributed_timeout_minutes)
-    if layout.rank == 0:  # before any work: an unwritable --out fails now, not after the forward pass
-        check_writable_dir(os.path.dirname(os.path.abspath(args.out)), "the folder of --out")
+    # Before any work: an unwritable --out fails now (on every rank), not after the forward pass.
+    with layout.monitor.phase("start-up checks"):
+        on_logging_rank(lambda: check_writable_dir(os.path.dirname(os.path.abspath(args.out)), "the folder of --out"),
+                        layout.rank == 0)
     source = ModelSource(hf_dir=args.hf_dir, checkpoint=args.load)
     # The data needs only the vocabulary: validate it before any weight is read.
     arch = source_architecture(source)
@@ -75,11 +78,12 @@ def main(argv=None) -> int:
     else:
         dtype = parse_dtype(read_checkpoint_info(args.load)[1].dtype)
     arch, model, _ = load_model(source, dtype=dtype, device=layout.device)
-    logprobs = compute_logprobs(
-        model, arch, batch, prefix_sharing=not args.no_prefix_sharing, micro_batch_tokens=args.micro_batch_tokens,
-        kv_cache_budget=args.kv_cache_budget, attention_backend=args.attention_backend, device=layout.device,
-        allow_rope_extrapolation=args.allow_rope_extrapolation,
-    )
+    with layout.monitor.phase("log-prob forward"):
+        logprobs = compute_logprobs(
+            model, arch, batch, prefix_sharing=not args.no_prefix_sharing, micro_batch_tokens=args.micro_batch_tokens,
+            kv_cache_budget=args.kv_cache_budget, attention_backend=args.attention_backend, device=layout.device,
+            allow_rope_extrapolation=args.allow_rope_extrapolation,
+        )
     if layout.rank == 0:
         atomic_write_text(args.out, (json.dumps({"id": sid, "logprobs": [float(x) for x in lp]}) + "\n"
                                      for sid, lp in zip(batch.ids, logprobs)))

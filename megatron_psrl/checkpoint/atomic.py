@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from typing import IO, Callable, Iterable, Iterator, List, Optional, Union
 
-from megatron_psrl.errors import CheckpointWriteError, PsrlError
+from megatron_psrl.errors import CheckpointWriteError, PsrlError, pid_alive
 
 _TEMPORARY = re.compile(r"\.(?:tmp|old)-(\d+)(?:[-.].*)?$")
 """A temporary of :func:`atomic_directory` / :func:`atomic_write_text` / a checkpoint save,
@@ -103,11 +103,11 @@ def write_file(path: str, write: Callable[[IO[bytes]], None]) -> None:
         reason = exc.strerror or str(exc)
         raise CheckpointWriteError(path, reason) from exc
     except RuntimeError as exc:  # torch's zip writer swallows the OS error and reports a position
+        if writer is None or writer.error is None:
+            raise  # not a write failure: a bug (e.g. something that cannot be pickled)
         with contextlib.suppress(OSError):
             os.unlink(path)
-        if writer is not None and writer.error is not None:
-            raise CheckpointWriteError(path, writer.error.strerror or str(writer.error)) from exc
-        raise CheckpointWriteError(path, f"write failed ({_free_space_hint(path)}): {exc}") from exc
+        raise CheckpointWriteError(path, writer.error.strerror or str(writer.error)) from exc
 
 
 class _WriteAll:
@@ -141,28 +141,9 @@ class _WriteAll:
         return self._raw.fileno()
 
 
-def _free_space_hint(path: str) -> str:
-    try:
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-    except OSError:
-        return "free space unknown"
-    return f"{free / 2**20:.1f} MiB free on its disk"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temporaries(directory: str, prefix: str = "", all_but_own: bool = False) -> List[str]:
-    """Remove the temporaries in ``directory`` (names starting with ``prefix``) whose writer is
-    gone: its pid no longer exists, or, with ``all_but_own`` (the caller holds the folder's
-    lock, so no one else writes there), every writer but this process. Returns what it removed."""
+def remove_stale_temporaries(directory: str, prefix: str = "") -> List[str]:
+    """Remove the temporaries in ``directory`` (names starting with ``prefix``) whose writer's
+    process no longer exists. Returns what it removed."""
     removed = []
     try:
         entries = os.listdir(directory)
@@ -173,7 +154,7 @@ def remove_stale_temporaries(directory: str, prefix: str = "", all_but_own: bool
         if not name.startswith(prefix) or m is None:
             continue
         pid = int(m.group(1))
-        if pid == os.getpid() or (not all_but_own and _pid_alive(pid)):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         path = os.path.join(directory, name)
         if os.path.isdir(path) and not os.path.islink(path):

@@ -55,7 +55,7 @@ class HFCheckpointReader:
             raise CheckpointError(path, "missing (named by the checkpoint index)")
         try:
             return safe_open(path, framework="pt")
-        except Exception as exc:  # safetensors raises its own error types for bad headers
+        except (SafetensorError, RuntimeError, ValueError) as exc:  # bad header / truncated; OSError passes
             reason = " ".join(str(exc).split())[:200]
             raise CheckpointError(path, f"not a readable safetensors file: truncated or corrupt ({reason})") from None
 
@@ -69,7 +69,7 @@ class HFCheckpointReader:
         path = os.path.join(self.hf_dir, filename)
         try:
             tensor = self._handles[filename].get_tensor(name)
-        except Exception as exc:
+        except (SafetensorError, RuntimeError, ValueError) as exc:
             reason = " ".join(str(exc).split())[:200]
             raise CheckpointError(path, f"cannot be read: truncated or corrupt ({reason})", tensor=name) from None
         if expected_shape is not None and tuple(tensor.shape) != tuple(expected_shape):

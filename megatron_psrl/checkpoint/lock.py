@@ -5,8 +5,9 @@ start time) from start-up to exit. A second run that tries to save into the same
 refused with the holder's pid and host. A lock is taken over when its holder is gone:
 
 - the same host and the pid no longer exists (a crashed or killed run), or
-- the same torchrun run id (``TORCHELASTIC_RUN_ID``): torchrun restarted the worker group of
-  the same job (``--max-restarts``), possibly with rank 0 on another node.
+- the same torchrun run id (``TORCHELASTIC_RUN_ID``) and not a live process on this host:
+  torchrun restarted the worker group of the same job (``--max-restarts``), possibly with rank
+  0 on another node. Run ids must therefore be unique per job (Slurm: the job id).
 
 A lock held from another host by another job cannot be checked from here; the message names
 the file to delete once that job is known to be gone.
@@ -21,19 +22,9 @@ import socket
 import time
 from typing import Optional
 
-from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.errors import ConfigurationError, pid_alive
 
 LOCK_NAME = ".psrl-save.lock"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _run_id() -> Optional[str]:
@@ -55,31 +46,46 @@ class SaveDirLock:
         return {"pid": os.getpid(), "host": socket.gethostname(), "run_id": _run_id(), "started": time.time()}
 
     def _read(self) -> Optional[dict]:
+        return self._read_file(self.path)
+
+    @staticmethod
+    def _read_file(path: str) -> Optional[dict]:
         try:
-            with open(self.path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 return json.load(f)
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
-            return {}  # unreadable or half-written: treat as a stale lock of unknown origin
+            return {}  # unreadable: a lock file is complete when it appears (see acquire)
 
     def _stale(self, holder: dict) -> bool:
         if not holder:
             return True
+        same_host = holder.get("host") == socket.gethostname()
+        pid = holder.get("pid")
+        if same_host and isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
+            return False  # a live process here holds it, whatever its run id
         if _run_id() is not None and holder.get("run_id") == _run_id():
-            return True
-        if holder.get("host") == socket.gethostname():
-            pid = holder.get("pid")
-            return not isinstance(pid, int) or pid == os.getpid() or not _pid_alive(pid)
-        return False
+            return True  # an earlier attempt of this torchrun job (maybe on another node)
+        return same_host  # here and its process is gone
 
     def acquire(self) -> "SaveDirLock":
-        """Take the lock or raise :class:`ConfigurationError` naming the holder."""
-        record = json.dumps(self._record())
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+        """Take the lock or raise :class:`ConfigurationError` naming the holder.
+
+        The lock file appears complete or not at all (``link`` of a written temporary, which
+        fails if the lock exists), and a stale lock is taken over by renaming it away first,
+        so of two processes racing for a stale lock exactly one wins."""
+        tmp = f"{self.path}.{os.getpid()}.new"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self._record(), f)
+        try:
+            for _ in range(5):
+                try:
+                    os.link(tmp, self.path)
+                    self.held = True
+                    return self
+                except FileExistsError:
+                    pass
                 holder = self._read()
                 if holder is None:
                     continue  # released meanwhile: try again
@@ -91,22 +97,24 @@ class SaveDirLock:
                         f"{holder.get('host')!r}, started {when}); use another --save folder, or delete "
                         f"{self.path} if that run is gone"
                     )
+                stale = f"{self.path}.{os.getpid()}.stale"
+                try:
+                    os.rename(self.path, stale)  # only one of several contenders gets it
+                except FileNotFoundError:
+                    continue
+                moved = self._read_file(stale)
+                if moved and not self._stale(moved):  # a contender's fresh lock: put it back
+                    try:
+                        os.link(stale, self.path)
+                    except FileExistsError:
+                        pass
+                    os.unlink(stale)
+                    continue
+                os.unlink(stale)
                 self.took_over = holder
-                os.replace(self._write_temp(record), self.path)
-                self.held = True
-                return self
-            else:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(record)
-                self.held = True
-                return self
-        raise ConfigurationError(f"{self.path}: could not take the lock (it keeps changing)")
-
-    def _write_temp(self, text: str) -> str:
-        tmp = f"{self.path}.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        return tmp
+            raise ConfigurationError(f"{self.path}: could not take the lock (it keeps changing)")
+        finally:
+            os.unlink(tmp)
 
     def release(self) -> None:
         """Remove the lock if this process still holds it."""

@@ -22,14 +22,16 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, write_file
 from megatron_psrl.checkpoint.sharding import expected_shard_shapes, merge_state_dicts, shard_state_dict
-from megatron_psrl.errors import CheckpointError, PsrlError
+from megatron_psrl.errors import CheckpointError, PsrlError, pid_alive
 from megatron_psrl.model.architecture import ModelArchitecture
 
 Tensor = torch.Tensor
@@ -114,6 +116,51 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
 def has_checkpoint(ckpt_dir: str) -> bool:
     """``ckpt_dir`` holds a saved iteration (its tracker file exists)."""
     return os.path.exists(os.path.join(ckpt_dir, TRACKER))
+
+
+_SAVE_TEMPORARY = re.compile(r"^(iter_\d{7})\.(tmp|old)-(\d+)$")
+_TRACKER_TEMPORARY = re.compile(r"^\.tmp-(\d+)-")
+
+
+def recover_checkpoint_dir(save_dir: str) -> List[str]:
+    """Undo what writers that died mid-save left in a training checkpoint folder.
+
+    Call only while holding the folder's lock (:mod:`megatron_psrl.checkpoint.lock`), so no
+    other trainer writes there. If the tracker names an iteration whose folder is missing but
+    a re-save had moved it aside (``iter_N.old-<pid>``), it is put back. Every other
+    ``iter_N.tmp-<pid>`` / ``iter_N.old-<pid>`` of another process is removed, and so are
+    tracker temporaries (``.tmp-<pid>-*``) whose process is gone (other tools may write their
+    own temporaries here). Returns what it did, for the log."""
+    done: List[str] = []
+    try:
+        names = sorted(os.listdir(save_dir))
+    except OSError:
+        return done
+    tracked = None
+    try:
+        with open(os.path.join(save_dir, TRACKER), encoding="utf-8") as f:
+            value = f.read().strip()
+        tracked = iteration_dir_name(int(value)) if value.isdigit() else None
+    except OSError:
+        pass
+    if tracked and not os.path.isdir(os.path.join(save_dir, tracked)):
+        moved = [n for n in names if (m := _SAVE_TEMPORARY.match(n)) and m.group(1) == tracked and m.group(2) == "old"]
+        if moved:
+            os.rename(os.path.join(save_dir, moved[-1]), os.path.join(save_dir, tracked))
+            done.append(f"restored {tracked} from {moved[-1]} (a re-save was interrupted)")
+            names.remove(moved[-1])
+    for name in names:
+        path = os.path.join(save_dir, name)
+        m = _SAVE_TEMPORARY.match(name)
+        if m and int(m.group(3)) != os.getpid() and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed {name} (an unfinished save of a run that is gone)")
+            continue
+        m = _TRACKER_TEMPORARY.match(name)
+        if m and not pid_alive(int(m.group(1))) and os.path.isfile(path):
+            os.unlink(path)
+            done.append(f"removed {name}")
+    return done
 
 
 def resolve_iteration_dir(ckpt_dir: str) -> str:

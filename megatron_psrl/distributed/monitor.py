@@ -85,7 +85,11 @@ class CollectiveMonitor:
             self._beat()
 
     def close(self) -> None:
+        """Stop the heartbeat (before the process group is destroyed and the store goes away)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
 
     # ------------------------------------------------------------------ phases
     @contextlib.contextmanager
@@ -103,25 +107,34 @@ class CollectiveMonitor:
             raise
         finally:
             self._phase = previous
+            if self._store is not None:
+                self._publish("phase", previous)
 
     # ------------------------------------------------------------------ diagnosis
     def _read_peers(self) -> Dict[int, Tuple[Optional[float], Optional[str]]]:
-        peers: Dict[int, Tuple[Optional[float], Optional[str]]] = {}
+        """Every peer's last heartbeat and phase: one store round trip, bounded in time (the
+        store host may be the one in trouble)."""
+        peers: Dict[int, Tuple[Optional[float], Optional[str]]] = {
+            r: (None, None) for r in range(self.world_size) if r != self.rank}
         if self._store is None:
             return peers
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            beat = phase = None
-            try:
-                hb_key, ph_key = _KEY.format(kind="heartbeat", rank=r), _KEY.format(kind="phase", rank=r)
-                if self._store.check([hb_key]):
-                    beat = float(self._store.get(hb_key).decode())
-                if self._store.check([ph_key]):
-                    phase = self._store.get(ph_key).decode()
-            except Exception:
-                pass
-            peers[r] = (beat, phase)
+        keys = [_KEY.format(kind=kind, rank=r) for r in peers for kind in ("heartbeat", "phase")]
+        try:
+            self._store.set_timeout(timedelta(seconds=10))
+            if not self._store.check(keys):  # a peer that died before publishing: ask one by one
+                raise KeyError
+            values = [v.decode() for v in self._store.multi_get(keys)]
+            for i, r in enumerate(peers):
+                peers[r] = (float(values[2 * i]), values[2 * i + 1])
+        except Exception:
+            for r in peers:
+                try:
+                    hb, ph = _KEY.format(kind="heartbeat", rank=r), _KEY.format(kind="phase", rank=r)
+                    beat = float(self._store.get(hb).decode()) if self._store.check([hb]) else None
+                    phase = self._store.get(ph).decode() if self._store.check([ph]) else None
+                    peers[r] = (beat, phase)
+                except Exception:
+                    break  # the store does not answer: report what is known
         return peers
 
     def describe_failure(self, phase: str, exc: BaseException) -> str:

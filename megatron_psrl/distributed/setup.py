@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ class ParallelLayout:
     device: torch.device
     """Device this rank computes on."""
 
-    monitor: Optional[CollectiveMonitor] = field(default=None, repr=False, compare=False)
+    monitor: CollectiveMonitor = field(repr=False, compare=False)
     """Names the phase and the peer when a collective times out (``monitor.phase(name)``)."""
 
     @property
@@ -149,11 +149,24 @@ def initialize_parallel(
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         device=dev,
-        monitor=CollectiveMonitor(timeout_minutes),
+        monitor=_monitor(timeout_minutes),
     )
 
 
+_MONITORS: Dict[str, CollectiveMonitor] = {}
+"""The heartbeat of this process's process group (one, like the process group itself)."""
+
+
+def _monitor(timeout_minutes: float) -> CollectiveMonitor:
+    if "current" not in _MONITORS:
+        _MONITORS["current"] = CollectiveMonitor(timeout_minutes)
+    return _MONITORS["current"]
+
+
 def shutdown_parallel() -> None:
+    monitor = _MONITORS.pop("current", None)
+    if monitor is not None:
+        monitor.close()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

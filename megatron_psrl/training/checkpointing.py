@@ -4,7 +4,7 @@ Layout and format: :mod:`megatron_psrl.checkpoint.mcore_format` (Megatron legacy
 files + ``psrl_model.json``), readable by ``--load``, ``tools/compute_logprobs.py`` and
 ``tools/convert_hf_checkpoint.py mcore-to-hf``. Procedure:
 
-1. rank 0 removes what dead writers left (``iter_*.tmp-<pid>``) and creates this save's
+1. rank 0 undoes what dead writers left (``recover_checkpoint_dir``) and creates this save's
    temporary iteration directory;
 2. the first data-parallel replica of every (TP, PP) rank checks that every tensor it is about
    to write is finite, then writes its model shard and optimizer state;
@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_psrl.checkpoint.atomic import atomic_write_text, remove_stale_temporaries, write_file
+from megatron_psrl.checkpoint.atomic import atomic_write_text, write_file
 from megatron_psrl.checkpoint.loading import canonical_state_dict
 from megatron_psrl.checkpoint.mcore_format import (
     MODEL_JSON,
@@ -35,15 +35,15 @@ from megatron_psrl.checkpoint.mcore_format import (
     CheckpointInfo,
     iteration_dir_name,
     rank_dir_name,
+    recover_checkpoint_dir,
     write_rank_file,
 )
-from megatron_psrl.cli import error_text
 from megatron_psrl.distributed.setup import ParallelLayout
-from megatron_psrl.errors import CheckpointWriteError, NonFiniteTrainingError, PsrlError
+from megatron_psrl.errors import CheckpointWriteError, NonFiniteTrainingError, PsrlError, error_text
 from megatron_psrl.model.architecture import ModelArchitecture
 
 
-def _broadcast_str(value: Optional[str]) -> str:
+def _broadcast_obj(value: Any) -> Any:
     obj = [value]
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
@@ -78,17 +78,23 @@ def save_training_checkpoint(
 ) -> str:
     """Write iteration ``iteration`` of a training run into ``save_dir``; returns its path.
 
-    Every rank must call it (it has collectives); the caller holds ``save_dir``'s lock."""
+    Every rank must call it: every rank takes part in the same three collectives whatever
+    fails where, so a failure on any rank ends the save on every rank with the same error.
+    The caller holds ``save_dir``'s lock."""
     final = os.path.join(os.path.abspath(save_dir), iteration_dir_name(iteration))
-    tmp = None
-    if layout.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        remove_stale_temporaries(save_dir, all_but_own=True)
-        tmp = final + f".tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    tmp = _broadcast_str(tmp)
+    tmp = final + f".tmp-{os.getpid()}"
     error: Optional[str] = None
+    if layout.rank == 0:
+        try:
+            recover_checkpoint_dir(save_dir)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except (PsrlError, OSError) as exc:
+            error = error_text(exc)
+    tmp, error = _broadcast_obj((tmp, error))  # 1: where to write, or rank 0's failure
+    if error is not None:
+        raise CheckpointWriteError(final, f"the save could not start; rank 0: {error}")
+    failure: Optional[BaseException] = None
     if layout.dp_rank == 0:
         try:
             payload = {
@@ -100,14 +106,17 @@ def save_training_checkpoint(
             check_finite(payload, os.path.join(tmp, rank_dir_name(layout.tp_rank, layout.pp_rank,
                                                                   layout.pipeline_parallel_size)))
             write_rank_file(tmp, layout.tp_rank, layout.pp_rank, layout.pipeline_parallel_size, payload)
-        except (PsrlError, OSError) as exc:
-            error = error_text(exc)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
+            failure = exc
+            error = error_text(exc) if isinstance(exc, (PsrlError, OSError)) else f"{type(exc).__name__}: {exc}"
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error)  # 2: every rank's outcome
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         if layout.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None and not isinstance(failure, (PsrlError, OSError)):
+            raise failure  # a bug: keep its traceback
         rank, first = failed[0]
         where = "" if rank == layout.rank else f"rank {rank}: "
         raise CheckpointWriteError(final, f"the save failed and was removed; {where}{first}")
@@ -117,7 +126,7 @@ def save_training_checkpoint(
         except (PsrlError, OSError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = error_text(exc)
-    error = _broadcast_str(error if layout.rank == 0 else None)  # also the closing barrier
+    error = _broadcast_obj(error if layout.rank == 0 else None)  # 3: the outcome (and a barrier)
     if error is not None:
         raise CheckpointWriteError(final, f"the save failed and was removed; rank 0: {error}")
     return final

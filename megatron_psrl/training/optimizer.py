@@ -277,7 +277,17 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
             self.zero_grad()
             return StepOutcome(norm, skipped=True, loss_scale_overflow=bool(found_inf) and not skip)
         if self.settings.clip_grad > 0:
-            self.optimizer.clip_grad_norm(self.settings.clip_grad)
+            # As ChainedOptimizer.step: every sub-optimizer scaled by the one global norm.
+            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                params = opt.get_parameters()
+                if getattr(opt, "is_stub_optimizer", False) or not params:
+                    continue
+                clip_grad_by_total_norm_fp32(
+                    params, self.settings.clip_grad, norm,
+                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(1)
         return StepOutcome(norm, skipped=False)

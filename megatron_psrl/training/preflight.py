@@ -15,15 +15,15 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import IO, List, Optional
+from typing import IO, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_psrl.checkpoint.atomic import check_writable_dir, remove_stale_temporaries
+from megatron_psrl.checkpoint.atomic import check_writable_dir
 from megatron_psrl.checkpoint.lock import SaveDirLock
-from megatron_psrl.cli import error_text
-from megatron_psrl.errors import CheckpointWriteError, ConfigurationError, PsrlError
+from megatron_psrl.checkpoint.mcore_format import recover_checkpoint_dir
+from megatron_psrl.errors import CheckpointWriteError, ConfigurationError, PsrlError, error_text
 from megatron_psrl.model.architecture import ModelArchitecture
 
 logger = logging.getLogger("megatron_psrl")
@@ -89,13 +89,32 @@ def _open_log_json(path: str, created: List[str]) -> IO[str]:
         raise CheckpointWriteError(path, f"--log-json cannot be written: {exc.strerror or exc}") from exc
 
 
+def on_logging_rank(check: Callable[[], None], is_logging_rank: bool) -> None:
+    """Run ``check`` on the logging rank only; if it raises a user-facing error, every rank
+    raises it (the others with the same message), so all ranks stop alike. Every rank calls
+    this (one broadcast)."""
+    error: Optional[BaseException] = None
+    if is_logging_rank:
+        try:
+            check()
+        except (PsrlError, OSError) as exc:
+            error = exc
+    message = [error_text(error) if error is not None else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if message[0] is not None:
+        raise ConfigurationError(message[0])
+
+
 def prepare_outputs(save: Optional[str], log_json: Optional[str], is_logging_rank: bool) -> RunOutputs:
     """Check and open the run's outputs (see the module docstring); every rank calls it.
 
     Raises on every rank when the logging rank's checks fail (the same message everywhere)."""
     outputs = RunOutputs()
-    error: Optional[BaseException] = None
-    if is_logging_rank:
+
+    def check() -> None:
         try:
             if save:
                 outputs.created += _missing_parents(save)
@@ -105,22 +124,14 @@ def prepare_outputs(save: Optional[str], log_json: Optional[str], is_logging_ran
                 if holder is not None:
                     outputs.notes.append(f"took over the lock of {save} from a run that is gone "
                                          f"(pid {holder.get('pid')} on {holder.get('host')!r})")
-                removed = remove_stale_temporaries(save, all_but_own=True)
-                if removed:
-                    outputs.notes.append(f"removed {len(removed)} unfinished save(s) of a dead run: "
-                                         + ", ".join(os.path.basename(p) for p in removed))
+                outputs.notes += recover_checkpoint_dir(save)
             if log_json:
                 outputs.log_json = _open_log_json(log_json, outputs.created)
-        except (PsrlError, OSError) as exc:
+        except BaseException:
             outputs.close(abandon=True)
-            error = exc
-    message = [error_text(error) if error is not None else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
-    if error is not None:
-        raise error
-    if message[0] is not None:
-        raise ConfigurationError(message[0])
+            raise
+
+    on_logging_rank(check, is_logging_rank)
     return outputs
 
 

@@ -173,7 +173,9 @@ def test_bug_keeps_its_traceback_and_exits_1(capsys):
     assert "Traceback" in err and "IndexError" in err
 
 
-def test_user_error_prints_one_line_and_exits_2(capsys):
+def test_user_error_prints_one_line_and_exits_2(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # no rank prefix
+
     def missing():
         open("/nonexistent/samples.jsonl")
 

@@ -72,7 +72,7 @@ def test_killed_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
     try:
         tracker = save / "latest_checkpointed_iteration.txt"
         deadline = time.time() + 300
-        while not (tracker.exists() and tracker.read_text().strip() == str(interval)):
+        while not (tracker.exists() and int(tracker.read_text().strip() or 0) >= interval):
             assert time.time() < deadline and agent.poll() is None, "no checkpoint appeared"
             time.sleep(0.1)
         # bash exec'd torchrun: the agent is the process we started
@@ -86,8 +86,8 @@ def test_killed_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
     assert agent.returncode == 0, err[-4000:]
     assert "resuming from" in out  # the restarted group loaded the checkpoint
     iterations = [json.loads(line)["iter"] for line in open(log)]
-    assert iterations.count(iters) == 1 and iterations[0] == 1
-    assert len(iterations) > iters or iterations.count(interval + 1) >= 1  # some iterations ran twice or resumed
+    # resumed, not restarted from scratch: iteration 1 ran once, every iteration ran, the last once
+    assert iterations.count(1) == 1 and iterations.count(iters) == 1 and set(iterations) == set(range(1, iters + 1))
     restarted = _losses(log)
     assert sorted(restarted) == list(range(1, iters + 1))
     for it, loss in reference.items():
@@ -121,6 +121,8 @@ def test_slurm_script_runs_one_agent_per_node_meeting_at_the_first_node(tmp_path
     log = tmp_path / "commands.txt"
     env = _env(STUB_LOG=log, SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_NNODES=2, SLURM_JOB_ID=4242, NPROC=8, TP=4,
                SAVE="/ckpt/run1", HF_DIR="/models/qwen")
+    for inherited in ("MASTER_ADDR", "MASTER_PORT", "RUN_ID", "LOAD", "MODEL"):  # e.g. CI running inside Slurm
+        env.pop(inherited, None)
     env["PATH"] = f"{stubs}{os.pathsep}{env['PATH']}"
     proc = subprocess.run(["bash", os.path.join(LAUNCH, "slurm.sbatch")], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)

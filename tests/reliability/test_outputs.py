@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import uuid
 
 import pytest
@@ -89,11 +90,29 @@ def test_stale_lock_and_dead_writers_temporaries_are_cleaned(tmp_path, dead_pid)
     (stale / "mp_rank_00").mkdir(parents=True)
     (stale / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"\0" * (1 << 20))  # a killed save's partial file
     (save / f".tmp-{dead_pid}-abc").write_text("2")  # a killed tracker update
+    live = save / f".tmp-{os.getpid()}-lp.jsonl"  # another live tool's temporary: left alone
+    live.write_text("x")
     proc = train(SMALL + ["--train-iters", "1", "--save", str(save)], tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "took over the lock" in proc.stdout and "removed 2 unfinished save(s)" in proc.stdout
-    assert leftovers(save) == [] and not (save / LOCK_NAME).exists()
+    assert "took over the lock" in proc.stdout
+    assert f"removed iter_0000007.tmp-{dead_pid} (an unfinished save" in proc.stdout
+    assert f"removed .tmp-{dead_pid}-abc" in proc.stdout
+    assert leftovers(save) == [str(live)] and not (save / LOCK_NAME).exists()
     assert read_checkpoint_info(str(save))[1].iteration == 1
+
+
+def test_an_interrupted_resave_is_restored_not_deleted(tmp_path, dead_pid):
+    """A re-save moved iter_N aside and died before renaming the new one in: the tracker points
+    at a missing iter_N; the next start-up puts the old copy back and resumes from it."""
+    save = tmp_path / "ckpt"
+    proc = train(SMALL + ["--train-iters", "1", "--save", str(save)], tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    os.rename(save / "iter_0000001", save / f"iter_0000001.old-{dead_pid}")
+    proc = train(SMALL + ["--train-iters", "2", "--save", str(save), "--load", str(save)], tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"restored iter_0000001 from iter_0000001.old-{dead_pid}" in proc.stdout
+    assert "resuming from" in proc.stdout and "iteration      2/" in proc.stdout
+    assert read_checkpoint_info(str(save))[1].iteration == 2 and leftovers(save) == []
 
 
 def test_a_killed_save_is_removed_by_the_next_run(tmp_path):
@@ -101,7 +120,7 @@ def test_a_killed_save_is_removed_by_the_next_run(tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     writer = subprocess.Popen(
-        ["python", "-c", "import os, sys, time\n"
+        [sys.executable, "-c", "import os, sys, time\n"
          f"d = os.path.join({str(save)!r}, 'iter_0000003.tmp-%d' % os.getpid())\n"
          "os.makedirs(d)\n"
          "open(os.path.join(d, 'partial.pt'), 'wb').write(b'x' * 4096)\n"
