@@ -119,7 +119,9 @@ class PrefixSharingAttention(MegatronModule):
             meta = packed_seq_params
             external = ()
             if meta.kv_hook is not None:
-                meta.kv_hook.on_kv(self.layer_number, k, v)
+                replaced = meta.kv_hook.on_kv(self.layer_number, k, v)
+                if replaced is not None:  # cross-rank: the exchange's outputs (same values)
+                    k, v = replaced
                 external = meta.kv_hook.external_kv(self.layer_number)
             out = self._run(meta.backend or backend_default, q, k, v, meta.plan, external)
             return out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hn]

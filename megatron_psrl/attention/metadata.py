@@ -30,8 +30,10 @@ class PrefixKVHook(Protocol):
     def external_kv(self, layer_number: int) -> Sequence[Tuple[torch.Tensor, torch.Tensor]]:
         """K/V of every external source of the plan, in ``plan.external_lengths`` order."""
 
-    def on_kv(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Called with this pack's K/V, e.g. to store a prefix for later micro-batches."""
+    def on_kv(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """Called with this pack's K/V, e.g. to store a prefix for later micro-batches. May
+        return the K/V the attention must use instead (the same values, through an autograd
+        function that exchanges prefix K/V with other ranks), or None."""
 
 
 @dataclass

@@ -20,8 +20,8 @@ BUCKET_BYTES = 64 * 1024 * 1024
 
 
 def allreduce_gradients(params: Iterable[torch.nn.Parameter], group=None, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Sum ``p.grad`` over ``group`` (default: megatron's data-parallel group), bucketed."""
-    group = group if group is not None else parallel_state.get_data_parallel_group()
+    """Sum ``p.grad`` over ``group`` (default: megatron's data x context parallel group), bucketed."""
+    group = group if group is not None else parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) == 1:
         return
     params = list(params)

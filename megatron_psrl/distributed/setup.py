@@ -40,7 +40,7 @@ class ParallelLayout:
     """PP size."""
 
     data_parallel_size: int
-    """DP size = world / (TP * PP)."""
+    """DP size = world / (TP * PP * CP)."""
 
     tp_rank: int
     """Rank inside the TP group."""
@@ -54,8 +54,26 @@ class ParallelLayout:
     device: torch.device
     """Device this rank computes on."""
 
-    monitor: CollectiveMonitor = field(repr=False, compare=False)
-    """Names the phase and the peer when a collective times out (``monitor.phase(name)``)."""
+    context_parallel_size: int = 1
+    """CP size: ranks of one CP group share the fragments of the same trees (exchanging their
+    prefix K/V); gradients are summed over DP x CP."""
+
+    cp_rank: int = 0
+    """Rank inside the CP group."""
+
+    monitor: CollectiveMonitor = field(default=None, repr=False, compare=False)
+    """Names the phase and the peer when a collective times out (``monitor.phase(name)``;
+    always set by :func:`initialize_parallel`)."""
+
+    @property
+    def placement_rank(self) -> int:
+        """This rank's index among the DP x CP ranks that share a step's batch (the index of its
+        plan in ``StepPlan.ranks``): CP groups are consecutive blocks of it."""
+        return self.dp_rank * self.context_parallel_size + self.cp_rank
+
+    @property
+    def placement_size(self) -> int:
+        return self.data_parallel_size * self.context_parallel_size
 
     @property
     def is_logging_rank(self) -> bool:
@@ -101,6 +119,7 @@ def initialize_parallel(
     seed: int = 1234,
     device: str = "auto",
     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+    context_parallel_size: int = 1,
 ) -> ParallelLayout:
     """Initialise torch.distributed (if needed), megatron's parallel_state, and RNG seeds.
 
@@ -122,20 +141,22 @@ def initialize_parallel(
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
     world = dist.get_world_size()
-    if world % (tensor_parallel_size * pipeline_parallel_size):
+    if world % (tensor_parallel_size * pipeline_parallel_size * context_parallel_size):
         raise ConfigurationError(
             f"world size {world} is not a multiple of TP {tensor_parallel_size} x PP {pipeline_parallel_size}"
+            + (f" x CP {context_parallel_size}" if context_parallel_size > 1 else "")
         )
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size
             or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel_size
+            or parallel_state.get_context_parallel_world_size() != context_parallel_size
         ):
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         # Its sub-groups get the same timeout (megatron takes minutes; fractions work).
         parallel_state.initialize_model_parallel(
-            tensor_parallel_size, pipeline_parallel_size,
+            tensor_parallel_size, pipeline_parallel_size, context_parallel_size=context_parallel_size,
             distributed_timeout_minutes=timeout_delta(timeout_minutes).total_seconds() / 60.0,
         )
     seed_model_parallel_rng(seed, dev)
@@ -148,6 +169,8 @@ def initialize_parallel(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        context_parallel_size=context_parallel_size,
+        cp_rank=parallel_state.get_context_parallel_rank(),
         device=dev,
         monitor=_monitor(timeout_minutes),
     )
@@ -161,6 +184,23 @@ def _monitor(timeout_minutes: float) -> CollectiveMonitor:
     if "current" not in _MONITORS:
         _MONITORS["current"] = CollectiveMonitor(timeout_minutes)
     return _MONITORS["current"]
+
+
+def exchange_group_of(layout: ParallelLayout):
+    """``(process group, size)`` of the ranks that exchange prefix K/V with this one.
+
+    With context parallelism, the CP group: megatron puts its ranks next to each other (inside
+    a node, on the fast links), and trees are balanced whole over the data-parallel replicas.
+    Without it, the data-parallel group of this tensor-parallel rank (one tree may then be
+    spread over all data-parallel ranks)."""
+    if layout.context_parallel_size > 1:
+        return parallel_state.get_context_parallel_group(), layout.context_parallel_size
+    return parallel_state.get_data_parallel_group(), layout.data_parallel_size
+
+
+def gradient_group():
+    """The ranks whose gradients are summed: data x context parallel (as megatron does)."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def shutdown_parallel() -> None:

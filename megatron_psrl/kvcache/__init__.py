@@ -13,6 +13,7 @@ from megatron_psrl.kvcache.memory_plan import (
     activation_bytes_per_token,
     plan_forward_memory,
     plan_memory,
+    plan_memory_group,
     simulated_peak_bytes,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "choose_block_size",
     "plan_forward_memory",
     "plan_memory",
+    "plan_memory_group",
     "simulated_peak_bytes",
 ]

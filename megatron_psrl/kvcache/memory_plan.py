@@ -97,9 +97,10 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
         kept = keep.get(i, True)
         if op == "forward":
             for s in mb.produces:
-                n = _blocks(plan.sources[s].length, block_size)
-                blocks += 4 * n  # K, V, dK, dV
-                kv_live[s] = 2 * n
+                src = plan.sources[s]
+                n = _blocks(src.length, block_size)
+                blocks += len(src.kinds) * n  # K, V, dK, dV (an owner read only by other ranks: dK, dV)
+                kv_live[s] = n * sum(k in ("k", "v") for k in src.kinds)
             if kept:
                 graphs += graph_bytes[i] + read_bytes[i]
         # A forward+backward, a graph-less forward and a recomputation hold their gathered
@@ -110,6 +111,8 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
         if op == "backward":
             for s in mb.produces:
                 blocks -= 2 * _blocks(plan.sources[s].length, block_size)  # dK, dV consumed
+                if not plan.sources[s].consumers:  # nothing read its K/V here (a replica's owner)
+                    blocks -= kv_live.pop(s, 0)
             if kept:
                 graphs -= graph_bytes[i] + read_bytes[i]
         for s in [s for s, last in last_read.items() if last == t and s in kv_live]:
@@ -135,53 +138,72 @@ def simulated_peak_bytes(
 
 
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int) -> MemoryPlan:
-    """Decide block size, pool size and keep/recompute for every producer of ``plan``.
+    """Decide block size, pool size and keep/recompute for every producer of ``plan``."""
+    return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token)[0]
 
-    Starts from keeping every producer's graph. While the simulated timeline exceeds the
-    budget, it finds the first schedule step over budget and drops the largest graph alive at
-    that step (fewest tokens on ties), then simulates again: one simulation per dropped graph.
-    Dropping is not always a saving: a reader that recomputes reads its cached prefixes again
-    later, which keeps their K/V blocks alive longer; the simulation accounts for that.
+
+def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes: int,
+                      act_bytes_per_token: int) -> List[MemoryPlan]:
+    """:func:`plan_memory` for ranks that run one schedule in lockstep (a cross-rank group;
+    or a single rank): a producer step keeps or drops its graph on all of them alike, because
+    a recomputation re-runs the step's exchange, in which every rank takes part.
+
+    Starts from keeping every producer's graph. While some rank's simulated timeline exceeds
+    the budget, it finds the first schedule step over budget and drops the largest graph
+    alive at that step on that rank (fewest tokens on ties), then simulates again: one
+    simulation per dropped graph. Dropping is not always a saving: a reader that recomputes
+    reads its cached prefixes again later, which keeps their K/V blocks alive longer; the
+    simulation accounts for that.
     """
-    block_size = choose_block_size([s.length for s in plan.sources.values()])
+    schedule = plans[0].schedule
+    block_size = choose_block_size([s.length for p in plans for s in p.sources.values()])
     block_bytes = geometry.block_bytes(block_size)
-    producers = sorted({s.producer for s in plan.sources.values()})
+    forward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "forward"}
+    backward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "backward"}
+    producers = sorted(forward_at)
     keep = {p: True for p in producers}
-    graph_bytes, read_bytes = _byte_tables(plan, geometry, act_bytes_per_token)
-    forward_at = {i: t for t, (op, i) in enumerate(plan.schedule) if op == "forward"}
-    backward_at = {i: t for t, (op, i) in enumerate(plan.schedule) if op == "backward"}
+    tables = [_byte_tables(p, geometry, act_bytes_per_token) for p in plans]
 
-    def timeline(decisions) -> np.ndarray:
-        blocks, other, _ = _simulate(plan, decisions, block_size, graph_bytes, read_bytes)
-        return blocks * block_bytes + other
+    def timelines(decisions) -> List[np.ndarray]:
+        out = []
+        for plan, (graph_bytes, read_bytes) in zip(plans, tables):
+            blocks, other, _ = _simulate(plan, decisions, block_size, graph_bytes, read_bytes)
+            out.append(blocks * block_bytes + other)
+        return out
 
-    held = timeline(keep)
-    while held.max(initial=0) > budget_bytes:
-        t = int(np.argmax(held > budget_bytes))  # first step over budget
+    held = timelines(keep)
+    while max(h.max(initial=0) for h in held) > budget_bytes:
+        t = min(int(np.argmax(h > budget_bytes)) for h in held if h.max(initial=0) > budget_bytes)
+        rank = max(range(len(plans)), key=lambda r: held[r][t] if len(held[r]) > t else 0)
+        graph_bytes, read_bytes = tables[rank]
         alive = [p for p in producers if keep[p] and forward_at[p] <= t < backward_at[p]]
         if not alive:
             break  # only blocks and running micro-batches at that step: no graph to drop
-        victim = max(alive, key=lambda p: (graph_bytes[p] + read_bytes[p], -plan.micro_batches[p].num_tokens, -p))
+        victim = max(alive, key=lambda p: (graph_bytes[p] + read_bytes[p], -plans[rank].micro_batches[p].num_tokens,
+                                           -p))
         keep[victim] = False
-        held = timeline(keep)
-    current = int(held.max(initial=0))
+        held = timelines(keep)
+    current = max(int(h.max(initial=0)) for h in held)
     if current > budget_bytes:
         raise CacheBudgetError(
             f"the cached prefixes of this step need {current} bytes of KV blocks at their peak but "
             f"--kv-cache-budget is {budget_bytes} bytes"
         )
-    blocks, other, last_read = _simulate(plan, keep, block_size, graph_bytes, read_bytes)
-    held = blocks * block_bytes + other
-    recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
-    return MemoryPlan(
-        block_size=block_size,
-        pool_blocks=int(blocks.max(initial=0)),
-        keep_graph=keep,
-        kv_release_step=dict(last_read),
-        peak_bytes=int(held.max(initial=0)),
-        recompute_tokens=recompute,
-        timeline_bytes=held.tolist(),
-    )
+    memories = []
+    for plan, (graph_bytes, read_bytes) in zip(plans, tables):
+        blocks, other, last_read = _simulate(plan, keep, block_size, graph_bytes, read_bytes)
+        held_r = blocks * block_bytes + other
+        recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
+        memories.append(MemoryPlan(
+            block_size=block_size,
+            pool_blocks=int(blocks.max(initial=0)),
+            keep_graph=dict(keep),
+            kv_release_step=dict(last_read),
+            peak_bytes=int(held_r.max(initial=0)),
+            recompute_tokens=recompute,
+            timeline_bytes=held_r.tolist(),
+        ))
+    return memories
 
 
 def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int) -> MemoryPlan:
@@ -189,11 +211,12 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
     after their last reader; no gradient blocks, no retained graphs."""
     block_size = choose_block_size([s.length for s in plan.sources.values()])
     block_bytes = geometry.block_bytes(block_size)
-    last_read = {s: max(src.consumers) for s, src in plan.sources.items()}
+    # Only sources read on this rank hold K/V (an owner read only by other ranks holds nothing).
+    last_read = {s: max(src.consumers) for s, src in plan.sources.items() if src.consumers}
     _, read_bytes = _byte_tables(plan, geometry, 0)
     blocks, held, peak_blocks = 0, [], 0
     for i, mb in enumerate(plan.micro_batches):
-        blocks += sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.produces)
+        blocks += sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.produces if s in last_read)
         held.append(blocks * block_bytes + read_bytes[i])
         peak_blocks = max(peak_blocks, blocks)
         blocks -= sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.reads if last_read[s] == i)
@@ -213,5 +236,6 @@ __all__ = [
     "activation_bytes_per_token",
     "plan_forward_memory",
     "plan_memory",
+    "plan_memory_group",
     "simulated_peak_bytes",
 ]

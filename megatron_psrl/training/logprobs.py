@@ -22,6 +22,7 @@ from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.training.planning import plan_with_memory
 from megatron_psrl.training.step import StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
+from megatron_psrl.tree.cost import CostModel
 from megatron_psrl.tree.planner import PlannerConfig
 
 
@@ -35,12 +36,17 @@ def compute_logprobs(
     attention_backend: Optional[str] = None,
     device: Optional[torch.device] = None,
     allow_rope_extrapolation: bool = False,
+    placement: str = "auto",
+    cost_model: Optional[CostModel] = None,
+    exchange_group=None,
 ) -> List[np.ndarray]:
     """float32 log-prob arrays, one per sample, aligned with its tokens (index 0 is 0.0).
 
-    Works in a single process and under torchrun (data-parallel ranks split the trees, tensor-
-    parallel ranks split the model); every rank returns the full result. Samples longer than
-    the model's ``max_position_embeddings`` are refused unless ``allow_rope_extrapolation``.
+    Works in a single process and under torchrun: data (and context) parallel ranks split the
+    trees, with the same placement as training (``placement``; a tree may be spread over the
+    ranks of an exchange group, ``exchange_group``, default from megatron's parallel state);
+    tensor-parallel ranks split the model; every rank returns the full result. Samples longer
+    than the model's ``max_position_embeddings`` are refused unless ``allow_rope_extrapolation``.
     """
     device = device or next(model.parameters()).device
     if arch.sliding_window is not None:
@@ -49,28 +55,35 @@ def compute_logprobs(
     if not allow_rope_extrapolation:
         check_max_sample_length(batch, arch.max_position_embeddings, "the model's max_position_embeddings",
                                 "--allow-rope-extrapolation scores it anyway")
-    dp = parallel_state.get_data_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    dp_rank = parallel_state.get_data_parallel_rank() if dp > 1 else 0
-    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    initialized = parallel_state.model_parallel_is_initialized()
+    ranks = parallel_state.get_data_parallel_world_size(with_context_parallel=True) if initialized else 1
+    me = parallel_state.get_data_parallel_rank(with_context_parallel=True) if ranks > 1 else 0
+    tp = parallel_state.get_tensor_model_parallel_world_size() if initialized else 1
+    cp = parallel_state.get_context_parallel_world_size() if initialized else 1
+    if exchange_group is None and ranks > 1:
+        exchange_group = parallel_state.get_context_parallel_group() if cp > 1 else parallel_state.get_data_parallel_group()
+    group_size = dist.get_world_size(exchange_group) if exchange_group is not None else 1
     tree = build_prefix_tree(batch)
     dtype = next(model.parameters()).dtype
     geometry = KVGeometry.for_model(arch, tp, 1, dtype, device)
-    config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=dp,
-                           sharing="tree" if prefix_sharing else "none")
-    plan, memories, _ = plan_with_memory(tree, config, lambda r: plan_forward_memory(r, geometry, kv_cache_budget))
-    memory = memories[dp_rank]
+    config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
+                           sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,
+                           placement=placement, cost_model=cost_model)
+    plan, memories, _ = plan_with_memory(
+        tree, config, lambda group: [plan_forward_memory(r, geometry, kv_cache_budget) for r in group])
+    memory = memories[me]
     cache = BlockKVCache(geometry, kv_cache_budget)
-    runner = StepRunner(model, arch.vocab_size, device, attention_backend, cache)
+    runner = StepRunner(model, arch.vocab_size, device, attention_backend, cache, exchange_group=exchange_group)
     was_training = model.training
     model.eval()
     try:
-        local = runner.logprobs(plan, dp_rank, memory).logprobs
+        local = runner.logprobs(plan, me, memory).logprobs
     finally:
         model.train(was_training)
         cache.release_pool()
-    if dp > 1:
-        gathered = [None] * dp
-        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+    if ranks > 1:
+        gathered = [None] * ranks
+        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         local = {k: v for part in gathered for k, v in part.items()}
     per_tree_token = np.zeros(plan.tree.num_tree_tokens, dtype=np.float32)
     keys = np.fromiter(local.keys(), dtype=np.int64, count=len(local))

@@ -9,23 +9,45 @@ from megatron_psrl.kvcache import CacheBudgetError, MemoryPlan
 from megatron_psrl.tree.planner import PlannerConfig, PlanningError, RankPlan, StepPlan, plan_step
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
+GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]
+"""Memory plans of ranks planned together (one rank, or a cross-rank group in lockstep)."""
+
+
+def memory_plans(plan: StepPlan, group_memory: GroupMemory) -> List[Optional[MemoryPlan]]:
+    """Every rank's memory plan: None for a rank that caches nothing and needs no decisions."""
+    memories: List[Optional[MemoryPlan]] = [None] * len(plan.ranks)
+    for group in plan.groups:
+        ranks = [plan.ranks[r] for r in group]
+        lockstep = len(group) > 1
+        if lockstep or ranks[0].sources:
+            for r, memory in zip(group, group_memory(ranks)):
+                memories[r] = memory
+    return memories
+
 
 def plan_with_memory(
-    tree: PrefixTree, config: PlannerConfig, rank_memory: Callable[[RankPlan], MemoryPlan]
+    tree: PrefixTree, config: PlannerConfig, group_memory: GroupMemory
 ) -> Tuple[StepPlan, List[Optional[MemoryPlan]], str]:
     """The step plan, every rank's memory plan, and the sharing mode finally used.
 
     Every rank plans every rank, so the decision (and any error) is the same everywhere and
-    collectives stay matched. When the cached prefixes of some rank do not fit the KV budget,
-    the step is planned again with prefix duplication (no cache); if that cannot split the
-    trees either (a sample longer than a micro-batch), the error names both reasons.
+    collectives stay matched. When the cached prefixes do not fit the KV budget, the step is
+    planned again: first with every tree on one rank (cross-rank replicas hold more), then with
+    prefix duplication (no cache); if that cannot split the trees either (a sample longer than
+    a micro-batch), the error names both reasons.
     """
     plan = plan_step(tree, config)
     try:
-        return plan, [rank_memory(r) if r.sources else None for r in plan.ranks], config.sharing
+        return plan, memory_plans(plan, group_memory), config.sharing
     except CacheBudgetError as exc:
+        if "cross-rank" in plan.placements:
+            try:
+                plan = plan_step(tree, dataclasses.replace(config, placement="whole-tree"))
+                return plan, memory_plans(plan, group_memory), config.sharing
+            except CacheBudgetError:
+                pass
         try:
-            plan = plan_step(tree, dataclasses.replace(config, sharing="tree-dup"))
+            plan = plan_step(tree, dataclasses.replace(config, sharing="tree-dup", placement="whole-tree"))
         except PlanningError as dup_exc:
             raise CacheBudgetError(f"{exc}; and without caching: {dup_exc}") from None
         return plan, [None] * len(plan.ranks), "tree-dup"

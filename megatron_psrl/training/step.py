@@ -21,8 +21,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
+from megatron_psrl.distributed.kv_exchange import exchange_kv, return_replica_grads
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.logits import vocab_parallel_logprobs
@@ -34,29 +36,67 @@ Tensor = torch.Tensor
 
 
 class _PrefixKV:
-    """The attention hook of one micro-batch forward (implements ``PrefixKVHook``)."""
+    """The attention hook of one micro-batch forward (implements ``PrefixKVHook``).
+
+    Mechanism 2: writes (``store``) and captures (``capture``) the K/V rows of the sources this
+    micro-batch produces, and supplies the cached K/V of the sources it reads. Cross-rank: in
+    a step with an exchange, it sends the rows other ranks need and receives theirs in every
+    layer; received *replica* chains are written into this rank's cache, received *peer*
+    chains are attended to now (after the cached reads, in the plan's order)."""
 
     def __init__(self, cache: BlockKVCache, rank_plan: RankPlan, i: int, pack: PackedMicroBatch,
-                 store: bool, capture: bool, track_grads: bool):
+                 store: bool, capture: bool, track_grads: bool, group=None, group_size: int = 1):
         mb = rank_plan.micro_batches[i]
         self.cache = cache
         self.reads = list(mb.reads)
         self.store = store
         self.capture = capture
         self.track_grads = track_grads
-        # Pack rows of every produced source (its tokens are pack tokens, in order).
-        self.rows = {
-            s: torch.from_numpy(np.searchsorted(pack.tree_tokens, rank_plan.sources[s].tokens)).to(cache.geometry.device)
-            for s in mb.produces
-        }
-        self.captured: List[Tuple[int, int, Tensor, Tensor]] = []
+        device = cache.geometry.device
 
-    def on_kv(self, layer_number: int, key: Tensor, value: Tensor) -> None:
+        def pack_rows(tokens: np.ndarray) -> Tensor:
+            return torch.from_numpy(np.searchsorted(pack.tree_tokens, tokens)).to(device)
+
+        # Pack rows of every source this rank computes here (replicas arrive by exchange).
+        own = [s for s in mb.produces if rank_plan.sources[s].replica_of is None]
+        self.rows = {s: pack_rows(rank_plan.sources[s].tokens) for s in own}
+        self.stored = [s for s in own if "k" in rank_plan.sources[s].kinds]
+        self.captured: List[Tuple[int, int, Tensor, Tensor]] = []
+        self.exchange = None
+        self.num_peers = len(mb.peer_reads)
+        self.peers: Dict[int, List[Tuple[Tensor, Tensor]]] = {}
+        ex = mb.exchange
+        if ex is not None and ex.forward_collective:
+            send = [c for dst in range(group_size) for c in ex.send.get(dst, [])]
+            send_rows = pack_rows(np.concatenate(send)) if send else torch.zeros(0, dtype=torch.int64, device=device)
+            layout, offset = [], 0
+            for src in range(group_size):
+                for use in ex.recv.get(src, []):
+                    layout.append((offset, use.length, use.peer, use.replica))
+                    offset += use.length
+            self.exchange = (send_rows, ex.send_counts(group_size), ex.recv_counts(group_size), layout, group)
+
+    def on_kv(self, layer_number: int, key: Tensor, value: Tensor):
         for s, rows in self.rows.items():
-            if self.store:
+            if self.store and s in self.stored:
                 self.cache.write(s, layer_number, key.detach().index_select(0, rows), value.detach().index_select(0, rows))
             if self.capture:
                 self.captured.append((s, layer_number, key.index_select(0, rows), value.index_select(0, rows)))
+        if self.exchange is None:
+            return None
+        send_rows, send_counts, recv_counts, layout, group = self.exchange
+        key, value, received = exchange_kv(key, value, send_rows, send_counts, recv_counts, group,
+                                           differentiable=self.track_grads)
+        peers = [None] * self.num_peers
+        for offset, length, peer, replica in layout:
+            chunk = received[offset:offset + length]  # [n, 2, ng, hn]
+            if replica is not None and self.store:
+                self.cache.write(replica, layer_number, chunk[:, 0], chunk[:, 1])
+            if peer is not None:
+                peers[peer] = (chunk[:, 0], chunk[:, 1])
+        self.peers[layer_number] = peers
+        # The attention reads these (the exchange's outputs), so its backward runs on every rank.
+        return key, value
 
     def external_kv(self, layer_number: int) -> Sequence[Tuple[Tensor, Tensor]]:
         out = []
@@ -72,6 +112,7 @@ class _PrefixKV:
                 k.register_hook(lambda g, s=s, layer=layer_number: cache.accumulate_grad(s, layer, g, None))
                 v.register_hook(lambda g, s=s, layer=layer_number: cache.accumulate_grad(s, layer, None, g))
             out.append((k, v))
+        out += self.peers.pop(layer_number, [])
         return out
 
 
@@ -109,12 +150,15 @@ class StepRunner:
         device: torch.device,
         attention_backend: Optional[str] = None,
         kv_cache: Optional[BlockKVCache] = None,
+        exchange_group=None,
     ):
         self.model = model
         self.vocab_size = vocab_size
         self.device = device
         self.attention_backend = attention_backend
         self.kv_cache = kv_cache
+        self.exchange_group = exchange_group
+        """Process group of the ranks that exchange prefix K/V (cross-rank plans)."""
 
     # ------------------------------------------------------------------ one forward
     def _forward(
@@ -133,17 +177,23 @@ class StepRunner:
     ):
         mb = rank_plan.micro_batches[i]
         hook = None
-        if mb.reads or mb.produces:
+        exchanging = mb.exchange is not None and mb.exchange.forward_collective
+        if mb.reads or mb.produces or exchanging:
             if self.kv_cache is None:
                 raise RuntimeError("a plan with cached prefixes needs a KV cache (mechanism 2)")
-            hook = _PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad)
+            group_size = dist.get_world_size(self.exchange_group) if exchanging else 1
+            hook = _PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad,
+                             group=self.exchange_group, group_size=group_size)
         meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook)
         ids = torch.from_numpy(pack.input_ids).to(self.device)
         pos = torch.from_numpy(pack.position_ids).to(self.device)
         with torch.set_grad_enabled(grad):
             hidden = self.model(ids, pos, meta)[:, 0]  # [t, h]
+            # In an exchange step every rank must run a backward through every layer's exchange
+            # (a collective), even a rank whose fragment claims nothing: a zero "anchor" loss.
+            anchor = (hidden.sum() * 0.0) if (exchanging and grad) else None
             if len(rows) == 0:
-                return None, {}, None, hook
+                return anchor, {}, None, hook
             sel_rows = torch.from_numpy(pack.logit_rows[rows]).to(self.device)
             targets = pack.logit_targets[rows]
             target_ids = torch.from_numpy(plan.tree.tokens[targets].astype(np.int64)).to(self.device)
@@ -155,6 +205,36 @@ class StepRunner:
             claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
             loss, metrics = policy_loss(logp, ent, claims, loss_cfg)
         return loss, metrics, logp, hook
+
+    def _return_replica_grads(self, rank_plan: RankPlan, i: int) -> None:
+        """Cross-rank, before the deferred backward of step ``i``: every rank sends the dK/dV
+        its replicas of step ``i``'s prefixes accumulated to their owners, who add them to
+        their own gradient blocks (one collective over the exchange group)."""
+        ex = rank_plan.micro_batches[i].exchange
+        if ex is None or not ex.backward_collective:
+            return
+        cache, g = self.kv_cache, dist.get_world_size(self.exchange_group)
+        geometry = cache.geometry
+        layers = range(geometry.layer_offset, geometry.layer_offset + geometry.num_layers)
+
+        def stacked(s: int) -> Tensor:  # [n, layers, 2, ng, hn]
+            return torch.stack([torch.stack(cache.read_grad(s, layer), dim=1) for layer in layers], dim=1)
+
+        send_ids = [s for owner in range(g) for s in ex.grad_send.get(owner, [])]
+        shape = (0, geometry.num_layers, 2, geometry.num_groups, geometry.head_dim)
+        send = torch.cat([stacked(s) for s in send_ids]) if send_ids else \
+            torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
+        length = lambda s: rank_plan.sources[s].length  # noqa: E731
+        send_counts = [sum(length(s) for s in ex.grad_send.get(r, [])) for r in range(g)]
+        recv_counts = [sum(length(s) for s in ex.grad_recv.get(r, [])) for r in range(g)]
+        received = return_replica_grads(send, send_counts, recv_counts, self.exchange_group)
+        offset = 0
+        for src in range(g):
+            for s in ex.grad_recv.get(src, []):
+                chunk = received[offset:offset + length(s)]
+                offset += length(s)
+                for j, layer in enumerate(layers):
+                    cache.accumulate_grad(s, layer, chunk[:, j, 0], chunk[:, j, 1])
 
     def _claimed_rows(self, plan: StepPlan, pack: PackedMicroBatch) -> np.ndarray:
         t = pack.logit_targets
@@ -213,8 +293,8 @@ class StepRunner:
                     (loss * loss_scale).backward()
             elif op == "forward":
                 for s in mb.produces:
-                    cache.allocate(s, rank_plan.sources[s].length)
-                keep = memory.keep_graph.get(i, True)
+                    cache.allocate(s, rank_plan.sources[s].length, kinds=rank_plan.sources[s].kinds)
+                keep = memory.keep_graph.get(i, True) if memory is not None else True
                 # A dropped graph computes no loss now: the recomputation at backward does.
                 loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows if keep else rows[:0], loss_cfg=loss_cfg,
                                                        coefficients=coefficients, grad=keep, store=True, capture=keep)
@@ -224,6 +304,7 @@ class StepRunner:
                 else:
                     pending[i] = (None, None, pack)
             else:  # backward of a producer
+                self._return_replica_grads(rank_plan, i)
                 loss, captured, pack = pending.pop(i)
                 if captured is None:  # graph was dropped: rebuild it
                     rows = self._claimed_rows(plan, pack)
@@ -265,7 +346,8 @@ class StepRunner:
         for i in range(len(rank_plan.micro_batches)):
             mb = rank_plan.micro_batches[i]
             for s in mb.produces:
-                cache.allocate(s, rank_plan.sources[s].length, kinds=("k", "v"))
+                if s in last_reader:  # read on this rank later (an owner read only elsewhere holds nothing)
+                    cache.allocate(s, rank_plan.sources[s].length, kinds=("k", "v"))
             pack = rank_plan.pack(plan.index, i)
             out.tokens_computed += pack.num_tokens
             rows = np.arange(len(pack.logit_rows))

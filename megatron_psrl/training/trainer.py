@@ -38,7 +38,7 @@ from megatron_psrl.data.synthetic import WORKLOADS, make_workload
 from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
 from megatron_psrl.errors import ConfigurationError, NonFiniteTrainingError, UnsupportedFeatureError
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory_group
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.training.checkpointing import save_training_checkpoint
 from megatron_psrl.training.loss import LossConfig
@@ -258,7 +258,7 @@ class Trainer:
                                data_parallel_size=self.layout.data_parallel_size,
                                sharing=args.prefix_sharing, cost_model=self.cost_model)
         plan, memories, mode = plan_with_memory(
-            tree, config, lambda r: plan_memory(r, self.geometry, args.kv_cache_budget, self.act_bytes))
+            tree, config, lambda ranks: plan_memory_group(ranks, self.geometry, args.kv_cache_budget, self.act_bytes))
         if mode != args.prefix_sharing:
             self.log("warning: the cached prefixes do not fit --kv-cache-budget; duplicating them this step")
         return plan, memories[self.layout.dp_rank], mode

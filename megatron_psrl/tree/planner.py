@@ -43,6 +43,7 @@ from megatron_psrl.tree.prefix_tree import PrefixTree
 from megatron_psrl.tree.unshared import build_unshared_tree
 
 SHARING_MODES = ("tree", "tree-dup", "none")
+PLACEMENTS = ("auto", "whole-tree", "cross-rank")
 
 
 class PlanningError(PsrlError, ValueError):
@@ -74,6 +75,25 @@ class PlannerConfig:
     """Mechanism-2 chunks end at a node boundary instead of mid-node when that keeps them at
     least this full (fewer cached sources)."""
 
+    exchange_group_size: int = 1
+    """Ranks that may split one tree between them and exchange its prefix K/V (consecutive
+    blocks of ``data_parallel_size``; 1: every tree stays on one rank). Trees are balanced
+    whole over the groups; inside a group the placement is chosen per step."""
+
+    placement: str = "auto"
+    """Inside an exchange group: ``whole-tree`` (every tree on one rank), ``cross-rank``
+    (equal-cost fragments of the depth-first stream in lockstep steps,
+    :mod:`megatron_psrl.tree.cross_rank`) or ``auto`` (the smaller predicted makespan)."""
+
+    kv_bytes_per_token: float = 0.0
+    """Bytes of one token's K and V over all layers of a rank (what an exchange moves)."""
+
+    cost_per_exchanged_byte: float = 0.0
+    """Cost-model units of moving one byte between ranks (link bandwidth against compute)."""
+
+    cost_per_exchange: float = 0.0
+    """Cost-model units of one exchange step (per-layer collective latency, summed)."""
+
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
             raise ConfigurationError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
@@ -83,6 +103,11 @@ class PlannerConfig:
             raise ConfigurationError(f"sharing must be one of {SHARING_MODES}, got {self.sharing!r}")
         if not 0.0 < self.snap_fraction <= 1.0:
             raise ValueError(f"snap_fraction must be in (0, 1], got {self.snap_fraction}")
+        if self.exchange_group_size < 1 or self.data_parallel_size % self.exchange_group_size:
+            raise ConfigurationError(f"exchange_group_size {self.exchange_group_size} must divide the "
+                                     f"{self.data_parallel_size} ranks that share the batch")
+        if self.placement not in PLACEMENTS:
+            raise ConfigurationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
 
 @dataclass
@@ -100,6 +125,14 @@ class CachedSource:
 
     consumers: List[int] = field(default_factory=list)
     """Micro-batches that read the source (attend to its K/V)."""
+
+    replica_of: Optional[Tuple[int, int]] = None
+    """Cross-rank: ``(owner rank, owner's source id)`` when this is a copy of another rank's
+    prefix, received at ``producer`` (the owner's step) and read here later; its gradients go
+    back to the owner before the owner's deferred backward. None: this rank computes it."""
+
+    kinds: Tuple[str, ...] = ("k", "v", "gk", "gv")
+    """Cache blocks it needs: an owner whose prefix only other ranks read keeps dK/dV only."""
 
     @property
     def length(self) -> int:
@@ -133,9 +166,70 @@ class MicroBatchSpec:
     """Tree tokens in later micro-batches whose predecessor is here (their log-prob is
     computed here)."""
 
+    peer_reads: List["PeerRead"] = field(default_factory=list)
+    """Cross-rank: prefix chains other ranks compute in this same step, attended to through the
+    per-layer exchange (after ``reads`` in the attention plan's external sources)."""
+
+    exchange: Optional["StepExchange"] = None
+    """Cross-rank: what this rank sends and receives in this step (None: no exchange)."""
+
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+
+@dataclass
+class PeerRead:
+    """A prefix chain computed by another rank in the same step (cross-rank)."""
+
+    src_rank: int
+    """The rank (in the exchange group) that computes it."""
+
+    length: int
+    """Tokens in the chain."""
+
+    last_token: int
+    """Tree index of its last token: pack tokens descending from it see all of it."""
+
+
+@dataclass
+class ChainUse:
+    """What a receiver does with one chain it receives in an exchange step."""
+
+    length: int
+    """Rows of the chain (received in order)."""
+
+    peer: Optional[int] = None
+    """Index in the step's ``peer_reads`` if the receiver attends to it in this step."""
+
+    replica: Optional[int] = None
+    """Source id of the receiver's replica to store it in, if read in later steps."""
+
+
+@dataclass
+class StepExchange:
+    """One rank's transfers in one cross-rank step (all ranks of the group know all of them).
+
+    Forward (every layer): ``send[dst]`` chains of this rank's fragment go to ``dst``;
+    ``recv[src]`` says what each chain received from ``src`` is for. Deferred backward of the
+    step: ``grad_send[owner]`` replica source ids whose dK/dV go back to ``owner``;
+    ``grad_recv[src]`` this rank's source ids that ``src`` returns gradients for, in order."""
+
+    send: Dict[int, List[np.ndarray]] = field(default_factory=dict)
+    recv: Dict[int, List[ChainUse]] = field(default_factory=dict)
+    grad_send: Dict[int, List[int]] = field(default_factory=dict)
+    grad_recv: Dict[int, List[int]] = field(default_factory=dict)
+    forward_collective: bool = False
+    """Some rank of the group sends K/V in this step: every rank takes part, per layer."""
+
+    backward_collective: bool = False
+    """Some rank returns replica gradients at this step's backward: every rank takes part."""
+
+    def send_counts(self, group_size: int) -> List[int]:
+        return [int(sum(len(c) for c in self.send.get(r, []))) for r in range(group_size)]
+
+    def recv_counts(self, group_size: int) -> List[int]:
+        return [int(sum(u.length for u in self.recv.get(r, []))) for r in range(group_size)]
 
 
 @dataclass
@@ -154,10 +248,20 @@ class RankPlan:
     planned_cost: float = 0.0
     """Cost-model FLOPs of the rank's work."""
 
+    group_rank: int = 0
+    """This rank's index in its exchange group."""
+
+    cross_rank: bool = False
+    """Part of a cross-rank plan: every rank of the group runs the same schedule in lockstep,
+    exchanging prefix K/V (``MicroBatchSpec.exchange``)."""
+
     def pack(self, index: TreeIndex, i: int) -> PackedMicroBatch:
-        """The packed micro-batch i (built on demand: packing is cheap next to the model)."""
+        """The packed micro-batch i (built on demand: packing is cheap next to the model).
+
+        External sources: the cached prefixes it reads, then the peer chains of this step."""
         mb = self.micro_batches[i]
         external = [ExternalSource(s, self.sources[s].length, self.sources[s].last_token) for s in mb.reads]
+        external += [ExternalSource(-1 - j, p.length, p.last_token) for j, p in enumerate(mb.peer_reads)]
         return pack_tokens(index, mb.tokens, mb.owned, external, mb.remote_targets)
 
 
@@ -171,6 +275,17 @@ class StepPlan:
 
     index: TreeIndex
     ranks: List[RankPlan]
+    groups: List[List[int]] = field(default_factory=list)
+    """Ranks whose memory is planned together (a cross-rank group runs one schedule)."""
+
+    placements: List[str] = field(default_factory=list)
+    """Per exchange group: ``whole-tree`` or ``cross-rank``."""
+
+    predicted_makespan: List[float] = field(default_factory=list)
+    """Per exchange group: the cost-model makespan of the chosen placement (and of the other
+    one, for the log: see :attr:`alternative_makespan`)."""
+
+    alternative_makespan: List[float] = field(default_factory=list)
 
     def tokens_computed(self, rank: Optional[int] = None) -> int:
         ranks = self.ranks if rank is None else [self.ranks[rank]]
@@ -179,6 +294,20 @@ class StepPlan:
     def num_micro_batches(self, rank: Optional[int] = None) -> int:
         ranks = self.ranks if rank is None else [self.ranks[rank]]
         return int(sum(len(r.micro_batches) for r in ranks))
+
+    def rank_costs(self) -> np.ndarray:
+        """Planned cost of every rank (cost-model units)."""
+        return np.array([r.planned_cost for r in self.ranks], dtype=np.float64)
+
+    def imbalance(self) -> float:
+        """max / mean planned rank cost (1.0 = perfect balance)."""
+        costs = self.rank_costs()
+        return float(costs.max() / costs.mean()) if costs.size and costs.mean() > 0 else 1.0
+
+    def exchanged_tokens(self) -> int:
+        """Tokens of prefix K/V sent between ranks per layer in the forward pass."""
+        return int(sum(len(c) for r in self.ranks for mb in r.micro_batches if mb.exchange
+                       for chains in mb.exchange.send.values() for c in chains))
 
     def mechanism_counts(self) -> Dict[str, int]:
         """How many cached sources / duplicated tokens the plan uses (for logs)."""
@@ -193,18 +322,77 @@ class StepPlan:
 # ====================================================================== entry point
 def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
     """Plan an update step (see the module docstring)."""
+    from megatron_psrl.tree.cross_rank import plan_group_cross_rank
+
     if config.sharing == "none":
         tree = build_unshared_tree(tree.batch)
     index = TreeIndex(tree)
     roots = np.flatnonzero(tree.node_parent < 0)
     unit_cost = _unit_costs(tree, roots, config.cost_model)
-    assignment = _assign_lpt(unit_cost, config.data_parallel_size)
+    g = config.exchange_group_size
+    num_groups = config.data_parallel_size // g
+    group_of = _assign_lpt(unit_cost, num_groups)
+    plan = StepPlan(config=config, tree=tree, index=index, ranks=[])
+    token_cost = _token_cost(index, config.cost_model)
+    for group in range(num_groups):
+        units, costs = roots[group_of == group], unit_cost[group_of == group]
+        whole = _plan_whole_trees(index, units, costs, g, config)
+        whole_span = max(r.planned_cost for r in whole)
+        cross = None
+        if g > 1 and config.sharing == "tree" and config.placement != "whole-tree":
+            cross = plan_group_cross_rank(index, units, config.micro_batch_tokens, g, token_cost)
+        cross_span = _cross_rank_makespan(cross, token_cost, config) if cross is not None else math.inf
+        use_cross = cross is not None and (config.placement == "cross-rank" or cross_span < 0.97 * whole_span)
+        ranks = cross if use_cross else whole
+        plan.groups += [[group * g + r] for r in range(g)] if not use_cross else [list(range(group * g, group * g + g))]
+        plan.placements.append("cross-rank" if use_cross else "whole-tree")
+        plan.predicted_makespan.append(cross_span if use_cross else whole_span)
+        plan.alternative_makespan.append(whole_span if use_cross else cross_span)
+        for r, rank_plan in enumerate(ranks):
+            rank_plan.group_rank = r
+        plan.ranks += ranks
+    return plan
+
+
+def _token_cost(index: TreeIndex, cost_model: Optional[CostModel]):
+    """Cost of computing given tree tokens once: linear + attention over their keys."""
+    position = index.position
+
+    def cost(tokens: np.ndarray) -> np.ndarray:
+        keys = position[tokens].astype(np.float64) + 1.0
+        if cost_model is None:
+            return np.ones(len(tokens))
+        return cost_model.linear_flops_per_token + cost_model.attention_flops_per_key * keys
+
+    return cost
+
+
+def _plan_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, g: int,
+                      config: PlannerConfig) -> List[RankPlan]:
+    """Every tree on one rank of the group: LPT by cost, then each rank's micro-batches."""
+    assignment = _assign_lpt(costs, g)
     ranks = []
-    for r in range(config.data_parallel_size):
-        units = roots[assignment == r]
-        ranks.append(_plan_rank(index, units, config))
-        ranks[-1].planned_cost = float(unit_cost[assignment == r].sum())
-    return StepPlan(config=config, tree=tree, index=index, ranks=ranks)
+    for r in range(g):
+        ranks.append(_plan_rank(index, units[assignment == r], config))
+        ranks[-1].planned_cost = float(costs[assignment == r].sum())
+    return ranks
+
+
+def _cross_rank_makespan(ranks: List[RankPlan], token_cost, config: PlannerConfig) -> float:
+    """Predicted time of a cross-rank group in cost units: every step lasts as long as its
+    slowest fragment, plus the exposed exchange (forward K/V, their gradients back)."""
+    span = 0.0
+    for m in range(len(ranks[0].micro_batches)):
+        compute = max(float(token_cost(r.micro_batches[m].tokens).sum()) for r in ranks)
+        ex = ranks[0].micro_batches[m].exchange
+        moved = 0
+        if ex is not None:
+            moved = max(sum(len(c) for chains in r.micro_batches[m].exchange.send.values() for c in chains)
+                        for r in ranks)
+        span += compute
+        if moved or (ex is not None and ex.forward_collective):
+            span += 2 * (moved * config.kv_bytes_per_token * config.cost_per_exchanged_byte) + config.cost_per_exchange
+    return span
 
 
 def _unit_costs(tree: PrefixTree, roots: np.ndarray, cost_model: Optional[CostModel]) -> np.ndarray:

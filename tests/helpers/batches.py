@@ -58,3 +58,32 @@ def random_tree_batch(
     add(rng.integers(0, vocab_size, 9).tolist())  # shares (almost surely) nothing
     order = rng.permutation(len(records))
     return samples_from_dicts([records[i] for i in order], source="random_tree_batch")
+
+
+def cross_rank_batch(kind: str, vocab_size: int = 251, seed: int = 5) -> SampleBatch:
+    """Small batches for the cross-rank tests (old and reference log-probs included):
+
+    - ``one-tree``: one rollout tree several times larger than the test's micro-batch budget;
+    - ``chain``: one step-wise trajectory (every sample a prefix of the next: one long chain);
+    - ``stepwise``: a few step-wise trajectories sharing a system prompt;
+    - ``mixed``: GRPO groups, step-wise trajectories and trees together.
+    """
+    from megatron_psrl.data.synthetic import make_mixed, make_stepwise, make_tree_rollouts
+
+    if kind == "one-tree":
+        return make_tree_rollouts(num_roots=1, branching=2, depth=3, segment_len=(6, 16), prompt_len=(40, 60),
+                                  obs_len=(8, 20), vocab_size=vocab_size, seed=seed, with_logprobs=True)
+    if kind == "chain":
+        return make_stepwise(num_trajectories=1, turns=6, obs_len=(20, 40), action_len=(5, 10), system_len=30,
+                             task_len=(20, 30), vocab_size=vocab_size, seed=seed, with_logprobs=True)
+    if kind == "stepwise":
+        return make_stepwise(num_trajectories=3, turns=(3, 6), obs_len=(10, 30), action_len=(4, 8), system_len=20,
+                             task_len=(10, 20), vocab_size=vocab_size, seed=seed, with_logprobs=True)
+    if kind == "mixed":
+        return make_mixed(grpo=dict(num_prompts=2, group_size=3, prompt_len=(20, 40), response_len=(5, 15)),
+                          stepwise=dict(num_trajectories=1, turns=4, obs_len=(10, 20), action_len=(4, 8),
+                                        task_len=(5, 10)),
+                          tree=dict(num_roots=1, branching=2, depth=2, segment_len=(4, 10), prompt_len=(20, 30),
+                                    obs_len=(5, 10)),
+                          vocab_size=vocab_size, seed=seed, with_logprobs=True)
+    raise ValueError(kind)
