@@ -5,7 +5,8 @@
 
 Writes one JSON line per input sample, in input order: {"id": ..., "logprobs": [...]} with
 logprobs[i] = log p(tokens[i] | tokens[:i]) for i >= 1 and logprobs[0] = 0.0. Runs in fp32 on
-CPU and in the checkpoint's dtype (or --dtype) on GPU; works under torchrun for TP/DP.
+CPU and in the checkpoint's dtype (or --dtype) on GPU; works under torchrun for TP, DP and CP, with
+the same placement of trees over ranks as training (--placement).
 """
 
 import argparse
@@ -33,6 +34,8 @@ from megatron_psrl.model.builder import parse_dtype  # noqa: E402
 from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
 from megatron_psrl.training.logprobs import compute_logprobs  # noqa: E402
 from megatron_psrl.training.preflight import on_logging_rank  # noqa: E402
+from megatron_psrl.training.trainer import cost_model_for  # noqa: E402
+from megatron_psrl.tree.planner import PLACEMENTS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -46,6 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-tokens", type=positive_int, default=8192, help="token budget of one micro-batch")
     p.add_argument("--kv-cache-budget", type=parse_bytes, default=parse_bytes("1GiB"))
     p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--context-parallel-size", type=positive_int, default=1,
+                   help="ranks of a CP group share the fragments of the same trees (prefix K/V exchanged)")
+    p.add_argument("--placement", default="auto", choices=PLACEMENTS,
+                   help="trees over an exchange group (CP group, else DP group): whole-tree, cross-rank or auto")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, help="GPU compute dtype (default: the checkpoint's); CPU is always fp32")
     p.add_argument("--attention-backend", default=None, choices=["torch", "dense", "flash", "te"])
@@ -60,7 +67,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     layout = initialize_parallel(args.tensor_model_parallel_size, 1, seed=0, device=args.device,
-                                 timeout_minutes=args.distributed_timeout_minutes)
+                                 timeout_minutes=args.distributed_timeout_minutes,
+                                 context_parallel_size=args.context_parallel_size)
     # Before any work: an unwritable --out fails now (on every rank), not after the forward pass.
     with layout.monitor.phase("start-up checks"):
         on_logging_rank(lambda: check_writable_dir(os.path.dirname(os.path.abspath(args.out)), "the folder of --out"),
@@ -82,7 +90,8 @@ def main(argv=None) -> int:
         logprobs = compute_logprobs(
             model, arch, batch, prefix_sharing=not args.no_prefix_sharing, micro_batch_tokens=args.micro_batch_tokens,
             kv_cache_budget=args.kv_cache_budget, attention_backend=args.attention_backend, device=layout.device,
-            allow_rope_extrapolation=args.allow_rope_extrapolation,
+            allow_rope_extrapolation=args.allow_rope_extrapolation, placement=args.placement,
+            cost_model=cost_model_for(arch),
         )
     if layout.rank == 0:
         atomic_write_text(args.out, (json.dumps({"id": sid, "logprobs": [float(x) for x in lp]}) + "\n"

@@ -12,7 +12,7 @@ from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES
 from megatron_psrl.model.tiny import TINY_CONFIGS
 from megatron_psrl.training.loss import LOSS_AGGREGATIONS
 from megatron_psrl.training.optimizer import OPTIMIZERS
-from megatron_psrl.tree.planner import SHARING_MODES
+from megatron_psrl.tree.planner import PLACEMENTS, SHARING_MODES
 
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_WORKLOAD = "mixed"
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ranks of one CP group share the fragments of the same trees (a sample longer than a "
+                        "micro-batch runs on all of them at once), exchanging prefix K/V; gradients sum over DP x CP")
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")
     g.add_argument("--fp16", action="store_true", help="float16 parameters and compute")
     g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
@@ -82,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-sharing", action="store_true", help="same as --prefix-sharing none (the baseline)")
     g.add_argument("--kv-cache-budget", type=parse_bytes, default=parse_bytes("1GiB"),
                    help="bytes for cached prefix K/V, their gradients and retained prefix graphs (mechanism 2)")
+    g.add_argument("--placement", default="auto", choices=PLACEMENTS,
+                   help="trees over the ranks of an exchange group (the CP group, else the DP group): whole-tree "
+                        "(each tree on one rank), cross-rank (equal-cost fragments exchanging prefix K/V) or auto "
+                        "(the smaller predicted step time, from a start-up measurement)")
+    g.add_argument("--cost-profile", default=None,
+                   help="file keeping the start-up cost measurement of this model/device/layout for later runs")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--train-iters", type=int, default=5)
@@ -134,7 +143,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.bf16 and args.fp16:
         parser.error("--bf16 and --fp16 are exclusive")
     for name in ("train_iters", "micro_batch_tokens", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "log_interval", "max_skipped_iters"):
+                 "context_parallel_size", "log_interval", "max_skipped_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:

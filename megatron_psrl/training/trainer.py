@@ -27,7 +27,6 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_psrl.attention.backends import default_backend
 from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture
@@ -36,10 +35,11 @@ from megatron_psrl.data.loader import load_samples
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.synthetic import WORKLOADS, make_workload
 from megatron_psrl.data.validation import check_max_sample_length
-from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
+from megatron_psrl.distributed.setup import ParallelLayout, exchange_group_of, gradient_group, initialize_parallel
 from megatron_psrl.errors import ConfigurationError, NonFiniteTrainingError, UnsupportedFeatureError
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory_group
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.training.calibration import MeasuredCosts, calibrate
 from megatron_psrl.training.checkpointing import save_training_checkpoint
 from megatron_psrl.training.loss import LossConfig
 from megatron_psrl.training.memory import PeakMemory
@@ -144,8 +144,9 @@ class Trainer:
         self.args = args
         self.layout: ParallelLayout = initialize_parallel(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed, args.device,
-            timeout_minutes=args.distributed_timeout_minutes,
+            timeout_minutes=args.distributed_timeout_minutes, context_parallel_size=args.context_parallel_size,
         )
+        self.exchange_group, self.exchange_group_size = exchange_group_of(self.layout)
         if args.pipeline_model_parallel_size > 1:
             raise UnsupportedFeatureError(
                 "training with --pipeline-model-parallel-size > 1 is not supported yet (the converter and "
@@ -241,27 +242,49 @@ class Trainer:
             self.optimizer.load_state_dict(optimizer_state)
         self.loss_cfg = LossConfig(clip_eps=args.clip_eps, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
                                    loss_agg=args.loss_agg)
-        self.cost_model = cost_model_for(self.arch)
         tp = self.layout.tensor_parallel_size
         self.geometry = KVGeometry.for_model(self.arch, tp, self.layout.pipeline_parallel_size, dtype, device)
+        self.cost_model, self.measured = cost_model_for(self.arch), None
+        if self.exchange_group_size > 1 and args.placement != "whole-tree" and args.prefix_sharing == "tree":
+            # Cross-rank decisions weigh compute against transfers: measure both on this model.
+            key = (f"{self.arch.model_type}-h{self.arch.hidden_size}-L{self.arch.num_layers}-{dtype}-{device.type}"
+                   f"-tp{tp}-group{self.exchange_group_size}")
+            with self.layout.monitor.phase("cost calibration"):
+                self.measured = calibrate(self.model, self.arch.vocab_size, device, args.micro_batch_tokens,
+                                          self.exchange_group, 2 * self.geometry.bytes_per_token,
+                                          profile=args.cost_profile, key=key)
+            self.cost_model = self.measured.cost_model()
+            self.log(f"cost calibration: {self.measured.seconds_per_token * 1e6:.1f} us/token, "
+                     f"{self.measured.seconds_per_key * 1e9:.2f} ns/key pair, "
+                     f"{self.measured.seconds_per_micro_batch * 1e3:.2f} ms/micro-batch, exchange "
+                     f"{self.measured.seconds_per_exchange * 1e3:.2f} ms + "
+                     f"{1 / max(self.measured.seconds_per_byte, 1e-15) / 1e9:.2f} GB/s")
         self.kv_cache = BlockKVCache(self.geometry, args.kv_cache_budget)
         self.act_bytes = activation_bytes_per_token(self.arch, tp, torch.tensor([], dtype=dtype).element_size())
         backend = None if args.attention_backend == "auto" else args.attention_backend
         self.backend_name = backend or default_backend(device.type, dtype)
-        self.runner = StepRunner(self.model, self.arch.vocab_size, device, backend, self.kv_cache)
+        self.runner = StepRunner(self.model, self.arch.vocab_size, device, backend, self.kv_cache,
+                                 exchange_group=self.exchange_group)
 
     # ------------------------------------------------------------------ planning
     def plan(self, tree) -> Tuple[StepPlan, Optional[object], str]:
         """This step's plan, this rank's memory plan, and the sharing mode actually used."""
         args = self.args
-        config = PlannerConfig(micro_batch_tokens=args.micro_batch_tokens,
-                               data_parallel_size=self.layout.data_parallel_size,
-                               sharing=args.prefix_sharing, cost_model=self.cost_model)
+        measured = self.measured
+        config = PlannerConfig(
+            micro_batch_tokens=args.micro_batch_tokens, data_parallel_size=self.layout.placement_size,
+            sharing=args.prefix_sharing, cost_model=self.cost_model, exchange_group_size=self.exchange_group_size,
+            placement=args.placement, kv_bytes_per_token=2 * self.geometry.bytes_per_token,
+            cost_per_exchanged_byte=measured.seconds_per_byte if measured else 0.0,
+            # per step: one collective per layer forward and one backward
+            cost_per_exchange=2 * self.geometry.num_layers * measured.seconds_per_exchange if measured else 0.0,
+            cost_per_micro_batch=measured.seconds_per_micro_batch if measured else 0.0,
+        )
         plan, memories, mode = plan_with_memory(
             tree, config, lambda ranks: plan_memory_group(ranks, self.geometry, args.kv_cache_budget, self.act_bytes))
         if mode != args.prefix_sharing:
             self.log("warning: the cached prefixes do not fit --kv-cache-budget; duplicating them this step")
-        return plan, memories[self.layout.dp_rank], mode
+        return plan, memories[self.layout.placement_rank], mode
 
     # ------------------------------------------------------------------ loop
     def log(self, msg: str) -> None:
@@ -283,13 +306,13 @@ class Trainer:
         tree = build_prefix_tree(batch)
         plan, memory, mode = self.plan(tree)
         self.optimizer.zero_grad()
-        dp_group = parallel_state.get_data_parallel_group()
+        dp_group = gradient_group()  # data x context parallel: every rank with its own share
         keys = ["clip_frac", "pg_loss", "ratio_clamped"]  # the same keys on every rank, even one without claims
         keys += ["kl"] if self.loss_cfg.kl_coef else []
         keys += ["entropy"] if self.loss_cfg.entropy_coef else []
         with PeakMemory(self.layout.device, mode=args.memory_tracking) as mem:
             with monitor.phase(f"forward/backward of iteration {iteration + 1}"):
-                out = self.runner.train(plan, self.layout.dp_rank, self.loss_cfg, memory,
+                out = self.runner.train(plan, self.layout.placement_rank, self.loss_cfg, memory,
                                         loss_scale=self.optimizer.loss_scale)
             with monitor.phase(f"loss all-reduce of iteration {iteration + 1}"):
                 sums = self._reduce([out.loss, out.tokens_computed, out.tokens_recomputed, out.num_micro_batches]
@@ -310,6 +333,7 @@ class Trainer:
         extra["skipped"] = outcome.skipped
         extra["skipped_iters"] = self.skipped_iters
         extra["attention_backend"] = self.backend_name
+        extra.update(plan_metrics(plan, self.geometry, self.measured))
         tokens_total = int(batch.num_tokens)
         return IterationRecord(
             iter=iteration + 1, step_time_s=step_time, tokens_total=tokens_total, tokens_computed=int(sums[1]),
@@ -353,7 +377,8 @@ class Trainer:
         a = self.arch
         self.log(f"megatron_psrl: {a.model_type} h{a.hidden_size} L{a.num_layers} heads {a.num_attention_heads}/"
                  f"{a.num_kv_heads} vocab {a.vocab_size} | TP {self.layout.tensor_parallel_size} DP "
-                 f"{self.layout.data_parallel_size} | {self.layout.device} {str(self.dtype).replace('torch.', '')} | "
+                 f"{self.layout.data_parallel_size}" + (f" CP {self.layout.context_parallel_size}" if self.layout.context_parallel_size > 1
+                                                   else "") + f" | {self.layout.device} {str(self.dtype).replace('torch.', '')} | "
                  f"prefix sharing: {args.prefix_sharing} | attention: {self.backend_name} | data: {args.data}")
         records = []
         json_file = self.outputs.log_json
@@ -391,6 +416,20 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[MeasuredCosts]) -> Dict[str, object]:
+    """What the planner decided, for the iteration line and --log-json."""
+    out: Dict[str, object] = {
+        "placement": "+".join(sorted(set(plan.placements))),
+        "plan_imbalance": plan.imbalance(),
+        "plan_rank_cost": [round(float(c), 6) for c in plan.rank_costs()],
+        "exchanged_bytes": plan.exchanged_bytes(2 * geometry.bytes_per_token),
+        "tokens_duplicated": plan.mechanism_counts()["duplicated_tokens"],
+    }
+    if measured is not None:
+        out["predicted_step_s"] = float(max(plan.predicted_makespan))
+    return out
+
+
 def format_record(rec: IterationRecord, total_iters: int) -> str:
     parts = [
         f"iteration {rec.iter:6d}/{total_iters:6d}",
@@ -406,6 +445,9 @@ def format_record(rec: IterationRecord, total_iters: int) -> str:
     ]
     if "kv_hit_rate" in rec.extra:
         parts.append(f"kv hit {rec.extra['kv_hit_rate']:.2f} util {rec.extra['kv_peak_utilisation']:.2f}")
+    if len(rec.extra.get("plan_rank_cost", ())) > 1:
+        parts.append(f"plan {rec.extra['placement']} imbalance {rec.extra['plan_imbalance']:.2f}"
+                     + (f" exchanged {_fmt_bytes(rec.extra['exchanged_bytes'])}" if rec.extra["exchanged_bytes"] else ""))
     if rec.extra.get("ratio_clamped"):
         parts.append(f"ratio clamped {rec.extra['ratio_clamped']}")
     if rec.extra.get("skipped"):

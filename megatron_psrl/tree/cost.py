@@ -104,22 +104,39 @@ def tree_key_pairs(tree: PrefixTree) -> int:
     return int(node_key_pairs(tree).sum())
 
 
+def claimed_tokens(tree: PrefixTree) -> np.ndarray:
+    """bool ``[T]``: tree tokens with at least one loss claim (their log-prob is computed)."""
+    return tree.claim_offsets[1:] > tree.claim_offsets[:-1]
+
+
+def claimed_tokens_per_node(tree: PrefixTree) -> np.ndarray:
+    """int64 ``[M]``: claimed tokens of every node."""
+    if tree.num_nodes == 0:
+        return np.zeros(0, np.int64)
+    return np.add.reduceat(claimed_tokens(tree).astype(np.int64), tree.node_offset[:-1])
+
+
 # ---------------------------------------------------------------------- cost model
 @dataclass(frozen=True)
 class CostModel:
     """FLOPs of forward + backward as ``linear * tokens + attention * key_pairs``."""
 
     linear_flops_per_token: float
-    """FLOPs per computed token of all GEMMs (QKV, output projection, MLP, LM head)."""
+    """FLOPs per computed token of the transformer layers' GEMMs (QKV, output projection, MLP)."""
 
     attention_flops_per_key: float
     """FLOPs per (query token, key) pair over all layers (QK^T and attention x V)."""
+
+    head_flops_per_row: float = 0.0
+    """FLOPs per logit row (the output layer), charged only for tokens whose log-prob is
+    computed: tokens with a loss claim (the log-prob pass computes every row, see
+    ``all_rows``)."""
 
     name: Optional[str] = field(default=None, compare=False)
     """The model size this was derived from, for reports (None if built by hand)."""
 
     def __post_init__(self) -> None:
-        for name in ("linear_flops_per_token", "attention_flops_per_key"):
+        for name in ("linear_flops_per_token", "attention_flops_per_key", "head_flops_per_row"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
@@ -156,11 +173,11 @@ class CostModel:
             + q_width * dims.hidden_size            # output projection
             + mlp_matrices * dims.hidden_size * dims.ffn_hidden_size
         )
-        weights = dims.num_layers * weights_per_layer + dims.hidden_size * dims.vocab_size
         # A multiply-add per weight and token; QK^T and PV are head_dim multiply-adds per head.
-        linear = FORWARD_BACKWARD_FACTOR * 2.0 * weights
+        linear = FORWARD_BACKWARD_FACTOR * 2.0 * dims.num_layers * weights_per_layer
+        head = FORWARD_BACKWARD_FACTOR * 2.0 * dims.hidden_size * dims.vocab_size
         attention = FORWARD_BACKWARD_FACTOR * dims.num_layers * 2.0 * 2.0 * q_width
-        return cls(float(linear), float(attention), name=name)
+        return cls(float(linear), float(attention), float(head), name=name)
 
     @classmethod
     def named(cls, name: str) -> "CostModel":
@@ -171,29 +188,35 @@ class CostModel:
 
     # ------------------------------------------------------------------ costs
     def cost(
-        self, num_tokens: Union[int, np.ndarray], key_pairs: Union[int, np.ndarray]
+        self, num_tokens: Union[int, np.ndarray], key_pairs: Union[int, np.ndarray],
+        logit_rows: Union[int, np.ndarray] = 0,
     ) -> Union[float, np.ndarray]:
-        """FLOPs of computing ``num_tokens`` tokens that together see ``key_pairs`` keys
-        (scalars give a float, arrays an element-wise float64 array)."""
-        if np.ndim(num_tokens) == 0 and np.ndim(key_pairs) == 0:
+        """FLOPs of computing ``num_tokens`` tokens that together see ``key_pairs`` keys and
+        produce ``logit_rows`` log-probs (scalars give a float, arrays an element-wise float64
+        array)."""
+        if np.ndim(num_tokens) == 0 and np.ndim(key_pairs) == 0 and np.ndim(logit_rows) == 0:
             return (self.linear_flops_per_token * float(num_tokens)
-                    + self.attention_flops_per_key * float(key_pairs))
+                    + self.attention_flops_per_key * float(key_pairs)
+                    + self.head_flops_per_row * float(logit_rows))
         return (self.linear_flops_per_token * np.asarray(num_tokens, dtype=np.float64)
-                + self.attention_flops_per_key * np.asarray(key_pairs, dtype=np.float64))
+                + self.attention_flops_per_key * np.asarray(key_pairs, dtype=np.float64)
+                + self.head_flops_per_row * np.asarray(logit_rows, dtype=np.float64))
 
     def sample_costs(self, batch: SampleBatch) -> np.ndarray:
-        """float64 ``[S]``: cost of every sample computed on its own (the baseline)."""
+        """float64 ``[S]``: cost of every sample computed on its own (the baseline): logits
+        for its trained tokens."""
         lengths = batch.lengths
-        return self.cost(lengths, unshared_key_pairs(lengths))
+        trained = np.add.reduceat(batch.loss_mask.astype(np.int64), batch.offsets[:-1]) if lengths.size else lengths
+        return self.cost(lengths, unshared_key_pairs(lengths), trained)
 
     def baseline_cost(self, batch: SampleBatch) -> float:
         """Cost of the batch without sharing (every sample separately / packed)."""
-        return self.cost(batch.num_tokens, batch_key_pairs(batch))
+        return self.cost(batch.num_tokens, batch_key_pairs(batch), int(batch.loss_mask.sum()))
 
     def node_costs(self, tree: PrefixTree) -> np.ndarray:
         """float64 ``[M]``: cost of computing every node's tokens once (linear + attention
-        onto its ancestors and the earlier tokens of the node)."""
-        return self.cost(tree.node_len, node_key_pairs(tree))
+        onto its ancestors and the earlier tokens of the node + logits of its claimed tokens)."""
+        return self.cost(tree.node_len, node_key_pairs(tree), claimed_tokens_per_node(tree))
 
     def subtree_costs(self, tree: PrefixTree) -> np.ndarray:
         """float64 ``[M]``: cost of every node's subtree (itself included), from prefix sums
@@ -203,8 +226,9 @@ class CostModel:
         return cumulative[tree.node_subtree_end] - cumulative[:-1]
 
     def tree_cost(self, tree: PrefixTree) -> float:
-        """Cost of the batch with the prefix tree (every tree token computed once)."""
-        return self.cost(tree.num_tree_tokens, tree_key_pairs(tree))
+        """Cost of the batch with the prefix tree (every tree token computed once, the logits
+        of a token claimed by several samples once)."""
+        return self.cost(tree.num_tree_tokens, tree_key_pairs(tree), int(claimed_tokens(tree).sum()))
 
     def ideal_speedup(self, tree: PrefixTree) -> float:
         """baseline cost / tree cost: the ideal speedup of this batch and model (docs/prefix-tree.md)."""
@@ -215,4 +239,5 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "linear_flops_per_token": self.linear_flops_per_token,
-                "attention_flops_per_key": self.attention_flops_per_key}
+                "attention_flops_per_key": self.attention_flops_per_key,
+                "head_flops_per_row": self.head_flops_per_row}

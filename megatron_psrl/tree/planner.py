@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from megatron_psrl.errors import ConfigurationError, PsrlError
-from megatron_psrl.tree.cost import CostModel
+from megatron_psrl.tree.cost import CostModel, claimed_tokens
 from megatron_psrl.tree.packing import ExternalSource, PackedMicroBatch, TreeIndex, chain_structure, pack_tokens
 from megatron_psrl.tree.prefix_tree import PrefixTree
 from megatron_psrl.tree.unshared import build_unshared_tree
@@ -93,6 +93,9 @@ class PlannerConfig:
 
     cost_per_exchange: float = 0.0
     """Cost-model units of one exchange step (per-layer collective latency, summed)."""
+
+    cost_per_micro_batch: float = 0.0
+    """Cost-model units of the fixed overhead of one micro-batch (or cross-rank step)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
@@ -309,6 +312,13 @@ class StepPlan:
         return int(sum(len(c) for r in self.ranks for mb in r.micro_batches if mb.exchange
                        for chains in mb.exchange.send.values() for c in chains))
 
+    def exchanged_bytes(self, kv_bytes_per_token: float) -> int:
+        """Bytes sent between ranks in the step: prefix K/V forward, their gradients back (the
+        exchange's backward), and the replicas' gradients returned to their owners."""
+        replica = sum(r.sources[s].length for r in self.ranks for mb in r.micro_batches if mb.exchange
+                      for ids in mb.exchange.grad_send.values() for s in ids)
+        return int((2 * self.exchanged_tokens() + replica) * kv_bytes_per_token)
+
     def mechanism_counts(self) -> Dict[str, int]:
         """How many cached sources / duplicated tokens the plan uses (for logs)."""
         duplicated = sum(int((~mb.owned).sum()) for r in self.ranks for mb in r.micro_batches)
@@ -355,14 +365,15 @@ def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
 
 
 def _token_cost(index: TreeIndex, cost_model: Optional[CostModel]):
-    """Cost of computing given tree tokens once: linear + attention over their keys."""
+    """Cost of computing given tree tokens once: linear + attention over their keys + the
+    logits of claimed tokens (the same cost the whole-tree placement balances)."""
     position = index.position
+    claimed = claimed_tokens(index.tree)
 
     def cost(tokens: np.ndarray) -> np.ndarray:
-        keys = position[tokens].astype(np.float64) + 1.0
         if cost_model is None:
             return np.ones(len(tokens))
-        return cost_model.linear_flops_per_token + cost_model.attention_flops_per_key * keys
+        return cost_model.cost(1, position[tokens] + 1, claimed[tokens])
 
     return cost
 
@@ -374,7 +385,8 @@ def _plan_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, g:
     ranks = []
     for r in range(g):
         ranks.append(_plan_rank(index, units[assignment == r], config))
-        ranks[-1].planned_cost = float(costs[assignment == r].sum())
+        ranks[-1].planned_cost = float(costs[assignment == r].sum()
+                                       + config.cost_per_micro_batch * len(ranks[-1].micro_batches))
     return ranks
 
 
@@ -389,7 +401,7 @@ def _cross_rank_makespan(ranks: List[RankPlan], token_cost, config: PlannerConfi
         if ex is not None:
             moved = max(sum(len(c) for chains in r.micro_batches[m].exchange.send.values() for c in chains)
                         for r in ranks)
-        span += compute
+        span += compute + config.cost_per_micro_batch
         if moved or (ex is not None and ex.forward_collective):
             span += 2 * (moved * config.kv_bytes_per_token * config.cost_per_exchanged_byte) + config.cost_per_exchange
     return span

@@ -169,8 +169,10 @@ def assert_matches_naive(batch: SampleBatch) -> None:
     assert node_level(tree).tolist() == levels
     assert stats.max_node_depth == max((naive.depth[n] for n in start_nodes), default=0)
     model = CostModel.named("tiny")
-    unshared = model.cost(stats.tokens_total, stats.attention_pairs_unshared)
-    shared = model.cost(stats.tokens_in_tree, stats.attention_pairs_shared)
+    # logits: one row per claim without sharing; one per claimed tree token with it
+    unshared = model.cost(stats.tokens_total, stats.attention_pairs_unshared, sum(naive_claims.values()))
+    shared = model.cost(stats.tokens_in_tree, stats.attention_pairs_shared,
+                        len({token for token, *_ in naive_claims}))
     assert stats.ideal_speedup == pytest.approx(unshared / shared)
 
 

@@ -21,7 +21,8 @@ from megatron_psrl.tree import (
 
 
 def linear_weights(model: CostModel) -> float:
-    return model.linear_flops_per_token / 6.0  # fwd+bwd (3x) of a multiply-add (2 FLOPs)
+    """GEMM weights touched by a token whose log-prob is computed (layers + output layer)."""
+    return (model.linear_flops_per_token + model.head_flops_per_row) / 6.0  # fwd+bwd (3x) of a multiply-add
 
 
 def test_tiny_model_by_hand():
@@ -135,6 +136,7 @@ def test_stats_to_dict_is_json_and_shared_fraction():
     assert data["max_branching"] == 2 and data["mean_branching"] == 2.0
     assert data["cost_model"]["name"] == "tiny"
     tiny = CostModel.named("tiny")
-    # Key pairs: unshared 10 + 10 + 3; tree [1 2] 3, [3 4] 7, [5 6] 7, [7 8] 3.
-    assert data["ideal_speedup"] == pytest.approx(tiny.cost(10, 23) / tiny.cost(8, 20))
+    # Key pairs: unshared 10 + 10 + 3; tree [1 2] 3, [3 4] 7, [5 6] 7, [7 8] 3. Logit rows (the
+    # default mask trains every token but the first): unshared 3 + 3 + 1; tree: 2 3 4 5 6 8 -> 6.
+    assert data["ideal_speedup"] == pytest.approx(tiny.cost(10, 23, 7) / tiny.cost(8, 20, 6))
     np.testing.assert_allclose(sample_shared_fraction(tree), [0.5, 0.5, 0.0])

@@ -17,7 +17,7 @@ COST = CostModel.named("tiny")
 
 
 def _cost(index):
-    return lambda tokens: COST.linear_flops_per_token + COST.attention_flops_per_key * (index.position[tokens] + 1.0)
+    return lambda tokens: COST.cost(1, index.position[tokens] + 1)
 
 
 def _one_chain(length=400, vocab=256, seed=0):
@@ -117,8 +117,10 @@ def test_longer_chain_uses_replicas_and_defers_backward():
 
 def test_plan_step_chooses_cross_rank_for_one_big_tree_and_whole_trees_for_many():
     big = build_prefix_tree(make_workload("tree", seed=3, num_roots=1))
-    many = build_prefix_tree(make_workload("grpo", seed=3, num_prompts=16))
-    config = dict(micro_batch_tokens=256, data_parallel_size=4, exchange_group_size=4, cost_model=COST)
+    many = build_prefix_tree(make_workload("grpo", seed=3, num_prompts=64))
+    # an exchange costs about as much as computing 100 tokens
+    config = dict(micro_batch_tokens=256, data_parallel_size=4, exchange_group_size=4, cost_model=COST,
+                  cost_per_exchange=100 * COST.linear_flops_per_token)
     one = plan_step(big, PlannerConfig(**config))
     assert one.placements == ["cross-rank"] and one.imbalance() < 1.15
     whole = plan_step(big, PlannerConfig(placement="whole-tree", **config))
