@@ -19,6 +19,12 @@ for every other known model size, and writes:
   its first L tokens, for L = 32, 64, ... up to the longest sample. It shows how the benefit
   grows with context: attention (quadratic) dominates longer contexts, and deep step-wise
   histories only share once they are long.
+
+With ``--ranks N`` it also plans the batch over N ranks without running a model and prints,
+side by side, whole-tree placement (every tree on one rank) and cross-rank placement (equal-cost
+fragments of the trees over the ranks, prefix K/V exchanged): the imbalance (max / mean rank
+cost), the makespan against perfect balance, and the bytes exchanged per step (K/V of --model
+in bf16); ``placement.png`` plots every rank's cost under both.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from megatron_psrl.tree import (  # noqa: E402
     sample_shared_fraction,
     tree_stats,
 )
+from megatron_psrl.tree.cross_rank import compare_placements  # noqa: E402
 
 LARGE_INPUT_BYTES = 32 << 20
 """Inputs above this size get tqdm progress bars."""
@@ -145,6 +152,32 @@ def _save(fig, plots_dir: str, name: str) -> str:
     return path
 
 
+def plot_placement(report: dict, plots_dir: str, title: str) -> str:
+    """Every rank's planned cost under whole-tree and cross-rank placement."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.4
+    for k, (name, rep) in enumerate(report.items()):
+        costs = np.asarray(rep["rank_cost"])
+        ax.bar(np.arange(len(costs)) + (k - 0.5) * width, costs / max(costs.max(), 1e-30), width,
+               label=f"{name} (imbalance {rep['imbalance']:.2f})")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("planned cost / max")
+    ax.set_title(f"{title}: work per rank")
+    ax.set_ylim(0, 1.3)
+    ax.legend(loc="upper center", ncol=2)
+    os.makedirs(plots_dir, exist_ok=True)
+    path = os.path.join(plots_dir, "placement.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -154,6 +187,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="model size of the cost model (default llama3-8b)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="also check token ids against this vocabulary")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="also compare whole-tree and cross-rank placement over this many ranks")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="token budget of one micro-batch")
+    parser.add_argument("--exchange-group-size", type=int, default=None,
+                        help="ranks that may split a tree between them (default: all --ranks)")
     parser.add_argument("--out-json", default=None, help="write the summary here")
     parser.add_argument("--plots-dir", default=None, help="write PNG plots here")
     return parser.parse_args(argv)
@@ -198,10 +236,23 @@ def _main(argv: Optional[List[str]]) -> int:
         "speedup_vs_context": curve,
         "plots": [],
     }
+    if args.ranks:
+        dims = NAMED_MODEL_DIMS[args.model]
+        kv_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 2  # K and V, bf16
+        summary["placement"] = compare_placements(tree, model, args.ranks, args.micro_batch_tokens,
+                                                  args.exchange_group_size, kv_bytes)
+        print(f"  placement over {args.ranks} ranks (micro-batch {args.micro_batch_tokens} tokens):")
+        for name, rep in summary["placement"].items():
+            print(f"    {name:<11} imbalance {rep['imbalance']:.3f}  makespan / perfect "
+                  f"{rep['makespan'] / max(rep['perfect'], 1e-30):.3f}  micro-batches {rep['micro_batches']}  "
+                  f"exchanged {rep['exchanged_bytes'] / 2**20:.1f} MiB  duplicated {rep['tokens_duplicated']} tokens  "
+                  f"planned in {rep['plan_seconds'] * 1e3:.0f} ms")
     if args.plots_dir:
         title = os.path.basename(str(args.data))
         summary["plots"] = make_plots(tree, shared_fraction, curve, args.model, args.plots_dir,
                                       title)
+        if args.ranks:
+            summary["plots"].append(plot_placement(summary["placement"], args.plots_dir, title))
         print(f"  plots: {', '.join(summary['plots'])}")
     if args.out_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)

@@ -63,7 +63,10 @@ class PrefixSharingAttention(MegatronModule):
             # Dropout would make a shared prefix differ between the samples that share it.
             raise ConfigurationError("prefix sharing is exact only without attention dropout (set it to 0)")
         if config.context_parallel_size > 1:
-            raise UnsupportedFeatureError("context parallelism is not supported by PrefixSharingAttention")
+            raise UnsupportedFeatureError(
+                "megatron's context parallelism is not used by PrefixSharingAttention: megatron_psrl exchanges prefix "
+                "K/V itself (--context-parallel-size); build the model with context_parallel_size=1"
+            )
         if backend is not None and backend not in BACKENDS:
             raise ConfigurationError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
         self.layer_number = layer_number

@@ -121,8 +121,12 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
 
 
 def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int):
+    """Per micro-batch: its graph's activations, and the prefix K/V it holds while it runs (or,
+    kept, until its backward): copies gathered from the cache and K/V received from other
+    ranks in the same step (cross-rank peers)."""
     graph = {i: mb.num_tokens * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
-    reads = {i: 2 * geometry.bytes_per_token * sum(plan.sources[s].length for s in mb.reads)
+    reads = {i: 2 * geometry.bytes_per_token * (sum(plan.sources[s].length for s in mb.reads)
+                                                + sum(p.length for p in mb.peer_reads))
              for i, mb in enumerate(plan.micro_batches)}
     return graph, reads
 

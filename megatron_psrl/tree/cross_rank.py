@@ -40,9 +40,9 @@ from megatron_psrl.tree.planner import (
     PeerRead,
     RankPlan,
     StepExchange,
-    _ancestor_path,
     _schedule,
     _split_chains,
+    chunk_dependencies,
 )
 
 TokenCost = Callable[[np.ndarray], np.ndarray]
@@ -87,7 +87,7 @@ def equal_cost_cuts(cum: np.ndarray, num_fragments: int, unit_bounds: np.ndarray
 
 
 def plan_group_cross_rank(
-    index: TreeIndex, units: np.ndarray, budget: int, group_size: int, token_cost: TokenCost, snap: float = 0.05,
+    index: TreeIndex, units: np.ndarray, budget: int, group_size: int, token_cost: TokenCost, snap: float = 0.02,
 ) -> Optional[List[RankPlan]]:
     """The cross-rank plan of one exchange group (see the module docstring), or None when the
     trees have fewer tokens than the group has ranks."""
@@ -107,35 +107,15 @@ def plan_group_cross_rank(
 
 
 def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cost: np.ndarray) -> List[RankPlan]:
-    pred, subtree_end = index.pred, index.subtree_end
+    subtree_end = index.subtree_end
     num = len(bounds) - 1
     steps = num // g
     rank_of = np.arange(num) % g
     step_of = np.arange(num) // g
     first = stream[bounds[:-1]]
 
-    def fragment_of(tokens: np.ndarray) -> np.ndarray:
-        return np.searchsorted(bounds, np.searchsorted(stream, tokens), side="right") - 1
-
     # What every fragment needs from earlier fragments (all on the path to its first token).
-    needed: List[List[np.ndarray]] = [[] for _ in range(num)]
-    attach: List[List[np.ndarray]] = [[] for _ in range(num)]
-    remote: List[List[np.ndarray]] = [[] for _ in range(num)]
-    for f in range(num):
-        a = int(first[f])
-        if pred[a] < 0:
-            continue
-        tokens = stream[bounds[f]:bounds[f + 1]]
-        roots = tokens[(pred[tokens] >= 0) & (pred[tokens] < a)]
-        path = _ancestor_path(index, int(pred[a]))
-        producers = fragment_of(path)
-        for p in np.unique(producers):
-            needed[p].append(path[producers == p])
-        preds = pred[roots]
-        pf = fragment_of(preds)
-        for p in np.unique(pf):
-            attach[p].append(preds[pf == p])
-            remote[p].append(roots[pf == p])
+    deps = chunk_dependencies(index, [stream[bounds[f]:bounds[f + 1]] for f in range(num)])
 
     mbs = [[MicroBatchSpec(index=m, tokens=stream[bounds[m * g + r]:bounds[m * g + r + 1]].copy(),
                            owned=np.ones(int(bounds[m * g + r + 1] - bounds[m * g + r]), bool))
@@ -151,13 +131,12 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
 
     for p in range(num):
         q, mp = int(rank_of[p]), int(step_of[p])
-        if remote[p]:
+        if p in deps.remote:
             mb = mbs[q][mp]
-            mb.remote_targets = np.concatenate([mb.remote_targets, np.unique(np.concatenate(remote[p]))])
-        if not needed[p]:
+            mb.remote_targets = np.concatenate([mb.remote_targets, deps.remote[p]])
+        if p not in deps.needed:
             continue
-        chain_tokens = np.unique(np.concatenate(needed[p]))
-        for chain in _split_chains(index, chain_tokens, np.unique(np.concatenate(attach[p]))):
+        for chain in _split_chains(index, deps.needed[p], deps.attach[p]):
             last = int(chain[-1])
             later_firsts = first[p + 1:]
             consumers = (p + 1 + np.flatnonzero((later_firsts > last) & (later_firsts < subtree_end[last]))).tolist()
@@ -223,3 +202,35 @@ def exchange_tokens(plans: List[RankPlan]) -> int:
     sends them once; replica gradients travel back once more)."""
     return int(sum(len(c) for p in plans for mb in p.micro_batches if mb.exchange
                    for chains in mb.exchange.send.values() for c in chains))
+
+
+def compare_placements(tree, cost_model, ranks: int, micro_batch_tokens: int, group_size: Optional[int] = None,
+                       kv_bytes_per_token: float = 0.0) -> Dict[str, dict]:
+    """Whole-tree vs cross-rank placement of one batch over ``ranks`` simulated ranks (no
+    model): per-rank planned cost, imbalance (max / mean), predicted makespan (cost units),
+    micro-batches, bytes exchanged, tokens duplicated, planning time. ``group_size``: ranks per
+    exchange group (default: all)."""
+    import time
+
+    from megatron_psrl.tree.planner import PlannerConfig, plan_step
+
+    report = {}
+    for placement in ("whole-tree", "cross-rank"):
+        config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
+                               exchange_group_size=group_size or ranks, placement=placement, cost_model=cost_model,
+                               kv_bytes_per_token=kv_bytes_per_token)
+        t0 = time.perf_counter()
+        plan = plan_step(tree, config)
+        seconds = time.perf_counter() - t0
+        costs = plan.rank_costs()
+        report[placement] = {
+            "rank_cost": costs.tolist(),
+            "imbalance": plan.imbalance(),
+            "makespan": float(max(plan.predicted_makespan)),
+            "perfect": float(costs.sum() / len(costs)),
+            "micro_batches": plan.num_micro_batches(),
+            "exchanged_bytes": plan.exchanged_bytes(kv_bytes_per_token),
+            "tokens_duplicated": plan.mechanism_counts()["duplicated_tokens"],
+            "plan_seconds": seconds,
+        }
+    return report

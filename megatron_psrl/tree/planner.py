@@ -553,39 +553,98 @@ def _ancestor_path(index: TreeIndex, token: int) -> np.ndarray:
     return np.concatenate(pieces[::-1])
 
 
+def _union_of_paths(index: TreeIndex, tokens, floor: int) -> np.ndarray:
+    """Tree tokens ``>= floor`` on the paths from the root to any of ``tokens``, ascending.
+
+    The marked set is closed under ancestors, so per node it is a prefix of the node's tokens:
+    a walk up stops at the first node already marked."""
+    tree = index.tree
+    marked: Dict[int, int] = {}  # node -> last marked token of the node
+    for y in tokens:
+        m, hi = int(index.token_node[y]), int(y)
+        while m >= 0:
+            if m in marked:
+                marked[m] = max(marked[m], hi)
+                break
+            marked[m] = hi
+            if tree.node_offset[m] <= floor:
+                break
+            m = int(tree.node_parent[m])
+            hi = int(tree.node_offset[m + 1]) - 1
+    return np.concatenate([np.arange(max(int(tree.node_offset[m]), floor), marked[m] + 1, dtype=np.int64)
+                           for m in sorted(marked)])
+
+
+@dataclass
+class ChunkDependencies:
+    """What later chunks of a depth-first stream need from each chunk (by chunk index)."""
+
+    needed: Dict[int, np.ndarray]
+    """Tokens of the chunk that lie on the path of some later chunk (ascending)."""
+
+    attach: Dict[int, np.ndarray]
+    """Tokens of the chunk that a later chunk's root segments continue from."""
+
+    remote: Dict[int, np.ndarray]
+    """Tokens of later chunks whose predecessor is in the chunk (their log-prob is computed there)."""
+
+
+def chunk_dependencies(index: TreeIndex, chunks: List[np.ndarray]) -> ChunkDependencies:
+    """Dependencies between the chunks (contiguous depth-first ranges of one or more trees, in
+    stream order) of a stream: a chunk's outside ancestors all lie on the path to its first
+    token, in earlier chunks.
+
+    A later chunk needs, from an earlier chunk p, the path tokens inside p: the ancestors (in
+    p) of the deepest path token in p. Only those deepest tokens are collected, walking the
+    path node by node (not token by token), and each chunk's needed tokens are built once at
+    the end, so a long chain (every chunk reads everything before it) costs linear work."""
+    pred, tree = index.pred, index.tree
+    first = np.array([int(c[0]) for c in chunks], dtype=np.int64)
+    last = np.array([int(c[-1]) for c in chunks], dtype=np.int64)
+    chunk_of = lambda tok: np.searchsorted(first, tok, side="right") - 1  # noqa: E731
+    deepest: Dict[int, set] = {}
+    attach: Dict[int, List[np.ndarray]] = {}
+    remote: Dict[int, List[np.ndarray]] = {}
+    for tokens in chunks:
+        a = int(tokens[0])
+        if pred[a] < 0:
+            continue
+        hi = int(pred[a])  # walk the path up, one node piece [lo, hi] at a time
+        m = int(index.token_node[hi])
+        while m >= 0:
+            lo = int(tree.node_offset[m])
+            for c in range(int(chunk_of(hi)), int(chunk_of(lo)) - 1, -1):
+                deepest.setdefault(c, set()).add(min(hi, int(last[c])))
+            m = int(tree.node_parent[m])
+            if m >= 0:
+                hi = int(tree.node_offset[m + 1]) - 1
+        roots = tokens[(pred[tokens] >= 0) & (pred[tokens] < a)]
+        preds = pred[roots]
+        pj = chunk_of(preds)
+        for j in np.unique(pj):
+            attach.setdefault(int(j), []).append(preds[pj == j])
+            remote.setdefault(int(j), []).append(roots[pj == j])
+    needed = {p: _union_of_paths(index, ys, int(first[p])) for p, ys in deepest.items()}
+    return ChunkDependencies(
+        needed=needed,
+        attach={j: np.unique(np.concatenate(v)) for j, v in attach.items()},
+        remote={j: np.unique(np.concatenate(v)) for j, v in remote.items()},
+    )
+
+
 def _link_stream(
     index: TreeIndex, bounds: List[int], bin_ids: List[int], mbs: List[MicroBatchSpec], sources: Dict[int, CachedSource]
 ) -> None:
     """Create the cached sources of a chunked tree and record reads / remote targets."""
-    pred = index.pred
     n = len(bounds) - 1
-    # Path to every chunk's first token (its outside ancestors) and its attach points.
-    needed: List[List[np.ndarray]] = [[] for _ in range(n)]
-    attach: List[List[np.ndarray]] = [[] for _ in range(n)]
-    remote: List[List[np.ndarray]] = [[] for _ in range(n)]
-    chunk_of = lambda tok: np.searchsorted(bounds, tok, side="right") - 1  # noqa: E731
-    for i in range(1, n):
-        a, b = bounds[i], bounds[i + 1]
-        chunk = np.arange(a, b, dtype=np.int64)
-        roots = chunk[(pred[chunk] >= 0) & (pred[chunk] < a)]
-        path = _ancestor_path(index, int(pred[a]))
-        producers = chunk_of(path)
-        for j in np.unique(producers):
-            needed[j].append(path[producers == j])
-        preds = pred[roots]
-        pj = chunk_of(preds)
-        for j in np.unique(pj):
-            attach[j].append(preds[pj == j])
-            remote[j].append(roots[pj == j])
+    deps = chunk_dependencies(index, [np.arange(a, b, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:])])
     for j in range(n):
         mb = mbs[bin_ids[j]]
-        if remote[j]:
-            mb.remote_targets = np.concatenate([mb.remote_targets, np.unique(np.concatenate(remote[j]))])
-        if not needed[j]:
+        if j in deps.remote:
+            mb.remote_targets = np.concatenate([mb.remote_targets, deps.remote[j]])
+        if j not in deps.needed:
             continue
-        tokens = np.unique(np.concatenate(needed[j]))
-        attach_points = np.unique(np.concatenate(attach[j]))
-        for piece in _split_chains(index, tokens, attach_points):
+        for piece in _split_chains(index, deps.needed[j], deps.attach[j]):
             sid = len(sources)
             src = CachedSource(source_id=sid, producer=bin_ids[j], tokens=piece)
             last = src.last_token

@@ -45,17 +45,23 @@ def _reference(family, kind, tmp_path_factory):
     return _REFS[key]
 
 
-CASES = [
-    # (id, family, batch, nproc, tp, cp, kv budget)
-    ("dp2-one-tree", "llama", "one-tree", 2, 1, 1, 1 << 30),
-    ("dp2-chain", "llama", "chain", 2, 1, 1, 1 << 30),
-    ("dp4-one-tree", "llama", "one-tree", 4, 1, 1, 1 << 30),
-    ("dp2-stepwise", "llama", "stepwise", 2, 1, 1, 1 << 30),
-    ("dp2-mixed", "llama", "mixed", 2, 1, 1, 1 << 30),
+LAYOUTS = {  # name: (family, nproc, tp, cp)
+    "dp2": ("llama", 2, 1, 1),
+    "dp4": ("llama", 4, 1, 1),
+    "cp2": ("llama", 2, 1, 2),
+    "cp2xdp2": ("llama", 4, 1, 2),
+    "cp2xtp2": ("qwen3", 4, 2, 2),
+}
+# (id, family, batch, nproc, tp, cp, kv budget): every layout on one tree several times larger
+# than a micro-batch, step-wise trajectories and the mixed workload; one long sample on CP=2
+# and CP=4; tight KV budgets (recomputation).
+CASES = [(f"{name}-{kind}", *layout[:1], kind, *layout[1:], 1 << 30)
+         for name, layout in LAYOUTS.items() for kind in ("one-tree", "stepwise", "mixed")]
+CASES += [
     ("cp2-chain", "llama", "chain", 2, 1, 2, 1 << 30),
+    ("cp4-chain", "llama", "chain", 4, 1, 4, 1 << 30),
     ("cp2-one-tree-tight-kv", "llama", "one-tree", 2, 1, 2, 256 * 1024),
-    ("cp2xdp2-mixed", "llama", "mixed", 4, 1, 2, 1 << 30),
-    ("cp2xtp2-stepwise", "qwen3", "stepwise", 4, 2, 2, 1 << 30),
+    ("dp2-chain-tight-kv", "llama", "chain", 2, 1, 1, 256 * 1024),
 ]
 
 
