@@ -80,3 +80,21 @@ def test_context_lengths():
     assert analyze.context_lengths(100) == [32, 64, 100]
     assert analyze.context_lengths(128) == [32, 64, 128]
     assert analyze.context_lengths(10) == [10]
+
+
+def test_analyze_trace_compares_placements_over_ranks(tmp_path, capsys):
+    """--ranks plans the trace over simulated ranks: a step-wise batch sharing one system prompt
+    is one tree, so whole-tree placement leaves ranks idle and cross-rank placement does not."""
+    trace = tmp_path / "step.jsonl"
+    assert make_trace.main(["--workload", "stepwise", "--out", str(trace)]) == 0
+    summary_path, plots = tmp_path / "summary.json", tmp_path / "plots"
+    rc = analyze.main(["--data", str(trace), "--model", "llama3-8b", "--ranks", "4", "--micro-batch-tokens", "256",
+                       "--out-json", str(summary_path), "--plots-dir", str(plots)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "placement over 4 ranks" in printed and "whole-tree" in printed and "cross-rank" in printed
+    placement = json.loads(summary_path.read_text())["placement"]
+    assert len(placement["cross-rank"]["rank_cost"]) == 4
+    assert placement["whole-tree"]["imbalance"] > 2.0 and placement["cross-rank"]["imbalance"] < 1.1
+    assert placement["cross-rank"]["exchanged_bytes"] > 0 and placement["whole-tree"]["exchanged_bytes"] == 0
+    assert (plots / "placement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

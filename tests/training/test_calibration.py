@@ -1,0 +1,57 @@
+"""The start-up cost calibration: positive constants that predict a pack they were not fitted
+on, stored in a profile and reused (the same numbers every run, no second measurement)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_psrl.distributed.setup import initialize_parallel
+from megatron_psrl.model import tiny_config
+from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.builder import build_model
+from megatron_psrl.training import calibration
+from megatron_psrl.training.calibration import MeasuredCosts, calibrate
+
+
+@pytest.fixture(scope="module")
+def model():
+    initialize_parallel(1, 1, seed=0, device="cpu")
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-llama"))
+    return arch, build_model(arch)
+
+
+def test_measured_constants_predict_an_unseen_pack(model):
+    arch, m = model
+    costs = calibrate(m, arch.vocab_size, torch.device("cpu"), 512)
+    assert costs.seconds_per_token > 0 and costs.seconds_per_key > 0 and costs.seconds_per_micro_batch >= 0
+    cm = costs.cost_model()
+    assert cm.linear_flops_per_token == costs.seconds_per_token  # the planner's units become seconds
+    segments, rows = [300, 100, 50], 200
+    measured = calibration._time(calibration._pack_step(m, arch.vocab_size, torch.device("cpu"), segments, rows), 3)
+    predicted = costs.predict(sum(segments), sum(s * (s + 1) // 2 for s in segments), rows)
+    assert predicted == pytest.approx(measured, rel=0.6)  # a timing on a shared machine: the order of magnitude
+
+
+def test_profile_is_written_and_reused(model, tmp_path, monkeypatch):
+    arch, m = model
+    profile = tmp_path / "costs.json"
+    first = calibrate(m, arch.vocab_size, torch.device("cpu"), 256, profile=str(profile), key="debug")
+    assert json.loads(profile.read_text())["key"] == "debug"
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the stored profile should have been used")
+
+    monkeypatch.setattr(calibration, "measure_compute", no_measuring)
+    again = calibrate(m, arch.vocab_size, torch.device("cpu"), 256, profile=str(profile), key="debug")
+    assert again == first
+    with pytest.raises(AssertionError, match="stored profile"):  # another key measures again
+        calibrate(m, arch.vocab_size, torch.device("cpu"), 256, profile=str(profile), key="other")
+
+
+def test_predict_is_linear_in_its_parts():
+    costs = MeasuredCosts(1e-4, 1e-7, 2e-5, 5e-3)
+    a = costs.predict(100, 1000, 10)
+    assert a == pytest.approx(1e-2 + 1e-4 + 2e-4 + 5e-3)
+    assert np.isclose(costs.predict(200, 2000, 20, micro_batches=2), 2 * a)
