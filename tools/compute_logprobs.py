@@ -28,10 +28,12 @@ from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info  # noqa: 
 from megatron_psrl.cli import positive_int, run_cli  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
 from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES  # noqa: E402
-from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel  # noqa: E402
+from megatron_psrl.distributed.setup import exchange_group_of, initialize_parallel, shutdown_parallel  # noqa: E402
+from megatron_psrl.kvcache import KVGeometry  # noqa: E402
 from megatron_psrl.model.architecture import ModelArchitecture  # noqa: E402
 from megatron_psrl.model.builder import parse_dtype  # noqa: E402
 from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
+from megatron_psrl.training.calibration import calibrate_for_planning  # noqa: E402
 from megatron_psrl.training.logprobs import compute_logprobs  # noqa: E402
 from megatron_psrl.training.preflight import on_logging_rank  # noqa: E402
 from megatron_psrl.training.trainer import cost_model_for  # noqa: E402
@@ -86,12 +88,20 @@ def main(argv=None) -> int:
     else:
         dtype = parse_dtype(read_checkpoint_info(args.load)[1].dtype)
     arch, model, _ = load_model(source, dtype=dtype, device=layout.device)
+    group, group_size = exchange_group_of(layout)
+    settings = None
+    if group_size > 1 and args.placement != "whole-tree" and not args.no_prefix_sharing:
+        # the same measured costs as training decide where trees go
+        geometry = KVGeometry.for_model(arch, layout.tensor_parallel_size, 1, dtype, layout.device)
+        with layout.monitor.phase("cost calibration"):
+            measured = calibrate_for_planning(model, arch, geometry, layout.device, args.micro_batch_tokens, group)
+        settings = measured.planner_settings(geometry.num_layers, 2 * geometry.bytes_per_token)
     with layout.monitor.phase("log-prob forward"):
         logprobs = compute_logprobs(
             model, arch, batch, prefix_sharing=not args.no_prefix_sharing, micro_batch_tokens=args.micro_batch_tokens,
             kv_cache_budget=args.kv_cache_budget, attention_backend=args.attention_backend, device=layout.device,
             allow_rope_extrapolation=args.allow_rope_extrapolation, placement=args.placement,
-            cost_model=cost_model_for(arch),
+            cost_model=cost_model_for(arch), exchange_group=group, planner_settings=settings,
         )
     if layout.rank == 0:
         atomic_write_text(args.out, (json.dumps({"id": sid, "logprobs": [float(x) for x in lp]}) + "\n"

@@ -149,6 +149,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:
         parser.error(f"--micro-batch-tokens {args.micro_batch_tokens} is below the floor of {MIN_MICRO_BATCH_TOKENS} "
                      "tokens (a step would be thousands of tiny micro-batches)")
+    if args.placement == "cross-rank" and args.prefix_sharing != "tree":
+        parser.error("--placement cross-rank needs --prefix-sharing tree (fragments exchange cached prefix K/V)")
     if not args.distributed_timeout_minutes > 0:
         parser.error("--distributed-timeout-minutes must be > 0")
     if args.global_batch_size is not None and args.global_batch_size < 1:

@@ -51,16 +51,25 @@ class MeasuredCosts:
     """Fixed overhead of one micro-batch (kernel launches, Python, packing)."""
 
     seconds_per_byte: float = 0.0
-    """Prefix K/V exchange, per byte sent by the busiest rank (0: no exchange group)."""
+    """Prefix K/V exchange, per byte a rank sends to the others (0: no exchange group)."""
 
     seconds_per_exchange: float = 0.0
-    """Prefix K/V exchange, fixed cost of one collective."""
+    """Prefix K/V exchange, fixed cost (latency) of one per-layer all-to-all."""
 
     key: str = ""
     """What the measurement is valid for (model, dtype, device, layout)."""
 
     def cost_model(self) -> CostModel:
         return CostModel(self.seconds_per_token, self.seconds_per_key, self.seconds_per_row, name="measured")
+
+    def planner_settings(self, num_layers: int, kv_bytes_per_token: float) -> dict:
+        """``PlannerConfig`` fields in seconds: a cross-rank step pays one all-to-all per layer
+        forward and one backward, and moves ``kv_bytes_per_token`` (K and V of all layers) per
+        exchanged token."""
+        return dict(cost_model=self.cost_model(), kv_bytes_per_token=kv_bytes_per_token,
+                    cost_per_exchanged_byte=self.seconds_per_byte,
+                    cost_per_exchange=2 * num_layers * self.seconds_per_exchange,
+                    cost_per_micro_batch=self.seconds_per_micro_batch)
 
     def predict(self, tokens: float, keys: float, rows: float, micro_batches: int = 1) -> float:
         return (self.seconds_per_token * tokens + self.seconds_per_key * keys + self.seconds_per_row * rows
@@ -122,18 +131,31 @@ def measure_compute(model, vocab_size: int, device, max_tokens: int, repeats: in
 
 
 def measure_exchange(group, bytes_per_row: int, device, repeats: int = 3) -> np.ndarray:
-    """``[seconds/byte, seconds/exchange]`` of an all-to-all over ``group``."""
+    """``[seconds/byte, seconds/exchange]`` of the per-layer all-to-all over ``group``: rows of
+    ``bytes_per_row`` (one layer's K and V of a token), to every other rank; the latency from
+    one row, the bandwidth from the slope to 2048 rows (bytes sent to other ranks)."""
     g = dist.get_world_size(group)
-    times, sizes = [], [16, 4096]
+    times, sizes = [], [1, 2048]
     for rows in sizes:
-        send = torch.zeros((rows * g, bytes_per_row // 4), dtype=torch.float32, device=device)
+        send = torch.zeros((rows * g, max(1, bytes_per_row // 4)), dtype=torch.float32, device=device)
         counts = [rows] * g
         times.append(_time(lambda send=send, counts=counts: return_replica_grads(send, counts, counts, group), repeats))
-    per_byte = max((times[1] - times[0]) / ((sizes[1] - sizes[0]) * g * bytes_per_row), 0.0)
+    per_byte = max((times[1] - times[0]) / ((sizes[1] - sizes[0]) * (g - 1) * bytes_per_row), 0.0)
     return np.array([per_byte, max(times[0], 0.0)])
 
 
-def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=None, kv_bytes_per_token: int = 0,
+def calibrate_for_planning(model, arch, geometry, device, max_tokens: int, exchange_group,
+                           profile: Optional[str] = None) -> MeasuredCosts:
+    """:func:`calibrate` for a run that places trees over an exchange group (training and the
+    log-prob tool alike): the key names the model, dtype, device and layout."""
+    g = dist.get_world_size(exchange_group) if exchange_group is not None else 1
+    key = (f"{arch.model_type}-h{arch.hidden_size}-L{arch.num_layers}-{geometry.dtype}-{device.type}"
+           f"-kv{geometry.num_groups}x{geometry.head_dim}-group{g}")
+    return calibrate(model, arch.vocab_size, device, max_tokens, exchange_group,
+                     2 * geometry.bytes_per_token // geometry.num_layers, profile=profile, key=key)
+
+
+def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=None, layer_row_bytes: int = 0,
               profile: Optional[str] = None, key: str = "") -> MeasuredCosts:
     """Measure (or read from ``profile``) this run's costs, the same on every rank: rank 0
     reads the profile and tells the others, so all measure or none does."""
@@ -155,8 +177,8 @@ def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=No
         return stored
     compute = measure_compute(model, vocab_size, device, max_tokens)
     link = np.zeros(2)
-    if exchange_group is not None and dist.get_world_size(exchange_group) > 1 and kv_bytes_per_token:
-        link = measure_exchange(exchange_group, kv_bytes_per_token, device)
+    if exchange_group is not None and dist.get_world_size(exchange_group) > 1 and layer_row_bytes:
+        link = measure_exchange(exchange_group, layer_row_bytes, device)
     values = torch.tensor(np.concatenate([compute, link]), dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(values)

@@ -95,7 +95,7 @@ def save_training_checkpoint(
     if error is not None:
         raise CheckpointWriteError(final, f"the save could not start; rank 0: {error}")
     failure: Optional[BaseException] = None
-    if layout.dp_rank == 0:
+    if layout.placement_rank == 0:  # one data (x context) parallel replica writes each shard
         try:
             payload = {
                 "model": canonical_state_dict(model),

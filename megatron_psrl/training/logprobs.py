@@ -39,6 +39,7 @@ def compute_logprobs(
     placement: str = "auto",
     cost_model: Optional[CostModel] = None,
     exchange_group=None,
+    planner_settings: Optional[dict] = None,
 ) -> List[np.ndarray]:
     """float32 log-prob arrays, one per sample, aligned with its tokens (index 0 is 0.0).
 
@@ -47,6 +48,8 @@ def compute_logprobs(
     ranks of an exchange group, ``exchange_group``, default from megatron's parallel state);
     tensor-parallel ranks split the model; every rank returns the full result. Samples longer
     than the model's ``max_position_embeddings`` are refused unless ``allow_rope_extrapolation``.
+    ``planner_settings`` (from a cost calibration, ``MeasuredCosts.planner_settings``) replace
+    ``cost_model`` for the placement decision.
     """
     device = device or next(model.parameters()).device
     if arch.sliding_window is not None:
@@ -68,7 +71,7 @@ def compute_logprobs(
     geometry = KVGeometry.for_model(arch, tp, 1, dtype, device)
     config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,
-                           placement=placement, cost_model=cost_model)
+                           placement=placement, **(planner_settings or dict(cost_model=cost_model)))
     plan, memories, _ = plan_with_memory(
         tree, config, lambda group: [plan_forward_memory(r, geometry, kv_cache_budget) for r in group])
     memory = memories[me]

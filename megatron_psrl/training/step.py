@@ -93,7 +93,9 @@ class _PrefixKV:
             if replica is not None and self.store:
                 self.cache.write(replica, layer_number, chunk[:, 0], chunk[:, 1])
             if peer is not None:
-                peers[peer] = (chunk[:, 0], chunk[:, 1])
+                # Copies: the attention saves them for backward, and a view would keep the whole
+                # received buffer (replica rows included) alive with a kept graph.
+                peers[peer] = (chunk[:, 0].clone(), chunk[:, 1].clone())
         self.peers[layer_number] = peers
         # The attention reads these (the exchange's outputs), so its backward runs on every rank.
         return key, value
@@ -300,7 +302,7 @@ class StepRunner:
                                                        coefficients=coefficients, grad=keep, store=True, capture=keep)
                 if keep:
                     account(loss, metrics)
-                    pending[i] = (loss, hook.captured, None)
+                    pending[i] = (loss, hook.captured if hook is not None else [], None)
                 else:
                     pending[i] = (None, None, pack)
             else:  # backward of a producer
@@ -311,7 +313,7 @@ class StepRunner:
                     loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=loss_cfg,
                                                            coefficients=coefficients, grad=True, store=False, capture=True)
                     account(loss, metrics)
-                    captured = hook.captured
+                    captured = hook.captured if hook is not None else []
                     out.tokens_computed += pack.num_tokens
                     out.tokens_recomputed += pack.num_tokens
                     cache.metrics.tokens_recomputed += pack.num_tokens

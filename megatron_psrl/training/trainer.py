@@ -39,7 +39,7 @@ from megatron_psrl.distributed.setup import ParallelLayout, exchange_group_of, g
 from megatron_psrl.errors import ConfigurationError, NonFiniteTrainingError, UnsupportedFeatureError
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory_group
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.training.calibration import MeasuredCosts, calibrate
+from megatron_psrl.training.calibration import MeasuredCosts, calibrate_for_planning
 from megatron_psrl.training.checkpointing import save_training_checkpoint
 from megatron_psrl.training.loss import LossConfig
 from megatron_psrl.training.memory import PeakMemory
@@ -247,12 +247,10 @@ class Trainer:
         self.cost_model, self.measured = cost_model_for(self.arch), None
         if self.exchange_group_size > 1 and args.placement != "whole-tree" and args.prefix_sharing == "tree":
             # Cross-rank decisions weigh compute against transfers: measure both on this model.
-            key = (f"{self.arch.model_type}-h{self.arch.hidden_size}-L{self.arch.num_layers}-{dtype}-{device.type}"
-                   f"-tp{tp}-group{self.exchange_group_size}")
             with self.layout.monitor.phase("cost calibration"):
-                self.measured = calibrate(self.model, self.arch.vocab_size, device, args.micro_batch_tokens,
-                                          self.exchange_group, 2 * self.geometry.bytes_per_token,
-                                          profile=args.cost_profile, key=key)
+                self.measured = calibrate_for_planning(self.model, self.arch, self.geometry, device,
+                                                       args.micro_batch_tokens, self.exchange_group,
+                                                       profile=args.cost_profile)
             self.cost_model = self.measured.cost_model()
             self.log(f"cost calibration: {self.measured.seconds_per_token * 1e6:.1f} us/token, "
                      f"{self.measured.seconds_per_key * 1e9:.2f} ns/key pair, "
@@ -270,15 +268,12 @@ class Trainer:
     def plan(self, tree) -> Tuple[StepPlan, Optional[object], str]:
         """This step's plan, this rank's memory plan, and the sharing mode actually used."""
         args = self.args
-        measured = self.measured
+        costs = (self.measured.planner_settings(self.geometry.num_layers, 2 * self.geometry.bytes_per_token)
+                 if self.measured else dict(cost_model=self.cost_model))
         config = PlannerConfig(
             micro_batch_tokens=args.micro_batch_tokens, data_parallel_size=self.layout.placement_size,
-            sharing=args.prefix_sharing, cost_model=self.cost_model, exchange_group_size=self.exchange_group_size,
-            placement=args.placement, kv_bytes_per_token=2 * self.geometry.bytes_per_token,
-            cost_per_exchanged_byte=measured.seconds_per_byte if measured else 0.0,
-            # per step: one collective per layer forward and one backward
-            cost_per_exchange=2 * self.geometry.num_layers * measured.seconds_per_exchange if measured else 0.0,
-            cost_per_micro_batch=measured.seconds_per_micro_batch if measured else 0.0,
+            sharing=args.prefix_sharing, exchange_group_size=self.exchange_group_size, placement=args.placement,
+            **costs,
         )
         plan, memories, mode = plan_with_memory(
             tree, config, lambda ranks: plan_memory_group(ranks, self.geometry, args.kv_cache_budget, self.act_bytes))
@@ -323,7 +318,7 @@ class Trainer:
         with monitor.phase(f"metrics all-reduce of iteration {iteration + 1}"):
             peak, step_time = self._reduce([float(mem.peak_bytes), step_time], op=dist.ReduceOp.MAX)
             extra = {k: v for k, v in zip(keys, sums[4:])}
-            extra.update(self._kv_metrics(memory is not None, dp_group))
+            extra.update(self._kv_metrics(bool(plan.ranks[self.layout.placement_rank].sources), dp_group))
         if outcome.skipped:
             self.skipped_iters += 1
             self.consecutive_skipped += 0 if outcome.loss_scale_overflow else 1
@@ -427,6 +422,9 @@ def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[Measur
     }
     if measured is not None:
         out["predicted_step_s"] = float(max(plan.predicted_makespan))
+        other = max(plan.alternative_makespan)
+        if math.isfinite(other):
+            out["predicted_other_placement_s"] = float(other)
     return out
 
 

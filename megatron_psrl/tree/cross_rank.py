@@ -88,6 +88,7 @@ def equal_cost_cuts(cum: np.ndarray, num_fragments: int, unit_bounds: np.ndarray
 
 def plan_group_cross_rank(
     index: TreeIndex, units: np.ndarray, budget: int, group_size: int, token_cost: TokenCost, snap: float = 0.02,
+    micro_batch_cost: float = 0.0,
 ) -> Optional[List[RankPlan]]:
     """The cross-rank plan of one exchange group (see the module docstring), or None when the
     trees have fewer tokens than the group has ranks."""
@@ -102,11 +103,14 @@ def plan_group_cross_rank(
         bounds = equal_cost_cuts(cum, num, unit_bounds, snap)
         if int(np.diff(bounds).max()) <= budget:
             break
+        if num + g > n:  # fragments of one token would not fit either: no cross-rank plan
+            return None
         num += g
-    return _build(index, stream, bounds, g, cost)
+    return _build(index, stream, bounds, g, cost, micro_batch_cost)
 
 
-def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cost: np.ndarray) -> List[RankPlan]:
+def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cost: np.ndarray,
+           micro_batch_cost: float) -> List[RankPlan]:
     subtree_end = index.subtree_end
     num = len(bounds) - 1
     steps = num // g
@@ -188,7 +192,8 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
             srcs = sources[r]
             mbs[r][m].reads = sorted(set(mbs[r][m].reads), key=lambda s: srcs[s].last_token)
         plans.append(RankPlan(micro_batches=mbs[r], sources=sources[r], schedule=list(schedule),
-                              planned_cost=float(fragment_cost[r::g].sum()), group_rank=r, cross_rank=True))
+                              planned_cost=float(fragment_cost[r::g].sum()) + micro_batch_cost * steps,
+                              group_rank=r, cross_rank=True))
     return plans
 
 

@@ -350,7 +350,8 @@ def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
         whole_span = max(r.planned_cost for r in whole)
         cross = None
         if g > 1 and config.sharing == "tree" and config.placement != "whole-tree":
-            cross = plan_group_cross_rank(index, units, config.micro_batch_tokens, g, token_cost)
+            cross = plan_group_cross_rank(index, units, config.micro_batch_tokens, g, token_cost,
+                                          micro_batch_cost=config.cost_per_micro_batch)
         cross_span = _cross_rank_makespan(cross, token_cost, config) if cross is not None else math.inf
         use_cross = cross is not None and (config.placement == "cross-rank" or cross_span < 0.97 * whole_span)
         ranks = cross if use_cross else whole

@@ -34,8 +34,10 @@ def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout:
 
 
 def script_env() -> dict:
-    """Environment for a subprocess that imports the repository and its test helpers."""
+    """Environment for a subprocess that imports the repository and its test helpers (and
+    finds this interpreter's ``torchrun`` first, even when its venv is not activated)."""
     env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.path.join(REPO_ROOT, "tests") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

@@ -20,7 +20,7 @@ def test_killed_rank_ends_the_job_naming_it(tmp_path):
     agent = subprocess.Popen(cmd, cwd=REPO_ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + 300
         while not (log.exists() and len(log.read_text().splitlines()) >= 2):
             assert time.time() < deadline and agent.poll() is None, "training did not start"
             time.sleep(0.2)
@@ -35,7 +35,7 @@ def test_killed_rank_ends_the_job_naming_it(tmp_path):
             agent.kill()
             agent.wait()
     assert agent.returncode != 0
-    assert elapsed < 60, elapsed
+    assert elapsed < 120, elapsed  # --distributed-timeout-minutes 2: the peers did not wait it out
     # torchrun's report names the rank that died first, and how
     assert "rank      : 1" in err and "SIGKILL" in err, err[-3000:]
     assert not [pid for pid in worker_pids(agent.pid).values()]  # no rank left behind

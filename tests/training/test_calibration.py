@@ -22,16 +22,15 @@ def model():
     return arch, build_model(arch)
 
 
-def test_measured_constants_predict_an_unseen_pack(model):
+def test_measured_constants_are_the_planners_units(model):
+    """(How well they predict is a benchmark, benchmarks/bench_cross_rank.py --predict, not a test.)"""
     arch, m = model
     costs = calibrate(m, arch.vocab_size, torch.device("cpu"), 512)
     assert costs.seconds_per_token > 0 and costs.seconds_per_key > 0 and costs.seconds_per_micro_batch >= 0
     cm = costs.cost_model()
     assert cm.linear_flops_per_token == costs.seconds_per_token  # the planner's units become seconds
-    segments, rows = [300, 100, 50], 200
-    measured = calibration._time(calibration._pack_step(m, arch.vocab_size, torch.device("cpu"), segments, rows), 3)
-    predicted = costs.predict(sum(segments), sum(s * (s + 1) // 2 for s in segments), rows)
-    assert predicted == pytest.approx(measured, rel=0.6)  # a timing on a shared machine: the order of magnitude
+    settings = costs.planner_settings(num_layers=2, kv_bytes_per_token=256)
+    assert settings["cost_per_exchange"] == 4 * costs.seconds_per_exchange  # one all-to-all per layer, fwd + bwd
 
 
 def test_profile_is_written_and_reused(model, tmp_path, monkeypatch):

@@ -47,13 +47,20 @@ def _check(tree, plans, budget):
         for q in range(g):
             ex_q = plans[q].micro_batches[m].exchange
             for r in range(g):
-                sent = [len(c) for c in ex_q.send.get(r, [])] if ex_q else []
                 ex_r = plans[r].micro_batches[m].exchange
-                got = [u.length for u in ex_r.recv.get(q, [])] if ex_r else []
-                assert sent == got
-                back = [plans[r].sources[s].length for s in ex_r.grad_send.get(q, [])] if ex_r else []
-                into = [plans[q].sources[s].length for s in ex_q.grad_recv.get(r, [])] if ex_q else []
-                assert back == into
+                sent = ex_q.send.get(r, []) if ex_q else []
+                got = ex_r.recv.get(q, []) if ex_r else []
+                assert [len(c) for c in sent] == [u.length for u in got]
+                for chain, use in zip(sent, got):  # each received chain lands where it belongs
+                    if use.replica is not None:
+                        assert np.array_equal(plans[r].sources[use.replica].tokens, chain)
+                    if use.peer is not None:
+                        peer = plans[r].micro_batches[m].peer_reads[use.peer]
+                        assert peer.src_rank == q and peer.last_token == chain[-1] and peer.length == len(chain)
+                back = ex_r.grad_send.get(q, []) if ex_r else []
+                into = ex_q.grad_recv.get(r, []) if ex_q else []
+                # replica gradients go back to the very source they copy, in the same order
+                assert [plans[r].sources[s].replica_of for s in back] == [(q, s) for s in into]
             peers = plans[q].micro_batches[m].peer_reads
             ex = plans[q].micro_batches[m].exchange
             used = sorted(u.peer for uses in (ex.recv.values() if ex else []) for u in uses if u.peer is not None)

@@ -1,0 +1,111 @@
+"""The KV cache lifecycle of cross-rank plans, replayed on every rank of a group without a model:
+every block a step reads, writes, returns or injects is allocated then, nothing is allocated
+twice, and every rank's cache is empty at the end of the step, for the joint keep-or-recompute
+decisions of ample and tight budgets."""
+
+import numpy as np
+import pytest
+from helpers.batches import cross_rank_batch, random_tree_batch
+
+from megatron_psrl.data import make_workload
+from megatron_psrl.kvcache import CacheBudgetError, plan_memory_group
+from megatron_psrl.tree import CostModel, build_prefix_tree
+from megatron_psrl.tree.cross_rank import plan_group_cross_rank
+from megatron_psrl.tree.packing import TreeIndex
+from megatron_psrl.tree.planner import _token_cost
+
+
+class _Geometry:  # what the memory plan reads of a KVGeometry
+    bytes_per_token = 64
+    num_layers = 2
+
+    def block_bytes(self, block_size):
+        return block_size * self.bytes_per_token
+
+
+class _Cache:
+    def __init__(self):
+        self.held = set()
+
+    def allocate(self, s, kinds):
+        for k in kinds:
+            assert (s, k) not in self.held, ("allocated twice", s, k)
+            self.held.add((s, k))
+
+    def need(self, s, kinds, what):
+        for k in kinds:
+            assert (s, k) in self.held, (what, s, k)
+
+    def free(self, s, kinds):
+        self.held -= {(s, k) for k in kinds}
+
+
+def _replay(plans, memories):
+    """What StepRunner.train does with the cache, on every rank, step by step."""
+    caches = [_Cache() for _ in plans]
+    release = [{} for _ in plans]
+    for r, (plan, memory) in enumerate(zip(plans, memories)):
+        for s, last in (memory.kv_release_step.items() if plan.sources else ()):
+            release[r].setdefault(last, []).append(s)
+    for t, (op, i) in enumerate(plans[0].schedule):
+        for r, (plan, cache, memory) in enumerate(zip(plans, caches, memories)):
+            mb, keep = plan.micro_batches[i], memory.keep_graph.get(i, True)
+            if op == "forward_backward":
+                assert not mb.produces
+                for s in mb.reads:
+                    cache.need(s, ("k", "v", "gk", "gv"), "read")
+            elif op == "forward":
+                for s in mb.produces:
+                    cache.allocate(s, plan.sources[s].kinds)
+                for s in mb.reads:
+                    cache.need(s, ("k", "v"), "read")
+                for s in mb.produces:
+                    src = plan.sources[s]
+                    if src.replica_of is not None or "k" in src.kinds:
+                        cache.need(s, ("k", "v"), "write")
+            else:
+                ex = mb.exchange
+                if ex is not None and ex.backward_collective:
+                    for ids in list(ex.grad_send.values()) + list(ex.grad_recv.values()):
+                        for s in ids:
+                            cache.need(s, ("gk", "gv"), "gradient return")
+                if not keep:
+                    for s in mb.reads:
+                        cache.need(s, ("k", "v"), "recompute read")
+                for s in mb.reads:
+                    cache.need(s, ("gk", "gv"), "backward of a reader")
+                for s in mb.produces:
+                    if plan.sources[s].replica_of is None:
+                        cache.need(s, ("gk", "gv"), "inject")
+                    cache.free(s, ("k", "v", "gk", "gv"))
+        for r, cache in enumerate(caches):
+            for s in release[r].get(t, ()):
+                cache.free(s, ("k", "v"))
+    assert all(not c.held for c in caches), [c.held for c in caches]
+
+
+def _trees():
+    out = [build_prefix_tree(random_tree_batch(seed=s, num_roots=1 + s % 3)) for s in range(4)]
+    out += [build_prefix_tree(make_workload(name, seed=1)) for name in ("stepwise", "tree")]
+    out += [build_prefix_tree(cross_rank_batch(kind)) for kind in ("one-tree", "chain")]
+    return out
+
+
+@pytest.mark.parametrize("g", [2, 3, 4])
+@pytest.mark.parametrize("budget", [24, 64])
+def test_cache_lifecycle_on_every_rank(g, budget):
+    dropped = 0
+    for tree in _trees():
+        index = TreeIndex(tree)
+        plans = plan_group_cross_rank(index, np.flatnonzero(tree.node_parent < 0), budget, g,
+                                      _token_cost(index, CostModel.named("tiny")))
+        peak = max(m.peak_bytes for m in plan_memory_group(plans, _Geometry(), 1 << 40, 100))
+        for kv_budget in (1 << 40, int(0.8 * peak), int(0.6 * peak), int(0.4 * peak)):
+            try:
+                memories = plan_memory_group(plans, _Geometry(), kv_budget, 100)
+            except CacheBudgetError:
+                continue
+            assert len({tuple(sorted(m.keep_graph.items())) for m in memories}) == 1  # decided jointly
+            dropped += sum(not keep for keep in memories[0].keep_graph.values())
+            _replay(plans, memories)
+    assert dropped > 0  # the tight budget made some steps recompute
