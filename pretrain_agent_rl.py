@@ -13,17 +13,22 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# The flags first: --help and a wrong flag answer before torch and megatron-core load.
+from megatron_psrl.training.arguments import parse_args  # noqa: E402
+
+ARGS = parse_args() if __name__ == "__main__" else None
+
 from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
 
 quiet_expected_import_warnings()
 
 from megatron_psrl.cli import run_cli  # noqa: E402
 from megatron_psrl.distributed.setup import shutdown_parallel  # noqa: E402
-from megatron_psrl.training.trainer import main  # noqa: E402
+from megatron_psrl.training.trainer import train  # noqa: E402
 
 
 def _train() -> int:
-    main()
+    train(ARGS)
     return 0
 
 

@@ -34,7 +34,9 @@ setup(
         # GPU kernels; apex (fused norms / optimizers) is optional and built from source,
         # see docs/installation.md.
         "gpu": ["transformer-engine[pytorch]>=1.13", "flash-attn>=2.6"],
-        "test": ["pytest>=7", "transformers>=4.45", "hypothesis>=6"],
+        "test": ["pytest>=7", "transformers>=4.45", "hypothesis>=6", "tensorboard>=2.14"],
+        # Experiment tracking (--tensorboard-dir needs tensorboard, --wandb-project needs wandb).
+        "logging": ["tensorboard>=2.14", "wandb>=0.16"],
     },
     scripts=[],
     classifiers=[

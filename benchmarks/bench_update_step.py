@@ -46,10 +46,10 @@ from megatron_psrl.data import make_grpo, make_mixed, make_stepwise, make_tree_r
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
 from megatron_psrl.distributed.setup import initialize_parallel  # noqa: E402
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory  # noqa: E402
+from megatron_psrl.training.actor import cost_model_for  # noqa: E402
 from megatron_psrl.training.loss import LossConfig  # noqa: E402
 from megatron_psrl.training.memory import PeakMemory  # noqa: E402
 from megatron_psrl.training.step import StepRunner  # noqa: E402
-from megatron_psrl.training.trainer import cost_model_for  # noqa: E402
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
 from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
 

@@ -10,6 +10,57 @@ Subpackages, one per concern:
 - ``distributed``: process groups, gradient and prefix K/V exchange
 - ``training``: RL losses, the update step, the training loop
 - ``checkpoint``: checkpoint I/O
+
+The in-memory API for RL frameworks: :class:`PolicyActor` (``megatron_psrl.training.actor``).
 """
 
 __version__ = "0.1.0"
+
+# Import-time warnings megatron-core emits on machines without apex / Transformer Engine:
+# expected there and not actionable (the run's header line says which kernels run instead).
+_EXPECTED_IMPORT_WARNINGS = (
+    "Apex is not installed",
+    "Transformer Engine and Apex are not installed",
+    "Transformer Engine is not installed",
+    "full scope is deprecated",  # TransformerConfig's cuda_graph_scope default (unused here)
+)
+
+
+def quiet_expected_import_warnings() -> None:
+    """Silence megatron-core's not-actionable import warnings and its INFO chatter (done on
+    ``import megatron_psrl``, before anything imports megatron-core)."""
+    import logging
+    import warnings
+
+    for msg in _EXPECTED_IMPORT_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{msg}.*")
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+
+
+quiet_expected_import_warnings()
+
+_API = {
+    "PolicyActor": "megatron_psrl.training.actor",
+    "ActorConfig": "megatron_psrl.training.actor",
+    "StepResult": "megatron_psrl.training.actor",
+    "LossConfig": "megatron_psrl.training.loss",
+    "ClaimView": "megatron_psrl.training.loss",
+    "PerClaimLoss": "megatron_psrl.training.loss",
+    "SequenceLoss": "megatron_psrl.training.loss",
+    "GSPOLoss": "megatron_psrl.training.loss",
+    "log_likelihood_loss": "megatron_psrl.training.loss",
+    "OptimizerSettings": "megatron_psrl.training.optimizer",
+}
+
+
+def __getattr__(name):
+    """The in-memory API (``from megatron_psrl import PolicyActor``), imported on first use so
+    that ``import megatron_psrl`` (and ``pretrain_agent_rl.py --help``) stays light."""
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'megatron_psrl' has no attribute {name!r}")
+
+
+__all__ = sorted(_API)

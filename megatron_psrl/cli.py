@@ -31,6 +31,19 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` as users of Megatron-LM expect: the description as written, and every flag's
+    default shown once, where it says something (not for on/off switches, not when unset, not
+    when the help text already names it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

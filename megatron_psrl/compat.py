@@ -28,27 +28,11 @@ CUDA global memory buffer, but we replace it for tree attention anyway).
 
 from __future__ import annotations
 
-import logging
-import warnings
 from typing import Any, Dict
 
 import torch
 
-# Import-time warnings megatron-core emits on machines without apex / Transformer Engine;
-# expected on CPU hosts and not actionable there.
-_EXPECTED_IMPORT_WARNINGS = (
-    "Apex is not installed",
-    "Transformer Engine and Apex are not installed",
-    "Transformer Engine is not installed",
-    "full scope is deprecated",  # TransformerConfig's cuda_graph_scope default (unused here)
-)
-
-
-def quiet_expected_import_warnings() -> None:
-    """Silence megatron-core's not-actionable warnings and its INFO chatter."""
-    for msg in _EXPECTED_IMPORT_WARNINGS:
-        warnings.filterwarnings("ignore", message=f".*{msg}.*")
-    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+from megatron_psrl import quiet_expected_import_warnings  # noqa: F401  (kept here for callers)
 
 
 def on_cuda(device: torch.device) -> bool:

@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_psrl.cli import call_cli  # noqa: E402
+from megatron_psrl.cli import HelpFormatter, call_cli  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
 from megatron_psrl.tree import (  # noqa: E402
@@ -105,7 +105,9 @@ def make_plots(tree: PrefixTree, shared_fraction: np.ndarray, curve: List[dict],
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.hist(shared_fraction, bins=np.linspace(0, 1, 41), color="tab:blue")
+    counts, _, _ = ax.hist(shared_fraction, bins=np.linspace(0, 1, 41), color="tab:blue")
+    if _spans_decades(counts):
+        ax.set_yscale("log")
     ax.set_xlabel("fraction of the sample's tokens shared with other samples")
     ax.set_ylabel("samples")
     ax.set_title(f"{title}: redundancy per sample (mean {shared_fraction.mean():.2f})")
@@ -113,17 +115,15 @@ def make_plots(tree: PrefixTree, shared_fraction: np.ndarray, curve: List[dict],
 
     children = node_num_children(tree)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].hist(tree.node_depth, bins=50, color="tab:green")
-    axes[0].set_xlabel("node start position (tokens above it)")
+    _histogram(axes[0], tree.node_depth + 1, "tab:green")
+    axes[0].set_xlabel("node start position + 1 (tokens above it, plus one)")
     axes[0].set_ylabel("nodes")
-    levels = node_level(tree)
-    axes[1].hist(levels, bins=np.arange(levels.max() + 2) - 0.5, color="tab:olive")
-    axes[1].set_xlabel("node level (nodes above it)")
+    _histogram(axes[1], node_level(tree) + 1, "tab:olive", integers=True)
+    axes[1].set_xlabel("node level + 1 (nodes above it, plus one)")
     inner = children[children > 0]
     if inner.size:
-        axes[2].hist(inner, bins=np.arange(1, inner.max() + 2) - 0.5, color="tab:orange")
+        _histogram(axes[2], inner, "tab:orange", integers=True)
     axes[2].set_xlabel("children per inner node")
-    axes[2].set_yscale("log")
     fig.suptitle(f"{title}: tree depth and branching")
     paths.append(_save(fig, plots_dir, "depth_branching.png"))
 
@@ -133,6 +133,9 @@ def make_plots(tree: PrefixTree, shared_fraction: np.ndarray, curve: List[dict],
             label=f"ideal speedup ({model_name})")
     ax.plot(cuts, [row["token_dedup_ratio"] for row in curve], "s--", label="token dedup ratio")
     ax.set_xscale("log", base=2)
+    speedups = [row[k] for row in curve for k in ("ideal_speedup", "token_dedup_ratio")]
+    if _spans_decades(speedups):
+        ax.set_yscale("log")
     ax.set_xlabel("context length L (every sample cut to its first L tokens)")
     ax.set_ylabel("x over no sharing")
     ax.grid(True, alpha=0.3)
@@ -140,6 +143,30 @@ def make_plots(tree: PrefixTree, shared_fraction: np.ndarray, curve: List[dict],
     ax.set_title(f"{title}: sharing vs context length")
     paths.append(_save(fig, plots_dir, "speedup_vs_context.png"))
     return paths
+
+
+def _spans_decades(values) -> bool:
+    """Positive values whose max / min is at least 30: a linear axis would hide the small ones."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v) & (v > 0)]
+    return v.size > 0 and v.max() / v.min() >= 30
+
+
+def _histogram(ax, values: np.ndarray, color: str, integers: bool = False) -> None:
+    """A histogram of positive values, on log axes (log bins) where they span decades, so a
+    real trace (one node with 10,000 children beside thousands with 2) stays readable."""
+    values = np.asarray(values)
+    if _spans_decades(values):
+        bins = np.unique(np.geomspace(values.min(), values.max() + 1, 40).round() if integers
+                         else np.geomspace(values.min(), values.max() + 1, 40))
+        ax.hist(values, bins=bins, color=color)
+        ax.set_xscale("log")
+    else:
+        bins = np.arange(values.min(), values.max() + 2) - 0.5 if integers else 50
+        ax.hist(values, bins=bins, color=color)
+    counts, _ = np.histogram(values, bins=bins)
+    if _spans_decades(counts):
+        ax.set_yscale("log")
 
 
 def _save(fig, plots_dir: str, name: str) -> str:
@@ -180,7 +207,7 @@ def plot_placement(report: dict, plots_dir: str, title: str) -> str:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument("--data", required=True, help="trace (.jsonl or .parquet)")
     parser.add_argument("--model", default="llama3-8b", choices=sorted(NAMED_MODEL_DIMS),

@@ -20,28 +20,24 @@ from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
 
 quiet_expected_import_warnings()
 
-import torch  # noqa: E402
 
 from megatron_psrl.checkpoint.atomic import atomic_write_text, check_writable_dir  # noqa: E402
-from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture  # noqa: E402
+from megatron_psrl.checkpoint.loading import ModelSource, source_architecture  # noqa: E402
 from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info  # noqa: E402
-from megatron_psrl.cli import positive_int, run_cli  # noqa: E402
+from megatron_psrl.cli import HelpFormatter, positive_int, run_cli  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
 from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES  # noqa: E402
-from megatron_psrl.distributed.setup import exchange_group_of, initialize_parallel, shutdown_parallel  # noqa: E402
-from megatron_psrl.kvcache import KVGeometry  # noqa: E402
+from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel  # noqa: E402
 from megatron_psrl.model.architecture import ModelArchitecture  # noqa: E402
 from megatron_psrl.model.builder import parse_dtype  # noqa: E402
+from megatron_psrl.options import ATTENTION_BACKENDS, PLACEMENTS  # noqa: E402
+from megatron_psrl.training.actor import ActorConfig, PolicyActor  # noqa: E402
 from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
-from megatron_psrl.training.calibration import calibrate_for_planning  # noqa: E402
-from megatron_psrl.training.logprobs import compute_logprobs  # noqa: E402
 from megatron_psrl.training.preflight import on_logging_rank  # noqa: E402
-from megatron_psrl.training.trainer import cost_model_for  # noqa: E402
-from megatron_psrl.tree.planner import PLACEMENTS  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="Hugging Face save_pretrained folder")
     src.add_argument("--load", help="megatron_psrl checkpoint directory (any TP/PP layout)")
@@ -49,15 +45,17 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output JSONL file")
     p.add_argument("--no-prefix-sharing", action="store_true", help="pack samples back to back (no sharing)")
     p.add_argument("--micro-batch-tokens", type=positive_int, default=8192, help="token budget of one micro-batch")
-    p.add_argument("--kv-cache-budget", type=parse_bytes, default=parse_bytes("1GiB"))
-    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--kv-cache-budget", type=parse_bytes, default="1GiB",
+                   help="bytes for cached prefix K/V of trees longer than a micro-batch (e.g. 512MB, 2GiB)")
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="tensor-parallel ranks")
     p.add_argument("--context-parallel-size", type=positive_int, default=1,
                    help="ranks of a CP group share the fragments of the same trees (prefix K/V exchanged)")
     p.add_argument("--placement", default="auto", choices=PLACEMENTS,
                    help="trees over an exchange group (CP group, else DP group): whole-tree, cross-rank or auto")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when available")
     p.add_argument("--dtype", default=None, help="GPU compute dtype (default: the checkpoint's); CPU is always fp32")
-    p.add_argument("--attention-backend", default=None, choices=["torch", "dense", "flash", "te"])
+    p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                   help="prefix-sharing attention kernel (default: flash on CUDA with flash-attn, else torch)")
     p.add_argument("--progress", action="store_true", help="progress bar while reading the data")
     p.add_argument("--allow-rope-extrapolation", action="store_true",
                    help="score samples longer than the model's max_position_embeddings (refused otherwise)")
@@ -80,29 +78,25 @@ def main(argv=None) -> int:
     arch = source_architecture(source)
     batch = load_samples(args.data, vocab_size=arch.vocab_size, progress=args.progress and layout.rank == 0)
     if layout.device.type == "cpu":
-        dtype = torch.float32
+        dtype = "float32"
     elif args.dtype:
-        dtype = parse_dtype(args.dtype)
+        dtype = args.dtype
     elif args.hf_dir:
-        dtype = parse_dtype(ModelArchitecture.from_hf_dir(args.hf_dir).torch_dtype)
+        dtype = ModelArchitecture.from_hf_dir(args.hf_dir).torch_dtype
     else:
-        dtype = parse_dtype(read_checkpoint_info(args.load)[1].dtype)
-    arch, model, _ = load_model(source, dtype=dtype, device=layout.device)
-    group, group_size = exchange_group_of(layout)
-    settings = None
-    if group_size > 1 and args.placement != "whole-tree" and not args.no_prefix_sharing:
-        # the same measured costs as training decide where trees go
-        geometry = KVGeometry.for_model(arch, layout.tensor_parallel_size, 1, dtype, layout.device)
-        with layout.monitor.phase("cost calibration"):
-            measured = calibrate_for_planning(model, arch, geometry, layout.device, args.micro_batch_tokens, group)
-        settings = measured.planner_settings(geometry.num_layers, 2 * geometry.bytes_per_token)
-    with layout.monitor.phase("log-prob forward"):
-        logprobs = compute_logprobs(
-            model, arch, batch, prefix_sharing=not args.no_prefix_sharing, micro_batch_tokens=args.micro_batch_tokens,
-            kv_cache_budget=args.kv_cache_budget, attention_backend=args.attention_backend, device=layout.device,
-            allow_rope_extrapolation=args.allow_rope_extrapolation, placement=args.placement,
-            cost_model=cost_model_for(arch), exchange_group=group, planner_settings=settings,
-        )
+        dtype = read_checkpoint_info(args.load)[1].dtype
+    config = ActorConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size, context_parallel_size=args.context_parallel_size,
+        device=args.device, dtype=str(parse_dtype(dtype)).replace("torch.", ""),
+        attention_backend=args.attention_backend or "auto", micro_batch_tokens=args.micro_batch_tokens,
+        kv_cache_budget=args.kv_cache_budget, prefix_sharing="none" if args.no_prefix_sharing else "tree",
+        placement=args.placement, allow_rope_extrapolation=args.allow_rope_extrapolation,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+    actor = PolicyActor(source, config, for_training=False)
+    if layout.rank == 0:
+        print(actor.describe_kernels(), flush=True)
+    logprobs = actor.compute_logprobs(batch)
     if layout.rank == 0:
         atomic_write_text(args.out, (json.dumps({"id": sid, "logprobs": [float(x) for x in lp]}) + "\n"
                                      for sid, lp in zip(batch.ids, logprobs)))

@@ -17,11 +17,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf  # noqa: E402
-from megatron_psrl.cli import call_cli, positive_int  # noqa: E402
+from megatron_psrl.cli import HelpFormatter, call_cli, positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-mcore", help="Hugging Face folder -> sharded megatron_psrl checkpoint")
     a.add_argument("--hf-dir", required=True, help="save_pretrained folder (config.json + safetensors)")

@@ -5,10 +5,13 @@ docs/data-format.md.
     python tools/make_synthetic_trace.py --workload stepwise --num-tokens 1000000 \\
         --turns 16,64 --obs-len 100,3000 --out runs/stepwise_1m.parquet
 
-Lengths are ``N`` (constant) or ``LO,HI`` (log-uniform in [LO, HI]). Workload parameters that
-are not given keep the defaults of megatron_psrl.data.synthetic.WORKLOAD_DEFAULTS; without
---num-tokens the trace has that (small) default size. The mixed workload only takes the
-shared parameters (--system-len, --with-logprobs) and --num-tokens.
+Lengths are ``N`` (constant) or ``LO,HI`` (log-uniform in [LO, HI]). Parameters not given
+keep the small defaults shown below (megatron_psrl.data.synthetic.WORKLOAD_DEFAULTS, the same
+as ``pretrain_agent_rl.py --data stepwise``): a few thousand tokens, for a quick CPU run. For
+SWE-agent-like step-wise trajectories pass ``--turns 16,64 --obs-len 100,3000 --action-len
+10,100 --task-len 200,1000 --system-len 1000`` (the defaults of ``make_stepwise`` in Python).
+The mixed workload only takes the shared parameters (--system-len, --with-logprobs) and
+--num-tokens.
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_psrl.cli import call_cli  # noqa: E402
+from megatron_psrl.cli import HelpFormatter, call_cli  # noqa: E402
 from megatron_psrl.data.loader import write_samples  # noqa: E402
-from megatron_psrl.data.synthetic import DEFAULT_VOCAB_SIZE, WORKLOADS, make_workload  # noqa: E402
+from megatron_psrl.data.synthetic import (  # noqa: E402
+    DEFAULT_VOCAB_SIZE,
+    WORKLOAD_DEFAULTS,
+    WORKLOADS,
+    make_workload,
+)
 
 
 def length_spec(text: str):
@@ -58,20 +66,30 @@ WORKLOAD_FLAGS = [
 ]
 
 
+def _defaults_of(dest: str) -> str:
+    """``default: grpo 64,256, tree 64,256``: the value each workload uses when not given."""
+    def text(value) -> str:
+        return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+    used = [f"{name} {text(params[dest])}" for name, params in WORKLOAD_DEFAULTS.items() if dest in params]
+    return "default: " + (", ".join(used) if used else "the generator's")
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=HelpFormatter
     )
-    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="the shape of the trace")
     parser.add_argument("--out", required=True, help="output file (.jsonl or .parquet)")
     parser.add_argument("--num-tokens", type=int, default=None,
                         help="draw units until the trace holds at least this many tokens")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--seed", type=int, default=0, help="the same seed writes the same trace")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                        help="token ids are drawn below it (use the model's vocabulary size)")
     parser.add_argument("--with-logprobs", action="store_true",
                         help="also write old_logprobs and ref_logprobs")
     for flag, dest, kind, help_text in WORKLOAD_FLAGS:
-        parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
+        parser.add_argument(flag, dest=dest, type=kind, default=None, help=f"{help_text} ({_defaults_of(dest)})")
     return parser.parse_args(argv)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from typing import Optional
 
 from tqdm import tqdm
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 def _bar(total: int, desc: str, enabled: bool):
-    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
+    # A bar only on a terminal: redrawn lines would corrupt a log file.
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not (enabled and sys.stderr.isatty()), leave=False)
 
 
 def hf_to_mcore(

@@ -33,10 +33,18 @@ class ModelSource:
     tiny: Optional[str] = None
     """A named tiny config (``megatron_psrl.model.tiny``), randomly initialised."""
 
+    hf_config: Optional[Dict] = None
+    """A Hugging Face config dict, with ``hf_state_dict``: a model held in memory."""
+
+    hf_state_dict: Optional[Dict[str, Tensor]] = None
+    """Hugging Face-named tensors of the in-memory model (with ``hf_config``)."""
+
     def __post_init__(self) -> None:
-        given = [x for x in (self.hf_dir, self.checkpoint, self.tiny) if x]
+        given = [x for x in (self.hf_dir, self.checkpoint, self.tiny, self.hf_config) if x]
         if len(given) != 1:
             raise ConfigurationError("give exactly one model source: --hf-dir, --load or --model")
+        if (self.hf_config is None) != (self.hf_state_dict is None):
+            raise ConfigurationError("an in-memory model needs both hf_config and hf_state_dict")
 
 
 # Transformer Engine's layer spec fuses the pre-attention / pre-MLP norms into the following
@@ -107,6 +115,20 @@ def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, pr
     return dict(adapter.hf_to_mcore(get))
 
 
+def hf_memory_state_dict(state_dict: Dict[str, Tensor], arch: ModelArchitecture) -> Dict[str, Tensor]:
+    """Full megatron state dict of Hugging Face-named tensors held in memory (shapes checked)."""
+    adapter = get_adapter(arch)
+    shapes = adapter.hf_shapes()
+    missing = [k for k in shapes if k not in state_dict]
+    if missing:
+        raise ConfigurationError(f"the state dict lacks tensors of a {arch.model_type} model: {missing[:5]}")
+    for name, shape in shapes.items():
+        if tuple(state_dict[name].shape) != shape:
+            raise ConfigurationError(f"tensor {name!r}: shape {tuple(state_dict[name].shape)} does not match {shape} "
+                                     "implied by the config")
+    return dict(adapter.hf_to_mcore(lambda name: state_dict[name].detach().cpu()))
+
+
 def source_architecture(source: ModelSource) -> ModelArchitecture:
     """The architecture of ``source`` without reading any weights (cheap; for validating data
     against the vocabulary before the model is loaded)."""
@@ -114,6 +136,8 @@ def source_architecture(source: ModelSource) -> ModelArchitecture:
         return ModelArchitecture.from_hf_config(tiny_config(source.tiny))
     if source.hf_dir:
         return ModelArchitecture.from_hf_dir(source.hf_dir)
+    if source.hf_config is not None:
+        return ModelArchitecture.from_hf_config(source.hf_config)
     return read_checkpoint_info(source.checkpoint)[1].architecture
 
 
@@ -132,6 +156,9 @@ def load_model(
     if source.hf_dir:
         arch = ModelArchitecture.from_hf_dir(source.hf_dir)
         shard = shard_state_dict(hf_full_state_dict(source.hf_dir, arch), arch, tp, pp)[(tp_rank, pp_rank)]
+    elif source.hf_config is not None:
+        arch = ModelArchitecture.from_hf_config(source.hf_config)
+        shard = shard_state_dict(hf_memory_state_dict(source.hf_state_dict, arch), arch, tp, pp)[(tp_rank, pp_rank)]
     else:
         info, shard, optimizer_state = load_rank_state(source.checkpoint, tp_rank, tp, pp_rank, pp)
         arch = info.architecture

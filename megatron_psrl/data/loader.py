@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple, Union
@@ -50,6 +51,7 @@ def load_samples(
     require_advantage: bool = False,
     kl_required: bool = False,
     progress: bool = False,
+    allow_unknown_fields: bool = False,
 ) -> SampleBatch:
     """Read and validate a JSONL or Parquet file of samples (format chosen by suffix).
 
@@ -59,6 +61,8 @@ def load_samples(
         require_advantage: every sample must carry ``advantage`` (training).
         kl_required: every sample must carry ``ref_logprobs`` (KL penalty).
         progress: show a tqdm bar (bytes for JSONL, rows for Parquet).
+        allow_unknown_fields: accept a field that looks like a typo of a known one
+            (``lossmask``); unrelated extra fields are always accepted (with a warning).
 
     Raises:
         SampleValidationError: on the first problem, naming file, line/row, sample id, field.
@@ -66,7 +70,7 @@ def load_samples(
     path = Path(path)
     fmt = _format_of(path)
     row_label = "line" if fmt == "jsonl" else "row"
-    acc = SampleAccumulator(str(path), row_label, vocab_size, require_advantage, kl_required)
+    acc = SampleAccumulator(str(path), row_label, vocab_size, require_advantage, kl_required, allow_unknown_fields)
     records = _read_jsonl(path, acc, progress) if fmt == "jsonl" else _read_parquet(
         path, acc, progress
     )
@@ -82,13 +86,30 @@ def samples_from_dicts(
     require_advantage: bool = False,
     kl_required: bool = False,
     metadata: Optional[dict] = None,
+    allow_unknown_fields: bool = False,
 ) -> SampleBatch:
-    """Validate in-memory records (same fields and rules as the files; values may be lists or
-    numpy arrays) into a :class:`SampleBatch`. Messages name ``source row k`` (0-based)."""
-    acc = SampleAccumulator(source, "row", vocab_size, require_advantage, kl_required)
+    """Validate in-memory records (same fields and rules as the files; values may be lists,
+    numpy arrays or torch tensors) into a :class:`SampleBatch`. Messages name ``source row k``
+    (0-based)."""
+    acc = SampleAccumulator(source, "row", vocab_size, require_advantage, kl_required, allow_unknown_fields)
     for row, record in enumerate(records):
+        if isinstance(record, Mapping):
+            record = {k: _plain(v) for k, v in record.items()}
         acc.add(record, row)
     return acc.finish(metadata=metadata)
+
+
+def _plain(value: Any) -> Any:
+    """A torch tensor as numpy (a 0-d one as a Python number); anything else unchanged.
+    bfloat16 (as rollout engines return log-probs), which numpy cannot hold, is widened to
+    float32 exactly."""
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":  # numpy has no bfloat16
+            value = value.float()
+        array = value.numpy()
+        return array.item() if array.ndim == 0 else array
+    return value
 
 
 # ---------------------------------------------------------------------- JSONL
@@ -201,7 +222,8 @@ class _ParquetColumn:
 
 
 def _progress_bar(enabled: bool, total: int, unit: str, desc: str):
-    if not enabled:
+    # A bar only on a terminal: redrawn lines would corrupt a log file.
+    if not enabled or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 

@@ -32,6 +32,7 @@ import numpy as np
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.options import WORKLOAD_NAMES
 
 LengthSpec = Union[int, Tuple[int, int]]
 """A length: an int, or an inclusive range ``(lo, hi)`` sampled log-uniformly."""
@@ -418,6 +419,7 @@ WORKLOADS: Dict[str, Callable[..., SampleBatch]] = {
     "mixed": make_mixed,
 }
 """Workload name -> generator."""
+assert tuple(WORKLOADS) == WORKLOAD_NAMES, "megatron_psrl.options.WORKLOAD_NAMES lists the workloads"
 
 
 def make_workload(

@@ -89,6 +89,14 @@ class UnknownFieldWarning(UserWarning):
     source, so that frameworks can attach their own metadata such as rewards or prompts)."""
 
 
+def likely_field(name: str) -> Optional[str]:
+    """The known field an unknown name is probably a typo of (``lossmask``, ``advantages``)."""
+    import difflib
+
+    match = difflib.get_close_matches(name.lower(), KNOWN_FIELDS, n=1, cutoff=0.8)
+    return match[0] if match else None
+
+
 def _describe(value: Any) -> str:
     """``float 1.5``, ``str 'a'``, ... for error messages (kept short)."""
     text = repr(value)
@@ -132,6 +140,7 @@ class SampleAccumulator:
         vocab_size: Optional[int] = None,
         require_advantage: bool = False,
         kl_required: bool = False,
+        allow_unknown_fields: bool = False,
     ) -> None:
         if vocab_size is not None and not (0 < int(vocab_size) <= MAX_TOKEN_ID + 1):
             raise ConfigurationError(f"vocab_size must be in [1, {MAX_TOKEN_ID + 1}], got {vocab_size}")
@@ -140,6 +149,7 @@ class SampleAccumulator:
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.require_advantage = require_advantage
         self.kl_required = kl_required
+        self.allow_unknown_fields = allow_unknown_fields
 
         # Per-sample columns (Python lists: one entry per sample is fine).
         self.ids: List[SampleId] = []
@@ -211,6 +221,12 @@ class SampleAccumulator:
 
         unknown = record.keys() - KNOWN_FIELDS
         if unknown:
+            if not self.allow_unknown_fields:
+                for name in sorted(map(str, unknown)):
+                    likely = likely_field(name)
+                    if likely is not None and likely not in record:
+                        raise fail(name, f"unknown field; did you mean {likely!r}? (a data file may carry other "
+                                         "fields with --allow-unknown-fields)")
             if self._unknown_first_row is None:
                 self._unknown_first_row = row
             self._unknown_fields |= set(map(str, unknown))

@@ -29,9 +29,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch.distributed as dist
 
 from megatron_psrl.errors import CollectiveTimeoutError
-
-DEFAULT_TIMEOUT_MINUTES = 10.0
-"""Megatron-LM's default for ``--distributed-timeout-minutes``."""
+from megatron_psrl.options import DEFAULT_TIMEOUT_MINUTES
 
 _KEY = "psrl_monitor/{kind}/{rank}"
 _FAILURE_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer")

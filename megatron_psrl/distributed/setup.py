@@ -141,11 +141,15 @@ def initialize_parallel(
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
     world = dist.get_world_size()
-    if world % (tensor_parallel_size * pipeline_parallel_size * context_parallel_size):
-        raise ConfigurationError(
-            f"world size {world} is not a multiple of TP {tensor_parallel_size} x PP {pipeline_parallel_size}"
-            + (f" x CP {context_parallel_size}" if context_parallel_size > 1 else "")
-        )
+    model_ranks = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
+    if world % model_ranks:
+        layout = (f"TP {tensor_parallel_size} x PP {pipeline_parallel_size}"
+                  + (f" x CP {context_parallel_size}" if context_parallel_size > 1 else ""))
+        if world == 1:
+            raise ConfigurationError(
+                f"{layout} needs {model_ranks} processes, this is one: launch with "
+                f"`torchrun --nproc_per_node {model_ranks} ...` (or a multiple of {model_ranks} for data parallelism)")
+        raise ConfigurationError(f"world size {world} is not a multiple of {layout}")
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size

@@ -43,4 +43,11 @@ def build_model(
     model = PsrlGPTModel(
         arch, config, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, transformer_impl=transformer_impl
     )
+    # megatron's local-spec RMSNorm (torch.nn.RMSNorm) ignores params_dtype: its weight would
+    # stay fp32 in a bf16 model (a dtype mismatch in every norm). Megatron-LM casts the whole
+    # module (Float16Module); so do we, parameters only: the RoPE frequencies stay fp32, as in HF.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
     return model.to(device)

@@ -9,6 +9,7 @@ import copy
 from typing import Any, Dict
 
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.options import TINY_MODEL_NAMES
 
 _BASE: Dict[str, Any] = dict(
     vocab_size=1024,
@@ -39,6 +40,7 @@ TINY_CONFIGS: Dict[str, Dict[str, Any]] = {
                         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16),
 }
+assert tuple(sorted(TINY_CONFIGS)) == TINY_MODEL_NAMES, "megatron_psrl.options.TINY_MODEL_NAMES lists them"
 
 
 def tiny_config(name: str) -> Dict[str, Any]:

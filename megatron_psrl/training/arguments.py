@@ -6,13 +6,18 @@ import argparse
 import re
 from typing import List, Optional
 
-from megatron_psrl.attention.backends import BACKENDS
-from megatron_psrl.data.synthetic import WORKLOADS
-from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES
-from megatron_psrl.model.tiny import TINY_CONFIGS
-from megatron_psrl.training.loss import LOSS_AGGREGATIONS
-from megatron_psrl.training.optimizer import OPTIMIZERS
-from megatron_psrl.tree.planner import PLACEMENTS, SHARING_MODES
+from megatron_psrl.cli import HelpFormatter
+from megatron_psrl.options import (
+    ATTENTION_BACKENDS,
+    DEFAULT_TIMEOUT_MINUTES,
+    LOSS_AGGREGATIONS,
+    MEMORY_TRACKING,
+    OPTIMIZERS,
+    PLACEMENTS,
+    SHARING_MODES,
+    TINY_MODEL_NAMES,
+    WORKLOAD_NAMES,
+)
 
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_WORKLOAD = "mixed"
@@ -37,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_agent_rl.py",
         description="Prefix-shared RL update steps (PPO/GRPO) on a megatron-core GPT model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("model")
     g.add_argument("--hf-dir", default=None, help="Hugging Face save_pretrained folder (converted in memory)")
@@ -45,12 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron_psrl checkpoint directory (any TP/PP layout) to resume from; together with "
                         "--hf-dir/--model (Megatron's convention, usually the same folder as --save): resume when "
                         "it holds a checkpoint, else start from --hf-dir/--model")
-    g.add_argument("--model", default=None, choices=sorted(TINY_CONFIGS),
+    g.add_argument("--model", default=None, choices=TINY_MODEL_NAMES,
                    help=f"named tiny config with random weights (default {DEFAULT_MODEL} when no --hf-dir/--load)")
     g.add_argument("--finetune", action="store_true", help="with --load: start at iteration 0, no optimizer state")
     g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (megatron-core)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (checkpoints shard and merge any PP; training with PP > 1 not yet)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="ranks of one CP group share the fragments of the same trees (a sample longer than a "
                         "micro-batch runs on all of them at once), exchanging prefix K/V; gradients sum over DP x CP")
@@ -58,21 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp16", action="store_true", help="float16 parameters and compute")
     g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
                    help="megatron layer spec (auto: transformer_engine on CUDA when installed)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
+    g.add_argument("--attention-backend", default="auto", choices=["auto", *ATTENTION_BACKENDS],
                    help="prefix-sharing attention kernel (auto: flash on CUDA when installed, else torch)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: CUDA when available (one GPU per local rank), else CPU with gloo")
+    g.add_argument("--seed", type=int, default=1234, help="random init of tiny models, synthetic data, RNG tracker")
     g.add_argument("--distributed-timeout-minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
                    help="timeout of every collective (fractions allowed); a rank stuck longer ends the job with an "
                         "error naming the operation and the rank it waited on")
 
     g = p.add_argument_group("data")
     g.add_argument("--data", default=DEFAULT_WORKLOAD,
-                   help=f"samples file (.jsonl/.parquet) or a synthetic workload: {', '.join(sorted(WORKLOADS))}")
+                   help=f"samples file (.jsonl/.parquet) or a synthetic workload: {', '.join(sorted(WORKLOAD_NAMES))}")
     g.add_argument("--synthetic-tokens", type=int, default=None,
                    help="tokens per iteration of a synthetic workload (default: its small default size)")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per iteration from a file (default: the whole file every iteration)")
+    g.add_argument("--allow-unknown-fields", action="store_true",
+                   help="accept sample fields that look like typos of known ones (lossmask, advantages)")
     g.add_argument("--micro-batch-tokens", type=int, default=4096,
                    help=f"token budget of one micro-batch (at least {MIN_MICRO_BATCH_TOKENS})")
     g.add_argument("--allow-rope-extrapolation", action="store_true",
@@ -83,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree: mechanisms 1+2; tree-dup: mechanism 1, oversized trees duplicate their "
                         "prefix; none: no sharing (baseline)")
     g.add_argument("--no-prefix-sharing", action="store_true", help="same as --prefix-sharing none (the baseline)")
-    g.add_argument("--kv-cache-budget", type=parse_bytes, default=parse_bytes("1GiB"),
+    g.add_argument("--kv-cache-budget", type=parse_bytes, default="1GiB",
                    help="bytes for cached prefix K/V, their gradients and retained prefix graphs (mechanism 2)")
     g.add_argument("--placement", default="auto", choices=PLACEMENTS,
                    help="trees over the ranks of an exchange group (the CP group, else the DP group): whole-tree "
@@ -93,18 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file keeping the start-up cost measurement of this model/device/layout for later runs")
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--train-iters", type=int, default=5)
-    g.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
-    g.add_argument("--lr", type=float, default=1e-5)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--train-iters", type=int, default=5, help="iterations (optimizer steps, skipped ones included)")
+    g.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                   help="adam (AdamW, decoupled weight decay) or sgd; no weight decay on biases and norms")
+    g.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate of a decaying schedule")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"],
+                   help="learning-rate schedule after the warm-up")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--sgd-momentum", type=float, default=0.0, help="SGD momentum")
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip; 0 disables")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (CUDA)")
     g.add_argument("--max-skipped-iters", type=int, default=3,
@@ -112,17 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "consecutive skipped steps stop the run with an error")
 
     g = p.add_argument_group("loss")
-    g.add_argument("--clip-eps", type=float, default=0.2)
-    g.add_argument("--kl-coef", type=float, default=0.0)
-    g.add_argument("--entropy-coef", type=float, default=0.0)
-    g.add_argument("--loss-agg", default="token-mean", choices=LOSS_AGGREGATIONS)
+    g.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range of the ratio (docs/loss.md)")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="weight of the k3 KL penalty to ref_logprobs (every sample needs them)")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
+    g.add_argument("--loss-agg", default="token-mean", choices=LOSS_AGGREGATIONS,
+                   help="aggregation of the per-claim loss over the global batch (docs/loss.md)")
 
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
     g.add_argument("--save-interval", type=int, default=None, help="also save every N iterations")
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=1, help="print an iteration line every N iterations")
     g.add_argument("--log-json", default=None, help="append one JSON object per iteration to this file")
-    g.add_argument("--memory-tracking", default="sampled", choices=["sampled", "ops", "off"],
+    g.add_argument("--tensorboard-dir", default=None, help="write every --log-json metric as TensorBoard scalars")
+    g.add_argument("--wandb-project", default=None, help="log every metric to this W&B project (offline without "
+                                                          "WANDB_API_KEY; needs the wandb package)")
+    g.add_argument("--wandb-exp-name", default=None, help="name of the W&B run")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="folder of the W&B run files (default: <--save>/wandb, else ./wandb)")
+    g.add_argument("--memory-tracking", default="sampled", choices=MEMORY_TRACKING,
                    help="CPU peak memory: heap sampled every ms (cheap), read after every torch op (exact), or off")
     g.add_argument("--no-memory-tracking", action="store_true", help="same as --memory-tracking off")
     g.add_argument("--quiet", action="store_true", help="only errors on stdout")

@@ -28,15 +28,14 @@ samples, never from the deduplicated tree:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import numpy as np
 import torch
 
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.options import LOSS_AGGREGATIONS
 from megatron_psrl.tree.prefix_tree import PrefixTree
-
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 LOG_RATIO_BOUND = 20.0
 """``logp - old_logp`` is clamped to ``[-20, 20]`` before ``exp`` (ratios within about
@@ -69,6 +68,20 @@ class LossConfig:
             raise ConfigurationError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
         if self.clip_eps < 0:
             raise ConfigurationError(f"clip_eps must be >= 0, got {self.clip_eps}")
+
+    # The ClaimLoss protocol (what the step runner asks of any loss):
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef != 0.0
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.kl_coef != 0.0
+
+    needs_advantage = True
+
+    def __call__(self, logprobs: Tensor, entropy: Optional[Tensor], claims: "ClaimBatch"):
+        return policy_loss(logprobs, entropy, claims, self)
 
 
 def claim_coefficients(tree: PrefixTree, loss_agg: str) -> np.ndarray:
@@ -112,6 +125,12 @@ class ClaimBatch:
     metric_coef: Tensor
     """``[c]`` 1 / (claims in the global batch): metrics are claim means."""
 
+    sample: Optional[Tensor] = None
+    """int64 ``[c]``: index of the claim's sample in the batch."""
+
+    sample_claims: Optional[Tensor] = None
+    """``[c]``: number of claims of the claim's sample (its trained tokens)."""
+
     @property
     def num_claims(self) -> int:
         return int(self.row.shape[0])
@@ -121,10 +140,11 @@ def gather_claims(
     tree: PrefixTree,
     coefficients: np.ndarray,
     targets: np.ndarray,
-    loss: LossConfig,
+    loss: "ClaimLoss",
     device: torch.device,
 ) -> ClaimBatch:
-    """Claims of the tree tokens ``targets`` (one logit row each, in that order)."""
+    """Claims of the tree tokens ``targets`` (one logit row each, in that order); what the
+    ``loss`` needs (advantages, reference log-probs) must be in the batch."""
     b = tree.batch
     starts, ends = tree.claim_offsets[targets], tree.claim_offsets[targets + 1]
     counts = ends - starts
@@ -133,14 +153,15 @@ def gather_claims(
     claim = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(total)
     flat = tree.claim_flat[claim]
     sample = tree.claim_sample[claim]
-    if b.advantages is None:
+    if b.advantages is None and loss.needs_advantage:
         raise ConfigurationError(f"{b.source}: training needs an 'advantage' for every sample")
+    advantages = b.advantages if b.advantages is not None else np.zeros(b.num_tokens, np.float32)
     old = np.full(total, np.nan, dtype=np.float32)
     if b.old_logprobs is not None:
         has = b.has_old_logprobs[sample]
         old[has] = b.old_logprobs[flat[has]]
     ref = None
-    if loss.kl_coef != 0.0:
+    if loss.needs_ref:
         if b.ref_logprobs is None or not np.all(b.has_ref_logprobs[sample]):
             missing = sample[0] if b.ref_logprobs is None else sample[~b.has_ref_logprobs[sample]][0]
             raise ConfigurationError(f"{b.describe_sample(int(missing))}: --kl-coef > 0 needs 'ref_logprobs'")
@@ -149,12 +170,22 @@ def gather_claims(
     return ClaimBatch(
         row=torch.from_numpy(row).to(device),
         coef=torch.from_numpy(coefficients[claim]).to(device=device, dtype=torch.float32),
-        advantage=as_t(b.advantages[flat]),
+        advantage=as_t(advantages[flat]),
         old_logprob=as_t(old),
         ref_logprob=ref,
         weight=as_t(b.weights[sample]),
         metric_coef=torch.full((total,), 1.0 / max(1, len(tree.claim_token)), dtype=torch.float32, device=device),
+        sample=torch.from_numpy(sample.astype(np.int64)).to(device),
+        sample_claims=as_t(_claims_per_sample(tree)[sample]),
     )
+
+
+def _claims_per_sample(tree: PrefixTree) -> np.ndarray:
+    cache = tree.__dict__.get("_claims_per_sample")
+    if cache is None:
+        cache = np.bincount(tree.claim_sample, minlength=tree.batch.num_samples)
+        tree.__dict__["_claims_per_sample"] = cache
+    return cache
 
 
 def policy_loss(
@@ -194,3 +225,121 @@ def policy_loss(
     metrics["clip_frac"] = (claims.metric_coef * (clipped < unclipped).float()).sum().detach()
     metrics["ratio_clamped"] = (log_ratio.detach().abs() > LOG_RATIO_BOUND).sum().to(torch.float32)
     return total, metrics
+
+
+# ====================================================================== custom losses
+class ClaimLoss(Protocol):
+    """What the step runner asks of a loss. :class:`LossConfig` (PPO/GRPO) is one;
+    :class:`PerClaimLoss` wraps any per-claim function; sequence-level losses
+    (:class:`SequenceLoss`) are run by ``PolicyActor`` as two passes over per-claim losses."""
+
+    needs_entropy: bool
+    """The loss reads the entropy of every claimed row (computed only then)."""
+
+    needs_ref: bool
+    """The loss reads reference log-probs (every sample must have them)."""
+
+    needs_advantage: bool
+    """The loss reads advantages (every sample must have one; zeros are used otherwise)."""
+
+    def __call__(self, logprobs: Tensor, entropy: Optional[Tensor], claims: ClaimBatch) -> Tuple[Tensor, Dict[str, Tensor]]:
+        """``(loss of the micro-batch's claims, metric sums)`` from the rows' log-probs."""
+
+
+@dataclass
+class ClaimView:
+    """The claims of one micro-batch as a custom loss sees them: ``[c]`` tensors, one entry per
+    (token, sample) claim. ``logp`` and ``entropy`` carry gradients; a token shared by several
+    samples appears once per sample (its log-prob computed once)."""
+
+    logp: Tensor
+    """log p(token | its history) under the current policy."""
+
+    entropy: Optional[Tensor]
+    """Entropy of the distribution that predicts the token (when ``needs_entropy``)."""
+
+    advantage: Tensor
+    """The sample's (or token's) advantage (zeros if the batch has none)."""
+
+    old_logprob: Tensor
+    """Rollout log-prob (NaN where the sample has none)."""
+
+    ref_logprob: Optional[Tensor]
+    """Reference log-prob (when ``needs_ref``)."""
+
+    weight: Tensor
+    """The sample's weight."""
+
+    coef: Tensor
+    """The ``loss_agg`` coefficient of the claim (token-mean: 1 / claims in the global batch)."""
+
+    sample: Tensor
+    """int64 index of the claim's sample in the batch."""
+
+    sample_claims: Tensor
+    """Number of claims of the claim's sample."""
+
+    @classmethod
+    def of(cls, logprobs: Tensor, entropy: Optional[Tensor], claims: ClaimBatch) -> "ClaimView":
+        return cls(logp=logprobs[claims.row], entropy=None if entropy is None else entropy[claims.row],
+                   advantage=claims.advantage, old_logprob=claims.old_logprob, ref_logprob=claims.ref_logprob,
+                   weight=claims.weight, coef=claims.coef, sample=claims.sample, sample_claims=claims.sample_claims)
+
+
+@dataclass
+class PerClaimLoss:
+    """A custom loss from a per-claim function: ``loss = sum over all claims of fn(view)``
+    (apply ``view.coef`` for the aggregation, ``view.weight`` for sample weights)."""
+
+    fn: Callable[[ClaimView], Tensor]
+    needs_entropy: bool = False
+    needs_ref: bool = False
+    needs_advantage: bool = False
+
+    def __call__(self, logprobs: Tensor, entropy: Optional[Tensor], claims: ClaimBatch):
+        return self.fn(ClaimView.of(logprobs, entropy, claims)).sum(), {}
+
+
+def log_likelihood_loss(view: ClaimView) -> Tensor:
+    """Supervised fine-tuning on trajectories: ``-coef * weight * log p`` per claim (the mean
+    negative log-likelihood of the trained tokens with ``token-mean``)."""
+    return -(view.coef * view.weight * view.logp)
+
+
+class SequenceLoss:
+    """A loss of per-sample sums: ``L = sequence_loss(S)`` with ``S_s = sum over the claims of
+    sample s of token_terms(view)`` (GSPO's sequence ratio, a sequence-level KL, ...).
+
+    A sample's claims can live in several micro-batches and on several ranks, so ``PolicyActor``
+    runs it in two passes: a forward pass computes ``S`` (summed over ranks), then the training
+    pass back-propagates ``dL/dS_s * token_terms`` per claim, whose gradient is exactly dL/dθ."""
+
+    needs_entropy = False
+    needs_ref = False
+    needs_advantage = True
+
+    def token_terms(self, view: ClaimView) -> Tensor:
+        raise NotImplementedError
+
+    def sequence_loss(self, sums: Tensor, advantages: Tensor, trained: Tensor) -> Tensor:
+        """Scalar loss from ``sums`` ``[S]``, each sample's advantage ``[S]`` (its last token's)
+        and ``trained`` ``[S]`` (bool: the sample has trained tokens; ``sums`` is 0 elsewhere)."""
+        raise NotImplementedError
+
+
+@dataclass
+class GSPOLoss(SequenceLoss):
+    """GSPO: the importance ratio of a whole sequence, ``s = exp(mean over its trained tokens of
+    (log p - old log p))``, clipped PPO-style, averaged over samples with trained tokens."""
+
+    clip_eps: float = 3e-4
+
+    def token_terms(self, view: ClaimView) -> Tensor:
+        old = torch.where(torch.isnan(view.old_logprob), view.logp.detach(), view.old_logprob)
+        return (view.logp - old) / view.sample_claims
+
+    def sequence_loss(self, sums: Tensor, advantages: Tensor, trained: Tensor) -> Tensor:
+        ratio = torch.exp(sums.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        clipped = torch.clamp(ratio, 1.0 - self.clip_eps, 1.0 + self.clip_eps)
+        per_sample = -torch.minimum(ratio * advantages, clipped * advantages)
+        return (per_sample * trained).sum() / trained.sum().clamp(min=1)

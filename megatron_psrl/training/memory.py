@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.options import MEMORY_TRACKING
 
 
 class _MallInfo2(ctypes.Structure):
@@ -92,7 +93,6 @@ class _HeapSampler:
         self.peak = max(self.peak, heap_bytes_in_use())
 
 
-MEMORY_TRACKING = ("sampled", "ops", "off")
 
 
 class PeakMemory:

@@ -26,8 +26,7 @@ from megatron_psrl.distributed.grad_sync import (
     gradient_norm,
 )
 from megatron_psrl.errors import ConfigurationError
-
-OPTIMIZERS = ("adam", "sgd")
+from megatron_psrl.options import OPTIMIZERS
 
 
 @dataclass

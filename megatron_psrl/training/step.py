@@ -28,7 +28,7 @@ from megatron_psrl.distributed.kv_exchange import exchange_kv, return_replica_gr
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.logits import vocab_parallel_logprobs
-from megatron_psrl.training.loss import LossConfig, claim_coefficients, gather_claims, policy_loss
+from megatron_psrl.training.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
 from megatron_psrl.tree.packing import PackedMicroBatch
 from megatron_psrl.tree.planner import RankPlan, StepPlan
 
@@ -139,7 +139,8 @@ class StepOutput:
     """(query, key) pairs attended, external keys included."""
 
     logprobs: Optional[Dict[int, float]] = None
-    """Forward-only: tree token -> log-prob."""
+    """Tree token -> log-prob, for every token whose log-prob this rank computed (training: the
+    claimed tokens; forward-only: all)."""
 
 
 class StepRunner:
@@ -171,11 +172,12 @@ class StepRunner:
         pack: PackedMicroBatch,
         *,
         rows: np.ndarray,
-        loss_cfg: Optional[LossConfig],
+        loss_cfg: Optional[ClaimLoss],
         coefficients: Optional[np.ndarray],
         grad: bool,
         store: bool,
         capture: bool,
+        record: Optional[Dict[int, float]] = None,
     ):
         mb = rank_plan.micro_batches[i]
         hook = None
@@ -200,12 +202,16 @@ class StepRunner:
             targets = pack.logit_targets[rows]
             target_ids = torch.from_numpy(plan.tree.tokens[targets].astype(np.int64)).to(self.device)
             logits = self.model.output_logits(hidden.index_select(0, sel_rows))  # [n, V/tp]
-            want_entropy = loss_cfg is not None and loss_cfg.entropy_coef != 0.0
+            want_entropy = loss_cfg is not None and loss_cfg.needs_entropy
             logp, ent = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, with_entropy=want_entropy)
+            if record is not None:  # the log-probs this call computed, returned to the caller
+                record.update(zip(targets.tolist(), logp.detach().float().cpu().tolist()))
             if loss_cfg is None:
                 return None, {}, logp, hook
             claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
-            loss, metrics = policy_loss(logp, ent, claims, loss_cfg)
+            loss, metrics = loss_cfg(logp, ent, claims)
+            if anchor is not None:  # keep every layer's exchange in the graph whatever the loss reads
+                loss = loss + anchor
         return loss, metrics, logp, hook
 
     def _return_replica_grads(self, rank_plan: RankPlan, i: int) -> None:
@@ -247,7 +253,7 @@ class StepRunner:
         self,
         plan: StepPlan,
         rank: int,
-        loss_cfg: LossConfig,
+        loss_cfg: ClaimLoss,
         memory: Optional[MemoryPlan] = None,
         loss_scale: float = 1.0,
     ) -> StepOutput:
@@ -258,8 +264,8 @@ class StepRunner:
         optimizer unscales). Injected prefix gradients come from scaled losses already."""
         rank_plan = plan.ranks[rank]
         # Normalisation over the whole global batch, from the original samples.
-        coefficients = claim_coefficients(plan.tree, loss_cfg.loss_agg)
-        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches))
+        coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", "token-mean"))
+        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs={})
         cache = self.kv_cache
         if rank_plan.sources:
             if memory is None:
@@ -289,7 +295,8 @@ class StepRunner:
                 rows = self._claimed_rows(plan, pack)
             if op == "forward_backward":
                 loss, metrics, _, _ = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=loss_cfg,
-                                                    coefficients=coefficients, grad=True, store=False, capture=False)
+                                                    coefficients=coefficients, grad=True, store=False, capture=False,
+                                                    record=out.logprobs)
                 account(loss, metrics)
                 if loss is not None:
                     (loss * loss_scale).backward()
@@ -299,7 +306,8 @@ class StepRunner:
                 keep = memory.keep_graph.get(i, True) if memory is not None else True
                 # A dropped graph computes no loss now: the recomputation at backward does.
                 loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows if keep else rows[:0], loss_cfg=loss_cfg,
-                                                       coefficients=coefficients, grad=keep, store=True, capture=keep)
+                                                       coefficients=coefficients, grad=keep, store=True, capture=keep,
+                                                       record=out.logprobs)
                 if keep:
                     account(loss, metrics)
                     pending[i] = (loss, hook.captured if hook is not None else [], None)
@@ -311,7 +319,8 @@ class StepRunner:
                 if captured is None:  # graph was dropped: rebuild it
                     rows = self._claimed_rows(plan, pack)
                     loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=loss_cfg,
-                                                           coefficients=coefficients, grad=True, store=False, capture=True)
+                                                           coefficients=coefficients, grad=True, store=False, capture=True,
+                                                           record=out.logprobs)
                     account(loss, metrics)
                     captured = hook.captured if hook is not None else []
                     out.tokens_computed += pack.num_tokens
@@ -335,8 +344,34 @@ class StepRunner:
 
     # ------------------------------------------------------------------ forward only
     @torch.no_grad()
+    def sequence_sums(self, plan: StepPlan, rank: int, loss: SequenceLoss,
+                      memory: Optional[MemoryPlan] = None) -> np.ndarray:
+        """float64 ``[S]``: this rank's share of every sample's ``loss.token_terms`` sum (forward
+        only; the caller sums over ranks). The first pass of a :class:`SequenceLoss`."""
+        sums = np.zeros(plan.tree.batch.num_samples)
+        coefficients = claim_coefficients(plan.tree, "token-mean")
+
+        class _Collect:
+            needs_entropy, needs_ref, needs_advantage = loss.needs_entropy, loss.needs_ref, loss.needs_advantage
+
+            def __call__(self, logprobs, entropy, claims):
+                view = ClaimView.of(logprobs, entropy, claims)
+                np.add.at(sums, claims.sample.cpu().numpy(), loss.token_terms(view).double().cpu().numpy())
+                return logprobs.sum() * 0.0, {}
+
+        self._forward_only(plan, rank, memory, claims_loss=_Collect(), coefficients=coefficients)
+        return sums
+
+    @torch.no_grad()
     def logprobs(self, plan: StepPlan, rank: int, memory: Optional[MemoryPlan] = None) -> StepOutput:
         """Log-prob of every tree token this rank computes (forward only, no loss)."""
+        return self._forward_only(plan, rank, memory)
+
+    def _forward_only(self, plan: StepPlan, rank: int, memory: Optional[MemoryPlan], claims_loss=None,
+                      coefficients=None) -> StepOutput:
+        """Every micro-batch of ``rank`` forward, in order, K/V of cached prefixes freed after
+        their last reader: the log-prob of every row, or (``claims_loss``) only of claimed rows,
+        handed to ``claims_loss``."""
         rank_plan = plan.ranks[rank]
         out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs={})
         cache = self.kv_cache
@@ -352,12 +387,9 @@ class StepRunner:
                     cache.allocate(s, rank_plan.sources[s].length, kinds=("k", "v"))
             pack = rank_plan.pack(plan.index, i)
             out.tokens_computed += pack.num_tokens
-            rows = np.arange(len(pack.logit_rows))
-            _, _, logp, _ = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=None, coefficients=None,
-                                          grad=False, store=True, capture=False)
-            if logp is not None:
-                for t, v in zip(pack.logit_targets.tolist(), logp.float().cpu().tolist()):
-                    out.logprobs[t] = v
+            rows = np.arange(len(pack.logit_rows)) if claims_loss is None else self._claimed_rows(plan, pack)
+            self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=claims_loss, coefficients=coefficients,
+                          grad=False, store=True, capture=False, record=out.logprobs)
             for s in mb.reads:
                 if last_reader[s] == i:
                     cache.free(s, ("k", "v"))

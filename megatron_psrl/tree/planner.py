@@ -37,13 +37,11 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from megatron_psrl.errors import ConfigurationError, PsrlError
+from megatron_psrl.options import PLACEMENTS, SHARING_MODES
 from megatron_psrl.tree.cost import CostModel, claimed_tokens
 from megatron_psrl.tree.packing import ExternalSource, PackedMicroBatch, TreeIndex, chain_structure, pack_tokens
 from megatron_psrl.tree.prefix_tree import PrefixTree
 from megatron_psrl.tree.unshared import build_unshared_tree
-
-SHARING_MODES = ("tree", "tree-dup", "none")
-PLACEMENTS = ("auto", "whole-tree", "cross-rank")
 
 
 class PlanningError(PsrlError, ValueError):

@@ -18,7 +18,20 @@ def random_tree_batch(
     with_old: bool = True,
     with_ref: bool = True,
 ) -> SampleBatch:
-    """Samples built by branching from shared prefixes, plus the adversarial cases:
+    """:func:`random_tree_records` as a validated :class:`SampleBatch`."""
+    return samples_from_dicts(random_tree_records(seed, vocab_size, num_roots, max_len, with_old, with_ref),
+                              source="random_tree_batch")
+
+
+def random_tree_records(
+    seed: int,
+    vocab_size: int = 256,
+    num_roots: int = 2,
+    max_len: int = 60,
+    with_old: bool = True,
+    with_ref: bool = True,
+) -> List[dict]:
+    """Samples (dicts of the data format, Python lists) built by branching from shared prefixes, plus the adversarial cases:
 
     exact duplicates (with different advantages), a sample that is a prefix of another,
     loss on shared tokens (tree rollouts: each sample claims the whole action path with its
@@ -57,7 +70,7 @@ def random_tree_batch(
     add(lone, [0] * 12)  # empty loss mask
     add(rng.integers(0, vocab_size, 9).tolist())  # shares (almost surely) nothing
     order = rng.permutation(len(records))
-    return samples_from_dicts([records[i] for i in order], source="random_tree_batch")
+    return [records[i] for i in order]
 
 
 def cross_rank_batch(kind: str, vocab_size: int = 251, seed: int = 5) -> SampleBatch:

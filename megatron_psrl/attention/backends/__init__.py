@@ -15,8 +15,9 @@ K/V pairs, exactly (each query sees its ancestors and the earlier tokens of its 
 from megatron_psrl.attention.backends.blockwise import blockwise_tree_attention
 from megatron_psrl.attention.backends.dense import dense_tree_attention
 from megatron_psrl.attention.backends.varlen import TETreeAttention, flash_tree_attention
+from megatron_psrl.options import ATTENTION_BACKENDS
 
-BACKENDS = ("torch", "dense", "flash", "te")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def default_backend(device_type: str, dtype=None) -> str:

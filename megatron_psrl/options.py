@@ -1,0 +1,33 @@
+"""The names of the choices that the command lines, the configs and the library share.
+
+Only strings and numbers, importable without torch or megatron-core, so that a command line
+can parse (and print ``--help``) before loading anything heavy. Each owning module imports its
+names from here, so every list exists once.
+"""
+
+ATTENTION_BACKENDS = ("torch", "dense", "flash", "te")
+"""Prefix-sharing attention kernels (``megatron_psrl.attention.backends``)."""
+
+SHARING_MODES = ("tree", "tree-dup", "none")
+"""Prefix sharing: mechanisms 1 + 2, mechanism 1 with prefix duplication, none (the baseline)."""
+
+PLACEMENTS = ("auto", "whole-tree", "cross-rank")
+"""Trees over the ranks of an exchange group (``megatron_psrl.tree.planner``)."""
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+"""Aggregations of the per-claim loss over the global batch (docs/loss.md)."""
+
+OPTIMIZERS = ("adam", "sgd")
+"""Optimizers (``megatron_psrl.training.optimizer``)."""
+
+MEMORY_TRACKING = ("sampled", "ops", "off")
+"""CPU peak-memory measurement modes (``megatron_psrl.training.memory``)."""
+
+WORKLOAD_NAMES = ("grpo", "stepwise", "tree", "mixed")
+"""Synthetic workloads (``megatron_psrl.data.synthetic``)."""
+
+TINY_MODEL_NAMES = ("debug-llama", "tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
+"""Debug-size model configs with random weights (``megatron_psrl.model.tiny``)."""
+
+DEFAULT_TIMEOUT_MINUTES = 10.0
+"""Megatron-LM's default for ``--distributed-timeout-minutes``."""

@@ -1,0 +1,43 @@
+"""PolicyActor under torchrun: log-probs and one SGD step on every rank; rank 0 saves them.
+
+    torchrun --nproc_per_node 2 actor_step.py --hf-dir DIR --records FILE.json --tp T --out FILE
+"""
+
+import argparse
+import json
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
+
+p = argparse.ArgumentParser()
+p.add_argument("--hf-dir", required=True)
+p.add_argument("--records", required=True)
+p.add_argument("--tp", type=int, default=1)
+p.add_argument("--micro-batch-tokens", type=int, default=32)
+p.add_argument("--lr", type=float, default=1.0)
+p.add_argument("--out", required=True)
+args = p.parse_args()
+
+records = json.load(open(args.records))
+actor = PolicyActor(args.hf_dir, ActorConfig(
+    tensor_model_parallel_size=args.tp, device="cpu", micro_batch_tokens=args.micro_batch_tokens,
+    optimizer=OptimizerSettings(optimizer="sgd", lr=args.lr, clip_grad=0.0),
+    loss=LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")))
+logprobs = actor.compute_logprobs(records)
+before = actor.state_dict_hf()
+metrics = actor.train_step(records)
+after = actor.state_dict_hf()
+
+# Every rank must return the same log-probs and hold the same full weights.
+digest = [float(np.nansum(np.concatenate(logprobs))), float(np.nansum(np.concatenate(metrics["logprobs"]))),
+          float(sum(v.double().sum() for v in after.values())), metrics["loss"]]
+digests = [None] * dist.get_world_size()
+dist.all_gather_object(digests, digest)
+if dist.get_rank() == 0:
+    torch.save({"logprobs": logprobs, "step_logprobs": metrics["logprobs"], "loss": metrics["loss"],
+                "before": before, "after": after, "ranks_agree": all(d == digests[0] for d in digests),
+                "micro_batches": metrics["micro_batches"], "world": dist.get_world_size()}, args.out)
+actor.close()
