@@ -16,24 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
-
-quiet_expected_import_warnings()
-
-
-from megatron_psrl.checkpoint.atomic import atomic_write_text, check_writable_dir  # noqa: E402
-from megatron_psrl.checkpoint.loading import ModelSource, source_architecture  # noqa: E402
-from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info  # noqa: E402
+# Only light imports before the arguments are parsed (``--help`` answers at once); the model
+# stack (megatron-core, torch) is imported in main().
 from megatron_psrl.cli import HelpFormatter, positive_int, run_cli  # noqa: E402
-from megatron_psrl.data.loader import load_samples  # noqa: E402
-from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES  # noqa: E402
-from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel  # noqa: E402
-from megatron_psrl.model.architecture import ModelArchitecture  # noqa: E402
-from megatron_psrl.model.builder import parse_dtype  # noqa: E402
-from megatron_psrl.options import ATTENTION_BACKENDS, PLACEMENTS  # noqa: E402
-from megatron_psrl.training.actor import ActorConfig, PolicyActor  # noqa: E402
+from megatron_psrl.options import ATTENTION_BACKENDS, DEFAULT_TIMEOUT_MINUTES, PLACEMENTS  # noqa: E402
 from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
-from megatron_psrl.training.preflight import on_logging_rank  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -66,6 +53,16 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from megatron_psrl.checkpoint.atomic import atomic_write_text, check_writable_dir
+    from megatron_psrl.checkpoint.loading import ModelSource, source_architecture
+    from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
+    from megatron_psrl.data.loader import load_samples
+    from megatron_psrl.distributed.setup import initialize_parallel
+    from megatron_psrl.model.architecture import ModelArchitecture
+    from megatron_psrl.model.builder import parse_dtype
+    from megatron_psrl.training.actor import ActorConfig, PolicyActor
+    from megatron_psrl.training.preflight import on_logging_rank
+
     layout = initialize_parallel(args.tensor_model_parallel_size, 1, seed=0, device=args.device,
                                  timeout_minutes=args.distributed_timeout_minutes,
                                  context_parallel_size=args.context_parallel_size)
@@ -104,5 +101,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def _shutdown() -> None:
+    setup = sys.modules.get("megatron_psrl.distributed.setup")  # imported only if main() got that far
+    if setup is not None:
+        setup.shutdown_parallel()
+
+
 if __name__ == "__main__":
-    run_cli(main, cleanup=shutdown_parallel)
+    run_cli(main, cleanup=_shutdown)

@@ -115,13 +115,21 @@ def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, pr
     return dict(adapter.hf_to_mcore(get))
 
 
-def hf_memory_state_dict(state_dict: Dict[str, Tensor], arch: ModelArchitecture) -> Dict[str, Tensor]:
-    """Full megatron state dict of Hugging Face-named tensors held in memory (shapes checked)."""
+def hf_memory_state_dict(state_dict: Dict[str, Tensor], arch: ModelArchitecture,
+                         strict: bool = False) -> Dict[str, Tensor]:
+    """Full megatron state dict of Hugging Face-named tensors held in memory (shapes checked;
+    ``strict``: no tensor the model does not have, beyond a tied ``lm_head.weight`` and RoPE
+    buffers, as a transformers ``state_dict()`` holds them)."""
     adapter = get_adapter(arch)
     shapes = adapter.hf_shapes()
     missing = [k for k in shapes if k not in state_dict]
     if missing:
         raise ConfigurationError(f"the state dict lacks tensors of a {arch.model_type} model: {missing[:5]}")
+    if strict:
+        extra = sorted(k for k in set(state_dict) - set(shapes) - {"lm_head.weight"}
+                       if not k.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise ConfigurationError(f"the state dict has tensors a {arch.model_type} model does not: {extra[:5]}")
     for name, shape in shapes.items():
         if tuple(state_dict[name].shape) != shape:
             raise ConfigurationError(f"tensor {name!r}: shape {tuple(state_dict[name].shape)} does not match {shape} "

@@ -60,8 +60,9 @@ from megatron_psrl.kvcache import (
 )
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.training.calibration import MeasuredCosts, calibrate_for_planning
-from megatron_psrl.training.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceLoss
+from megatron_psrl.training.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.training.memory import PeakMemory
 from megatron_psrl.training.optimizer import OptimizerSettings, StepOutcome, build_optimizer
 from megatron_psrl.training.planning import memory_plans, plan_with_memory
@@ -173,7 +174,10 @@ def model_source(model: Any) -> ModelSource:
             return ModelSource(checkpoint=path)
         if os.path.isdir(path):
             return ModelSource(hf_dir=path)
-        return ModelSource(tiny=path)
+        if path in TINY_MODEL_NAMES:
+            return ModelSource(tiny=path)
+        raise ConfigurationError(f"{path}: no such folder (a Hugging Face save_pretrained folder or a checkpoint; "
+                                 f"or a tiny config name: {', '.join(TINY_MODEL_NAMES)})")
     if isinstance(model, tuple) and len(model) == 2:
         return ModelSource(hf_config=dict(model[0]), hf_state_dict=dict(model[1]))
     if hasattr(model, "config") and hasattr(model, "state_dict"):  # a transformers PreTrainedModel
@@ -310,6 +314,24 @@ class PolicyActor:
                                     "--allow-rope-extrapolation trains it anyway")
         return batch
 
+    def _check_same_call(self, batch: SampleBatch, what: str, *flags: float) -> None:
+        """Every rank must make the same call on the same global batch (the planner splits it);
+        a framework that hands each rank its own slice would otherwise get silently wrong
+        numbers, or ranks that disagree on a collective would hang. One small all-reduce."""
+        if dist.get_world_size() == 1:
+            return
+        positions = np.arange(batch.num_tokens, dtype=np.float64) % 65521 + 1
+        digest = [float(batch.num_samples), float(batch.num_tokens), float(np.dot(batch.tokens, positions)),
+                  float(np.count_nonzero(batch.loss_mask)), *map(float, flags)]
+        t = torch.tensor(digest + [-x for x in digest], dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        high, low = t[:len(digest)], -t[len(digest):]
+        if not torch.equal(high, low):
+            raise ConfigurationError(
+                f"{what}: the ranks passed different batches or options ({int(low[0])}-{int(high[0])} samples, "
+                f"{int(low[1])}-{int(high[1])} tokens). Every rank must pass the same global batch (the planner "
+                "splits it over the ranks) with the same arguments")
+
     def _planner_config(self, prefix_sharing: Optional[str] = None) -> PlannerConfig:
         c = self.config
         costs = (self.measured.planner_settings(self.geometry.num_layers, 2 * self.geometry.bytes_per_token)
@@ -334,13 +356,22 @@ class PolicyActor:
         return tree, plan, memories[self.layout.placement_rank], mode
 
     def _loss(self, loss_fn, overrides: Dict[str, Any]) -> ClaimLoss:
+        """The loss of one call: the configured PPO/GRPO loss (with ``overrides``), or a custom
+        one, whose ``view.coef`` implements the configured ``loss_agg`` unless it names its own
+        (or the call passes ``loss_agg=``)."""
         if loss_fn is None:
             return dataclasses.replace(self.config.loss, **overrides) if overrides else self.config.loss
-        if overrides:
-            raise ConfigurationError("loss overrides apply to the default loss only, not to a custom loss_fn")
-        if isinstance(loss_fn, (SequenceLoss, PerClaimLoss)) or hasattr(loss_fn, "needs_entropy"):
+        unknown = set(overrides) - {"loss_agg"}
+        if unknown:
+            raise ConfigurationError(f"loss overrides {sorted(unknown)} apply to the default loss only; a custom "
+                                     "loss_fn takes only loss_agg=")
+        if isinstance(loss_fn, SequenceLoss) or (hasattr(loss_fn, "needs_entropy")
+                                                 and not isinstance(loss_fn, PerClaimLoss)):
             return loss_fn
-        return PerClaimLoss(loss_fn)
+        if not isinstance(loss_fn, PerClaimLoss):
+            loss_fn = PerClaimLoss(loss_fn)
+        agg = overrides.get("loss_agg") or loss_fn.loss_agg or self.config.loss.loss_agg
+        return dataclasses.replace(loss_fn, loss_agg=agg) if agg != loss_fn.loss_agg else loss_fn
 
     # ------------------------------------------------------------------ the update
     def forward_backward(self, batch: Batch, loss_fn=None, return_logprobs: bool = True,
@@ -354,11 +385,14 @@ class PolicyActor:
         losses (summed over the global batch); a ``PerClaimLoss``; or a ``SequenceLoss``."""
         loss = self._loss(loss_fn, loss_overrides)
         batch = self.as_batch(batch, training=True, needs_advantage=loss.needs_advantage)
-        return self._forward_backward(batch, loss, return_logprobs)
+        self._check_same_call(batch, "forward_backward", return_logprobs, isinstance(loss, SequenceLoss))
+        with preserved_rng():
+            return self._forward_backward(batch, loss, return_logprobs)
 
     def optimizer_step(self, skip: bool = False) -> StepOutcome:
         """Reduce the accumulated gradients over data x context parallel ranks, clip and apply
         them; a non-finite gradient norm (or ``skip``) skips the step on every rank."""
+        self._require_optimizer("optimizer_step")
         with self.layout.monitor.phase(f"gradient all-reduce and optimizer step {self.iteration + 1}"):
             outcome = self.optimizer.step(skip=skip)
         if not outcome.skipped:
@@ -366,7 +400,15 @@ class PolicyActor:
         return outcome
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
+        if self.optimizer is None:
+            self.model.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.zero_grad()
+
+    def _require_optimizer(self, call: str) -> None:
+        if self.optimizer is None:
+            raise ConfigurationError(f"{call} needs an optimizer: this actor was built with for_training=False "
+                                     "(log-probs only)")
 
     def train_step(self, batch: Batch, loss_fn=None, return_logprobs: bool = True, **loss_overrides) -> Dict[str, Any]:
         """One optimizer step over the global batch; a dict of metrics (``loss``, ``grad_norm``,
@@ -375,11 +417,14 @@ class PolicyActor:
 
     def train_step_result(self, batch: Batch, loss_fn=None, return_logprobs: bool = True,
                           **loss_overrides) -> StepResult:
+        """:meth:`train_step` as a :class:`StepResult`."""
+        self._require_optimizer("train_step")
         self.zero_grad()
         loss = self._loss(loss_fn, loss_overrides)
         batch = self.as_batch(batch, training=True, needs_advantage=loss.needs_advantage)
+        self._check_same_call(batch, "train_step", return_logprobs, isinstance(loss, SequenceLoss))
         t0 = time.perf_counter()
-        with PeakMemory(self.layout.device, mode=self.config.memory_tracking) as mem:
+        with preserved_rng(), PeakMemory(self.layout.device, mode=self.config.memory_tracking) as mem:
             result = self._forward_backward(batch, loss, return_logprobs)
             t1 = time.perf_counter()
             result.outcome = self.optimizer_step(skip=not np.isfinite(result.loss))
@@ -399,7 +444,7 @@ class PolicyActor:
         t0 = time.perf_counter()
         with monitor.phase(f"forward/backward of iteration {it}"):
             out = self.runner.train(plan, self.layout.placement_rank, loss, memory,
-                                    loss_scale=self.optimizer.loss_scale)
+                                    loss_scale=self.optimizer.loss_scale if self.optimizer is not None else 1.0)
         times["forward_backward"] = time.perf_counter() - t0
         keys = ["clip_frac", "pg_loss", "ratio_clamped", "kl", "entropy"]  # the same on every rank
         with monitor.phase(f"loss all-reduce of iteration {it}"):
@@ -418,7 +463,7 @@ class PolicyActor:
         if "ratio_clamped" in metrics:
             metrics["ratio_clamped"] = int(metrics["ratio_clamped"])
         metrics.update(plan_metrics(plan, self.geometry, self.measured))
-        logprobs = self._gather_logprobs(plan, batch, out) if return_logprobs else None
+        logprobs = self._gather_logprobs(plan, out) if return_logprobs else None
         return StepResult(loss=total, metrics=metrics, logprobs=logprobs)
 
     @staticmethod
@@ -440,23 +485,27 @@ class PolicyActor:
             if dist.get_world_size(gradient_group()) > 1:
                 dist.all_reduce(sums, group=gradient_group())
         sums = sums.float().requires_grad_(True)
-        advantages = torch.from_numpy(batch.advantages[batch.offsets[1:] - 1].astype(np.float32)).to(sums.device)
-        trained = torch.from_numpy(np.bincount(plan.tree.claim_sample, minlength=batch.num_samples) > 0).to(sums.device)
-        value = loss.sequence_loss(sums, advantages, trained)
+        tree, n, device = plan.tree, batch.num_samples, sums.device
+        trained = np.bincount(tree.claim_sample, minlength=n) > 0
+        advantage = np.zeros(n, dtype=np.float32)
+        if batch.advantages is not None and tree.claim_flat.size:
+            last = np.full(n, -1, dtype=np.int64)  # flat index of every sample's last trained token
+            np.maximum.at(last, tree.claim_sample, tree.claim_flat.astype(np.int64))
+            advantage[trained] = batch.advantages[last[trained]]
+        inputs = SequenceInputs(advantage=torch.from_numpy(advantage).to(device),
+                                weight=torch.from_numpy(batch.weights.astype(np.float32)).to(device),
+                                trained=torch.from_numpy(trained).to(device))
+        value = loss.sequence_loss(sums, inputs)
         (grad,) = torch.autograd.grad(value, sums)
         self._sequence_value = float(value.detach())
         grad = grad.detach()
         return PerClaimLoss(lambda view: grad[view.sample] * loss.token_terms(view), needs_entropy=loss.needs_entropy,
                             needs_ref=loss.needs_ref, needs_advantage=loss.needs_advantage)
 
-    def _gather_logprobs(self, plan: StepPlan, batch: SampleBatch, out: StepOutput) -> List[np.ndarray]:
-        local = out.logprobs or {}
-        group = gradient_group()
-        if dist.get_world_size(group) > 1:
-            parts = [None] * dist.get_world_size(group)
-            dist.all_gather_object(parts, local, group=group)
-            local = {k: v for part in parts for k, v in part.items()}
-        return _per_sample(plan, batch, local, fill=np.nan)
+    def _gather_logprobs(self, plan: StepPlan, out: StepOutput) -> List[np.ndarray]:
+        from megatron_psrl.training.logprobs import per_sample_logprobs
+
+        return per_sample_logprobs(plan.tree, out.logprobs, gradient_group(), fill=np.nan)
 
     # ------------------------------------------------------------------ log-probs
     def compute_logprobs(self, batch: Batch) -> List[np.ndarray]:
@@ -465,9 +514,10 @@ class PolicyActor:
         from megatron_psrl.training.logprobs import compute_logprobs
 
         batch = self.as_batch(batch, training=False)
+        self._check_same_call(batch, "compute_logprobs")
         settings = (self.measured.planner_settings(self.geometry.num_layers, 2 * self.geometry.bytes_per_token)
                     if self.measured else None)
-        with self.layout.monitor.phase("log-prob forward"):
+        with self.layout.monitor.phase("log-prob forward"), preserved_rng():
             return compute_logprobs(
                 self.model, self.arch, batch, prefix_sharing=self.config.prefix_sharing != "none",
                 micro_batch_tokens=self.config.micro_batch_tokens, kv_cache_budget=self.config.kv_cache_budget,
@@ -507,22 +557,36 @@ class PolicyActor:
         return out_dir
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named weights (every tensor, shapes checked) into this rank's shard."""
-        full = hf_memory_state_dict(dict(state_dict), self.arch)
+        """Load Hugging Face-named weights into this rank's shard: every tensor of the model,
+        shapes checked, no unexpected names (a misspelled key is an error, not ignored)."""
+        full = hf_memory_state_dict(dict(state_dict), self.arch, strict=True)
         tp, pp = self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
         load_state_into(self.model, shard_state_dict(full, self.arch, tp, pp)[(self.layout.tp_rank, self.layout.pp_rank)])
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        """Weights were loaded into the model: a bf16 model's fp32 master copies follow (else the
+        next step would write the old weights back)."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, save_dir: str) -> str:
-        """Save model and optimizer as iteration ``self.iteration`` (every rank calls it)."""
+        """Save model and optimizer (none for a ``for_training=False`` actor) as iteration
+        ``self.iteration``; every rank calls it. Atomic, one writer per folder."""
         from megatron_psrl.training.checkpointing import save_training_checkpoint
 
+        if self.config.optimizer.use_distributed_optimizer and self.optimizer is not None:
+            raise UnsupportedFeatureError("checkpoints of the distributed optimizer's sharded state are not "
+                                          "implemented yet: build the actor without use_distributed_optimizer to save")
         with self.layout.monitor.phase(f"checkpoint save of iteration {self.iteration}"):
             return save_training_checkpoint(save_dir, self.iteration, self.model, self.optimizer, self.arch,
                                             self.layout)
 
     def load(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
-        """Load weights (any TP/PP layout) and, when the layout matches, the optimizer state."""
+        """Load weights (any TP/PP layout) and, when the layout matches and ``load_optimizer``,
+        the optimizer and learning-rate schedule; the iteration is the checkpoint's either way
+        (as Megatron-LM's ``--no-load-optim``: a fresh optimizer restarts the schedule)."""
         from megatron_psrl.checkpoint.mcore_format import load_rank_state
 
         layout = self.layout
@@ -530,8 +594,10 @@ class PolicyActor:
                                                        layout.pp_rank, layout.pipeline_parallel_size)
         load_state_into(self.model, shard)
         self.iteration = info.iteration
-        if optimizer_state and load_optimizer:
+        if optimizer_state and load_optimizer and self.optimizer is not None:
             self.optimizer.load_state_dict(optimizer_state)
+        else:
+            self._weights_changed()
 
     def close(self) -> None:
         """End the process groups (and the collective-timeout monitor) this process uses; call
@@ -567,17 +633,6 @@ class PolicyActor:
             "kv_hit_rate": read / (read + recomputed) if read + recomputed else 1.0,
             "kv_tokens_recomputed": int(recomputed),
         }
-
-
-def _per_sample(plan: StepPlan, batch: SampleBatch, values: Dict[int, float], fill: float) -> List[np.ndarray]:
-    """Per-sample float32 arrays from tree-token values (``fill`` where none, 0 at position 0)."""
-    per_tree_token = np.full(plan.tree.num_tree_tokens, fill, dtype=np.float32)
-    if values:
-        keys = np.fromiter(values.keys(), dtype=np.int64, count=len(values))
-        per_tree_token[keys] = np.fromiter(values.values(), dtype=np.float32, count=len(values))
-    flat = per_tree_token[plan.tree.sample_token_index]
-    flat[batch.offsets[:-1]] = 0.0
-    return [flat[batch.offsets[s]:batch.offsets[s + 1]].copy() for s in range(batch.num_samples)]
 
 
 def cost_model_for(arch: ModelArchitecture) -> CostModel:

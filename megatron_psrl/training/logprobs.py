@@ -20,10 +20,11 @@ from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.training.planning import plan_with_memory
-from megatron_psrl.training.step import StepRunner
+from megatron_psrl.training.step import ComputedLogprobs, StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.cost import CostModel
 from megatron_psrl.tree.planner import PlannerConfig
+from megatron_psrl.tree.prefix_tree import PrefixTree
 
 
 def compute_logprobs(
@@ -84,13 +85,24 @@ def compute_logprobs(
     finally:
         model.train(was_training)
         cache.release_pool()
-    if ranks > 1:
-        gathered = [None] * ranks
-        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        local = {k: v for part in gathered for k, v in part.items()}
-    per_tree_token = np.zeros(plan.tree.num_tree_tokens, dtype=np.float32)
-    keys = np.fromiter(local.keys(), dtype=np.int64, count=len(local))
-    per_tree_token[keys] = np.fromiter(local.values(), dtype=np.float32, count=len(local))
-    flat = per_tree_token[plan.tree.sample_token_index]
-    flat[batch.offsets[:-1]] = 0.0  # position 0 has no log-prob
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True) if ranks > 1 else None
+    return per_sample_logprobs(plan.tree, local, group, fill=0.0)
+
+
+def per_sample_logprobs(tree: PrefixTree, computed: ComputedLogprobs, group=None, fill: float = 0.0
+                        ) -> List[np.ndarray]:
+    """Per-sample float32 arrays from the tree-token log-probs ``computed`` on this rank and on
+    every rank of ``group`` (one gather of index / value arrays): ``fill`` where no rank
+    computed one, 0.0 at position 0 (no log-prob there)."""
+    index, values = computed.arrays()
+    if group is not None and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (index, values), group=group)
+        index = np.concatenate([p[0] for p in parts])
+        values = np.concatenate([p[1] for p in parts])
+    batch = tree.batch
+    per_tree_token = np.full(tree.num_tree_tokens, fill, dtype=np.float32)
+    per_tree_token[index] = values
+    flat = per_tree_token[tree.sample_token_index]
+    flat[batch.offsets[:-1]] = 0.0
     return [flat[batch.offsets[s]:batch.offsets[s + 1]].copy() for s in range(batch.num_samples)]

@@ -292,9 +292,23 @@ class PerClaimLoss:
     (apply ``view.coef`` for the aggregation, ``view.weight`` for sample weights)."""
 
     fn: Callable[[ClaimView], Tensor]
+    """Per-claim losses ``[c]`` from a :class:`ClaimView`."""
+
     needs_entropy: bool = False
+    """Compute ``view.entropy`` (one more pass over the vocabulary per claimed row)."""
+
     needs_ref: bool = False
+    """Every sample must have ``ref_logprobs`` (``view.ref_logprob``)."""
+
     needs_advantage: bool = False
+    """Every sample must have an ``advantage`` (zeros are passed otherwise)."""
+
+    loss_agg: Optional[str] = None
+    """The aggregation ``view.coef`` implements; None: the actor's configured ``loss_agg``."""
+
+    def __post_init__(self) -> None:
+        if self.loss_agg is not None and self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ConfigurationError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
 
     def __call__(self, logprobs: Tensor, entropy: Optional[Tensor], claims: ClaimBatch):
         return self.fn(ClaimView.of(logprobs, entropy, claims)).sum(), {}
@@ -306,9 +320,24 @@ def log_likelihood_loss(view: ClaimView) -> Tensor:
     return -(view.coef * view.weight * view.logp)
 
 
+@dataclass
+class SequenceInputs:
+    """Per-sample inputs of a :class:`SequenceLoss`, ``[S]`` tensors over the batch's samples."""
+
+    advantage: Tensor
+    """The advantage of the sample's last trained token (0 for a sample without trained tokens
+    or a batch without advantages)."""
+
+    weight: Tensor
+    """The sample's weight."""
+
+    trained: Tensor
+    """bool: the sample has trained tokens (its sum is 0 otherwise)."""
+
+
 class SequenceLoss:
-    """A loss of per-sample sums: ``L = sequence_loss(S)`` with ``S_s = sum over the claims of
-    sample s of token_terms(view)`` (GSPO's sequence ratio, a sequence-level KL, ...).
+    """A loss of per-sample sums: ``L = sequence_loss(S, samples)`` with ``S_s = sum over the
+    claims of sample s of token_terms(view)`` (GSPO's sequence ratio, a sequence-level KL, ...).
 
     A sample's claims can live in several micro-batches and on several ranks, so ``PolicyActor``
     runs it in two passes: a forward pass computes ``S`` (summed over ranks), then the training
@@ -321,16 +350,16 @@ class SequenceLoss:
     def token_terms(self, view: ClaimView) -> Tensor:
         raise NotImplementedError
 
-    def sequence_loss(self, sums: Tensor, advantages: Tensor, trained: Tensor) -> Tensor:
-        """Scalar loss from ``sums`` ``[S]``, each sample's advantage ``[S]`` (its last token's)
-        and ``trained`` ``[S]`` (bool: the sample has trained tokens; ``sums`` is 0 elsewhere)."""
+    def sequence_loss(self, sums: Tensor, samples: SequenceInputs) -> Tensor:
+        """Scalar loss from the per-sample sums ``[S]``."""
         raise NotImplementedError
 
 
 @dataclass
 class GSPOLoss(SequenceLoss):
     """GSPO: the importance ratio of a whole sequence, ``s = exp(mean over its trained tokens of
-    (log p - old log p))``, clipped PPO-style, averaged over samples with trained tokens."""
+    (log p - old log p))``, clipped PPO-style with the sample's advantage (its last trained
+    token's), weighted by the sample weight, averaged over the samples with trained tokens."""
 
     clip_eps: float = 3e-4
 
@@ -338,8 +367,9 @@ class GSPOLoss(SequenceLoss):
         old = torch.where(torch.isnan(view.old_logprob), view.logp.detach(), view.old_logprob)
         return (view.logp - old) / view.sample_claims
 
-    def sequence_loss(self, sums: Tensor, advantages: Tensor, trained: Tensor) -> Tensor:
+    def sequence_loss(self, sums: Tensor, samples: SequenceInputs) -> Tensor:
         ratio = torch.exp(sums.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         clipped = torch.clamp(ratio, 1.0 - self.clip_eps, 1.0 + self.clip_eps)
-        per_sample = -torch.minimum(ratio * advantages, clipped * advantages)
-        return (per_sample * trained).sum() / trained.sum().clamp(min=1)
+        adv = samples.advantage
+        per_sample = -torch.minimum(ratio * adv, clipped * adv) * samples.weight
+        return (per_sample * samples.trained).sum() / samples.trained.sum().clamp(min=1)

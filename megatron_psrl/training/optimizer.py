@@ -202,6 +202,14 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
         self.scheduler.step(1)
         return StepOutcome(norm, skipped=False)
 
+    def reload_model_params(self) -> None:
+        """After weights were loaded into the model: refresh the fp32 master copies (a bf16
+        model), or the next step would write the old weights back (megatron's method name)."""
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                if master is not p:
+                    master.copy_(p.float())
+
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()
         if any(m is not p for p, m in zip(self.params, self.masters)):
@@ -256,6 +264,10 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+    def reload_model_params(self) -> None:
+        """After weights were loaded into the model: refresh megatron's fp32 main params."""
+        self.optimizer.reload_model_params()
 
     @property
     def loss_scale(self) -> float:

@@ -138,9 +138,28 @@ class StepOutput:
     key_pairs: int = 0
     """(query, key) pairs attended, external keys included."""
 
-    logprobs: Optional[Dict[int, float]] = None
-    """Tree token -> log-prob, for every token whose log-prob this rank computed (training: the
-    claimed tokens; forward-only: all)."""
+    logprobs: Optional["ComputedLogprobs"] = None
+    """The log-probs of every tree token this rank computed (training: the claimed tokens;
+    forward-only: all)."""
+
+
+class ComputedLogprobs:
+    """Tree-token log-probs a call computed, kept where they were computed (on the device, no
+    host sync per micro-batch) until :meth:`arrays` reads them all at once."""
+
+    def __init__(self) -> None:
+        self._parts: List[Tuple[np.ndarray, Tensor]] = []
+
+    def add(self, tree_tokens: np.ndarray, logp: Tensor) -> None:
+        self._parts.append((tree_tokens, logp.detach()))
+
+    def arrays(self) -> Tuple[np.ndarray, np.ndarray]:
+        """``(tree token indices int64, log-probs float32)``."""
+        if not self._parts:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        index = np.concatenate([t for t, _ in self._parts]).astype(np.int64)
+        values = torch.cat([v.float() for _, v in self._parts]).cpu().numpy()
+        return index, values
 
 
 class StepRunner:
@@ -177,7 +196,7 @@ class StepRunner:
         grad: bool,
         store: bool,
         capture: bool,
-        record: Optional[Dict[int, float]] = None,
+        record: Optional[ComputedLogprobs] = None,
     ):
         mb = rank_plan.micro_batches[i]
         hook = None
@@ -205,7 +224,7 @@ class StepRunner:
             want_entropy = loss_cfg is not None and loss_cfg.needs_entropy
             logp, ent = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, with_entropy=want_entropy)
             if record is not None:  # the log-probs this call computed, returned to the caller
-                record.update(zip(targets.tolist(), logp.detach().float().cpu().tolist()))
+                record.add(targets, logp)
             if loss_cfg is None:
                 return None, {}, logp, hook
             claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
@@ -264,8 +283,8 @@ class StepRunner:
         optimizer unscales). Injected prefix gradients come from scaled losses already."""
         rank_plan = plan.ranks[rank]
         # Normalisation over the whole global batch, from the original samples.
-        coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", "token-mean"))
-        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs={})
+        coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
+        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs())
         cache = self.kv_cache
         if rank_plan.sources:
             if memory is None:
@@ -373,7 +392,7 @@ class StepRunner:
         their last reader: the log-prob of every row, or (``claims_loss``) only of claimed rows,
         handed to ``claims_loss``."""
         rank_plan = plan.ranks[rank]
-        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs={})
+        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs())
         cache = self.kv_cache
         if rank_plan.sources:
             if memory is None:

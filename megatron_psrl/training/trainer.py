@@ -187,9 +187,6 @@ class Trainer:
             if longer:
                 self.log(f"warning: {longer} sample(s) are longer than the model's max_position_embeddings "
                          f"({arch.max_position_embeddings}); RoPE extrapolates (--allow-rope-extrapolation)")
-        if self.data.samples is not None and self.data.samples.old_logprobs is None:
-            self.log("note: no sample has 'old_logprobs', so the policy ratio is 1 and the policy loss has the same "
-                     "value every iteration by design (its gradient still trains)")
         dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
         if args.save and self.layout.is_logging_rank:
             warning = warn_if_disk_short(args.save, checkpoint_bytes(arch, _DTYPES[dtype], args.optimizer,
@@ -225,6 +222,9 @@ class Trainer:
         """One step. A step whose global loss or gradient norm is not finite changes nothing
         (see :class:`~megatron_psrl.training.optimizer.StepOutcome`) and is counted."""
         batch = self.data.batch(iteration)
+        if iteration == self.start_iteration and batch.old_logprobs is None:
+            self.log("note: no sample has 'old_logprobs', so the policy ratio is 1 and the policy loss is the same "
+                     "function of the advantages every iteration by design (its gradient still trains)")
         result = self.actor.train_step_result(batch, return_logprobs=False)
         outcome, m = result.outcome, result.metrics
         if outcome.skipped:

@@ -26,7 +26,7 @@ def test_single_process_layout():
 
 def test_layout_that_does_not_fit_the_world_is_refused():
     initialize_parallel(1, 1, device="cpu")
-    with pytest.raises(ValueError, match="not a multiple of TP 2"):
+    with pytest.raises(ValueError, match="TP 2 x PP 1 needs 2 processes.*torchrun --nproc_per_node 2"):
         initialize_parallel(2, 1, device="cpu")
     assert parallel_state.get_tensor_model_parallel_world_size() == 1  # state untouched
 

@@ -36,7 +36,8 @@ SCRIPT = os.path.join(REPO_ROOT, "tests", "training", "scripts", "actor_step.py"
 
 
 def make_actor(model, lr=1.0, **overrides) -> PolicyActor:
-    config = ActorConfig(device="cpu", micro_batch_tokens=MICRO_BATCH, loss=LOSS,
+    overrides.setdefault("loss", LOSS)
+    config = ActorConfig(device="cpu", micro_batch_tokens=MICRO_BATCH,
                          optimizer=OptimizerSettings(optimizer="sgd", lr=lr, clip_grad=0.0), **overrides)
     return PolicyActor(model, config)
 
@@ -148,8 +149,9 @@ def _hf_logprobs(hf_model, batch, s):
 
 
 def test_sft_loss_equals_direct_hf_computation(hf_dir, hf_model, records, batch):
-    """``log_likelihood_loss``: the mean negative log-likelihood of the trained tokens."""
-    actor = make_actor(hf_dir)
+    """``log_likelihood_loss`` with token-mean: the mean negative log-likelihood of the trained
+    tokens (``view.coef`` follows the configured aggregation)."""
+    actor = make_actor(hf_dir, loss=LossConfig(loss_agg="token-mean"))
     actor.zero_grad()
     result = actor.forward_backward(records, loss_fn=log_likelihood_loss)
     hf_model.zero_grad(set_to_none=True)
@@ -167,14 +169,16 @@ def test_sft_loss_equals_direct_hf_computation(hf_dir, hf_model, records, batch)
 
 
 def test_gspo_sequence_loss_equals_direct_hf_computation(hf_dir, hf_model, records, batch):
-    """GSPO: a clipped ratio per sequence (the mean log-ratio of its trained tokens), averaged
-    over trained samples; a sample's claims span micro-batches here (mechanism 2)."""
+    """GSPO: a clipped ratio per sequence (the mean log-ratio of its trained tokens) with the
+    advantage of its last trained token, weighted by the sample weight, averaged over trained
+    samples; a sample's claims span micro-batches here (mechanism 2)."""
     gspo = GSPOLoss(clip_eps=0.05)
     actor = make_actor(hf_dir)
     actor.zero_grad()
     result = actor.forward_backward(records, loss_fn=gspo)
     hf_model.zero_grad(set_to_none=True)
     trained = [s for s in range(batch.num_samples) if _trained(batch, s).any()]
+    assert len({float(batch.weights[s]) for s in trained}) > 1, "the batch must weight its samples differently"
     total, clipped = 0.0, 0
     for s in trained:
         sl = batch.sample_slice(s)
@@ -183,8 +187,9 @@ def test_gspo_sequence_loss_equals_direct_hf_computation(hf_dir, hf_model, recor
         old = (torch.from_numpy(batch.old_logprobs[sl][1:]).float() if batch.has_old_logprobs[s]
                else logp.detach())
         ratio = torch.exp(((logp - old) * mask).sum() / mask.sum())
-        adv = float(batch.advantages[sl][-1])
-        loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - 0.05, 1 + 0.05) * adv) / len(trained)
+        adv = float(batch.advantages[sl][np.flatnonzero(_trained(batch, s))[-1]])
+        loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - 0.05, 1 + 0.05) * adv)
+        loss = float(batch.weights[s]) * loss / len(trained)
         clipped += int(abs(float(ratio.detach()) - 1) > 0.05)
         loss.backward()
         total += float(loss.detach())
@@ -192,6 +197,22 @@ def test_gspo_sequence_loss_equals_direct_hf_computation(hf_dir, hf_model, recor
     assert result.loss == pytest.approx(total, rel=1e-5)
     ref = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in hf_model.named_parameters()}
     assert_grads_close(_grads(actor), hf_grads_to_mcore(ref, actor.arch), rtol=1e-5)
+
+
+def test_a_sequence_loss_without_advantages(hf_dir):
+    """A SequenceLoss that needs no advantage runs on a batch without any."""
+    class MeanLogLikelihood(GSPOLoss):
+        needs_advantage = False
+
+        def token_terms(self, view):
+            return view.logp / view.sample_claims
+
+        def sequence_loss(self, sums, samples):
+            assert not samples.advantage.any()
+            return -(sums * samples.trained).sum()
+
+    records = [{"tokens": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1]}, {"tokens": [1, 2, 3, 9]}]
+    assert np.isfinite(make_actor(hf_dir).train_step(records, loss_fn=MeanLogLikelihood())["loss"])
 
 
 def test_a_custom_loss_needs_no_advantage(hf_dir):
@@ -237,20 +258,29 @@ def test_built_from_memory_equals_built_from_the_folder(hf_dir, hf_model, record
 
 
 def test_save_and_load_round_trip(hf_dir, records, tmp_path):
-    actor = make_actor(hf_dir, lr=0.1)
+    """Weights, Adam moments, the learning-rate schedule and the iteration survive save and
+    load: the next step from the original and from the reloaded actor are the same."""
+    def adam_actor(model):
+        return PolicyActor(model, ActorConfig(device="cpu", micro_batch_tokens=MICRO_BATCH, loss=LOSS,
+                                              optimizer=OptimizerSettings(lr=1e-3, min_lr=1e-5, lr_warmup_iters=1,
+                                                                          lr_decay_style="linear", lr_decay_iters=4)))
+
+    actor = adam_actor(hf_dir)
+    actor.train_step(records)
     actor.train_step(records)
     actor.save(str(tmp_path / "ckpt"))
-    resumed = make_actor(str(tmp_path / "ckpt"), lr=0.1)
-    assert resumed.iteration == actor.iteration == 1
+    resumed = adam_actor(str(tmp_path / "ckpt"))
+    assert resumed.iteration == actor.iteration == 2
     mine, theirs = actor.state_dict_hf(), resumed.state_dict_hf()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
-    other = make_actor(hf_dir)
+    other = adam_actor(hf_dir)
     other.load(str(tmp_path / "ckpt"))
-    assert all(torch.equal(mine[k], v) for k, v in other.state_dict_hf().items())
-    # The next step is the same from the original and the resumed actor.
-    a, b = actor.train_step(records), resumed.train_step(records)
-    assert a["loss"] == b["loss"]
-    assert all(torch.equal(actor.state_dict_hf()[k], v) for k, v in resumed.state_dict_hf().items())
+    assert other.iteration == 2 and all(torch.equal(mine[k], v) for k, v in other.state_dict_hf().items())
+    a, b, c = actor.train_step(records), resumed.train_step(records), other.train_step(records)
+    assert a["lr"] == b["lr"] == c["lr"] and a["loss"] == b["loss"] == c["loss"]
+    after = actor.state_dict_hf()
+    for replica in (resumed, other):
+        assert all(torch.equal(after[k], v) for k, v in replica.state_dict_hf().items())
 
 
 # ---------------------------------------------------------------------------------------- inputs
@@ -306,3 +336,64 @@ def test_under_torchrun_every_rank_gets_the_reference_numbers(hf_dir, hf_model, 
     for s, (lp, ref) in enumerate(zip(res["step_logprobs"], reference_logprobs)):
         trained = _trained(batch, s)
         np.testing.assert_allclose(lp[trained], ref[trained], atol=1e-5)
+
+
+def test_a_user_written_ppo_loss_equals_the_built_in_one(hf_dir, records):
+    """A DAPO-style per-claim function (clip-higher), with equal clip ranges, is PPO: the same
+    loss and gradients as the built-in LossConfig, with the configured seq-mean-token-mean
+    aggregation in ``view.coef`` (the function docs/api.md shows)."""
+    def dapo(view, eps_low=0.2, eps_high=0.2):
+        old = torch.where(torch.isnan(view.old_logprob), view.logp.detach(), view.old_logprob)
+        ratio = torch.exp((view.logp - old).clamp(-20, 20))
+        clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+        return -view.coef * view.weight * torch.minimum(ratio * view.advantage, clipped * view.advantage)
+
+    builtin = make_actor(hf_dir)
+    builtin.zero_grad()
+    expected = builtin.forward_backward(records, kl_coef=0.0, entropy_coef=0.0)
+    custom = make_actor(hf_dir)
+    custom.zero_grad()
+    got = custom.forward_backward(records, loss_fn=dapo)
+    assert got.loss == pytest.approx(expected.loss, rel=1e-6, abs=1e-9)
+    assert_grads_close(_grads(custom), _grads(builtin), rtol=1e-6)
+    # loss_agg= for this call only changes the coefficients (token-mean now, not seq-mean).
+    builtin.zero_grad()
+    token_mean = builtin.forward_backward(records, loss_fn=dapo, loss_agg="token-mean")
+    builtin.zero_grad()
+    assert token_mean.loss == pytest.approx(
+        builtin.forward_backward(records, kl_coef=0.0, entropy_coef=0.0, loss_agg="token-mean").loss, rel=1e-6)
+    assert token_mean.loss != pytest.approx(got.loss, rel=1e-3)
+
+
+def test_loaded_weights_survive_the_next_bf16_step(hf_dir, records):
+    """A bf16 actor steps through fp32 master copies: loaded weights must reach them too."""
+    actor = make_actor(hf_dir, lr=0.0, dtype="bfloat16")
+    weights = actor.state_dict_hf()
+    perturbed = {k: (v.float() + 0.05).to(v.dtype) for k, v in weights.items()}
+    actor.load_hf_state_dict(perturbed)
+    actor.train_step(records)  # lr 0: the weights must stay the loaded ones
+    assert all(torch.equal(actor.state_dict_hf()[k], v) for k, v in perturbed.items())
+
+
+def test_a_log_prob_only_actor_refuses_to_train(hf_dir, records):
+    actor = PolicyActor(hf_dir, ActorConfig(device="cpu"), for_training=False)
+    assert actor.optimizer is None
+    with pytest.raises(PsrlError, match="for_training=False"):
+        actor.train_step(records)
+
+
+def test_bad_sources_and_weights_are_named(hf_dir, tmp_path):
+    with pytest.raises(PsrlError, match="no-such-model: no such folder"):
+        PolicyActor(str(tmp_path / "no-such-model"), ActorConfig(device="cpu"))
+    actor = make_actor(hf_dir)
+    with pytest.raises(PsrlError, match="model.norm.weigth"):
+        actor.load_hf_state_dict(dict(actor.state_dict_hf(), **{"model.norm.weigth": torch.ones(64)}))
+
+
+def test_under_torchrun_ranks_with_different_batches_are_refused(hf_dir, records, tmp_path):
+    """A framework that hands each rank its own slice gets an error, not mixed-up numbers."""
+    data = tmp_path / "records.json"
+    data.write_text(json.dumps(records))
+    with pytest.raises(AssertionError, match="the ranks passed different batches"):
+        run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--records", str(data), "--different-batches",
+                              "--out", str(tmp_path / "r.pt")], nproc=2)

@@ -5,6 +5,7 @@
 
 import argparse
 import json
+import os
 
 import numpy as np
 import torch
@@ -19,9 +20,12 @@ p.add_argument("--tp", type=int, default=1)
 p.add_argument("--micro-batch-tokens", type=int, default=32)
 p.add_argument("--lr", type=float, default=1.0)
 p.add_argument("--out", required=True)
+p.add_argument("--different-batches", action="store_true", help="rank 1 drops a sample (must be refused)")
 args = p.parse_args()
 
 records = json.load(open(args.records))
+if args.different_batches and int(os.environ["RANK"]) == 1:
+    records = records[:-1]
 actor = PolicyActor(args.hf_dir, ActorConfig(
     tensor_model_parallel_size=args.tp, device="cpu", micro_batch_tokens=args.micro_batch_tokens,
     optimizer=OptimizerSettings(optimizer="sgd", lr=args.lr, clip_grad=0.0),
