@@ -10,17 +10,9 @@ from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.data.samples import SampleBatch
 
 
-def random_tree_batch(
-    seed: int,
-    vocab_size: int = 256,
-    num_roots: int = 2,
-    max_len: int = 60,
-    with_old: bool = True,
-    with_ref: bool = True,
-) -> SampleBatch:
-    """:func:`random_tree_records` as a validated :class:`SampleBatch`."""
-    return samples_from_dicts(random_tree_records(seed, vocab_size, num_roots, max_len, with_old, with_ref),
-                              source="random_tree_batch")
+def random_tree_batch(seed: int, **kwargs) -> SampleBatch:
+    """:func:`random_tree_records` (same keyword arguments) as a validated :class:`SampleBatch`."""
+    return samples_from_dicts(random_tree_records(seed, **kwargs), source="random_tree_batch")
 
 
 def random_tree_records(

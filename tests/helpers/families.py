@@ -75,3 +75,13 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     return directory
+
+
+PARALLEL_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "llama": dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True),
+    "qwen3": dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=251,
+                  tie_word_embeddings=True),
+}
+"""The multi-rank tests' models: an odd vocabulary (TP pads it), GQA (4 heads over 2 groups),
+tied embeddings; Qwen3 adds per-head q/k norms, whose gradients are TP-partial until the
+optimizer sums them."""

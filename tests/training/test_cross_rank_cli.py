@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.batches import cross_rank_batch
+from helpers.families import PARALLEL_CONFIGS
 from helpers.hf_reference import (
     assert_grads_close,
     hf_grads_to_mcore,
@@ -25,9 +26,9 @@ from helpers.torchrun import REPO_ROOT, free_port, script_env
 from megatron_psrl.checkpoint.loading import hf_full_state_dict
 from megatron_psrl.checkpoint.mcore_format import load_full_state_dict
 from megatron_psrl.data.loader import write_samples
-from megatron_psrl.model import ModelArchitecture, tiny_config
+from megatron_psrl.model import ModelArchitecture
 
-CONFIG = dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True)
+CONFIG = PARALLEL_CONFIGS["llama"]
 LOSS = ["--clip-eps", "0.2", "--kl-coef", "0.05", "--entropy-coef", "0.01", "--loss-agg", "seq-mean-token-mean"]
 
 

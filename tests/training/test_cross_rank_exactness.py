@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.batches import cross_rank_batch
+from helpers.families import PARALLEL_CONFIGS
 from helpers.hf_reference import (
     assert_grads_close,
     hf_grads_to_mcore,
@@ -20,14 +21,10 @@ from helpers.hf_reference import (
 )
 from helpers.torchrun import run_torchrun
 
-from megatron_psrl.model import ModelArchitecture, tiny_config
+from megatron_psrl.model import ModelArchitecture
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "cross_rank_step.py")
-CONFIGS = {
-    "llama": dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True),
-    "qwen3": dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"],
-                  vocab_size=251, tie_word_embeddings=True),
-}
+CONFIGS = PARALLEL_CONFIGS
 _REFS = {}
 
 

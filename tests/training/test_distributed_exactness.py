@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.batches import random_tree_batch
+from helpers.families import PARALLEL_CONFIGS
 from helpers.hf_reference import (
     assert_grads_close,
     hf_grads_to_mcore,
@@ -18,16 +19,10 @@ from helpers.hf_reference import (
 )
 from helpers.torchrun import run_torchrun
 
-from megatron_psrl.model import ModelArchitecture, tiny_config
+from megatron_psrl.model import ModelArchitecture
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "distributed_step.py")
-# odd vocabulary: TP=2 pads it; GQA (4 heads / 2 groups); tied embeddings. The TP case uses
-# Qwen3 (per-head q/k norms: their gradients are TP-partial until the optimizer sums them).
-CONFIGS = {
-    1: dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True),
-    2: dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=251,
-            tie_word_embeddings=True),
-}
+CONFIGS = {1: PARALLEL_CONFIGS["llama"], 2: PARALLEL_CONFIGS["qwen3"]}  # DP=2 on Llama, TP=2 on Qwen3
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["dp2", "tp2"])
