@@ -99,6 +99,8 @@ class CollectiveMonitor:
             self._publish("phase", name)
         try:
             yield
+        except CollectiveTimeoutError:
+            raise  # named already by an inner phase
         except RuntimeError as exc:
             if self.world_size > 1 and _is_collective_failure(exc):
                 raise CollectiveTimeoutError(self.describe_failure(name, exc)) from exc

@@ -324,7 +324,8 @@ class PolicyActor:
         digest = [float(batch.num_samples), float(batch.num_tokens), float(np.dot(batch.tokens, positions)),
                   float(np.count_nonzero(batch.loss_mask)), *map(float, flags)]
         t = torch.tensor(digest + [-x for x in digest], dtype=torch.float64, device=self.layout.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with self.layout.monitor.phase(f"{what} call check (iteration {self.iteration + 1})"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         high, low = t[:len(digest)], -t[len(digest):]
         if not torch.equal(high, low):
             raise ConfigurationError(
@@ -419,6 +420,11 @@ class PolicyActor:
                           **loss_overrides) -> StepResult:
         """:meth:`train_step` as a :class:`StepResult`."""
         self._require_optimizer("train_step")
+        # every collective of the step runs inside a named phase (inner phases name it closer)
+        with self.layout.monitor.phase(f"train step of iteration {self.iteration + 1}"):
+            return self._train_step_result(batch, loss_fn, return_logprobs, loss_overrides)
+
+    def _train_step_result(self, batch, loss_fn, return_logprobs, loss_overrides) -> StepResult:
         self.zero_grad()
         loss = self._loss(loss_fn, loss_overrides)
         batch = self.as_batch(batch, training=True, needs_advantage=loss.needs_advantage)
@@ -535,7 +541,8 @@ class PolicyActor:
         if tp == 1:
             return own
         shards = [None] * tp
-        dist.all_gather_object(shards, own, group=parallel_state.get_tensor_model_parallel_group())
+        with self.layout.monitor.phase("weight gather over tensor-parallel ranks"):
+            dist.all_gather_object(shards, own, group=parallel_state.get_tensor_model_parallel_group())
         return merge_state_dicts({(r, 0): shards[r] for r in range(tp)}, self.arch, tp, 1)
 
     def state_dict_hf(self) -> Dict[str, torch.Tensor]:
