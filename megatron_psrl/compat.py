@@ -16,9 +16,19 @@ are, why, and what dropping each one would take:
    optimizers allocate buffers with ``torch.cuda.current_stream()`` / ``device='cuda'``. On
    CPU, gradients are all-reduced by ``megatron_psrl.distributed.grad_sync`` (gloo) and
    stepped with ``torch.optim``. Dropping it needs a device-agnostic param-and-grad buffer.
-4. Pipeline schedules (``pipeline_parallel/schedules.py``) allocate ``device='cuda'``
-   tensors; training with PP > 1 is not offered on CPU (checkpoints are still sharded and
-   merged for any PP). Dropping it needs device-agnostic schedules.
+4. ``install_cpu_pipeline_shims``: megatron's pipeline schedules and p2p communication
+   (``pipeline_parallel/schedules.py``, ``p2p_communication.py``) allocate their small shape
+   and token-count tensors with ``device='cuda'`` / ``torch.cuda.current_device()`` and call
+   ``torch.cuda.synchronize()``; the communication itself is plain ``torch.distributed`` and
+   works over gloo. On CPU those two modules see a ``torch`` whose ``cuda.current_device()``
+   is the CPU, whose ``cuda.synchronize()`` does nothing, and whose ``zeros``/``empty`` put
+   ``device='cuda'`` tensors on the CPU; everything else is torch itself. Nothing is changed
+   when the model is on CUDA. Dropping it needs device-agnostic schedules upstream.
+5. ``keeps_cuda_embedding_sync``: with PP > 1 and tied embeddings, megatron's
+   ``setup_embeddings_and_output_layer`` moves the last stage's copy of the word embeddings
+   to CUDA (``weight.data.cuda()``) before all-reducing it with the first stage's. On CPU
+   the model skips that step and ``sync_tied_output_copy`` does the same all-reduce on the
+   CPU tensor. Dropping it needs a device-agnostic copy upstream.
 
 Design choices that are *not* workarounds (they hold on GPU too): RoPE frequencies come from
 explicit per-token position ids (megatron's RotaryEmbedding knows only 0..S-1) and the core
@@ -70,3 +80,78 @@ def seed_model_parallel_rng(seed: int, device: torch.device) -> None:
 def use_megatron_ddp(device: torch.device) -> bool:
     """Megatron's DDP and optimizers need CUDA; on CPU our gloo gradient sync is used."""
     return on_cuda(device)
+
+
+# ---------------------------------------------------------------------- 4: pipeline schedules
+class _CpuCuda:
+    """``torch.cuda`` as megatron's pipeline modules use it, answered for a CPU model."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*args, **kwargs) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _on_cpu(factory):
+    def make(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+class _CpuTorch:
+    """The ``torch`` module seen by megatron's pipeline modules on CPU (see item 4)."""
+
+    cuda = _CpuCuda()
+    zeros = staticmethod(_on_cpu(torch.zeros))
+    empty = staticmethod(_on_cpu(torch.empty))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_PIPELINE_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication")
+
+
+def install_cpu_pipeline_shims(device: torch.device) -> None:
+    """Let megatron's pipeline schedules and p2p run with a CPU model over gloo (item 4);
+    nothing on CUDA. Idempotent."""
+    if on_cuda(device):
+        return
+    import importlib
+
+    for name in _PIPELINE_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuTorch):
+            module.torch = _CpuTorch()
+
+
+# ---------------------------------------------------------------------- 5: tied embeddings under PP
+def keeps_cuda_embedding_sync(config) -> bool:
+    """Whether megatron's own (CUDA) sync of the tied output copy may run (item 5)."""
+    return not getattr(config, "use_cpu_initialization", False) or torch.cuda.is_available()
+
+
+def sync_tied_output_copy(model) -> None:
+    """On CPU with PP > 1 and tied embeddings: what megatron's setup does on CUDA, the first
+    and last stages all-reduce their copies (the last stage's starts at zero)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if keeps_cuda_embedding_sync(model.config) or not model.share_embeddings_and_output_weights:
+        return
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not dist.is_initialized():
+        return
+    if not parallel_state.is_rank_in_embedding_group():
+        return
+    with torch.no_grad():
+        dist.all_reduce(model.shared_embedding_or_output_weight().data, group=parallel_state.get_embedding_group())

@@ -35,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-budget", type=parse_bytes, default="1GiB",
                    help="bytes for cached prefix K/V of trees longer than a micro-batch (e.g. 512MB, 2GiB)")
     p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1, help="pipeline stages")
     p.add_argument("--context-parallel-size", type=positive_int, default=1,
                    help="ranks of a CP group share the fragments of the same trees (prefix K/V exchanged)")
     p.add_argument("--placement", default="auto", choices=PLACEMENTS,
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
     from megatron_psrl.training.actor import ActorConfig, PolicyActor
     from megatron_psrl.training.preflight import on_logging_rank
 
-    layout = initialize_parallel(args.tensor_model_parallel_size, 1, seed=0, device=args.device,
+    layout = initialize_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=0,
+                                 device=args.device,
                                  timeout_minutes=args.distributed_timeout_minutes,
                                  context_parallel_size=args.context_parallel_size)
     # Before any work: an unwritable --out fails now (on every rank), not after the forward pass.
@@ -83,7 +85,8 @@ def main(argv=None) -> int:
     else:
         dtype = read_checkpoint_info(args.load)[1].dtype
     config = ActorConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size, context_parallel_size=args.context_parallel_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, context_parallel_size=args.context_parallel_size,
         device=args.device, dtype=str(parse_dtype(dtype)).replace("torch.", ""),
         attention_backend=args.attention_backend or "auto", micro_batch_tokens=args.micro_batch_tokens,
         kv_cache_budget=args.kv_cache_budget, prefix_sharing="none" if args.no_prefix_sharing else "tree",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -154,22 +154,25 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device = torch.device("cpu"),
     transformer_impl: str = "local",
+    pipeline_layers: Optional[Sequence[int]] = None,
 ) -> Tuple[ModelArchitecture, PsrlGPTModel, Optional[dict]]:
-    """This rank's model from ``source``; returns (architecture, model, saved optimizer state)."""
+    """This rank's model from ``source``; returns (architecture, model, saved optimizer state).
+    ``pipeline_layers``: each pipeline stage's layer count (default: an even split)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
+    split = tuple(pipeline_layers) if pipeline_layers else pp
     optimizer_state = None
     if source.tiny:
         arch = ModelArchitecture.from_hf_config(tiny_config(source.tiny))
-        return arch, build_model(arch, dtype, device, transformer_impl), None
+        return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers), None
     if source.hf_dir:
         arch = ModelArchitecture.from_hf_dir(source.hf_dir)
-        shard = shard_state_dict(hf_full_state_dict(source.hf_dir, arch), arch, tp, pp)[(tp_rank, pp_rank)]
+        shard = shard_state_dict(hf_full_state_dict(source.hf_dir, arch), arch, tp, split)[(tp_rank, pp_rank)]
     elif source.hf_config is not None:
         arch = ModelArchitecture.from_hf_config(source.hf_config)
-        shard = shard_state_dict(hf_memory_state_dict(source.hf_state_dict, arch), arch, tp, pp)[(tp_rank, pp_rank)]
+        shard = shard_state_dict(hf_memory_state_dict(source.hf_state_dict, arch), arch, tp, split)[(tp_rank, pp_rank)]
     else:
-        info, shard, optimizer_state = load_rank_state(source.checkpoint, tp_rank, tp, pp_rank, pp)
+        info, shard, optimizer_state = load_rank_state(source.checkpoint, tp_rank, tp, pp_rank, split)
         arch = info.architecture
-    model = build_model(arch, dtype, device, transformer_impl)
+    model = build_model(arch, dtype, device, transformer_impl, pipeline_layers)
     load_state_into(model, shard)
     return arch, model, optimizer_state

@@ -30,7 +30,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, write_file
-from megatron_psrl.checkpoint.sharding import expected_shard_shapes, merge_state_dicts, shard_state_dict
+from megatron_psrl.checkpoint.sharding import (
+    PipelineSplit,
+    expected_shard_shapes,
+    merge_state_dicts,
+    shard_state_dict,
+    stage_counts,
+)
 from megatron_psrl.errors import CheckpointError, PsrlError, pid_alive
 from megatron_psrl.model.architecture import ModelArchitecture
 
@@ -63,19 +69,28 @@ class CheckpointInfo:
     has_optimizer_state: bool = False
     """The rank files carry optimizer and scheduler state (training checkpoints)."""
 
+    pipeline_layers: Optional[Tuple[int, ...]] = None
+    """Layers of each pipeline stage when they are not split evenly
+    (``--decoder-first/last-pipeline-num-layers``); None for an even split."""
+
+    @property
+    def pipeline_split(self) -> PipelineSplit:
+        """The stages' layout as the sharding functions take it."""
+        return tuple(self.pipeline_layers) if self.pipeline_layers else self.pipeline_parallel_size
+
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format_version": FORMAT_VERSION,
-                "architecture": self.architecture.to_dict(),
-                "tensor_parallel_size": self.tensor_parallel_size,
-                "pipeline_parallel_size": self.pipeline_parallel_size,
-                "iteration": self.iteration,
-                "dtype": self.dtype,
-                "has_optimizer_state": self.has_optimizer_state,
-            },
-            indent=2,
-        )
+        d = {
+            "format_version": FORMAT_VERSION,
+            "architecture": self.architecture.to_dict(),
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "iteration": self.iteration,
+            "dtype": self.dtype,
+            "has_optimizer_state": self.has_optimizer_state,
+        }
+        if self.pipeline_layers:
+            d["pipeline_layers"] = list(self.pipeline_layers)
+        return json.dumps(d, indent=2)
 
     @classmethod
     def from_json(cls, text: str, path: str) -> "CheckpointInfo":
@@ -96,6 +111,7 @@ class CheckpointInfo:
                 iteration=int(d["iteration"]),
                 dtype=str(d["dtype"]),
                 has_optimizer_state=bool(d.get("has_optimizer_state", False)),
+                pipeline_layers=tuple(int(c) for c in d["pipeline_layers"]) if d.get("pipeline_layers") else None,
             )
         except KeyError as exc:
             raise CheckpointError(path, f"missing field {exc.args[0]!r}") from None
@@ -221,8 +237,8 @@ def _load_rank_file(path: str, expected: Optional[Dict[str, tuple]] = None) -> D
 def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, Dict[str, Tensor]]:
     """Merge all shards of the latest iteration into one full (unpadded) state dict."""
     it_dir, info = read_checkpoint_info(ckpt_dir)
-    tp, pp = info.tensor_parallel_size, info.pipeline_parallel_size
-    expected = expected_shard_shapes(info.architecture, tp, pp)
+    tp, pp, split = info.tensor_parallel_size, info.pipeline_parallel_size, info.pipeline_split
+    expected = expected_shard_shapes(info.architecture, tp, split)
     shards = {}
     for p in range(pp):
         for r in range(tp):
@@ -230,21 +246,23 @@ def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, 
             shards[(r, p)] = _load_rank_file(path, expected[(r, p)])["model"]
             if progress is not None:
                 progress(path)
-    return info, merge_state_dicts(shards, info.architecture, tp, pp)
+    return info, merge_state_dicts(shards, info.architecture, tp, split)
 
 
 def load_rank_state(
-    ckpt_dir: str, tp_rank: int, tp: int, pp_rank: int, pp: int
+    ckpt_dir: str, tp_rank: int, tp: int, pp_rank: int, pp: PipelineSplit
 ) -> Tuple[CheckpointInfo, Dict[str, Tensor], Optional[Dict[str, Any]]]:
     """This rank's model shard (re-sharded if the layout differs) and, when the layout
     matches, its saved optimizer state."""
     it_dir, info = read_checkpoint_info(ckpt_dir)
-    if (info.tensor_parallel_size, info.pipeline_parallel_size) == (tp, pp):
-        blob = _load_rank_file(os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, pp), RANK_FILE),
-                               expected_shard_shapes(info.architecture, tp, pp)[(tp_rank, pp_rank)])
+    arch = info.architecture
+    if info.tensor_parallel_size == tp and stage_counts(arch, info.pipeline_split) == stage_counts(arch, pp):
+        stages = info.pipeline_parallel_size
+        blob = _load_rank_file(os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, stages), RANK_FILE),
+                               expected_shard_shapes(arch, tp, pp)[(tp_rank, pp_rank)])
         return info, blob["model"], blob.get("optimizer")
     _, full = load_full_state_dict(ckpt_dir)
-    return info, shard_state_dict(full, info.architecture, tp, pp)[(tp_rank, pp_rank)], None
+    return info, shard_state_dict(full, arch, tp, pp)[(tp_rank, pp_rank)], None
 
 
 def write_rank_file(it_dir: str, tp_rank: int, pp_rank: int, pp: int, payload: Dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.stages import PipelineSplit, stage_counts
 
 Tensor = torch.Tensor
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -79,33 +80,37 @@ def _tp_merge(name: str, shards: List[Tensor], arch: ModelArchitecture) -> Tenso
     return torch.cat(shards, 1)
 
 
-def stage_layers(arch: ModelArchitecture, pp_rank: int, pp: int) -> range:
-    per = arch.num_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
+def stage_layers(arch: ModelArchitecture, pp_rank: int, pp: PipelineSplit) -> range:
+    """Global (0-based) indices of the layers pipeline stage ``pp_rank`` holds."""
+    counts = stage_counts(arch, pp)
+    start = sum(counts[:pp_rank])
+    return range(start, start + counts[pp_rank])
 
 
 def shard_state_dict(
-    full: Dict[str, Tensor], arch: ModelArchitecture, tp: int, pp: int
+    full: Dict[str, Tensor], arch: ModelArchitecture, tp: int, pp: PipelineSplit
 ) -> Dict[tuple, Dict[str, Tensor]]:
     """Full state dict -> ``{(tp_rank, pp_rank): shard}`` for every rank of a TP x PP grid."""
-    if arch.num_layers % pp:
-        raise ConfigurationError(f"pipeline parallel size {pp} must divide the {arch.num_layers} layers")
+    counts = stage_counts(arch, pp)
+    n = len(counts)
     if arch.num_kv_heads % tp:
         raise ConfigurationError(f"tensor parallel size {tp} must divide the {arch.num_kv_heads} key/value heads")
-    shards: Dict[tuple, Dict[str, Tensor]] = {(r, p): {} for r in range(tp) for p in range(pp)}
-    per = arch.num_layers // pp
+    stage_of = [p for p, c in enumerate(counts) for _ in range(c)]
+    offsets = [sum(counts[:p]) for p in range(n)]
+    shards: Dict[tuple, Dict[str, Tensor]] = {(r, p): {} for r in range(tp) for p in range(n)}
     for name, tensor in full.items():
         pieces = _tp_split(name, tensor, arch, tp)
         m = _LAYER.match(name)
         if m:
             layer = int(m.group(1))
-            stages = [(layer // per, f"decoder.layers.{layer % per}.{m.group(2)}")]
+            p = stage_of[layer]
+            stages = [(p, f"decoder.layers.{layer - offsets[p]}.{m.group(2)}")]
         elif name == "embedding.word_embeddings.weight":
             stages = [(0, name)]
-            if arch.tie_word_embeddings and pp > 1:
-                stages.append((pp - 1, "output_layer.weight"))
+            if arch.tie_word_embeddings and n > 1:
+                stages.append((n - 1, "output_layer.weight"))
         else:  # final norm, untied output layer
-            stages = [(pp - 1, name)]
+            stages = [(n - 1, name)]
         for p, local_name in stages:
             for r in range(tp):
                 shards[(r, p)][local_name] = pieces[r]
@@ -113,24 +118,25 @@ def shard_state_dict(
 
 
 def merge_state_dicts(
-    shards: Dict[tuple, Dict[str, Tensor]], arch: ModelArchitecture, tp: int, pp: int
+    shards: Dict[tuple, Dict[str, Tensor]], arch: ModelArchitecture, tp: int, pp: PipelineSplit
 ) -> Dict[str, Tensor]:
     """Inverse of :func:`shard_state_dict` (drops the tied output copy of the last stage)."""
-    per = arch.num_layers // pp
+    counts = stage_counts(arch, pp)
     full: Dict[str, Tensor] = {}
-    for p in range(pp):
+    for p in range(len(counts)):
+        offset = sum(counts[:p])
         for name in shards[(0, p)]:
             if name.endswith("_extra_state"):
                 continue
             if arch.tie_word_embeddings and name == "output_layer.weight":
                 continue
             m = _LAYER.match(name)
-            global_name = f"decoder.layers.{int(m.group(1)) + p * per}.{m.group(2)}" if m else name
+            global_name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
             full[global_name] = _tp_merge(name, [shards[(r, p)][name] for r in range(tp)], arch)
     return full
 
 
-def expected_shard_shapes(arch: ModelArchitecture, tp: int, pp: int) -> Dict[tuple, Dict[str, tuple]]:
+def expected_shard_shapes(arch: ModelArchitecture, tp: int, pp: PipelineSplit) -> Dict[tuple, Dict[str, tuple]]:
     """``{(tp_rank, pp_rank): {name: shape}}`` of a checkpoint of ``arch`` saved with TP x PP:
     the shapes the HF layout implies, converted and sharded on the meta device (no memory)."""
     from megatron_psrl.model.adapters import get_adapter

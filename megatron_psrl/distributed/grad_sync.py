@@ -69,12 +69,31 @@ def allreduce_tensor_parallel_partial_gradients(model: torch.nn.Module) -> None:
     allreduce_gradients(tensor_parallel_partial_params(model), group=group)
 
 
+def allreduce_embedding_gradients(model: torch.nn.Module) -> None:
+    """With PP > 1 and tied embeddings, the first stage's word embeddings and the last stage's
+    copy of them (the output layer) are one parameter: sum their gradients over megatron's
+    embedding group so both copies take the same step (megatron's
+    ``_allreduce_word_embedding_grads``)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        return
+    if not parallel_state.is_rank_in_embedding_group():
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+
 def gradient_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    """L2 norm of all gradients of the model, counting tensor-parallel duplicates once and
-    summing over the model-parallel (TP x PP) group."""
+    """L2 norm of all gradients of the model, counting tensor-parallel duplicates and the last
+    pipeline stage's copy of tied embeddings once, summed over the model-parallel (TP x PP) group."""
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
-        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
             total += p.grad.detach().double().pow(2).sum().cpu()
     if parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_model_parallel_group()

@@ -76,12 +76,16 @@ class KVGeometry:
     """megatron layer number of this rank's first layer (1-based)."""
 
     @classmethod
-    def for_model(cls, arch, tensor_parallel_size: int, pipeline_parallel_size: int, dtype: torch.dtype,
-                  device: torch.device) -> "KVGeometry":
-        """This rank's K/V shape for a ModelArchitecture under TP x PP."""
-        return cls(num_layers=arch.num_layers // pipeline_parallel_size,
-                   num_groups=arch.num_kv_heads // tensor_parallel_size, head_dim=arch.head_dim,
-                   dtype=dtype, device=device)
+    def for_model(cls, arch, tensor_parallel_size: int, pipeline, dtype: torch.dtype,
+                  device: torch.device, pipeline_rank: int = 0) -> "KVGeometry":
+        """This rank's K/V shape for a ModelArchitecture under TP x PP: the layers of stage
+        ``pipeline_rank`` (``pipeline``: the stage count or each stage's layer count), numbered
+        from 1 as megatron numbers them."""
+        from megatron_psrl.model.stages import stage_counts
+
+        counts = stage_counts(arch, pipeline)
+        return cls(num_layers=counts[pipeline_rank], num_groups=arch.num_kv_heads // tensor_parallel_size,
+                   head_dim=arch.head_dim, dtype=dtype, device=device, layer_offset=1 + sum(counts[:pipeline_rank]))
 
     @property
     def bytes_per_token(self) -> int:

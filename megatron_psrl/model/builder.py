@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from megatron.core import parallel_state
 
+from megatron_psrl.compat import sync_tied_output_copy
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import PsrlGPTModel, build_transformer_config
@@ -36,10 +37,12 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device = torch.device("cpu"),
     transformer_impl: str = "local",
+    pipeline_layers: Optional[Sequence[int]] = None,
 ) -> PsrlGPTModel:
-    """A randomly initialised model for this rank (parallel_state must be initialised)."""
+    """A randomly initialised model for this rank (parallel_state must be initialised);
+    ``pipeline_layers``: each stage's layer count (default: an even split)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
-    config = build_transformer_config(arch, tp, pp, params_dtype=dtype, device=device)
+    config = build_transformer_config(arch, tp, pp, params_dtype=dtype, device=device, pipeline_layers=pipeline_layers)
     model = PsrlGPTModel(
         arch, config, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, transformer_impl=transformer_impl
     )
@@ -50,4 +53,5 @@ def build_model(
         for param in model.parameters():
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
+    sync_tied_output_copy(model)
     return model.to(device)

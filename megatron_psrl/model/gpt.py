@@ -13,7 +13,7 @@ parallel layers) with three differences, all needed by tree packing:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_psrl.attention import PrefixSharingAttention, TreeAttentionMetadata
-from megatron_psrl.compat import quiet_expected_import_warnings, transformer_config_overrides
+from megatron_psrl.compat import keeps_cuda_embedding_sync, quiet_expected_import_warnings, transformer_config_overrides
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.stages import pipeline_layer_counts
 
 quiet_expected_import_warnings()
 
@@ -40,6 +41,7 @@ def build_transformer_config(
     pipeline_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     device: torch.device = torch.device("cpu"),
+    pipeline_layers: Optional[Sequence[int]] = None,
     **overrides,
 ) -> TransformerConfig:
     """megatron TransformerConfig equivalent to the HF architecture."""
@@ -47,8 +49,14 @@ def build_transformer_config(
         raise ConfigurationError(
             f"tensor parallel size {tensor_parallel_size} must divide the {arch.num_kv_heads} key/value heads"
         )
-    if arch.num_layers % pipeline_parallel_size:
-        raise ConfigurationError(f"pipeline parallel size {pipeline_parallel_size} must divide the {arch.num_layers} layers")
+    if pipeline_layers is None:
+        pipeline_layers = pipeline_layer_counts(arch.num_layers, pipeline_parallel_size)
+    if len(pipeline_layers) != pipeline_parallel_size or sum(pipeline_layers) != arch.num_layers:
+        raise ConfigurationError(f"pipeline stages of {list(pipeline_layers)} layers do not split the model's "
+                                 f"{arch.num_layers} layers over {pipeline_parallel_size} stages")
+    if len(set(pipeline_layers)) > 1:  # Megatron-LM's uneven split: first / last stage differ
+        overrides.setdefault("num_layers_in_first_pipeline_stage", pipeline_layers[0])
+        overrides.setdefault("num_layers_in_last_pipeline_stage", pipeline_layers[-1])
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -166,6 +174,10 @@ class PsrlGPTModel(GPTModel):
             rotary_pos_emb=rotary,
             packed_seq_params=attention_metadata,
         )
+
+    def _is_in_embd_group(self) -> bool:
+        # megatron moves the tied output copy to CUDA before syncing it (compat item 5)
+        return keeps_cuda_embedding_sync(self.config) and super()._is_in_embd_group()
 
     def output_logits(self, hidden: Tensor) -> Tensor:
         """``[n, h] -> [n, V / tp]``: this tensor-parallel rank's slice of the logits."""

@@ -42,6 +42,7 @@ from megatron_psrl.checkpoint.loading import (
     hf_memory_state_dict,
     load_model,
     load_state_into,
+    source_architecture,
 )
 from megatron_psrl.checkpoint.mcore_format import has_checkpoint, read_checkpoint_info
 from megatron_psrl.checkpoint.sharding import merge_state_dicts, shard_state_dict
@@ -60,6 +61,7 @@ from megatron_psrl.kvcache import (
 )
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts
 from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.training.calibration import MeasuredCosts, calibrate_for_planning
 from megatron_psrl.training.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
@@ -83,7 +85,13 @@ class ActorConfig:
     """TP size (``--tensor-model-parallel-size``)."""
 
     pipeline_model_parallel_size: int = 1
-    """PP size (training with PP > 1 is not offered yet)."""
+    """PP size: stages of layers; trees are placed on whole pipelines (docs/architecture.md)."""
+
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Layers of the first pipeline stage (the rest split evenly), to balance the embedding."""
+
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Layers of the last pipeline stage (the rest split evenly), to balance the output layer."""
 
     context_parallel_size: int = 1
     """CP size: a CP group shares the fragments of the same trees (``--context-parallel-size``)."""
@@ -221,9 +229,6 @@ class PolicyActor:
         self.config = config = config or ActorConfig()
         self._log = log or (lambda msg: None)
         source = model_source(model)
-        if config.pipeline_model_parallel_size > 1:
-            raise UnsupportedFeatureError("training with pipeline_model_parallel_size > 1 is not supported yet (the "
-                                          "converter and checkpoints handle PP layouts; train with TP, DP and CP)")
         with preserved_rng():
             self.layout: ParallelLayout = initialize_parallel(
                 config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed, config.device,
@@ -249,11 +254,17 @@ class PolicyActor:
         self.transformer_impl = impl
         self.iteration = 0
         """Optimizer steps taken (a resumed checkpoint's iteration included)."""
+        first, last = config.decoder_first_pipeline_num_layers, config.decoder_last_pipeline_num_layers
+        uneven = first is not None or last is not None
+        self.pipeline_split = (pipeline_layer_counts(source_architecture(source).num_layers,
+                                                     layout.pipeline_parallel_size, first, last)
+                               if uneven else layout.pipeline_parallel_size)
+        """Each pipeline stage's layer count, or the stage count for an even split."""
         if source.checkpoint is not None:
             _, info = read_checkpoint_info(source.checkpoint)
             self.iteration = info.iteration
-            same_layout = (info.tensor_parallel_size, info.pipeline_parallel_size) == (
-                layout.tensor_parallel_size, layout.pipeline_parallel_size)
+            same_layout = info.tensor_parallel_size == layout.tensor_parallel_size and stage_counts(
+                info.architecture, info.pipeline_split) == stage_counts(info.architecture, self.pipeline_split)
             if info.has_optimizer_state and load_optimizer and not same_layout:
                 raise ConfigurationError(
                     f"{source.checkpoint} was saved with TP={info.tensor_parallel_size} "
@@ -261,7 +272,9 @@ class PolicyActor:
                     f"TP={layout.tensor_parallel_size} PP={layout.pipeline_parallel_size}. Pass --no-load-optim to "
                     "resume with a fresh optimizer, or --finetune to start a new run"
                 )
-        self.arch, self.model, optimizer_state = load_model(source, dtype=dtype, device=device, transformer_impl=impl)
+        self.arch, self.model, optimizer_state = load_model(
+            source, dtype=dtype, device=device, transformer_impl=impl,
+            pipeline_layers=self.pipeline_split if uneven else None)
         self.dtype = dtype
         if device.type == "cpu" and dtype != torch.float32:
             self._log(f"warning: {config.dtype} on CPU is slower than float32 (few CPUs have fast {config.dtype} "
@@ -271,11 +284,20 @@ class PolicyActor:
         if optimizer_state and load_optimizer and self.optimizer is not None:
             self.optimizer.load_state_dict(optimizer_state)
         tp = layout.tensor_parallel_size
-        self.geometry = KVGeometry.for_model(self.arch, tp, layout.pipeline_parallel_size, dtype, device)
+        self.geometry = KVGeometry.for_model(self.arch, tp, self.pipeline_split, dtype, device,
+                                             pipeline_rank=layout.pp_rank)
         self.cost_model: CostModel = cost_model_for(self.arch)
         self._flops = self.cost_model
         self.measured: Optional[MeasuredCosts] = None
-        if self.exchange_group_size > 1 and config.placement != "whole-tree" and config.prefix_sharing == "tree":
+        self.placement = config.placement
+        if layout.pipeline_parallel_size > 1 and config.placement != "whole-tree":
+            # The stages of a pipeline are one placement rank; spreading one tree over several
+            # pipelines (K/V exchanged per stage) is not offered yet.
+            if config.placement == "cross-rank":
+                self._log("note: --placement cross-rank is not available with pipeline parallelism yet; "
+                          "trees are placed whole on data-parallel ranks")
+            self.placement = "whole-tree"
+        if self.exchange_group_size > 1 and self.placement != "whole-tree" and config.prefix_sharing == "tree":
             # Cross-rank decisions weigh compute against transfers: measure both on this model.
             with layout.monitor.phase("cost calibration"):
                 self.measured = calibrate_for_planning(self.model, self.arch, self.geometry, device,
@@ -290,8 +312,11 @@ class PolicyActor:
         self.act_bytes = activation_bytes_per_token(self.arch, tp, torch.tensor([], dtype=dtype).element_size())
         backend = None if config.attention_backend == "auto" else config.attention_backend
         self.backend_name = backend or default_backend(device.type, dtype)
-        self.runner = StepRunner(self.model, self.arch.vocab_size, device, backend, self.kv_cache,
-                                 exchange_group=self.exchange_group)
+        runner_class = StepRunner
+        if layout.pipeline_parallel_size > 1:
+            from megatron_psrl.training.pipeline import PipelineStepRunner as runner_class
+        self.runner = runner_class(self.model, self.arch.vocab_size, device, backend, self.kv_cache,
+                                   exchange_group=self.exchange_group)
 
     def describe_kernels(self) -> str:
         """One line: layer spec, attention kernel, optional GPU packages installed."""
@@ -339,7 +364,7 @@ class PolicyActor:
                  if self.measured else dict(cost_model=self.cost_model))
         return PlannerConfig(micro_batch_tokens=c.micro_batch_tokens, data_parallel_size=self.layout.placement_size,
                              sharing=prefix_sharing or c.prefix_sharing, exchange_group_size=self.exchange_group_size,
-                             placement=c.placement, **costs)
+                             placement=self.placement, **costs)
 
     def plan(self, batch: SampleBatch, times: Optional[Dict[str, float]] = None):
         """``(tree, step plan, this rank's memory plan, sharing mode used)`` of a training step
@@ -469,6 +494,8 @@ class PolicyActor:
         if "ratio_clamped" in metrics:
             metrics["ratio_clamped"] = int(metrics["ratio_clamped"])
         metrics.update(plan_metrics(plan, self.geometry, self.measured))
+        if self.layout.pipeline_parallel_size > 1:
+            metrics.update(pipeline_bubble=self.runner.last_bubble, pipeline_schedule=self.runner.last_schedule)
         logprobs = self._gather_logprobs(plan, out) if return_logprobs else None
         return StepResult(loss=total, metrics=metrics, logprobs=logprobs)
 
@@ -528,7 +555,7 @@ class PolicyActor:
                 self.model, self.arch, batch, prefix_sharing=self.config.prefix_sharing != "none",
                 micro_batch_tokens=self.config.micro_batch_tokens, kv_cache_budget=self.config.kv_cache_budget,
                 attention_backend=None if self.config.attention_backend == "auto" else self.config.attention_backend,
-                device=self.layout.device, allow_rope_extrapolation=True, placement=self.config.placement,
+                device=self.layout.device, allow_rope_extrapolation=True, placement=self.placement,
                 cost_model=self.cost_model, exchange_group=self.exchange_group, planner_settings=settings,
             )
 
@@ -537,13 +564,14 @@ class PolicyActor:
         """The whole model in megatron names (tensor-parallel shards gathered): a snapshot on
         CPU, never a view of the live parameters (a later step does not change it)."""
         own = {k: v.detach().to("cpu", copy=True) for k, v in canonical_state_dict(self.model).items()}
-        tp = self.layout.tensor_parallel_size
-        if tp == 1:
+        tp, pp = self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
+        if tp * pp == 1:
             return own
-        shards = [None] * tp
-        with self.layout.monitor.phase("weight gather over tensor-parallel ranks"):
-            dist.all_gather_object(shards, own, group=parallel_state.get_tensor_model_parallel_group())
-        return merge_state_dicts({(r, 0): shards[r] for r in range(tp)}, self.arch, tp, 1)
+        shards = [None] * (tp * pp)
+        with self.layout.monitor.phase("weight gather over tensor- and pipeline-parallel ranks"):
+            dist.all_gather_object(shards, ((self.layout.tp_rank, self.layout.pp_rank), own),
+                                   group=parallel_state.get_model_parallel_group())
+        return merge_state_dicts(dict(shards), self.arch, tp, self.pipeline_split)
 
     def state_dict_hf(self) -> Dict[str, torch.Tensor]:
         """The model's weights with Hugging Face names and layouts (every rank gets all of them,
@@ -567,8 +595,9 @@ class PolicyActor:
         """Load Hugging Face-named weights into this rank's shard: every tensor of the model,
         shapes checked, no unexpected names (a misspelled key is an error, not ignored)."""
         full = hf_memory_state_dict(dict(state_dict), self.arch, strict=True)
-        tp, pp = self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
-        load_state_into(self.model, shard_state_dict(full, self.arch, tp, pp)[(self.layout.tp_rank, self.layout.pp_rank)])
+        tp = self.layout.tensor_parallel_size
+        load_state_into(self.model, shard_state_dict(full, self.arch, tp, self.pipeline_split)[
+            (self.layout.tp_rank, self.layout.pp_rank)])
         self._weights_changed()
 
     def _weights_changed(self) -> None:
@@ -598,7 +627,7 @@ class PolicyActor:
 
         layout = self.layout
         info, shard, optimizer_state = load_rank_state(ckpt_dir, layout.tp_rank, layout.tensor_parallel_size,
-                                                       layout.pp_rank, layout.pipeline_parallel_size)
+                                                       layout.pp_rank, self.pipeline_split)
         load_state_into(self.model, shard)
         self.iteration = info.iteration
         if optimizer_state and load_optimizer and self.optimizer is not None:

@@ -56,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (megatron-core)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="pipeline stages (checkpoints shard and merge any PP; training with PP > 1 not yet)")
+                   help="pipeline stages (megatron's 1F1B schedule; with cached prefixes the plan's order on every "
+                        "stage); a pipeline is one rank for tree placement")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first pipeline stage (the rest split evenly): fewer to balance the embedding")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage (the rest split evenly): fewer to balance the output "
+                        "layer and the loss")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="ranks of one CP group share the fragments of the same trees (a sample longer than a "
                         "micro-batch runs on all of them at once), exchanging prefix K/V; gradients sum over DP x CP")

@@ -41,6 +41,7 @@ from megatron_psrl.checkpoint.mcore_format import (
 from megatron_psrl.distributed.setup import ParallelLayout
 from megatron_psrl.errors import CheckpointWriteError, NonFiniteTrainingError, PsrlError, error_text
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.stages import split_of_config
 
 
 def _broadcast_obj(value: Any) -> Any:
@@ -136,8 +137,10 @@ def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimiz
              layout: ParallelLayout) -> None:
     """Rank 0: describe the model, move the iteration into place, point the tracker at it."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    split = split_of_config(model.config)
     info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype,
-                          has_optimizer_state=optimizer is not None)
+                          has_optimizer_state=optimizer is not None,
+                          pipeline_layers=None if isinstance(split, int) else split)
     write_file(os.path.join(tmp, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
     old = None
     if os.path.exists(final):  # re-saving an iteration: swap, never leave it missing

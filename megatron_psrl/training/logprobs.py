@@ -69,7 +69,13 @@ def compute_logprobs(
     group_size = dist.get_world_size(exchange_group) if exchange_group is not None else 1
     tree = build_prefix_tree(batch)
     dtype = next(model.parameters()).dtype
-    geometry = KVGeometry.for_model(arch, tp, 1, dtype, device)
+    pp = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
+    geometry = KVGeometry.for_model(arch, tp, pp, dtype, device, pipeline_rank=pp_rank)
+    runner_class = StepRunner
+    if pp > 1:
+        from megatron_psrl.training.pipeline import PipelineStepRunner as runner_class
+        placement = "whole-tree"  # see PolicyActor: one pipeline is one placement rank
     config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,
                            placement=placement, **(planner_settings or dict(cost_model=cost_model)))
@@ -77,7 +83,7 @@ def compute_logprobs(
         tree, config, lambda group: [plan_forward_memory(r, geometry, kv_cache_budget) for r in group])
     memory = memories[me]
     cache = BlockKVCache(geometry, kv_cache_budget)
-    runner = StepRunner(model, arch.vocab_size, device, attention_backend, cache, exchange_group=exchange_group)
+    runner = runner_class(model, arch.vocab_size, device, attention_backend, cache, exchange_group=exchange_group)
     was_training = model.training
     model.eval()
     try:

@@ -20,6 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_psrl.compat import use_megatron_ddp
 from megatron_psrl.distributed.grad_sync import (
+    allreduce_embedding_gradients,
     allreduce_gradients,
     allreduce_tensor_parallel_partial_gradients,
     clip_gradients_,
@@ -178,9 +179,11 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
         self.model.zero_grad(set_to_none=True)
 
     def reduce_gradients(self) -> None:
-        """What megatron's finalize_model_grads does: TP-partial sums, then the DP sum."""
+        """What megatron's finalize_model_grads does: TP-partial sums, the DP sum, then the
+        tied word embeddings' sum over the first and last pipeline stages."""
         allreduce_tensor_parallel_partial_gradients(self.model)
         allreduce_gradients(self.params)
+        allreduce_embedding_gradients(self.model)
 
     def step(self, skip: bool = False) -> StepOutcome:
         """Reduce, clip and apply the gradients (unless skipped, see the class docstring)."""

@@ -211,27 +211,56 @@ class StepRunner:
         ids = torch.from_numpy(pack.input_ids).to(self.device)
         pos = torch.from_numpy(pack.position_ids).to(self.device)
         with torch.set_grad_enabled(grad):
-            hidden = self.model(ids, pos, meta)[:, 0]  # [t, h]
+            hidden = self._stage_forward(i, ids, pos, meta, grad)  # [t, h]; None before the last stage
+            if hidden is None:
+                return None, {}, None, hook
             # In an exchange step every rank must run a backward through every layer's exchange
             # (a collective), even a rank whose fragment claims nothing: a zero "anchor" loss.
             anchor = (hidden.sum() * 0.0) if (exchanging and grad) else None
             if len(rows) == 0:
                 return anchor, {}, None, hook
-            sel_rows = torch.from_numpy(pack.logit_rows[rows]).to(self.device)
-            targets = pack.logit_targets[rows]
-            target_ids = torch.from_numpy(plan.tree.tokens[targets].astype(np.int64)).to(self.device)
-            logits = self.model.output_logits(hidden.index_select(0, sel_rows))  # [n, V/tp]
-            want_entropy = loss_cfg is not None and loss_cfg.needs_entropy
-            logp, ent = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, with_entropy=want_entropy)
-            if record is not None:  # the log-probs this call computed, returned to the caller
-                record.add(targets, logp)
-            if loss_cfg is None:
-                return None, {}, logp, hook
-            claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
-            loss, metrics = loss_cfg(logp, ent, claims)
-            if anchor is not None:  # keep every layer's exchange in the graph whatever the loss reads
+            loss, metrics, logp = self._loss_head(plan, pack, hidden, rows, loss_cfg, coefficients, record)
+            if loss is not None and anchor is not None:  # keep every layer's exchange in the graph
                 loss = loss + anchor
         return loss, metrics, logp, hook
+
+    def _loss_head(self, plan: StepPlan, pack: PackedMicroBatch, hidden: Tensor, rows: np.ndarray,
+                   loss_cfg: Optional[ClaimLoss], coefficients: Optional[np.ndarray],
+                   record: Optional[ComputedLogprobs]):
+        """``(loss, metrics, logp)`` of the pack rows ``rows`` from final hidden states ``[t, h]``
+        (``loss`` None without a loss)."""
+        sel_rows = torch.from_numpy(pack.logit_rows[rows]).to(self.device)
+        targets = pack.logit_targets[rows]
+        target_ids = torch.from_numpy(plan.tree.tokens[targets].astype(np.int64)).to(self.device)
+        logits = self.model.output_logits(hidden.index_select(0, sel_rows))  # [n, V/tp]
+        want_entropy = loss_cfg is not None and loss_cfg.needs_entropy
+        logp, ent = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, with_entropy=want_entropy)
+        if record is not None:  # the log-probs this call computed, returned to the caller
+            record.add(targets, logp)
+        if loss_cfg is None:
+            return None, {}, logp
+        claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
+        loss, metrics = loss_cfg(logp, ent, claims)
+        return loss, metrics, logp
+
+    # ------------------------------------------------------------------ stage hooks
+    # One pipeline stage runs the whole model here; PipelineStepRunner overrides these three.
+    def _stage_forward(self, i: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata, grad: bool) -> Optional[Tensor]:
+        """Hidden states ``[t, h]`` of micro-batch ``i`` (``None`` on a stage without the loss)."""
+        return self.model(ids, pos, meta)[:, 0]
+
+    def _stage_backward(self, i: int, tensors: List[Tensor], grads: List[Tensor]) -> None:
+        """Backward of micro-batch ``i`` from its loss (and injected K/V gradients)."""
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def _finish(self, out: StepOutput) -> StepOutput:
+        """The step's outputs, the same on every stage."""
+        return out
+
+    def _from_loss_stage(self, value):
+        """``value`` as the stage that computes the loss has it."""
+        return value
 
     def _return_replica_grads(self, rank_plan: RankPlan, i: int) -> None:
         """Cross-rank, before the deferred backward of step ``i``: every rank sends the dK/dV
@@ -317,8 +346,8 @@ class StepRunner:
                                                     coefficients=coefficients, grad=True, store=False, capture=False,
                                                     record=out.logprobs)
                 account(loss, metrics)
-                if loss is not None:
-                    (loss * loss_scale).backward()
+                self._stage_backward(i, [loss * loss_scale] if loss is not None else [],
+                                     [torch.ones_like(loss)] if loss is not None else [])
             elif op == "forward":
                 for s in mb.produces:
                     cache.allocate(s, rank_plan.sources[s].length, kinds=rank_plan.sources[s].kinds)
@@ -350,8 +379,7 @@ class StepRunner:
                     gk, gv = cache.read_grad(s, layer)
                     tensors += [k_rows, v_rows]
                     grads += [gk, gv]
-                if tensors:
-                    torch.autograd.backward(tensors, grads)
+                self._stage_backward(i, tensors, grads)
                 for s in mb.produces:
                     cache.free(s, ("gk", "gv", "k", "v"))
             for s in release_kv_after.get(step_idx, ()):
@@ -359,7 +387,7 @@ class StepRunner:
         if rank_plan.sources:
             cache.end_step()
         out.metrics = metric_sums
-        return out
+        return self._finish(out)
 
     # ------------------------------------------------------------------ forward only
     @torch.no_grad()
@@ -379,7 +407,7 @@ class StepRunner:
                 return logprobs.sum() * 0.0, {}
 
         self._forward_only(plan, rank, memory, claims_loss=_Collect(), coefficients=coefficients)
-        return sums
+        return self._from_loss_stage(sums)
 
     @torch.no_grad()
     def logprobs(self, plan: StepPlan, rank: int, memory: Optional[MemoryPlan] = None) -> StepOutput:
@@ -414,4 +442,4 @@ class StepRunner:
                     cache.free(s, ("k", "v"))
         if rank_plan.sources:
             cache.end_step()
-        return out
+        return self._finish(out)

@@ -35,6 +35,7 @@ from megatron_psrl.data.synthetic import WORKLOADS, make_workload
 from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
 from megatron_psrl.errors import ConfigurationError, NonFiniteTrainingError, UnsupportedFeatureError
+from megatron_psrl.model.stages import stage_counts
 from megatron_psrl.training.actor import ActorConfig, PolicyActor
 from megatron_psrl.training.loss import LossConfig
 from megatron_psrl.training.metrics_log import MetricsLog
@@ -134,11 +135,6 @@ class Trainer:
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed, args.device,
             timeout_minutes=args.distributed_timeout_minutes, context_parallel_size=args.context_parallel_size,
         )
-        if args.pipeline_model_parallel_size > 1:
-            raise UnsupportedFeatureError(
-                "training with --pipeline-model-parallel-size > 1 is not supported yet (the converter and "
-                "--load handle PP-sharded checkpoints; train with TP and DP)"
-            )
         if args.use_distributed_optimizer and (args.save or (args.load and not (args.finetune or args.no_load_optim))):
             raise UnsupportedFeatureError(
                 "checkpoints of the distributed optimizer's sharded state are not implemented yet: use --save/--load "
@@ -259,7 +255,9 @@ class Trainer:
         layout = self.layout
         self.log(f"megatron_psrl: {a.model_type} h{a.hidden_size} L{a.num_layers} heads {a.num_attention_heads}/"
                  f"{a.num_kv_heads} vocab {a.vocab_size} | TP {layout.tensor_parallel_size} DP "
-                 f"{layout.data_parallel_size}" + (f" CP {layout.context_parallel_size}" if layout.context_parallel_size > 1
+                 f"{layout.data_parallel_size}" + (f" PP {layout.pipeline_parallel_size} (layers "
+                 f"{'/'.join(map(str, stage_counts(a, self.actor.pipeline_split)))})"
+                 if layout.pipeline_parallel_size > 1 else "") + (f" CP {layout.context_parallel_size}" if layout.context_parallel_size > 1
                                                    else "") + f" | {layout.device} {args_dtype(args)} | "
                  f"prefix sharing: {args.prefix_sharing} | data: {args.data}")
         self.log(self.actor.describe_kernels())
@@ -308,6 +306,8 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
     return ActorConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         context_parallel_size=args.context_parallel_size, device=args.device, dtype=dtype,
         transformer_impl=args.transformer_impl, attention_backend=args.attention_backend,
         micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,
@@ -347,6 +347,8 @@ def format_record(rec: IterationRecord, total_iters: int) -> str:
         f"micro-batches {rec.micro_batches}",
         f"peak mem {_fmt_bytes(rec.peak_mem_bytes)}",
     ]
+    if "pipeline_bubble" in rec.extra:
+        parts.append(f"pipeline {rec.extra['pipeline_schedule']} bubble {rec.extra['pipeline_bubble']:.2f}")
     if "kv_hit_rate" in rec.extra:
         parts.append(f"kv hit {rec.extra['kv_hit_rate']:.2f} util {rec.extra['kv_peak_utilisation']:.2f}")
     if len(rec.extra.get("plan_rank_cost", ())) > 1:

@@ -1,0 +1,63 @@
+"""PolicyActor with pipeline parallelism under torchrun: for every model and mode, log-probs
+and one SGD step (lr 1, so the step is minus the gradient); rank 0 saves what every rank got.
+
+    torchrun --nproc_per_node 4 pipeline_step.py --hf-dir llama=DIR --hf-dir qwen3=DIR \\
+        --records FILE.json --tp 1 --pp 2 --out FILE [--vpp 2]
+
+Modes: ``m1`` (every tree fits a micro-batch: megatron's 1F1B schedule), ``m2`` (micro-batches
+a tenth of the largest tree: cached prefixes, graphs kept), ``m2-recompute`` (a KV budget so
+small that producers drop their graph and recompute it).
+"""
+
+import argparse
+import json
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
+
+p = argparse.ArgumentParser()
+p.add_argument("--hf-dir", action="append", required=True, help="NAME=DIR")
+p.add_argument("--records", required=True)
+p.add_argument("--tp", type=int, default=1)
+p.add_argument("--pp", type=int, default=2)
+p.add_argument("--modes", default="m1,m2,m2-recompute")
+p.add_argument("--m1-budget", type=int, default=72, help="every tree fits, several micro-batches")
+p.add_argument("--m2-budget", type=int, default=16)
+p.add_argument("--recompute-kv-budget", type=int, default=80000)
+p.add_argument("--out", required=True)
+args = p.parse_args()
+
+records = json.load(open(args.records))
+longest = max(len(r["tokens"]) for r in records)
+MODES = {"m1": dict(micro_batch_tokens=args.m1_budget),
+         "m2": dict(micro_batch_tokens=args.m2_budget),
+         "m2-recompute": dict(micro_batch_tokens=args.m2_budget, kv_cache_budget=args.recompute_kv_budget)}
+results = {}
+for spec in args.hf_dir:
+    name, hf_dir = spec.split("=", 1)
+    for mode in args.modes.split(","):
+        actor = PolicyActor(hf_dir, ActorConfig(
+            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, device="cpu",
+            optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0),
+            loss=LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean"),
+            **MODES[mode]))
+        logprobs = actor.compute_logprobs(records)
+        before = actor.state_dict_hf()
+        metrics = actor.train_step(records)
+        after = actor.state_dict_hf()
+        digest = [float(np.nansum(np.concatenate(logprobs))), float(np.nansum(np.concatenate(metrics["logprobs"]))),
+                  float(sum(v.double().sum() for v in after.values())), metrics["loss"]]
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, digest)
+        results[(name, mode)] = {
+            "logprobs": logprobs, "step_logprobs": metrics["logprobs"], "loss": metrics["loss"],
+            "before": before, "after": after, "ranks_agree": all(d == digests[0] for d in digests),
+            "micro_batches": metrics["micro_batches"], "tokens_recomputed": metrics["tokens_recomputed"],
+            "tokens_computed": metrics["tokens_computed"], "tokens_total": metrics["tokens_total"],
+            "bubble": metrics.get("pipeline_bubble"), "schedule": metrics.get("pipeline_schedule"), "longest": longest}
+if dist.get_rank() == 0:
+    torch.save(results, args.out)
+actor.close()
