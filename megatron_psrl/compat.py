@@ -151,7 +151,7 @@ def sync_tied_output_copy(model) -> None:
         return
     if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not dist.is_initialized():
         return
-    if not parallel_state.is_rank_in_embedding_group():
-        return
+    if not parallel_state.is_rank_in_embedding_group() or not (model.pre_process or model.post_process):
+        return  # (a middle virtual-stage chunk holds neither copy)
     with torch.no_grad():
         dist.all_reduce(model.shared_embedding_or_output_weight().data, group=parallel_state.get_embedding_group())

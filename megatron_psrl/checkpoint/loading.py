@@ -14,7 +14,7 @@ from megatron_psrl.errors import CheckpointError, ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.builder import build_model, parallel_layout
-from megatron_psrl.model.gpt import PsrlGPTModel
+from megatron_psrl.model.gpt import PsrlGPTModel, model_chunks
 from megatron_psrl.model.tiny import tiny_config
 
 Tensor = torch.Tensor
@@ -155,24 +155,37 @@ def load_model(
     device: torch.device = torch.device("cpu"),
     transformer_impl: str = "local",
     pipeline_layers: Optional[Sequence[int]] = None,
-) -> Tuple[ModelArchitecture, PsrlGPTModel, Optional[dict]]:
+    virtual_pipeline_size: int = 1,
+) -> Tuple[ModelArchitecture, torch.nn.Module, Optional[dict]]:
     """This rank's model from ``source``; returns (architecture, model, saved optimizer state).
-    ``pipeline_layers``: each pipeline stage's layer count (default: an even split)."""
+    ``pipeline_layers``: each pipeline stage's layer count (default: an even split);
+    ``virtual_pipeline_size`` V > 1: the rank's V chunks (virtual stages ``v * PP + pp_rank``
+    of an even split into PP x V)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
-    split = tuple(pipeline_layers) if pipeline_layers else pp
+    vpp = virtual_pipeline_size
+    split = tuple(pipeline_layers) if pipeline_layers else pp * vpp
+    stages = [v * pp + pp_rank for v in range(vpp)]  # this rank's (virtual) stages
     optimizer_state = None
     if source.tiny:
         arch = ModelArchitecture.from_hf_config(tiny_config(source.tiny))
-        return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers), None
-    if source.hf_dir:
-        arch = ModelArchitecture.from_hf_dir(source.hf_dir)
-        shard = shard_state_dict(hf_full_state_dict(source.hf_dir, arch), arch, tp, split)[(tp_rank, pp_rank)]
-    elif source.hf_config is not None:
-        arch = ModelArchitecture.from_hf_config(source.hf_config)
-        shard = shard_state_dict(hf_memory_state_dict(source.hf_state_dict, arch), arch, tp, split)[(tp_rank, pp_rank)]
+        return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp), None
+    if source.hf_dir or source.hf_config is not None:
+        if source.hf_dir:
+            arch = ModelArchitecture.from_hf_dir(source.hf_dir)
+            full = hf_full_state_dict(source.hf_dir, arch)
+        else:
+            arch = ModelArchitecture.from_hf_config(source.hf_config)
+            full = hf_memory_state_dict(source.hf_state_dict, arch)
+        sharded = shard_state_dict(full, arch, tp, split)
+        shards = [sharded[(tp_rank, s)] for s in stages]
     else:
-        info, shard, optimizer_state = load_rank_state(source.checkpoint, tp_rank, tp, pp_rank, split)
+        shards = []
+        for s in stages:
+            info, shard, state = load_rank_state(source.checkpoint, tp_rank, tp, s, split, virtual_pipeline_size=vpp)
+            shards.append(shard)
+            optimizer_state = optimizer_state if optimizer_state is not None else state
         arch = info.architecture
-    model = build_model(arch, dtype, device, transformer_impl, pipeline_layers)
-    load_state_into(model, shard)
+    model = build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp)
+    for chunk, shard in zip(model_chunks(model), shards):
+        load_state_into(chunk, shard)
     return arch, model, optimizer_state

@@ -73,10 +73,22 @@ class CheckpointInfo:
     """Layers of each pipeline stage when they are not split evenly
     (``--decoder-first/last-pipeline-num-layers``); None for an even split."""
 
+    virtual_pipeline_size: int = 1
+    """Virtual stages per pipeline rank the run trained with. Its files are those of a
+    PP x V checkpoint (one per virtual stage, the same layers), with the rank's optimizer
+    state in the file of its first chunk."""
+
     @property
     def pipeline_split(self) -> PipelineSplit:
-        """The stages' layout as the sharding functions take it."""
-        return tuple(self.pipeline_layers) if self.pipeline_layers else self.pipeline_parallel_size
+        """The (virtual) stages' layout as the sharding functions take it."""
+        if self.pipeline_layers:
+            return tuple(self.pipeline_layers)
+        return self.pipeline_parallel_size * self.virtual_pipeline_size
+
+    @property
+    def num_stage_files(self) -> int:
+        """Rank files per tensor-parallel rank: one per (virtual) stage."""
+        return self.pipeline_parallel_size * self.virtual_pipeline_size
 
     def to_json(self) -> str:
         d = {
@@ -90,6 +102,8 @@ class CheckpointInfo:
         }
         if self.pipeline_layers:
             d["pipeline_layers"] = list(self.pipeline_layers)
+        if self.virtual_pipeline_size > 1:
+            d["virtual_pipeline_size"] = self.virtual_pipeline_size
         return json.dumps(d, indent=2)
 
     @classmethod
@@ -112,6 +126,7 @@ class CheckpointInfo:
                 dtype=str(d["dtype"]),
                 has_optimizer_state=bool(d.get("has_optimizer_state", False)),
                 pipeline_layers=tuple(int(c) for c in d["pipeline_layers"]) if d.get("pipeline_layers") else None,
+                virtual_pipeline_size=int(d.get("virtual_pipeline_size", 1)),
             )
         except KeyError as exc:
             raise CheckpointError(path, f"missing field {exc.args[0]!r}") from None
@@ -237,7 +252,7 @@ def _load_rank_file(path: str, expected: Optional[Dict[str, tuple]] = None) -> D
 def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, Dict[str, Tensor]]:
     """Merge all shards of the latest iteration into one full (unpadded) state dict."""
     it_dir, info = read_checkpoint_info(ckpt_dir)
-    tp, pp, split = info.tensor_parallel_size, info.pipeline_parallel_size, info.pipeline_split
+    tp, pp, split = info.tensor_parallel_size, info.num_stage_files, info.pipeline_split
     expected = expected_shard_shapes(info.architecture, tp, split)
     shards = {}
     for p in range(pp):
@@ -250,17 +265,18 @@ def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, 
 
 
 def load_rank_state(
-    ckpt_dir: str, tp_rank: int, tp: int, pp_rank: int, pp: PipelineSplit
+    ckpt_dir: str, tp_rank: int, tp: int, pp_rank: int, pp: PipelineSplit, virtual_pipeline_size: int = 1
 ) -> Tuple[CheckpointInfo, Dict[str, Tensor], Optional[Dict[str, Any]]]:
-    """This rank's model shard (re-sharded if the layout differs) and, when the layout
-    matches, its saved optimizer state."""
+    """The model shard of (virtual) stage ``pp_rank`` (re-sharded if the layout differs) and,
+    when the layout matches (``virtual_pipeline_size`` included), its saved optimizer state."""
     it_dir, info = read_checkpoint_info(ckpt_dir)
     arch = info.architecture
     if info.tensor_parallel_size == tp and stage_counts(arch, info.pipeline_split) == stage_counts(arch, pp):
-        stages = info.pipeline_parallel_size
+        stages = info.num_stage_files
         blob = _load_rank_file(os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, stages), RANK_FILE),
                                expected_shard_shapes(arch, tp, pp)[(tp_rank, pp_rank)])
-        return info, blob["model"], blob.get("optimizer")
+        same = info.virtual_pipeline_size == virtual_pipeline_size
+        return info, blob["model"], blob.get("optimizer") if same else None
     _, full = load_full_state_dict(ckpt_dir)
     return info, shard_state_dict(full, arch, tp, pp)[(tp_rank, pp_rank)], None
 

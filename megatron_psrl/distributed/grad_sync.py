@@ -82,10 +82,14 @@ def allreduce_embedding_gradients(model: torch.nn.Module) -> None:
         return
     if not parallel_state.is_rank_in_embedding_group():
         return
-    weight = model.shared_embedding_or_output_weight()
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+    from megatron_psrl.model.gpt import model_chunks
+
+    for chunk in model_chunks(model):  # the chunk of the first / last virtual stage
+        if chunk.pre_process or chunk.post_process:
+            weight = chunk.shared_embedding_or_output_weight()
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
 
 def gradient_norm(params: Iterable[torch.nn.Parameter]) -> float:

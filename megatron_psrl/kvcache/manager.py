@@ -75,17 +75,38 @@ class KVGeometry:
     layer_offset: int = 1
     """megatron layer number of this rank's first layer (1-based)."""
 
+    layer_numbers: Tuple[int, ...] = ()
+    """megatron layer numbers of this rank's layers when they are not one contiguous range
+    (virtual pipeline stages: a rank holds every ``pp``-th chunk); empty: contiguous."""
+
+    @property
+    def layers(self) -> Tuple[int, ...]:
+        """megatron layer numbers of this rank's layers, in pool order."""
+        return self.layer_numbers or tuple(range(self.layer_offset, self.layer_offset + self.num_layers))
+
+    def index(self, layer: int) -> int:
+        """Position of megatron layer ``layer`` in this rank's pool."""
+        if self.layer_numbers:
+            return self.layer_numbers.index(layer)
+        return layer - self.layer_offset
+
     @classmethod
     def for_model(cls, arch, tensor_parallel_size: int, pipeline, dtype: torch.dtype,
-                  device: torch.device, pipeline_rank: int = 0) -> "KVGeometry":
+                  device: torch.device, pipeline_rank: int = 0, virtual_pipeline_size: int = 1) -> "KVGeometry":
         """This rank's K/V shape for a ModelArchitecture under TP x PP: the layers of stage
-        ``pipeline_rank`` (``pipeline``: the stage count or each stage's layer count), numbered
-        from 1 as megatron numbers them."""
+        ``pipeline_rank`` (``pipeline``: the (virtual) stage count or each one's layer count;
+        with ``virtual_pipeline_size`` V, stage p holds virtual stages p, p + PP, ...),
+        numbered from 1 as megatron numbers them."""
         from megatron_psrl.model.stages import stage_counts
 
         counts = stage_counts(arch, pipeline)
-        return cls(num_layers=counts[pipeline_rank], num_groups=arch.num_kv_heads // tensor_parallel_size,
-                   head_dim=arch.head_dim, dtype=dtype, device=device, layer_offset=1 + sum(counts[:pipeline_rank]))
+        pp = len(counts) // virtual_pipeline_size
+        numbers = tuple(n for vs in range(pipeline_rank, len(counts), pp)
+                        for n in range(1 + sum(counts[:vs]), 1 + sum(counts[:vs + 1])))
+        contiguous = numbers == tuple(range(numbers[0], numbers[0] + len(numbers)))
+        return cls(num_layers=len(numbers), num_groups=arch.num_kv_heads // tensor_parallel_size,
+                   head_dim=arch.head_dim, dtype=dtype, device=device, layer_offset=numbers[0],
+                   layer_numbers=() if contiguous else numbers)
 
     @property
     def bytes_per_token(self) -> int:
@@ -228,7 +249,7 @@ class BlockKVCache:
     def _layer_view(self, layer: int) -> Tensor:
         """``[blocks * block_size, ng, hn]`` flat slot view of one layer (no copy)."""
         g = self.geometry
-        return self.pool[layer - g.layer_offset].view(-1, g.num_groups, g.head_dim)
+        return self.pool[g.index(layer)].view(-1, g.num_groups, g.head_dim)
 
     def write(self, source_id: int, layer: int, key: Tensor, value: Tensor) -> None:
         view = self._layer_view(layer)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from megatron.core import parallel_state
@@ -10,7 +10,7 @@ from megatron.core import parallel_state
 from megatron_psrl.compat import sync_tied_output_copy
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.model.gpt import PsrlGPTModel, build_transformer_config
+from megatron_psrl.model.gpt import PsrlGPTModel, PsrlModelChunks, build_transformer_config
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -38,20 +38,29 @@ def build_model(
     device: torch.device = torch.device("cpu"),
     transformer_impl: str = "local",
     pipeline_layers: Optional[Sequence[int]] = None,
-) -> PsrlGPTModel:
+    virtual_pipeline_size: int = 1,
+) -> Union[PsrlGPTModel, PsrlModelChunks]:
     """A randomly initialised model for this rank (parallel_state must be initialised);
-    ``pipeline_layers``: each stage's layer count (default: an even split)."""
+    ``pipeline_layers``: each stage's layer count (default: an even split);
+    ``virtual_pipeline_size`` V > 1: V chunks of interleaved virtual stages
+    (:class:`PsrlModelChunks`)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
-    config = build_transformer_config(arch, tp, pp, params_dtype=dtype, device=device, pipeline_layers=pipeline_layers)
-    model = PsrlGPTModel(
-        arch, config, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, transformer_impl=transformer_impl
-    )
-    # megatron's local-spec RMSNorm (torch.nn.RMSNorm) ignores params_dtype: its weight would
-    # stay fp32 in a bf16 model (a dtype mismatch in every norm). Megatron-LM casts the whole
-    # module (Float16Module); so do we, parameters only: the RoPE frequencies stay fp32, as in HF.
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)
-    sync_tied_output_copy(model)
-    return model.to(device)
+    config = build_transformer_config(arch, tp, pp, params_dtype=dtype, device=device, pipeline_layers=pipeline_layers,
+                                      virtual_pipeline_size=virtual_pipeline_size)
+    chunks = []
+    for v in range(virtual_pipeline_size):
+        chunk = PsrlGPTModel(
+            arch, config, pre_process=pp_rank == 0 and v == 0,
+            post_process=pp_rank == pp - 1 and v == virtual_pipeline_size - 1, transformer_impl=transformer_impl,
+            vp_stage=v if virtual_pipeline_size > 1 else None,
+        )
+        # megatron's local-spec RMSNorm (torch.nn.RMSNorm) ignores params_dtype: its weight would
+        # stay fp32 in a bf16 model (a dtype mismatch in every norm). Megatron-LM casts the whole
+        # module (Float16Module); so do we, parameters only: the RoPE frequencies stay fp32, as in HF.
+        with torch.no_grad():
+            for param in chunk.parameters():
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+        sync_tied_output_copy(chunk)
+        chunks.append(chunk.to(device))
+    return chunks[0] if virtual_pipeline_size == 1 else PsrlModelChunks(chunks)

@@ -42,6 +42,7 @@ def build_transformer_config(
     params_dtype: torch.dtype = torch.float32,
     device: torch.device = torch.device("cpu"),
     pipeline_layers: Optional[Sequence[int]] = None,
+    virtual_pipeline_size: int = 1,
     **overrides,
 ) -> TransformerConfig:
     """megatron TransformerConfig equivalent to the HF architecture."""
@@ -49,6 +50,13 @@ def build_transformer_config(
         raise ConfigurationError(
             f"tensor parallel size {tensor_parallel_size} must divide the {arch.num_kv_heads} key/value heads"
         )
+    if virtual_pipeline_size > 1:  # interleaved stages: an even split into PP x V chunks
+        if pipeline_layers is not None:
+            raise ConfigurationError("virtual pipeline stages need an even split of the layers (no "
+                                     "--decoder-first/last-pipeline-num-layers)")
+        per_chunk = pipeline_layer_counts(arch.num_layers, pipeline_parallel_size * virtual_pipeline_size)[0]
+        overrides.setdefault("virtual_pipeline_model_parallel_size", virtual_pipeline_size)
+        pipeline_layers = (per_chunk * virtual_pipeline_size,) * pipeline_parallel_size
     if pipeline_layers is None:
         pipeline_layers = pipeline_layer_counts(arch.num_layers, pipeline_parallel_size)
     if len(pipeline_layers) != pipeline_parallel_size or sum(pipeline_layers) != arch.num_layers:
@@ -132,6 +140,7 @@ class PsrlGPTModel(GPTModel):
         pre_process: bool = True,
         post_process: bool = True,
         transformer_impl: str = "local",
+        vp_stage: Optional[int] = None,
     ):
         super().__init__(
             config=config,
@@ -143,6 +152,7 @@ class PsrlGPTModel(GPTModel):
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="none",
+            vp_stage=vp_stage,
         )
         self.arch = arch
         self.rotary_frequencies = RotaryFrequencies(arch)
@@ -184,3 +194,27 @@ class PsrlGPTModel(GPTModel):
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden[:, None, :], weight=weight)  # [n, 1, V/tp]
         return logits[:, 0, :]
+
+
+class PsrlModelChunks(torch.nn.Module):
+    """This rank's model chunks under virtual pipeline parallelism (megatron's interleaved
+    schedule): chunk ``v`` of stage ``p`` holds virtual stage ``v * PP + p``. It behaves as one
+    module for the optimizer, gradient reduction and state dicts (names ``chunks.{v}.``);
+    the runners and checkpoints take the chunks one by one (:func:`model_chunks`)."""
+
+    def __init__(self, chunks: Sequence[PsrlGPTModel]):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+    @property
+    def config(self) -> TransformerConfig:
+        return self.chunks[0].config
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.chunks[0].share_embeddings_and_output_weights
+
+
+def model_chunks(model: torch.nn.Module) -> Sequence[PsrlGPTModel]:
+    """The chunks of a rank's model in virtual-stage order (one chunk without virtual stages)."""
+    return list(model.chunks) if isinstance(model, PsrlModelChunks) else [model]

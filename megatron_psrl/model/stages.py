@@ -67,3 +67,22 @@ def split_of_config(config) -> PipelineSplit:
     if first is None and last is None:
         return pp
     return pipeline_layer_counts(config.num_layers, pp, first, last)
+
+
+def virtual_pipeline_size(num_layers: int, pp: int, layers_per_virtual_stage: Optional[int],
+                          uneven: bool = False) -> int:
+    """Model chunks per pipeline rank for ``--num-layers-per-virtual-pipeline-stage``
+    (Megatron-LM's rule: ``layers / PP / layers_per_virtual_stage``); 1 without it."""
+    if layers_per_virtual_stage is None:
+        return 1
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    if pp < 2:
+        raise ConfigurationError(f"{flag} needs --pipeline-model-parallel-size > 1")
+    if uneven:
+        raise ConfigurationError(f"{flag} needs an even split of the layers (no --decoder-first/last-pipeline-num-"
+                                 "layers)")
+    per_stage = pipeline_layer_counts(num_layers, pp)[0]
+    if layers_per_virtual_stage < 1 or per_stage % layers_per_virtual_stage:
+        raise ConfigurationError(f"{flag} {layers_per_virtual_stage} must divide the {per_stage} layers of each "
+                                 f"pipeline stage ({num_layers} layers / PP {pp})")
+    return per_stage // layers_per_virtual_stage

@@ -61,7 +61,8 @@ from megatron_psrl.kvcache import (
 )
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts
+from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts, virtual_pipeline_size
 from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.training.calibration import MeasuredCosts, calibrate_for_planning
 from megatron_psrl.training.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
@@ -92,6 +93,10 @@ class ActorConfig:
 
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Layers of the last pipeline stage (the rest split evenly), to balance the output layer."""
+
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per virtual pipeline stage (megatron's interleaved schedule): each rank holds
+    ``layers / (PP x this)`` chunks, the pipeline bubble shrinks by that factor."""
 
     context_parallel_size: int = 1
     """CP size: a CP group shares the fragments of the same trees (``--context-parallel-size``)."""
@@ -256,15 +261,20 @@ class PolicyActor:
         """Optimizer steps taken (a resumed checkpoint's iteration included)."""
         first, last = config.decoder_first_pipeline_num_layers, config.decoder_last_pipeline_num_layers
         uneven = first is not None or last is not None
-        self.pipeline_split = (pipeline_layer_counts(source_architecture(source).num_layers,
-                                                     layout.pipeline_parallel_size, first, last)
-                               if uneven else layout.pipeline_parallel_size)
-        """Each pipeline stage's layer count, or the stage count for an even split."""
+        pp, num_layers = layout.pipeline_parallel_size, source_architecture(source).num_layers
+        self.virtual_pipeline_size = virtual_pipeline_size(num_layers, pp, config.num_layers_per_virtual_pipeline_stage,
+                                                           uneven)
+        """Model chunks per pipeline rank (1 without virtual stages)."""
+        self.pipeline_split = (pipeline_layer_counts(num_layers, pp, first, last)
+                               if uneven else pp * self.virtual_pipeline_size)
+        """Each (virtual) stage's layer count, or the (virtual) stage count for an even split."""
         if source.checkpoint is not None:
             _, info = read_checkpoint_info(source.checkpoint)
             self.iteration = info.iteration
-            same_layout = info.tensor_parallel_size == layout.tensor_parallel_size and stage_counts(
-                info.architecture, info.pipeline_split) == stage_counts(info.architecture, self.pipeline_split)
+            same_layout = (info.tensor_parallel_size == layout.tensor_parallel_size
+                           and info.virtual_pipeline_size == self.virtual_pipeline_size
+                           and stage_counts(info.architecture, info.pipeline_split)
+                           == stage_counts(info.architecture, self.pipeline_split))
             if info.has_optimizer_state and load_optimizer and not same_layout:
                 raise ConfigurationError(
                     f"{source.checkpoint} was saved with TP={info.tensor_parallel_size} "
@@ -274,7 +284,7 @@ class PolicyActor:
                 )
         self.arch, self.model, optimizer_state = load_model(
             source, dtype=dtype, device=device, transformer_impl=impl,
-            pipeline_layers=self.pipeline_split if uneven else None)
+            pipeline_layers=self.pipeline_split if uneven else None, virtual_pipeline_size=self.virtual_pipeline_size)
         self.dtype = dtype
         if device.type == "cpu" and dtype != torch.float32:
             self._log(f"warning: {config.dtype} on CPU is slower than float32 (few CPUs have fast {config.dtype} "
@@ -285,7 +295,8 @@ class PolicyActor:
             self.optimizer.load_state_dict(optimizer_state)
         tp = layout.tensor_parallel_size
         self.geometry = KVGeometry.for_model(self.arch, tp, self.pipeline_split, dtype, device,
-                                             pipeline_rank=layout.pp_rank)
+                                             pipeline_rank=layout.pp_rank,
+                                             virtual_pipeline_size=self.virtual_pipeline_size)
         self.cost_model: CostModel = cost_model_for(self.arch)
         self._flops = self.cost_model
         self.measured: Optional[MeasuredCosts] = None
@@ -563,15 +574,23 @@ class PolicyActor:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model in megatron names (tensor-parallel shards gathered): a snapshot on
         CPU, never a view of the live parameters (a later step does not change it)."""
-        own = {k: v.detach().to("cpu", copy=True) for k, v in canonical_state_dict(self.model).items()}
+        own = {(self.layout.tp_rank, stage): {k: v.detach().to("cpu", copy=True)
+                                              for k, v in canonical_state_dict(chunk).items()}
+               for stage, chunk in self._stage_chunks()}
         tp, pp = self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
         if tp * pp == 1:
-            return own
-        shards = [None] * (tp * pp)
+            return own[(0, 0)]
+        gathered = [None] * (tp * pp)
         with self.layout.monitor.phase("weight gather over tensor- and pipeline-parallel ranks"):
-            dist.all_gather_object(shards, ((self.layout.tp_rank, self.layout.pp_rank), own),
-                                   group=parallel_state.get_model_parallel_group())
-        return merge_state_dicts(dict(shards), self.arch, tp, self.pipeline_split)
+            dist.all_gather_object(gathered, own, group=parallel_state.get_model_parallel_group())
+        shards = {key: shard for part in gathered for key, shard in part.items()}
+        return merge_state_dicts(shards, self.arch, tp, self.pipeline_split)
+
+    def _stage_chunks(self):
+        """``(virtual stage, chunk)`` of this rank's model chunks (chunk v of stage p holds
+        virtual stage v * PP + p; one chunk, stage p, without virtual stages)."""
+        pp = self.layout.pipeline_parallel_size
+        return [(v * pp + self.layout.pp_rank, chunk) for v, chunk in enumerate(model_chunks(self.model))]
 
     def state_dict_hf(self) -> Dict[str, torch.Tensor]:
         """The model's weights with Hugging Face names and layouts (every rank gets all of them,
@@ -595,9 +614,9 @@ class PolicyActor:
         """Load Hugging Face-named weights into this rank's shard: every tensor of the model,
         shapes checked, no unexpected names (a misspelled key is an error, not ignored)."""
         full = hf_memory_state_dict(dict(state_dict), self.arch, strict=True)
-        tp = self.layout.tensor_parallel_size
-        load_state_into(self.model, shard_state_dict(full, self.arch, tp, self.pipeline_split)[
-            (self.layout.tp_rank, self.layout.pp_rank)])
+        shards = shard_state_dict(full, self.arch, self.layout.tensor_parallel_size, self.pipeline_split)
+        for stage, chunk in self._stage_chunks():
+            load_state_into(chunk, shards[(self.layout.tp_rank, stage)])
         self._weights_changed()
 
     def _weights_changed(self) -> None:
@@ -626,9 +645,12 @@ class PolicyActor:
         from megatron_psrl.checkpoint.mcore_format import load_rank_state
 
         layout = self.layout
-        info, shard, optimizer_state = load_rank_state(ckpt_dir, layout.tp_rank, layout.tensor_parallel_size,
-                                                       layout.pp_rank, self.pipeline_split)
-        load_state_into(self.model, shard)
+        optimizer_state = None
+        for stage, chunk in self._stage_chunks():
+            info, shard, state = load_rank_state(ckpt_dir, layout.tp_rank, layout.tensor_parallel_size, stage,
+                                                 self.pipeline_split, virtual_pipeline_size=self.virtual_pipeline_size)
+            load_state_into(chunk, shard)
+            optimizer_state = optimizer_state if optimizer_state is not None else state
         self.iteration = info.iteration
         if optimizer_state and load_optimizer and self.optimizer is not None:
             self.optimizer.load_state_dict(optimizer_state)

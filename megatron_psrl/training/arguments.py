@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers of the last pipeline stage (the rest split evenly): fewer to balance the output "
                         "layer and the loss")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved pipeline: each rank holds layers / (PP x this) model chunks (megatron's "
+                        "interleaved 1F1B schedule), a smaller bubble")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="ranks of one CP group share the fragments of the same trees (a sample longer than a "
                         "micro-batch runs on all of them at once), exchanging prefix K/V; gradients sum over DP x CP")

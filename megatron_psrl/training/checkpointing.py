@@ -41,6 +41,7 @@ from megatron_psrl.checkpoint.mcore_format import (
 from megatron_psrl.distributed.setup import ParallelLayout
 from megatron_psrl.errors import CheckpointWriteError, NonFiniteTrainingError, PsrlError, error_text
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.stages import split_of_config
 
 
@@ -98,15 +99,20 @@ def save_training_checkpoint(
     failure: Optional[BaseException] = None
     if layout.placement_rank == 0:  # one data (x context) parallel replica writes each shard
         try:
-            payload = {
-                "model": canonical_state_dict(model),
-                "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                "iteration": iteration,
-                "checkpoint_version": 3.0,
-            }
-            check_finite(payload, os.path.join(tmp, rank_dir_name(layout.tp_rank, layout.pp_rank,
-                                                                  layout.pipeline_parallel_size)))
-            write_rank_file(tmp, layout.tp_rank, layout.pp_rank, layout.pipeline_parallel_size, payload)
+            # One file per (virtual) stage: chunk v of stage p is virtual stage v * PP + p; the
+            # rank's optimizer state goes with its first chunk.
+            chunks = model_chunks(model)
+            stages = layout.pipeline_parallel_size * len(chunks)
+            for v, chunk in enumerate(chunks):
+                stage = v * layout.pipeline_parallel_size + layout.pp_rank
+                payload = {
+                    "model": canonical_state_dict(chunk),
+                    "optimizer": optimizer.state_dict() if optimizer is not None and v == 0 else None,
+                    "iteration": iteration,
+                    "checkpoint_version": 3.0,
+                }
+                check_finite(payload, os.path.join(tmp, rank_dir_name(layout.tp_rank, stage, stages)))
+                write_rank_file(tmp, layout.tp_rank, stage, stages, payload)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             failure = exc
             error = error_text(exc) if isinstance(exc, (PsrlError, OSError)) else f"{type(exc).__name__}: {exc}"
@@ -140,7 +146,8 @@ def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimiz
     split = split_of_config(model.config)
     info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype,
                           has_optimizer_state=optimizer is not None,
-                          pipeline_layers=None if isinstance(split, int) else split)
+                          pipeline_layers=None if isinstance(split, int) else split,
+                          virtual_pipeline_size=len(model_chunks(model)))
     write_file(os.path.join(tmp, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
     old = None
     if os.path.exists(final):  # re-saving an iteration: swap, never leave it missing

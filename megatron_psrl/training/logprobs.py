@@ -19,6 +19,8 @@ from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.stages import split_of_config
 from megatron_psrl.training.planning import plan_with_memory
 from megatron_psrl.training.step import ComputedLogprobs, StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
@@ -71,7 +73,10 @@ def compute_logprobs(
     dtype = next(model.parameters()).dtype
     pp = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
-    geometry = KVGeometry.for_model(arch, tp, pp, dtype, device, pipeline_rank=pp_rank)
+    chunks = model_chunks(model)
+    split = split_of_config(chunks[0].config) if len(chunks) == 1 else pp * len(chunks)
+    geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=pp_rank,
+                                    virtual_pipeline_size=len(chunks))
     runner_class = StepRunner
     if pp > 1:
         from megatron_psrl.training.pipeline import PipelineStepRunner as runner_class

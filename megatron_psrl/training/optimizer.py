@@ -233,17 +233,20 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from megatron_psrl.model.gpt import model_chunks
+
         self.settings = settings
         config = model.config
-        self.ddp = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                use_distributed_optimizer=settings.use_distributed_optimizer,
-            ),
-            module=model,
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
         )
+        # One DDP per model chunk (virtual pipeline stages), buckets only for the first, as
+        # Megatron-LM wraps them.
+        self.ddps = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                             disable_bucketing=v > 0)
+                     for v, chunk in enumerate(model_chunks(model))]
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer=settings.optimizer,
@@ -260,12 +263,13 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
                 params_dtype=config.params_dtype,
                 use_distributed_optimizer=settings.use_distributed_optimizer,
             ),
-            [self.ddp],
+            self.ddps,
         )
         self.scheduler = _scheduler(self.optimizer, settings)
 
     def zero_grad(self) -> None:
-        self.ddp.zero_grad_buffer()
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def reload_model_params(self) -> None:
@@ -282,7 +286,7 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
         from megatron.core.distributed import finalize_model_grads
 
         # DP reduction (sum: config.calculate_per_token_loss) + TP-partial q/k-norm sums.
-        finalize_model_grads([self.ddp])
+        finalize_model_grads(self.ddps)
         # megatron's MegatronOptimizer.step, split open so that a non-finite norm skips the
         # step for bf16/fp32 too (megatron skips only on fp16 overflow).
         found_inf = self.optimizer.prepare_grads()

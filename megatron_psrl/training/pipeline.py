@@ -39,6 +39,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.compat import install_cpu_pipeline_shims
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
+from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.training.loss import ClaimLoss, claim_coefficients
 from megatron_psrl.training.step import ComputedLogprobs, StepOutput, StepRunner
 from megatron_psrl.tree.planner import StepPlan
@@ -60,52 +61,79 @@ class _TimedP2P(P2PCommunicator):
 
 
 class PipelineStepRunner(StepRunner):
-    """A :class:`StepRunner` for one pipeline stage (see the module docstring)."""
+    """A :class:`StepRunner` for one pipeline stage (see the module docstring). With virtual
+    stages the rank holds several model chunks: a micro-batch's forward runs them in order,
+    chunk ``v`` receiving from the previous rank's chunk ``v`` (stage 0: the last rank's chunk
+    ``v - 1``), and its backward in reverse."""
 
     def __init__(self, model, vocab_size: int, device: torch.device, attention_backend: Optional[str] = None,
                  kv_cache=None, exchange_group=None):
         super().__init__(model, vocab_size, device, attention_backend, kv_cache, exchange_group)
         install_cpu_pipeline_shims(device)
-        config = model.config
-        config.variable_seq_lengths = True  # tree-packed micro-batches differ in length
+        self.chunks = model_chunks(model)
+        for chunk in self.chunks:
+            chunk.config.variable_seq_lengths = True  # tree-packed micro-batches differ in length
+        self.config = self.chunks[0].config
+        self.chunk_layers = [{layer.layer_number for layer in chunk.decoder.layers} for chunk in self.chunks]
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-        self.first = parallel_state.is_pipeline_first_stage()
-        self.last = parallel_state.is_pipeline_last_stage()
+        self.first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        self.last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.last_rank = dist.get_global_rank(self.pp_group, self.pp_size - 1)
-        self.p2p = _TimedP2P(pp_group=self.pp_group, config=config)
-        self._io: Dict[int, Tuple[Optional[Tensor], Tensor]] = {}  # micro-batch -> (stage input, stage output)
+        self.p2p = _TimedP2P(pp_group=self.pp_group, config=self.config)
+        # micro-batch -> per chunk (its input, its output)
+        self._io: Dict[int, List[Tuple[Optional[Tensor], Tensor]]] = {}
         self.last_bubble: float = 0.0
         """Measured bubble fraction of the last step (mean over stages of p2p wait / step time)."""
         self.last_schedule: str = ""
-        """Executor of the last step: ``1f1b`` (megatron's) or ``plan-order``."""
+        """Executor of the last step: ``1f1b`` / ``interleaved-1f1b`` (megatron's) or ``plan-order``."""
+
+    def _receives(self, v: int) -> bool:
+        return not (self.first and v == 0)
+
+    def _sends(self, v: int) -> bool:
+        return not (self.last and v == len(self.chunks) - 1)
 
     # ------------------------------------------------------------------ ordered executor
     def _stage_forward(self, i: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata, grad: bool) -> Optional[Tensor]:
-        x = None
-        if not self.first:
-            # [t, 1, h]; its shape comes with it (variable_seq_lengths)
-            x = self.p2p.recv_forward((len(ids), 1, self.model.config.hidden_size), is_first_stage=False)
-            if grad:
-                x.requires_grad_(True)
-            self.model.set_input_tensor(x)
-        out = self.model(ids, pos, meta)  # [t, 1, h]
-        if not self.last:
-            self.p2p.send_forward(out.detach(), is_last_stage=False)
+        io = []
+        out = None
+        for v, chunk in enumerate(self.chunks):
+            x = None
+            if self._receives(v):
+                # [t, 1, h]; its shape comes with it (variable_seq_lengths)
+                x = self.p2p.recv_forward((len(ids), 1, self.config.hidden_size), is_first_stage=False)
+                if grad:
+                    x.requires_grad_(True)
+                chunk.set_input_tensor(x)
+            out = chunk(ids, pos, meta)  # [t, 1, h]
+            if self._sends(v):
+                self.p2p.send_forward(out.detach(), is_last_stage=False)
+            io.append((x, out))
         if grad:
-            self._io[i] = (x, out)
+            self._io[i] = io
         return out[:, 0] if self.last else None
 
-    def _stage_backward(self, i: int, tensors: List[Tensor], grads: List[Tensor]) -> None:
-        x, out = self._io.pop(i)
-        if not self.last:
-            g = self.p2p.recv_backward(tuple(out.shape), is_last_stage=False)
-            tensors, grads = [out] + tensors, [g] + grads
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        if not self.first:
-            dx = x.grad if x.grad is not None else torch.zeros_like(x)
-            self.p2p.send_backward(dx, is_first_stage=False)
+    def _stage_backward(self, i: int, loss: Optional[Tensor], kv_grads) -> None:
+        io = self._io.pop(i)
+        for v in reversed(range(len(self.chunks))):
+            x, out = io[v]
+            tensors: List[Tensor] = []
+            grads: List[Tensor] = []
+            if self._sends(v):  # the output's gradient comes from the next chunk's rank
+                tensors.append(out)
+                grads.append(self.p2p.recv_backward(tuple(out.shape), is_last_stage=False))
+            elif loss is not None:
+                tensors.append(loss)
+                grads.append(torch.ones_like(loss))
+            for layer, rows, grad in kv_grads:  # dK/dV of the producer's rows in this chunk's layers
+                if layer in self.chunk_layers[v]:
+                    tensors.append(rows)
+                    grads.append(grad)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            if self._receives(v):
+                self.p2p.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), is_first_stage=False)
 
     # ------------------------------------------------------------------ results on every stage
     def _from_loss_stage(self, value):
@@ -139,9 +167,16 @@ class PipelineStepRunner(StepRunner):
               loss_scale: float = 1.0) -> StepOutput:
         rank_plan = plan.ranks[rank]
         independent = not rank_plan.sources and all(op == "forward_backward" for op, _ in rank_plan.schedule)
-        self.last_schedule = "1f1b" if independent else "plan-order"
-        if independent and rank_plan.micro_batches:
+        num = len(rank_plan.micro_batches)
+        # megatron's interleaved schedule needs at least PP micro-batches, and PP > 2: with two
+        # stages both neighbours are one rank, and its batched sends and receives in both
+        # directions (shapes first, variable_seq_lengths) are not matched in order over gloo.
+        # Those steps run in plan order (still interleaved over the chunks, one micro-batch at a time).
+        interleaved_ok = self.pp_size > 2 and num >= self.pp_size
+        if independent and num and (len(self.chunks) == 1 or interleaved_ok):
+            self.last_schedule = "1f1b" if len(self.chunks) == 1 else "interleaved-1f1b"
             return self._measure(lambda: self._train_megatron_schedule(plan, rank, loss_cfg, loss_scale))
+        self.last_schedule = "plan-order"
         return self._measure(lambda: super(PipelineStepRunner, self).train(plan, rank, loss_cfg, memory, loss_scale))
 
     def _forward_only(self, plan, rank, memory, claims_loss=None, coefficients=None) -> StepOutput:
@@ -149,9 +184,18 @@ class PipelineStepRunner(StepRunner):
         return self._measure(lambda: super(PipelineStepRunner, self)._forward_only(
             plan, rank, memory, claims_loss=claims_loss, coefficients=coefficients))
 
+    def _group_size(self, num_microbatches: int) -> int:
+        """Contiguous micro-batches per virtual stage in megatron's interleaved schedule: the
+        smallest group size it accepts (PP if that divides the count; fewer groups otherwise)."""
+        for g in range(self.pp_size, num_microbatches + 1):
+            rest = num_microbatches % g
+            if rest == 0 or rest >= self.pp_size:
+                return g
+        return num_microbatches
+
     def _train_megatron_schedule(self, plan: StepPlan, rank: int, loss_cfg: ClaimLoss,
                                  loss_scale: float) -> StepOutput:
-        """Mechanism-1 micro-batches through megatron-core's 1F1B schedule."""
+        """Mechanism-1 micro-batches through megatron-core's 1F1B (or interleaved 1F1B) schedule."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -166,13 +210,15 @@ class PipelineStepRunner(StepRunner):
 
         def forward_step(data_iterator, model):
             i = next(data_iterator)
-            pack = packs[i] = rank_plan.pack(plan.index, i)
-            out.tokens_computed += pack.num_tokens
-            out.key_pairs += pack.key_pairs()
+            if i not in packs:  # every chunk of this rank runs micro-batch i: pack it once
+                pack = packs[i] = rank_plan.pack(plan.index, i)
+                out.tokens_computed += pack.num_tokens
+                out.key_pairs += pack.key_pairs()
+            pack = packs[i]
             meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=None)
             ids = torch.from_numpy(pack.input_ids).to(self.device)
             pos = torch.from_numpy(pack.position_ids).to(self.device)
-            hidden = model(ids, pos, meta)  # [t, 1, h]; megatron set the stage input
+            hidden = model(ids, pos, meta)  # [t, 1, h]; megatron set the chunk's input
 
             def loss_func(output: Tensor):
                 rows = self._claimed_rows(plan, pack)
@@ -189,8 +235,11 @@ class PipelineStepRunner(StepRunner):
 
             return hidden, loss_func
 
-        config = self.model.config
+        config = self.config
         config.grad_scale_func = (lambda t: t * loss_scale) if loss_scale != 1.0 else None
+        vpp = len(self.chunks)
+        if vpp > 1:
+            config.microbatch_group_size_per_vp_stage = self._group_size(len(order))
         groups = ProcessGroupCollection()
         groups.tp = parallel_state.get_tensor_model_parallel_group()
         groups.cp = parallel_state.get_context_parallel_group()
@@ -198,11 +247,14 @@ class PipelineStepRunner(StepRunner):
         groups.embd = parallel_state.get_embedding_group(check_initialized=False)
         groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
         groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(order), model=[self.model],
-            num_microbatches=len(order), seq_length=max(mb.num_tokens for mb in rank_plan.micro_batches),
-            micro_batch_size=1, forward_only=False, p2p_communicator=self.p2p, pg_collection=groups,
-        )
-        config.grad_scale_func = None
+        try:
+            get_forward_backward_func(self.pp_size, vpp if vpp > 1 else None)(
+                forward_step_func=forward_step, data_iterator=[iter(order) for _ in self.chunks],
+                model=list(self.chunks), num_microbatches=len(order),
+                seq_length=max(mb.num_tokens for mb in rank_plan.micro_batches), micro_batch_size=1,
+                forward_only=False, p2p_communicator=self.p2p, pg_collection=groups,
+            )
+        finally:
+            config.grad_scale_func = None
         out.metrics = metric_sums
         return self._finish(out)

@@ -27,6 +27,7 @@ from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.distributed.kv_exchange import exchange_kv, return_replica_grads
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
+from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import vocab_parallel_logprobs
 from megatron_psrl.training.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
 from megatron_psrl.tree.packing import PackedMicroBatch
@@ -175,6 +176,8 @@ class StepRunner:
         exchange_group=None,
     ):
         self.model = model
+        self.head = model_chunks(model)[-1]
+        """The chunk with the output layer (the model itself without virtual pipeline stages)."""
         self.vocab_size = vocab_size
         self.device = device
         self.attention_backend = attention_backend
@@ -232,7 +235,7 @@ class StepRunner:
         sel_rows = torch.from_numpy(pack.logit_rows[rows]).to(self.device)
         targets = pack.logit_targets[rows]
         target_ids = torch.from_numpy(plan.tree.tokens[targets].astype(np.int64)).to(self.device)
-        logits = self.model.output_logits(hidden.index_select(0, sel_rows))  # [n, V/tp]
+        logits = self.head.output_logits(hidden.index_select(0, sel_rows))  # [n, V/tp]
         want_entropy = loss_cfg is not None and loss_cfg.needs_entropy
         logp, ent = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, with_entropy=want_entropy)
         if record is not None:  # the log-probs this call computed, returned to the caller
@@ -249,8 +252,14 @@ class StepRunner:
         """Hidden states ``[t, h]`` of micro-batch ``i`` (``None`` on a stage without the loss)."""
         return self.model(ids, pos, meta)[:, 0]
 
-    def _stage_backward(self, i: int, tensors: List[Tensor], grads: List[Tensor]) -> None:
-        """Backward of micro-batch ``i`` from its loss (and injected K/V gradients)."""
+    def _stage_backward(self, i: int, loss: Optional[Tensor], kv_grads: Sequence[Tuple[int, Tensor, Tensor]]) -> None:
+        """Backward of micro-batch ``i`` from its (scaled) loss and the K/V rows it produced,
+        ``(layer, rows, their accumulated gradient)``: injected dK/dV."""
+        tensors = [loss] if loss is not None else []
+        grads = [torch.ones_like(loss)] if loss is not None else []
+        for _, rows, grad in kv_grads:
+            tensors.append(rows)
+            grads.append(grad)
         if tensors:
             torch.autograd.backward(tensors, grads)
 
@@ -271,7 +280,7 @@ class StepRunner:
             return
         cache, g = self.kv_cache, dist.get_world_size(self.exchange_group)
         geometry = cache.geometry
-        layers = range(geometry.layer_offset, geometry.layer_offset + geometry.num_layers)
+        layers = geometry.layers
 
         def stacked(s: int) -> Tensor:  # [n, layers, 2, ng, hn]
             return torch.stack([torch.stack(cache.read_grad(s, layer), dim=1) for layer in layers], dim=1)
@@ -346,8 +355,7 @@ class StepRunner:
                                                     coefficients=coefficients, grad=True, store=False, capture=False,
                                                     record=out.logprobs)
                 account(loss, metrics)
-                self._stage_backward(i, [loss * loss_scale] if loss is not None else [],
-                                     [torch.ones_like(loss)] if loss is not None else [])
+                self._stage_backward(i, loss * loss_scale if loss is not None else None, [])
             elif op == "forward":
                 for s in mb.produces:
                     cache.allocate(s, rank_plan.sources[s].length, kinds=rank_plan.sources[s].kinds)
@@ -374,12 +382,11 @@ class StepRunner:
                     out.tokens_computed += pack.num_tokens
                     out.tokens_recomputed += pack.num_tokens
                     cache.metrics.tokens_recomputed += pack.num_tokens
-                tensors, grads = ([loss * loss_scale], [torch.ones_like(loss)]) if loss is not None else ([], [])
+                kv_grads = []
                 for s, layer, k_rows, v_rows in captured:
                     gk, gv = cache.read_grad(s, layer)
-                    tensors += [k_rows, v_rows]
-                    grads += [gk, gv]
-                self._stage_backward(i, tensors, grads)
+                    kv_grads += [(layer, k_rows, gk), (layer, v_rows, gv)]
+                self._stage_backward(i, loss * loss_scale if loss is not None else None, kv_grads)
                 for s in mb.produces:
                     cache.free(s, ("gk", "gv", "k", "v"))
             for s in release_kv_after.get(step_idx, ()):

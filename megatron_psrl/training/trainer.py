@@ -255,8 +255,9 @@ class Trainer:
         layout = self.layout
         self.log(f"megatron_psrl: {a.model_type} h{a.hidden_size} L{a.num_layers} heads {a.num_attention_heads}/"
                  f"{a.num_kv_heads} vocab {a.vocab_size} | TP {layout.tensor_parallel_size} DP "
-                 f"{layout.data_parallel_size}" + (f" PP {layout.pipeline_parallel_size} (layers "
-                 f"{'/'.join(map(str, stage_counts(a, self.actor.pipeline_split)))})"
+                 f"{layout.data_parallel_size}" + (f" PP {layout.pipeline_parallel_size} ("
+                 + (f"{self.actor.virtual_pipeline_size} virtual stages of " if self.actor.virtual_pipeline_size > 1
+                    else "") + f"layers {'/'.join(map(str, stage_counts(a, self.actor.pipeline_split)))})"
                  if layout.pipeline_parallel_size > 1 else "") + (f" CP {layout.context_parallel_size}" if layout.context_parallel_size > 1
                                                    else "") + f" | {layout.device} {args_dtype(args)} | "
                  f"prefix sharing: {args.prefix_sharing} | data: {args.data}")
@@ -308,6 +309,7 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         context_parallel_size=args.context_parallel_size, device=args.device, dtype=dtype,
         transformer_impl=args.transformer_impl, attention_backend=args.attention_backend,
         micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,

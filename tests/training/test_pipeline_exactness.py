@@ -1,9 +1,10 @@
 """Pipeline parallelism under torchrun (gloo): one SGD step and the log-probs equal the
 per-sample Hugging Face reference (fp32, rel 1e-5: loss, every parameter, log-probs) for
-PP=2, PP=4, PP=2 x TP=2 and PP=2 x DP=2, on Llama and Qwen3 (tied embeddings: the first and
-last stages hold one parameter), each with mechanism 1 only (megatron's 1F1B schedule), with
-mechanism 2 (micro-batches far smaller than the trees, graphs kept) and with mechanism 2 where
-the KV budget makes producers recompute their forward."""
+PP=2, PP=4, PP=2 x TP=2, PP=2 x DP=2, virtual PP=2 x PP=2 and virtual PP=2 x PP=4, on Llama
+and Qwen3 (tied embeddings: the first and last stages hold one parameter), each with
+mechanism 1 only (megatron's 1F1B or interleaved schedule), with mechanism 2 (micro-batches far
+smaller than the trees, graphs kept) and with mechanism 2 where the KV budget makes producers
+recompute their forward."""
 
 import json
 import os
@@ -25,29 +26,33 @@ MODES = ("m1", "m2", "m2-recompute")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
-    records = random_tree_records(seed=5, num_roots=3, vocab_size=251)
+    # 8 trees: with 72-token micro-batches, 8 micro-batches of whole trees (PP=4 interleaved needs >= 4)
+    records = random_tree_records(seed=5, num_roots=8, vocab_size=251)
     (root / "records.json").write_text(json.dumps(records))
-    batch = samples_from_dicts(records, source="records")
-    refs = {}
-    for name in FAMILIES:
-        hf_dir = make_hf_checkpoint(dict(PARALLEL_CONFIGS[name], num_hidden_layers=4), seed=1,
-                                    directory=str(root / name))
+    return root, samples_from_dicts(records, source="records"), {}
+
+
+def _reference(data, name, layers):
+    root, batch, cache = data
+    if (name, layers) not in cache:
+        hf_dir = make_hf_checkpoint(dict(PARALLEL_CONFIGS[name], num_hidden_layers=layers), seed=1,
+                                    directory=str(root / f"{name}{layers}"))
         hf = load_hf_model(hf_dir)
         loss, grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
-        refs[name] = dict(hf_dir=hf_dir, loss=loss, grads=grads, logprobs=per_sample_logprobs(hf, batch))
-    return root, batch, refs
+        cache[(name, layers)] = dict(hf_dir=hf_dir, loss=loss, grads=grads, logprobs=per_sample_logprobs(hf, batch))
+    return cache[(name, layers)]
 
 
-def _check(res, ref, batch, mode):
+def _check(res, ref, batch, mode, m1_schedule):
     assert res["ranks_agree"], "every rank must return the same numbers"
     if mode == "m1":
         assert res["tokens_recomputed"] == 0 and res["micro_batches"] >= 2, res["micro_batches"]
     else:
         assert res["tokens_computed"] < res["tokens_total"]  # prefixes shared across micro-batches
         assert (res["tokens_recomputed"] > 0) == (mode == "m2-recompute"), res["tokens_recomputed"]
-    assert res["schedule"] == ("1f1b" if mode == "m1" else "plan-order")
+    assert res["schedule"] == (m1_schedule if mode == "m1" else "plan-order")
     assert 0.0 <= res["bubble"] < 1.0
     for a, b in zip(res["logprobs"], ref["logprobs"]):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -62,17 +67,32 @@ def _check(res, ref, batch, mode):
         np.testing.assert_allclose(lp[trained], r[trained], atol=1e-5)
 
 
+LAYOUTS = {  # id: (TP, PP, ranks, layers per virtual stage, model layers, mechanism-1 executor)
+    "pp2": (1, 2, 2, None, 4, "1f1b"),
+    "pp4": (1, 4, 4, None, 4, "1f1b"),
+    "pp2xtp2": (2, 2, 4, None, 4, "1f1b"),
+    "pp2xdp2": (1, 2, 4, None, 4, "1f1b"),
+    # two stages: megatron's interleaved schedule is not used (see training/pipeline.py)
+    "vpp2xpp2": (1, 2, 2, 1, 4, "plan-order"),
+    "vpp2xpp4": (1, 4, 4, 1, 8, "interleaved-1f1b"),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,nproc", [(1, 2, 2), (1, 4, 4), (2, 2, 4), (1, 2, 4)],
-                         ids=["pp2", "pp4", "pp2xtp2", "pp2xdp2"])
-def test_pipeline_step_equals_per_sample_reference(reference, tmp_path, tp, pp, nproc):
-    root, batch, refs = reference
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_step_equals_per_sample_reference(data, tmp_path, layout):
+    tp, pp, nproc, vpp_layers, layers, m1_schedule = LAYOUTS[layout]
+    root, batch, _ = data
+    families = FAMILIES if layers == 4 else ("llama",)  # the 8-layer case: one family is enough
+    refs = {name: _reference(data, name, layers) for name in families}
     out = tmp_path / "result.pt"
     args = ["--records", str(root / "records.json"), "--tp", str(tp), "--pp", str(pp), "--out", str(out)]
-    for name in FAMILIES:
+    if vpp_layers:
+        args += ["--vpp-layers", str(vpp_layers)]
+    for name in families:
         args += ["--hf-dir", f"{name}={refs[name]['hf_dir']}"]
     run_torchrun(SCRIPT, args, nproc=nproc)
     results = torch.load(out, weights_only=False)
-    for name in FAMILIES:
+    for name in families:
         for mode in MODES:
-            _check(results[(name, mode)], refs[name], batch, mode)
+            _check(results[(name, mode)], refs[name], batch, mode, m1_schedule)
