@@ -108,6 +108,21 @@ class KVGeometry:
                    head_dim=arch.head_dim, dtype=dtype, device=device, layer_offset=numbers[0],
                    layer_numbers=() if contiguous else numbers)
 
+    @classmethod
+    def for_pipeline_planning(cls, arch, tensor_parallel_size: int, pipeline, dtype: torch.dtype,
+                              device: torch.device, virtual_pipeline_size: int = 1) -> "KVGeometry":
+        """The K/V shape every stage of a pipeline plans its memory with: the largest stage's.
+        Stages tell each other nothing about their plans, yet they must take the same
+        keep-graph / recompute / duplicate decisions (a recompute travels through all of them),
+        so they plan alike; a stage with fewer layers uses less than it planned."""
+        from megatron_psrl.model.stages import stage_counts
+
+        counts = stage_counts(arch, pipeline)
+        pp = len(counts) // virtual_pipeline_size
+        layers = max(sum(counts[p::pp]) for p in range(pp))
+        return cls(num_layers=layers, num_groups=arch.num_kv_heads // tensor_parallel_size, head_dim=arch.head_dim,
+                   dtype=dtype, device=device)
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token of one kind (K, V, dK or dV) over all layers."""

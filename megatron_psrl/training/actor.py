@@ -275,7 +275,7 @@ class PolicyActor:
                            and info.virtual_pipeline_size == self.virtual_pipeline_size
                            and stage_counts(info.architecture, info.pipeline_split)
                            == stage_counts(info.architecture, self.pipeline_split))
-            if info.has_optimizer_state and load_optimizer and not same_layout:
+            if info.has_optimizer_state and load_optimizer and for_training and not same_layout:
                 raise ConfigurationError(
                     f"{source.checkpoint} was saved with TP={info.tensor_parallel_size} "
                     f"PP={info.pipeline_parallel_size}; its optimizer state cannot be loaded with "
@@ -297,6 +297,9 @@ class PolicyActor:
         self.geometry = KVGeometry.for_model(self.arch, tp, self.pipeline_split, dtype, device,
                                              pipeline_rank=layout.pp_rank,
                                              virtual_pipeline_size=self.virtual_pipeline_size)
+        self.plan_geometry = KVGeometry.for_pipeline_planning(self.arch, tp, self.pipeline_split, dtype, device,
+                                                              self.virtual_pipeline_size)
+        """What memory plans assume (the same on every stage; the cache uses :attr:`geometry`)."""
         self.cost_model: CostModel = cost_model_for(self.arch)
         self._flops = self.cost_model
         self.measured: Optional[MeasuredCosts] = None
@@ -385,7 +388,7 @@ class PolicyActor:
         t1 = time.perf_counter()
         plan, memories, mode = plan_with_memory(
             tree, self._planner_config(),
-            lambda ranks: plan_memory_group(ranks, self.geometry, self.config.kv_cache_budget, self.act_bytes))
+            lambda ranks: plan_memory_group(ranks, self.plan_geometry, self.config.kv_cache_budget, self.act_bytes))
         if times is not None:
             times.update(tree=t1 - t0, plan=time.perf_counter() - t1)
         if mode != self.config.prefix_sharing:
@@ -521,7 +524,7 @@ class PolicyActor:
         (forward only, summed over ranks), the loss of those sums, and the per-claim surrogate
         ``dL/dS[sample] * token_terms`` whose gradient is the loss's."""
         forward_memories = memory_plans(plan, lambda ranks: [
-            plan_forward_memory(r, self.geometry, self.config.kv_cache_budget) for r in ranks])
+            plan_forward_memory(r, self.plan_geometry, self.config.kv_cache_budget) for r in ranks])
         me = self.layout.placement_rank
         with self.layout.monitor.phase(f"sequence-loss forward of iteration {self.iteration + 1}"):
             local = self.runner.sequence_sums(plan, me, loss, forward_memories[me])

@@ -77,6 +77,7 @@ def compute_logprobs(
     split = split_of_config(chunks[0].config) if len(chunks) == 1 else pp * len(chunks)
     geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=pp_rank,
                                     virtual_pipeline_size=len(chunks))
+    plan_geometry = KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, len(chunks))
     runner_class = StepRunner
     if pp > 1:
         from megatron_psrl.training.pipeline import PipelineStepRunner as runner_class
@@ -85,7 +86,7 @@ def compute_logprobs(
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,
                            placement=placement, **(planner_settings or dict(cost_model=cost_model)))
     plan, memories, _ = plan_with_memory(
-        tree, config, lambda group: [plan_forward_memory(r, geometry, kv_cache_budget) for r in group])
+        tree, config, lambda group: [plan_forward_memory(r, plan_geometry, kv_cache_budget) for r in group])
     memory = memories[me]
     cache = BlockKVCache(geometry, kv_cache_budget)
     runner = runner_class(model, arch.vocab_size, device, attention_backend, cache, exchange_group=exchange_group)

@@ -77,3 +77,32 @@ def test_compute_logprobs_with_two_stages_equals_the_reference(hf_dir, tmp_path)
     assert [g["id"] for g in got] == list(batch.ids)
     for g, r in zip(got, ref):
         np.testing.assert_allclose(np.array(g["logprobs"]), r, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_checkpoint_resumes_and_reshards(hf_dir, tmp_path):
+    """Virtual stages save the files of a PP x V layout (4 here: one per layer), resume with
+    their optimizer state, and load under PP=1 with the same weights."""
+    from megatron_psrl import ActorConfig, PolicyActor
+
+    ckpt = tmp_path / "ckpt"
+    vpp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    base = ["--hf-dir", hf_dir, "--data", "grpo", "--synthetic-tokens", "1500", "--micro-batch-tokens", "512",
+            "--save", str(ckpt), "--lr", "1e-3", "--seed", "3"] + vpp
+    out = run_torchrun(SCRIPT, base + ["--train-iters", "2"], nproc=2)
+    assert "PP 2 (2 virtual stages of layers 1/1/1/1)" in out
+    out = run_torchrun(SCRIPT, base + ["--train-iters", "3", "--load", str(ckpt), "--log-json",
+                                       str(tmp_path / "log.jsonl")], nproc=2)
+    assert [json.loads(x)["iter"] for x in open(tmp_path / "log.jsonl")] == [3]
+    _, info = read_checkpoint_info(str(ckpt))
+    assert (info.pipeline_parallel_size, info.virtual_pipeline_size, info.num_stage_files) == (2, 2, 4)
+    files = sorted(p.name for p in (ckpt / "iter_0000003").iterdir() if p.is_dir())
+    assert files == [f"mp_rank_00_{s:03d}" for s in range(4)]
+    blobs = [torch.load(ckpt / "iter_0000003" / f / "model_optim_rng.pt", weights_only=False) for f in files]
+    assert [b["optimizer"] is not None for b in blobs] == [True, True, False, False]  # with each rank's first chunk
+    _, full = load_full_state_dict(str(ckpt))
+    actor = PolicyActor(str(ckpt), ActorConfig(device="cpu"), for_training=False)
+    got = actor.full_state_dict()
+    assert set(got) == set(full)
+    for name, t in full.items():  # a reshard is copies: exact
+        assert torch.equal(got[name], t), name
