@@ -124,6 +124,13 @@ class KVGeometry:
                    dtype=dtype, device=device)
 
     @property
+    def grad_slots_per_token(self) -> int:
+        """Pool slots one token of dK or dV takes: gradients accumulate in fp32 whatever the
+        model dtype (a bf16 sum over hundreds of readers would lose about 1e-2), so in a bf16
+        or fp16 pool each gradient row spans two slots (read as fp32 through a view)."""
+        return max(1, 4 // torch.tensor([], dtype=self.dtype).element_size())
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes of one token of one kind (K, V, dK or dV) over all layers."""
         return self.num_layers * self.num_groups * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
@@ -225,22 +232,25 @@ class BlockKVCache:
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, source_id: int, length: int, kinds: Sequence[str] = KINDS) -> None:
-        """Block tables for ``length`` tokens of each kind; gradient blocks start at zero."""
-        n_blocks = -(-length // self.block_size)
-        if n_blocks * len(kinds) > len(self._free):
-            raise CacheBudgetError(
-                f"KV cache full: source {source_id} needs {n_blocks * len(kinds)} blocks, {len(self._free)} free"
-            )
+        """Block tables for ``length`` tokens of each kind; gradient blocks start at zero (and
+        take :attr:`KVGeometry.grad_slots_per_token` slots per token)."""
+        factor = self.geometry.grad_slots_per_token
+        slots_of = {kind: length * (factor if kind.startswith("g") else 1) for kind in kinds}
+        needed = sum(-(-n // self.block_size) for n in slots_of.values())
+        if needed > len(self._free):
+            raise CacheBudgetError(f"KV cache full: source {source_id} needs {needed} blocks, {len(self._free)} free")
         self._lengths[source_id] = length
         for kind in kinds:
+            n_slots = slots_of[kind]
+            n_blocks = -(-n_slots // self.block_size)
             blocks = np.array([self._free.pop() for _ in range(n_blocks)], dtype=np.int64)
             self._tables[(source_id, kind)] = blocks
-            slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)[None, :]).reshape(-1)[:length]
+            slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)[None, :]).reshape(-1)[:n_slots]
             self._slots[(source_id, kind)] = torch.from_numpy(slots).to(self.geometry.device)
             if kind.startswith("g"):
                 self.pool[:, blocks] = 0
             self.metrics.allocated_slots += n_blocks * self.block_size
-            self.metrics.used_slots += length
+            self.metrics.used_slots += n_slots
         self._record_use()
 
     def free(self, source_id: int, kinds: Sequence[str]) -> None:
@@ -281,16 +291,21 @@ class BlockKVCache:
             self.metrics.tokens_read += k.shape[0]
         return k, v
 
+    def _grad_view(self, layer: int) -> Tensor:
+        """``[slots, ng * hn / f]`` fp32 view of one layer's slots (f = grad_slots_per_token:
+        a token's fp32 gradient row is its f consecutive slots of the source's table)."""
+        g = self.geometry
+        return self.pool[g.index(layer)].view(-1, g.num_groups * g.head_dim).view(torch.float32)
+
     def accumulate_grad(self, source_id: int, layer: int, grad_key: Optional[Tensor], grad_value: Optional[Tensor]) -> None:
-        view = self._layer_view(layer)
-        if grad_key is not None:
-            view.index_add_(0, self._slots[(source_id, "gk")], grad_key.to(view.dtype))
-        if grad_value is not None:
-            view.index_add_(0, self._slots[(source_id, "gv")], grad_value.to(view.dtype))
+        """Add ``[n, ng, hn]`` gradients to a source's dK / dV (in fp32)."""
+        view = self._grad_view(layer)
+        for kind, grad in (("gk", grad_key), ("gv", grad_value)):
+            if grad is not None:
+                view.index_add_(0, self._slots[(source_id, kind)], grad.float().reshape(-1, view.shape[1]))
 
     def read_grad(self, source_id: int, layer: int) -> Tuple[Tensor, Tensor]:
-        view = self._layer_view(layer)
-        return (
-            view.index_select(0, self._slots[(source_id, "gk")]),
-            view.index_select(0, self._slots[(source_id, "gv")]),
-        )
+        """A source's accumulated dK, dV of one layer: ``[n, ng, hn]`` fp32 copies."""
+        g, view = self.geometry, self._grad_view(layer)
+        return tuple(view.index_select(0, self._slots[(source_id, kind)]).reshape(-1, g.num_groups, g.head_dim)
+                     for kind in ("gk", "gv"))

@@ -77,7 +77,7 @@ def _blocks(length: int, block_size: int) -> int:
 
 
 def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_bytes: Dict[int, int],
-              read_bytes: Dict[int, int]):
+              read_bytes: Dict[int, int], grad_slots: int = 1):
     """Per schedule step: (blocks held, other bytes held); and every source's last K/V read.
 
     Other bytes: retained producer graphs (their activations plus the K/V copies gathered from
@@ -99,7 +99,9 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
             for s in mb.produces:
                 src = plan.sources[s]
                 n = _blocks(src.length, block_size)
-                blocks += len(src.kinds) * n  # K, V, dK, dV (an owner read only by other ranks: dK, dV)
+                n_grad = _blocks(src.length * grad_slots, block_size)  # fp32 dK, dV (see KVGeometry)
+                # K, V, dK, dV (an owner read only by other ranks: dK, dV)
+                blocks += sum(n_grad if k.startswith("g") else n for k in src.kinds)
                 kv_live[s] = n * sum(k in ("k", "v") for k in src.kinds)
             if kept:
                 graphs += graph_bytes[i] + read_bytes[i]
@@ -110,7 +112,7 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
         other_held.append(graphs + transient)
         if op == "backward":
             for s in mb.produces:
-                blocks -= 2 * _blocks(plan.sources[s].length, block_size)  # dK, dV consumed
+                blocks -= 2 * _blocks(plan.sources[s].length * grad_slots, block_size)  # dK, dV consumed
                 if not plan.sources[s].consumers:  # nothing read its K/V here (a replica's owner)
                     blocks -= kv_live.pop(s, 0)
             if kept:
@@ -137,7 +139,8 @@ def simulated_peak_bytes(
 ) -> int:
     """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
     block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
-    blocks, other, _ = _simulate(plan, keep_graph, block_size, *_byte_tables(plan, geometry, act_bytes_per_token))
+    blocks, other, _ = _simulate(plan, keep_graph, block_size, *_byte_tables(plan, geometry, act_bytes_per_token),
+                                 grad_slots=geometry.grad_slots_per_token)
     return int((blocks * geometry.block_bytes(block_size) + other).max(initial=0))
 
 
@@ -171,7 +174,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     def timelines(decisions) -> List[np.ndarray]:
         out = []
         for plan, (graph_bytes, read_bytes) in zip(plans, tables):
-            blocks, other, _ = _simulate(plan, decisions, block_size, graph_bytes, read_bytes)
+            blocks, other, _ = _simulate(plan, decisions, block_size, graph_bytes, read_bytes,
+                                         geometry.grad_slots_per_token)
             out.append(blocks * block_bytes + other)
         return out
 
@@ -195,7 +199,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
         )
     memories = []
     for plan, (graph_bytes, read_bytes) in zip(plans, tables):
-        blocks, other, last_read = _simulate(plan, keep, block_size, graph_bytes, read_bytes)
+        blocks, other, last_read = _simulate(plan, keep, block_size, graph_bytes, read_bytes,
+                                             geometry.grad_slots_per_token)
         held_r = blocks * block_bytes + other
         recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
         memories.append(MemoryPlan(

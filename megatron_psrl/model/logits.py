@@ -84,3 +84,49 @@ def vocab_parallel_logprobs(
             weighted = reduce_from_tensor_model_parallel_region(weighted)
         entropy = log_z - weighted / sum_exp
     return logprobs, entropy
+
+
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+"""fp32 logits of one chunk of claimed rows (``--loss-head-chunk-mb`` 64; the head peaks at about six times it)."""
+
+
+def chunk_rows(local_vocab: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk's fp32 logits ``[rows, local_vocab]`` fit ``chunk_bytes``."""
+    return max(1, int(chunk_bytes) // (4 * max(1, local_vocab)))
+
+
+def chunked_logprobs(output_logits, hidden: Tensor, targets: Tensor, vocab_size: int, with_entropy: bool = False,
+                     rows_per_chunk: Optional[int] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`vocab_parallel_logprobs` of ``output_logits(hidden)``, ``rows_per_chunk`` rows at a
+    time, so the loss head's peak is one chunk's ``[rows, V/tp]`` tensors, not the batch's.
+
+    With gradients, each chunk runs under activation checkpointing: only its hidden rows are
+    kept, and its logits are recomputed in the backward pass (one extra output-layer matmul
+    per chunk; every tensor-parallel rank runs the same chunks, so the all-reduces match).
+    The same rows in the same order give the same numbers as one call: each row's log-prob and
+    entropy depend on that row only.
+
+    Args:
+        output_logits: ``[n, h] -> [n, V/tp]`` (the model's output layer).
+        hidden: ``[n, h]`` final hidden states of the rows.
+        targets: ``[n]`` global token ids.
+        rows_per_chunk: None or ``>= n``: one chunk (no checkpointing).
+    """
+    n = hidden.shape[0]
+
+    def head(h: Tensor, t: Tensor) -> Tuple[Tensor, Tensor]:
+        logp, ent = vocab_parallel_logprobs(output_logits(h), t, vocab_size, with_entropy=with_entropy)
+        return logp, (ent if ent is not None else logp.new_zeros(0))
+
+    if rows_per_chunk is None or rows_per_chunk >= n:
+        logp, ent = head(hidden, targets)
+        return logp, (ent if with_entropy else None)
+    from torch.utils.checkpoint import checkpoint
+
+    grad = torch.is_grad_enabled()
+    parts = []
+    for start in range(0, n, rows_per_chunk):
+        h, t = hidden[start:start + rows_per_chunk], targets[start:start + rows_per_chunk]
+        parts.append(checkpoint(head, h, t, use_reentrant=False) if grad else head(h, t))
+    logp = torch.cat([p[0] for p in parts])
+    return logp, (torch.cat([p[1] for p in parts]) if with_entropy else None)

@@ -94,6 +94,12 @@ class ActorConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Layers of the last pipeline stage (the rest split evenly), to balance the output layer."""
 
+    loss_head_chunk_mb: float = 64.0
+    """The loss head turns claimed rows into fp32 logits, log-probs and entropies in chunks of at
+    most this many MB of logits (forward and backward: each chunk's logits are recomputed in
+    the backward pass), so its peak is bounded by a chunk (about six times this: the logits,
+    their shifted and exp copies and their gradients), not by the batch."""
+
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per virtual pipeline stage (megatron's interleaved schedule): each rank holds
     ``layers / (PP x this)`` chunks, the pipeline bubble shrinks by that factor."""
@@ -151,6 +157,8 @@ class ActorConfig:
                      "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.loss_head_chunk_mb > 0:
+            raise ConfigurationError(f"loss_head_chunk_mb must be > 0, got {self.loss_head_chunk_mb}")
         if self.dtype not in _DTYPES:
             raise ConfigurationError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.prefix_sharing not in SHARING_MODES:
@@ -330,7 +338,8 @@ class PolicyActor:
         if layout.pipeline_parallel_size > 1:
             from megatron_psrl.training.pipeline import PipelineStepRunner as runner_class
         self.runner = runner_class(self.model, self.arch.vocab_size, device, backend, self.kv_cache,
-                                   exchange_group=self.exchange_group)
+                                   exchange_group=self.exchange_group,
+                                   loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20))
 
     def describe_kernels(self) -> str:
         """One line: layer spec, attention kernel, optional GPU packages installed."""
@@ -571,6 +580,7 @@ class PolicyActor:
                 attention_backend=None if self.config.attention_backend == "auto" else self.config.attention_backend,
                 device=self.layout.device, allow_rope_extrapolation=True, placement=self.placement,
                 cost_model=self.cost_model, exchange_group=self.exchange_group, planner_settings=settings,
+                loss_head_chunk_bytes=int(self.config.loss_head_chunk_mb * 2**20),
             )
 
     # ------------------------------------------------------------------ weights

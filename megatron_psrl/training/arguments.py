@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers of the last pipeline stage (the rest split evenly): fewer to balance the output "
                         "layer and the loss")
+    g.add_argument("--loss-head-chunk-mb", type=float, default=64.0,
+                   help="claimed rows become fp32 logits / log-probs / entropies in chunks of at most this many MB "
+                        "of logits, recomputed in backward: the loss head's peak is one chunk, not the batch")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved pipeline: each rank holds layers / (PP x this) model chunks (megatron's "
                         "interleaved 1F1B schedule), a smaller bubble")

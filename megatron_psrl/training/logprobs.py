@@ -20,6 +20,7 @@ from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES
 from megatron_psrl.model.stages import split_of_config
 from megatron_psrl.training.planning import plan_with_memory
 from megatron_psrl.training.step import ComputedLogprobs, StepRunner
@@ -42,6 +43,7 @@ def compute_logprobs(
     placement: str = "auto",
     cost_model: Optional[CostModel] = None,
     exchange_group=None,
+    loss_head_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     planner_settings: Optional[dict] = None,
 ) -> List[np.ndarray]:
     """float32 log-prob arrays, one per sample, aligned with its tokens (index 0 is 0.0).
@@ -89,7 +91,8 @@ def compute_logprobs(
         tree, config, lambda group: [plan_forward_memory(r, plan_geometry, kv_cache_budget) for r in group])
     memory = memories[me]
     cache = BlockKVCache(geometry, kv_cache_budget)
-    runner = runner_class(model, arch.vocab_size, device, attention_backend, cache, exchange_group=exchange_group)
+    runner = runner_class(model, arch.vocab_size, device, attention_backend, cache, exchange_group=exchange_group,
+                          loss_head_chunk_bytes=loss_head_chunk_bytes)
     was_training = model.training
     model.eval()
     try:

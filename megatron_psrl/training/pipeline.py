@@ -67,8 +67,8 @@ class PipelineStepRunner(StepRunner):
     ``v - 1``), and its backward in reverse."""
 
     def __init__(self, model, vocab_size: int, device: torch.device, attention_backend: Optional[str] = None,
-                 kv_cache=None, exchange_group=None):
-        super().__init__(model, vocab_size, device, attention_backend, kv_cache, exchange_group)
+                 kv_cache=None, exchange_group=None, **kwargs):
+        super().__init__(model, vocab_size, device, attention_backend, kv_cache, exchange_group, **kwargs)
         install_cpu_pipeline_shims(device)
         self.chunks = model_chunks(model)
         for chunk in self.chunks:

@@ -28,7 +28,7 @@ from megatron_psrl.distributed.kv_exchange import exchange_kv, return_replica_gr
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.gpt import model_chunks
-from megatron_psrl.model.logits import vocab_parallel_logprobs
+from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_logprobs
 from megatron_psrl.training.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
 from megatron_psrl.tree.packing import PackedMicroBatch
 from megatron_psrl.tree.planner import RankPlan, StepPlan
@@ -174,8 +174,11 @@ class StepRunner:
         attention_backend: Optional[str] = None,
         kv_cache: Optional[BlockKVCache] = None,
         exchange_group=None,
+        loss_head_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ):
         self.model = model
+        self.loss_head_chunk_bytes = loss_head_chunk_bytes
+        """fp32 logits of one chunk of claimed rows (the loss head's peak)."""
         self.head = model_chunks(model)[-1]
         """The chunk with the output layer (the model itself without virtual pipeline stages)."""
         self.vocab_size = vocab_size
@@ -235,9 +238,10 @@ class StepRunner:
         sel_rows = torch.from_numpy(pack.logit_rows[rows]).to(self.device)
         targets = pack.logit_targets[rows]
         target_ids = torch.from_numpy(plan.tree.tokens[targets].astype(np.int64)).to(self.device)
-        logits = self.head.output_logits(hidden.index_select(0, sel_rows))  # [n, V/tp]
         want_entropy = loss_cfg is not None and loss_cfg.needs_entropy
-        logp, ent = vocab_parallel_logprobs(logits, target_ids, self.vocab_size, with_entropy=want_entropy)
+        # [n, V/tp] logits only a chunk of rows at a time (forward and backward)
+        logp, ent = chunked_logprobs(self.head.output_logits, hidden.index_select(0, sel_rows), target_ids,
+                                     self.vocab_size, with_entropy=want_entropy, rows_per_chunk=self._head_rows())
         if record is not None:  # the log-probs this call computed, returned to the caller
             record.add(targets, logp)
         if loss_cfg is None:
@@ -245,6 +249,13 @@ class StepRunner:
         claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
         loss, metrics = loss_cfg(logp, ent, claims)
         return loss, metrics, logp
+
+    def _head_rows(self) -> int:
+        """Claimed rows per loss-head chunk, from this rank's vocabulary slice."""
+        head = self.head
+        weight = (head.shared_embedding_or_output_weight() if head.share_embeddings_and_output_weights
+                  else head.output_layer.weight)
+        return chunk_rows(weight.shape[0], self.loss_head_chunk_bytes)
 
     # ------------------------------------------------------------------ stage hooks
     # One pipeline stage runs the whole model here; PipelineStepRunner overrides these three.
@@ -288,7 +299,7 @@ class StepRunner:
         send_ids = [s for owner in range(g) for s in ex.grad_send.get(owner, [])]
         shape = (0, geometry.num_layers, 2, geometry.num_groups, geometry.head_dim)
         send = torch.cat([stacked(s) for s in send_ids]) if send_ids else \
-            torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
+            torch.zeros(shape, dtype=torch.float32, device=geometry.device)  # dK/dV travel in fp32
         length = lambda s: rank_plan.sources[s].length  # noqa: E731
         send_counts = [sum(length(s) for s in ex.grad_send.get(r, [])) for r in range(g)]
         recv_counts = [sum(length(s) for s in ex.grad_recv.get(r, [])) for r in range(g)]
@@ -384,8 +395,8 @@ class StepRunner:
                     cache.metrics.tokens_recomputed += pack.num_tokens
                 kv_grads = []
                 for s, layer, k_rows, v_rows in captured:
-                    gk, gv = cache.read_grad(s, layer)
-                    kv_grads += [(layer, k_rows, gk), (layer, v_rows, gv)]
+                    gk, gv = cache.read_grad(s, layer)  # fp32 sums over every reader; rounded once here
+                    kv_grads += [(layer, k_rows, gk.to(k_rows.dtype)), (layer, v_rows, gv.to(v_rows.dtype))]
                 self._stage_backward(i, loss * loss_scale if loss is not None else None, kv_grads)
                 for s in mb.produces:
                     cache.free(s, ("gk", "gv", "k", "v"))

@@ -310,6 +310,7 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        loss_head_chunk_mb=args.loss_head_chunk_mb,
         context_parallel_size=args.context_parallel_size, device=args.device, dtype=dtype,
         transformer_impl=args.transformer_impl, attention_backend=args.attention_backend,
         micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,

@@ -18,6 +18,7 @@ from megatron_psrl.tree.planner import _token_cost
 class _Geometry:  # what the memory plan reads of a KVGeometry
     bytes_per_token = 64
     num_layers = 2
+    grad_slots_per_token = 1
 
     def block_bytes(self, block_size):
         return block_size * self.bytes_per_token

@@ -91,8 +91,10 @@ def test_compute_logprobs_equals_the_cli(hf_dir, records, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- training
-def test_one_sgd_step_equals_per_sample_reference(hf_dir, hf_model, records, batch, reference_logprobs):
-    actor = make_actor(hf_dir, lr=1.0)
+# the loss head in one chunk, and one claimed row per chunk (0.001 MB < one row's fp32 logits)
+@pytest.mark.parametrize("chunk_mb", [256.0, 0.001], ids=["one-chunk", "row-chunks"])
+def test_one_sgd_step_equals_per_sample_reference(hf_dir, hf_model, records, batch, reference_logprobs, chunk_mb):
+    actor = make_actor(hf_dir, lr=1.0, loss_head_chunk_mb=chunk_mb)
     before = actor.state_dict_hf()
     metrics = actor.train_step(records)
     after = actor.state_dict_hf()
