@@ -59,17 +59,22 @@ def tensor_parallel_partial_params(model: torch.nn.Module) -> List[torch.nn.Para
     return [p for n, p in model.named_parameters() if p.requires_grad and ("q_layernorm" in n or "k_layernorm" in n)]
 
 
-def allreduce_tensor_parallel_partial_gradients(model: torch.nn.Module) -> None:
-    """Sum the partial gradients of :func:`tensor_parallel_partial_params` over the TP group."""
+def _identity(p):
+    return p
+
+
+def allreduce_tensor_parallel_partial_gradients(model: torch.nn.Module, holder=_identity) -> None:
+    """Sum the partial gradients of :func:`tensor_parallel_partial_params` over the TP group
+    (``holder(p)``: the tensor whose ``.grad`` holds p's gradient, e.g. its fp32 main copy)."""
     if not parallel_state.model_parallel_is_initialized():
         return
     group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(group) == 1:
         return
-    allreduce_gradients(tensor_parallel_partial_params(model), group=group)
+    allreduce_gradients([holder(p) for p in tensor_parallel_partial_params(model)], group=group)
 
 
-def allreduce_embedding_gradients(model: torch.nn.Module) -> None:
+def allreduce_embedding_gradients(model: torch.nn.Module, holder=_identity) -> None:
     """With PP > 1 and tied embeddings, the first stage's word embeddings and the last stage's
     copy of them (the output layer) are one parameter: sum their gradients over megatron's
     embedding group so both copies take the same step (megatron's
@@ -86,19 +91,21 @@ def allreduce_embedding_gradients(model: torch.nn.Module) -> None:
 
     for chunk in model_chunks(model):  # the chunk of the first / last virtual stage
         if chunk.pre_process or chunk.post_process:
-            weight = chunk.shared_embedding_or_output_weight()
+            weight = holder(chunk.shared_embedding_or_output_weight())
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
 
-def gradient_norm(params: Iterable[torch.nn.Parameter]) -> float:
+def gradient_norm(params: Iterable[torch.nn.Parameter], holder=_identity) -> float:
     """L2 norm of all gradients of the model, counting tensor-parallel duplicates and the last
-    pipeline stage's copy of tied embeddings once, summed over the model-parallel (TP x PP) group."""
+    pipeline stage's copy of tied embeddings once, summed over the model-parallel (TP x PP) group
+    (``holder(p).grad`` is p's gradient)."""
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
-        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-            total += p.grad.detach().double().pow(2).sum().cpu()
+        grad = holder(p).grad
+        if grad is not None and param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
+            total += grad.detach().double().pow(2).sum().cpu()
     if parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_model_parallel_group()
         if dist.get_world_size(group) > 1:

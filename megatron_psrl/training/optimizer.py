@@ -140,12 +140,25 @@ class _TrainingOptimizer:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def _into_main_grad(master: torch.nn.Parameter):
+    """A post-accumulate-grad hook: add a bf16 parameter's fresh gradient to its fp32 master's
+    ``.grad`` and free it (megatron's ``main_grad`` accumulation, on CPU)."""
+    def hook(param: torch.nn.Parameter) -> None:
+        grad = param.grad.float()
+        master.grad = grad if master.grad is None else master.grad.add_(grad)
+        param.grad = None
+
+    return hook
+
+
 class CPUTrainingOptimizer(_TrainingOptimizer):
     """torch.optim + gloo all-reduce + TP-aware clipping (megatron's behaviour on CPU).
 
     Like megatron's Float16OptimizerWithFloat16Params, a model in bf16 is stepped through fp32
     master copies of its parameters (small updates would round away in bf16), copied back
-    after every step.
+    after every step. And like megatron's ``main_grad``, its gradients accumulate in fp32: a
+    hook moves every backward's bf16 gradient into the master copy's fp32 ``.grad`` (summed
+    over micro-batches and calls), where they are reduced over ranks, clipped and applied.
     """
 
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings):
@@ -159,6 +172,10 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
             p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
         ]
         master_of = dict(zip(map(id, self.params), self.masters))
+        self._master_of = master_of
+        for p, master in zip(self.params, self.masters):
+            if master is not p:
+                p.register_post_accumulate_grad_hook(_into_main_grad(master))
         groups = [
             {"params": [master_of[id(p)] for n, p in named if not _no_decay(n, p)], "wd_mult": 1.0,
              "weight_decay": settings.weight_decay},
@@ -177,26 +194,30 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
+        for master in self.masters:
+            master.grad = None
+
+    def main_grad(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The tensor whose ``.grad`` holds ``p``'s accumulated gradient: ``p`` itself in fp32,
+        its fp32 master copy for a bf16 parameter."""
+        return self._master_of[id(p)]
 
     def reduce_gradients(self) -> None:
         """What megatron's finalize_model_grads does: TP-partial sums, the DP sum, then the
-        tied word embeddings' sum over the first and last pipeline stages."""
-        allreduce_tensor_parallel_partial_gradients(self.model)
-        allreduce_gradients(self.params)
-        allreduce_embedding_gradients(self.model)
+        tied word embeddings' sum over the first and last pipeline stages (all in fp32)."""
+        allreduce_tensor_parallel_partial_gradients(self.model, self.main_grad)
+        allreduce_gradients(self.masters)
+        allreduce_embedding_gradients(self.model, self.main_grad)
 
     def step(self, skip: bool = False) -> StepOutcome:
         """Reduce, clip and apply the gradients (unless skipped, see the class docstring)."""
         self.reduce_gradients()
-        norm = gradient_norm(self.params)
+        norm = gradient_norm(self.params, self.main_grad)
         if skip or not math.isfinite(norm):
             self.zero_grad()
             return StepOutcome(norm, skipped=True)
         if self.settings.clip_grad > 0:
-            clip_gradients_(self.params, self.settings.clip_grad, norm)
-        for p, master in zip(self.params, self.masters):
-            if master is not p:
-                master.grad = None if p.grad is None else p.grad.float()
+            clip_gradients_(self.masters, self.settings.clip_grad, norm)
         self.optimizer.step()
         with torch.no_grad():
             for p, master in zip(self.params, self.masters):

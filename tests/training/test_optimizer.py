@@ -15,8 +15,9 @@ def _model(dtype):
 
 
 def _fill_grads(model, value):
-    for p in model.parameters():
-        p.grad = torch.full_like(p, value)
+    """Every parameter's gradient ``value``, through a backward pass (as training produces it:
+    a bf16 model's gradients then land in its fp32 main copies)."""
+    sum(p.sum() * value for p in model.parameters()).backward()
 
 
 def test_bf16_model_steps_through_fp32_masters():
@@ -24,6 +25,7 @@ def test_bf16_model_steps_through_fp32_masters():
     opt = CPUTrainingOptimizer(model, OptimizerSettings(optimizer="sgd", lr=1e-4, clip_grad=0.0))
     before = [p.detach().float().clone() for p in model.parameters()]
     for _ in range(3):
+        opt.zero_grad()
         _fill_grads(model, 1.0)
         opt.step()
     assert any(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -33,6 +35,23 @@ def test_bf16_model_steps_through_fp32_masters():
         assert torch.equal(p.detach(), master.detach().to(p.dtype))  # the model holds them (rounded)
     state = opt.state_dict()
     assert "fp32_params" in state
+
+
+def test_bf16_gradients_accumulate_in_fp32_main_copies():
+    """Micro-batches' bf16 gradients add up in fp32: 1000 additions of 1e-3 onto 1.0 stay exact
+    to fp32 rounding (in bf16 each addition would round away)."""
+    model = _model(torch.bfloat16)
+    opt = CPUTrainingOptimizer(model, OptimizerSettings(optimizer="sgd", lr=0.0, clip_grad=0.0))
+    _fill_grads(model, 1.0)
+    for _ in range(1000):
+        _fill_grads(model, 1e-3)
+    for p in model.parameters():
+        main = opt.main_grad(p)
+        assert p.grad is None and main.grad.dtype == torch.float32
+        expected = 1.0 + 1000 * float(torch.tensor(1e-3, dtype=torch.bfloat16))  # each addend is bf16-rounded
+        torch.testing.assert_close(main.grad, torch.full_like(main.grad, expected), rtol=1e-5, atol=0)
+    opt.zero_grad()
+    assert all(opt.main_grad(p).grad is None for p in model.parameters())
 
 
 def test_clipping_and_weight_decay_rules():

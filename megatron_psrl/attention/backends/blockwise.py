@@ -22,11 +22,12 @@ Tensor = torch.Tensor
 
 
 def _merge_(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor) -> None:
-    """In place: merge a block's (o_b, lse_b) into the running (out, lse) of its queries."""
+    """In place: merge a block's (o_b, lse_b) into the running (out, lse) of its queries
+    (``out`` is the fp32 accumulator)."""
     new_lse = torch.logaddexp(lse, lse_b)
     w_old = torch.exp(lse - new_lse).unsqueeze(-1)
     w_new = torch.exp(lse_b - new_lse).unsqueeze(-1)
-    out.mul_(w_old.to(out.dtype)).add_(o_b * w_new.to(out.dtype))
+    out.mul_(w_old.to(out.dtype)).add_(o_b.to(out.dtype) * w_new.to(out.dtype))
     lse.copy_(new_lse)
 
 
@@ -37,8 +38,11 @@ class BlockwiseTreeAttention(torch.autograd.Function):
     def forward(ctx, plan: AttentionPlan, scale: float, impl: str, q: Tensor, k: Tensor, v: Tensor, *external: Tensor):
         ext_k, ext_v = list(external[0::2]), list(external[1::2])
         t, np_, hn = q.shape
-        out = q.new_empty(t, np_, hn)
-        lse = torch.empty(t, np_, dtype=lse_dtype(q), device=q.device)
+        # Merged in fp32 (fp64 for fp64 inputs) and rounded once at the end: a bf16 running
+        # output would round at every merge, an error growing with the number of ancestors.
+        acc = lse_dtype(q)
+        out = torch.empty(t, np_, hn, dtype=acc, device=q.device)
+        lse = torch.empty(t, np_, dtype=acc, device=q.device)
         for a, b in zip(plan.seg_start.tolist(), plan.seg_end.tolist()):
             o_s, lse_s = partial_attention_forward(q[a:b], k[a:b], v[a:b], True, scale, impl)
             out[a:b] = o_s
@@ -47,6 +51,7 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
             o_b, lse_b = partial_attention_forward(q[qa:qb], kk[ka:kb], vv[ka:kb], False, scale, impl)
             _merge_(out[qa:qb], lse[qa:qb], o_b, lse_b)
+        out = out.to(q.dtype)
         ctx.plan, ctx.scale, ctx.impl = plan, scale, impl
         ctx.num_external = len(ext_k)
         ctx.save_for_backward(q, k, v, out, lse, *external)
@@ -58,11 +63,13 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         ext_k, ext_v = external[0::2], external[1::2]
         plan, scale, impl = ctx.plan, ctx.scale, ctx.impl
         dout = dout.contiguous()
-        dq = torch.zeros_like(q)
-        dk = torch.zeros_like(k)
-        dv = torch.zeros_like(v)
-        d_ext_k = [torch.zeros_like(x) for x in ext_k]
-        d_ext_v = [torch.zeros_like(x) for x in ext_v]
+        # Every block adds into dQ (and into the keys' dK/dV): accumulate in fp32, round once.
+        acc = lse_dtype(q)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        d_ext_k = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_k]
+        d_ext_v = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_v]
         for a, b in zip(plan.seg_start.tolist(), plan.seg_end.tolist()):
             g = partial_attention_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[a:b], True, scale, impl)
             dq[a:b] += g[0]
@@ -77,8 +84,8 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             gk, gv = (dk, dv) if src < 0 else (d_ext_k[src], d_ext_v[src])
             gk[ka:kb] += g[1]
             gv[ka:kb] += g[2]
-        d_ext = [x for pair in zip(d_ext_k, d_ext_v) for x in pair]
-        return (None, None, None, dq, dk, dv, *d_ext)
+        d_ext = [g.to(x.dtype) for g, x in zip((x for pair in zip(d_ext_k, d_ext_v) for x in pair), external)]
+        return (None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_ext)
 
 
 def _blocks(plan: AttentionPlan) -> List[Tuple[int, int, int, int, int]]:
