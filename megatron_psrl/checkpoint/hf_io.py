@@ -59,6 +59,31 @@ class HFCheckpointReader:
             reason = " ".join(str(exc).split())[:200]
             raise CheckpointError(path, f"not a readable safetensors file: truncated or corrupt ({reason})") from None
 
+    def get_slice(self, name: str, dim: int, start: int, stop: int,
+                  expected_shape: Optional[Tuple[int, ...]] = None) -> Tensor:
+        """Rows (``dim`` 0) or columns (``dim`` 1) ``start:stop`` of a tensor, reading only
+        those bytes (safetensors ``get_slice``); the full tensor's shape is checked first."""
+        handle, path = self._handle(name)
+        try:
+            lazy = handle.get_slice(name)
+            shape = tuple(lazy.get_shape())
+            if expected_shape is not None and shape != tuple(expected_shape):
+                raise CheckpointError(path, f"shape {shape} does not match {tuple(expected_shape)} implied by "
+                                            "config.json", tensor=name)
+            return lazy[start:stop] if dim == 0 else lazy[:, start:stop]
+        except (SafetensorError, RuntimeError, ValueError) as exc:
+            reason = " ".join(str(exc).split())[:200]
+            raise CheckpointError(path, f"cannot be read: truncated or corrupt ({reason})", tensor=name) from None
+
+    def _handle(self, name: str):
+        try:
+            filename = self.weight_map[name]
+        except KeyError:
+            raise CheckpointError(self.hf_dir, "missing from the checkpoint", tensor=name) from None
+        if filename not in self._handles:
+            self._handles[filename] = self._open(filename)
+        return self._handles[filename], os.path.join(self.hf_dir, filename)
+
     def get(self, name: str, expected_shape: Optional[Tuple[int, ...]] = None) -> Tensor:
         try:
             filename = self.weight_map[name]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -15,6 +17,7 @@ from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.builder import build_model, parallel_layout
 from megatron_psrl.model.gpt import PsrlGPTModel, model_chunks
+from megatron_psrl.model.stages import PipelineSplit, stage_counts
 from megatron_psrl.model.tiny import tiny_config
 
 Tensor = torch.Tensor
@@ -115,6 +118,77 @@ def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, pr
     return dict(adapter.hf_to_mcore(get))
 
 
+def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: int, stage: int,
+                       split: PipelineSplit) -> Dict[str, Tensor]:
+    """One rank's shard of a HF folder (tensor-parallel rank ``tp_rank``, (virtual) pipeline
+    stage ``stage`` of ``split``), reading only that rank's slices of the files: its layers,
+    and of each tensor the rows or columns it holds (safetensors ``get_slice``). Host memory
+    while loading is about the shard, not the model; the result equals
+    ``shard_state_dict(hf_full_state_dict(...))[(tp_rank, stage)]`` bit for bit.
+
+    How: the family's adapter runs on a *local* architecture (this rank's heads, key/value
+    groups, FFN width and layers) with a reader that returns the matching slices; megatron's
+    layouts (grouped QKV, [gate; up]) are per group / per row block, so the local result is
+    exactly the TP shard. Tensors this stage does not hold come back as meta tensors (no
+    memory) and are dropped."""
+    reader = HFCheckpointReader(hf_dir)
+    shapes = get_adapter(arch).hf_shapes()
+    missing = [k for k in shapes if k not in reader.weight_map]
+    if missing:
+        raise CheckpointError(hf_dir, f"missing tensors for a {arch.model_type} model: {missing[:5]}")
+    if arch.num_kv_heads % tp:
+        raise ConfigurationError(f"tensor parallel size {tp} must divide the {arch.num_kv_heads} key/value heads")
+    counts = stage_counts(arch, split)
+    first, last, offset = stage == 0, stage == len(counts) - 1, sum(counts[:stage])
+    ng, hd, rep = arch.num_kv_heads // tp, arch.head_dim, arch.num_attention_heads // arch.num_kv_heads
+    ffn = arch.ffn_hidden_size // tp
+    vocab_rows = arch.padded_vocab_size(tp) // tp
+    local = dataclasses.replace(arch, num_attention_heads=ng * rep, num_kv_heads=ng, ffn_hidden_size=ffn,
+                                num_layers=counts[stage])
+    heads = (tp_rank * ng * rep * hd, (tp_rank + 1) * ng * rep * hd)  # this rank's query rows
+    groups = (tp_rank * ng * hd, (tp_rank + 1) * ng * hd)  # its key / value rows
+    block = (tp_rank * ffn, (tp_rank + 1) * ffn)  # its FFN rows (gate, up) / columns (down)
+    embedding_here = first or (last and arch.tie_word_embeddings and len(counts) > 1)
+
+    def vocab(name: str, needed: bool) -> Tensor:
+        if not needed:
+            return torch.empty(vocab_rows, arch.hidden_size, device="meta")
+        start = tp_rank * vocab_rows
+        t = reader.get_slice(name, 0, min(start, arch.vocab_size), min(start + vocab_rows, arch.vocab_size),
+                             shapes[name])
+        if t.shape[0] < vocab_rows:  # the padded rows of the last rank
+            t = torch.cat([t, t.new_zeros(vocab_rows - t.shape[0], *t.shape[1:])], 0)
+        return t
+
+    def get(name: str) -> Tensor:
+        m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
+        if m is None:
+            if name == "model.embed_tokens.weight":
+                return vocab(name, embedding_here)
+            if name == "lm_head.weight":
+                return vocab(name, last)
+            return reader.get(name, shapes[name]) if last else torch.empty(shapes[name], device="meta")
+        full_name = f"model.layers.{int(m.group(1)) + offset}.{m.group(2)}"
+        suffix, shape = m.group(2), shapes[full_name]
+        if suffix.startswith("self_attn.q_proj."):
+            return reader.get_slice(full_name, 0, *heads, shape)
+        if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+            return reader.get_slice(full_name, 0, *groups, shape)
+        if suffix == "self_attn.o_proj.weight":
+            return reader.get_slice(full_name, 1, *heads, shape)
+        if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            return reader.get_slice(full_name, 0, *block, shape)
+        if suffix == "mlp.down_proj.weight":
+            return reader.get_slice(full_name, 1, *block, shape)
+        return reader.get(full_name, shape)  # norms (replicated)
+
+    shard = {name: t for name, t in get_adapter(local).hf_to_mcore(get) if not t.is_meta}
+    if last and arch.tie_word_embeddings and len(counts) > 1:  # megatron's copy of the tied embeddings
+        shard["output_layer.weight"] = shard["embedding.word_embeddings.weight"] if first else \
+            shard.pop("embedding.word_embeddings.weight")
+    return shard
+
+
 def hf_memory_state_dict(state_dict: Dict[str, Tensor], arch: ModelArchitecture,
                          strict: bool = False) -> Dict[str, Tensor]:
     """Full megatron state dict of Hugging Face-named tensors held in memory (shapes checked;
@@ -169,14 +243,12 @@ def load_model(
     if source.tiny:
         arch = ModelArchitecture.from_hf_config(tiny_config(source.tiny))
         return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp), None
-    if source.hf_dir or source.hf_config is not None:
-        if source.hf_dir:
-            arch = ModelArchitecture.from_hf_dir(source.hf_dir)
-            full = hf_full_state_dict(source.hf_dir, arch)
-        else:
-            arch = ModelArchitecture.from_hf_config(source.hf_config)
-            full = hf_memory_state_dict(source.hf_state_dict, arch)
-        sharded = shard_state_dict(full, arch, tp, split)
+    if source.hf_dir:  # only this rank's slices are read
+        arch = ModelArchitecture.from_hf_dir(source.hf_dir)
+        shards = [hf_rank_state_dict(source.hf_dir, arch, tp_rank, tp, s, split) for s in stages]
+    elif source.hf_config is not None:
+        arch = ModelArchitecture.from_hf_config(source.hf_config)
+        sharded = shard_state_dict(hf_memory_state_dict(source.hf_state_dict, arch), arch, tp, split)
         shards = [sharded[(tp_rank, s)] for s in stages]
     else:
         shards = []
