@@ -29,6 +29,12 @@ are, why, and what dropping each one would take:
    to CUDA (``weight.data.cuda()``) before all-reducing it with the first stage's. On CPU
    the model skips that step and ``sync_tied_output_copy`` does the same all-reduce on the
    CPU tensor. Dropping it needs a device-agnostic copy upstream.
+6. ``install_cpu_recompute_shims``: megatron's activation checkpointing
+   (``tensor_parallel.checkpoint``) saves and restores the CUDA RNG state around the
+   recomputation (``_get_cuda_rng_state`` / ``_set_cuda_rng_state``). On CPU those two read
+   and restore nothing (dropout is refused, so no recomputed op draws random numbers); the CPU
+   generator and the tracker are still saved and restored by megatron. Dropping it needs a
+   device-agnostic RNG fork upstream.
 
 Design choices that are *not* workarounds (they hold on GPU too): RoPE frequencies come from
 explicit per-token position ids (megatron's RotaryEmbedding knows only 0..S-1) and the core
@@ -155,3 +161,17 @@ def sync_tied_output_copy(model) -> None:
         return  # (a middle virtual-stage chunk holds neither copy)
     with torch.no_grad():
         dist.all_reduce(model.shared_embedding_or_output_weight().data, group=parallel_state.get_embedding_group())
+
+
+# ---------------------------------------------------------------------- 6: activation recompute
+def install_cpu_recompute_shims(device: torch.device) -> None:
+    """Let megatron's activation checkpointing run on CPU (item 6); nothing on CUDA. Idempotent."""
+    if on_cuda(device):
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if getattr(mrandom, "_psrl_cpu_shim", False):
+        return
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.zeros(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._psrl_cpu_shim = True

@@ -230,11 +230,13 @@ def load_model(
     transformer_impl: str = "local",
     pipeline_layers: Optional[Sequence[int]] = None,
     virtual_pipeline_size: int = 1,
+    config_overrides: Optional[Dict[str, object]] = None,
 ) -> Tuple[ModelArchitecture, torch.nn.Module, Optional[dict]]:
     """This rank's model from ``source``; returns (architecture, model, saved optimizer state).
     ``pipeline_layers``: each pipeline stage's layer count (default: an even split);
     ``virtual_pipeline_size`` V > 1: the rank's V chunks (virtual stages ``v * PP + pp_rank``
-    of an even split into PP x V)."""
+    of an even split into PP x V); ``config_overrides``: TransformerConfig fields (activation
+    recomputation)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
     vpp = virtual_pipeline_size
     split = tuple(pipeline_layers) if pipeline_layers else pp * vpp
@@ -242,7 +244,7 @@ def load_model(
     optimizer_state = None
     if source.tiny:
         arch = ModelArchitecture.from_hf_config(tiny_config(source.tiny))
-        return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp), None
+        return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides), None
     if source.hf_dir:  # only this rank's slices are read
         arch = ModelArchitecture.from_hf_dir(source.hf_dir)
         shards = [hf_rank_state_dict(source.hf_dir, arch, tp_rank, tp, s, split) for s in stages]
@@ -257,7 +259,7 @@ def load_model(
             shards.append(shard)
             optimizer_state = optimizer_state if optimizer_state is not None else state
         arch = info.architecture
-    model = build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp)
+    model = build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides)
     for chunk, shard in zip(model_chunks(model), shards):
         load_state_into(chunk, shard)
     return arch, model, optimizer_state

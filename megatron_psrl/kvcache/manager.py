@@ -281,14 +281,16 @@ class BlockKVCache:
         view.index_copy_(0, self._slots[(source_id, "k")], key.detach().to(view.dtype))
         view.index_copy_(0, self._slots[(source_id, "v")], value.detach().to(view.dtype))
 
-    def read(self, source_id: int, layer: int) -> Tuple[Tensor, Tensor]:
-        """Gather a source's K/V of one layer through its block tables: ``[n, ng, hn]`` copies."""
+    def read(self, source_id: int, layer: int, count: bool = True) -> Tuple[Tensor, Tensor]:
+        """Gather a source's K/V of one layer through its block tables: ``[n, ng, hn]`` copies
+        (``count``: in the hit metrics; a recomputation's second read is not)."""
         view = self._layer_view(layer)
         k = view.index_select(0, self._slots[(source_id, "k")])
         v = view.index_select(0, self._slots[(source_id, "v")])
-        self.metrics.reads += 1
-        if layer == self.geometry.layer_offset:
-            self.metrics.tokens_read += k.shape[0]
+        if count:
+            self.metrics.reads += 1
+            if layer == self.geometry.layer_offset:
+                self.metrics.tokens_read += k.shape[0]
         return k, v
 
     def _grad_view(self, layer: int) -> Tensor:

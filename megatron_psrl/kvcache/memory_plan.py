@@ -77,7 +77,7 @@ def _blocks(length: int, block_size: int) -> int:
 
 
 def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_bytes: Dict[int, int],
-              read_bytes: Dict[int, int], grad_slots: int = 1):
+              read_bytes: Dict[int, int], grad_slots: int = 1, rereads: bool = False):
     """Per schedule step: (blocks held, other bytes held); and every source's last K/V read.
 
     Other bytes: retained producer graphs (their activations plus the K/V copies gathered from
@@ -86,7 +86,9 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
     steps = plan.schedule
     last_read: Dict[int, int] = {}
     for t, (op, i) in enumerate(steps):
-        if op in ("forward", "forward_backward") or (op == "backward" and not keep.get(i, True)):
+        # A backward re-reads its cached prefixes when it recomputes the forward: a dropped
+        # graph always, any graph with activation recomputation (``rereads``).
+        if op in ("forward", "forward_backward") or (op == "backward" and (rereads or not keep.get(i, True))):
             for s in plan.micro_batches[i].reads:
                 last_read[s] = t
     blocks_held, other_held = [], []
@@ -144,13 +146,14 @@ def simulated_peak_bytes(
     return int((blocks * geometry.block_bytes(block_size) + other).max(initial=0))
 
 
-def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int) -> MemoryPlan:
+def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int,
+                rereads: bool = False) -> MemoryPlan:
     """Decide block size, pool size and keep/recompute for every producer of ``plan``."""
-    return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token)[0]
+    return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token, rereads)[0]
 
 
 def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes: int,
-                      act_bytes_per_token: int) -> List[MemoryPlan]:
+                      act_bytes_per_token: int, rereads: bool = False) -> List[MemoryPlan]:
     """:func:`plan_memory` for ranks that run one schedule in lockstep (a cross-rank group;
     or a single rank): a producer step keeps or drops its graph on all of them alike, because
     a recomputation re-runs the step's exchange, in which every rank takes part.
@@ -160,7 +163,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     alive at that step on that rank (fewest tokens on ties), then simulates again: one
     simulation per dropped graph. Dropping is not always a saving: a reader that recomputes
     reads its cached prefixes again later, which keeps their K/V blocks alive longer; the
-    simulation accounts for that.
+    simulation accounts for that. ``rereads``: with activation recomputation every backward
+    reads its cached prefixes again (their K/V stay until then).
     """
     schedule = plans[0].schedule
     block_size = choose_block_size([s.length for p in plans for s in p.sources.values()])
@@ -175,7 +179,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
         out = []
         for plan, (graph_bytes, read_bytes) in zip(plans, tables):
             blocks, other, _ = _simulate(plan, decisions, block_size, graph_bytes, read_bytes,
-                                         geometry.grad_slots_per_token)
+                                         geometry.grad_slots_per_token, rereads)
             out.append(blocks * block_bytes + other)
         return out
 
@@ -200,7 +204,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     memories = []
     for plan, (graph_bytes, read_bytes) in zip(plans, tables):
         blocks, other, last_read = _simulate(plan, keep, block_size, graph_bytes, read_bytes,
-                                             geometry.grad_slots_per_token)
+                                             geometry.grad_slots_per_token, rereads)
         held_r = blocks * block_bytes + other
         recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
         memories.append(MemoryPlan(

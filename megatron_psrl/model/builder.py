@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from megatron.core import parallel_state
@@ -39,6 +39,7 @@ def build_model(
     transformer_impl: str = "local",
     pipeline_layers: Optional[Sequence[int]] = None,
     virtual_pipeline_size: int = 1,
+    config_overrides: Optional[Dict[str, object]] = None,
 ) -> Union[PsrlGPTModel, PsrlModelChunks]:
     """A randomly initialised model for this rank (parallel_state must be initialised);
     ``pipeline_layers``: each stage's layer count (default: an even split);
@@ -46,7 +47,7 @@ def build_model(
     (:class:`PsrlModelChunks`)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
     config = build_transformer_config(arch, tp, pp, params_dtype=dtype, device=device, pipeline_layers=pipeline_layers,
-                                      virtual_pipeline_size=virtual_pipeline_size)
+                                      virtual_pipeline_size=virtual_pipeline_size, **(config_overrides or {}))
     chunks = []
     for v in range(virtual_pipeline_size):
         chunk = PsrlGPTModel(

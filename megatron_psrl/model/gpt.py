@@ -13,6 +13,7 @@ parallel layers) with three differences, all needed by tree packing:
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -95,7 +96,11 @@ def build_transformer_config(
     )
     kwargs.update(transformer_config_overrides(device))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    with warnings.catch_warnings():
+        # selective recompute of core attention: megatron warns that TE's fused attention would
+        # not need it; ours is not TE's, and the choice is the user's
+        warnings.filterwarnings("ignore", message="If you are using transformer_engine as the transformer")
+        return TransformerConfig(**kwargs)
 
 
 def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local") -> ModuleSpec:

@@ -46,6 +46,7 @@ from megatron_psrl.checkpoint.loading import (
 )
 from megatron_psrl.checkpoint.mcore_format import has_checkpoint, read_checkpoint_info
 from megatron_psrl.checkpoint.sharding import merge_state_dicts, shard_state_dict
+from megatron_psrl.compat import install_cpu_recompute_shims
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
@@ -99,6 +100,18 @@ class ActorConfig:
     most this many MB of logits (forward and backward: each chunk's logits are recomputed in
     the backward pass), so its peak is bounded by a chunk (about six times this: the logits,
     their shifted and exp copies and their gradients), not by the batch."""
+
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation as in Megatron-LM: ``full`` (whole layers, see
+    ``recompute_method``) or ``selective`` (core attention); None keeps every activation.
+    Exact with both mechanisms: cached-prefix gradients are then injected inside the graph."""
+
+    recompute_method: Optional[str] = None
+    """With ``full``: ``uniform`` (every ``recompute_num_layers`` layers form one recomputed
+    unit) or ``block`` (the first ``recompute_num_layers`` layers of each stage recompute)."""
+
+    recompute_num_layers: Optional[int] = None
+    """With ``full``: see ``recompute_method``."""
 
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per virtual pipeline stage (megatron's interleaved schedule): each rank holds
@@ -157,6 +170,15 @@ class ActorConfig:
                      "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigurationError(f"recompute_granularity must be full or selective, got {self.recompute_granularity!r}")
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ConfigurationError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
+        if self.recompute_granularity == "full" and (self.recompute_method is None or not self.recompute_num_layers):
+            raise ConfigurationError("recompute_granularity full needs recompute_method (uniform or block) and "
+                                     "recompute_num_layers >= 1, as in Megatron-LM")
+        if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
+            raise ConfigurationError("recompute_method and recompute_num_layers apply to recompute_granularity full")
         if not self.loss_head_chunk_mb > 0:
             raise ConfigurationError(f"loss_head_chunk_mb must be > 0, got {self.loss_head_chunk_mb}")
         if self.dtype not in _DTYPES:
@@ -290,9 +312,20 @@ class PolicyActor:
                     f"TP={layout.tensor_parallel_size} PP={layout.pipeline_parallel_size}. Pass --no-load-optim to "
                     "resume with a fresh optimizer, or --finetune to start a new run"
                 )
+        self.recompute = config.recompute_granularity is not None
+        """Activation recomputation is on (megatron's; prefix gradients injected in the graph)."""
+        overrides = {}
+        if self.recompute:
+            if layout.context_parallel_size > 1:
+                raise UnsupportedFeatureError("activation recomputation with context parallelism is not supported "
+                                              "yet (a recomputed layer would repeat its prefix K/V exchange)")
+            install_cpu_recompute_shims(device)
+            overrides = dict(recompute_granularity=config.recompute_granularity,
+                             recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers)
         self.arch, self.model, optimizer_state = load_model(
             source, dtype=dtype, device=device, transformer_impl=impl,
-            pipeline_layers=self.pipeline_split if uneven else None, virtual_pipeline_size=self.virtual_pipeline_size)
+            pipeline_layers=self.pipeline_split if uneven else None, virtual_pipeline_size=self.virtual_pipeline_size,
+            config_overrides=overrides)
         self.dtype = dtype
         if device.type == "cpu" and dtype != torch.float32:
             self._log(f"warning: {config.dtype} on CPU is slower than float32 (few CPUs have fast {config.dtype} "
@@ -312,6 +345,12 @@ class PolicyActor:
         self._flops = self.cost_model
         self.measured: Optional[MeasuredCosts] = None
         self.placement = config.placement
+        if config.recompute_granularity is not None and config.placement != "whole-tree":
+            # A recomputed layer would repeat its prefix K/V exchange inside the backward pass.
+            if config.placement == "cross-rank":
+                self._log("note: --placement cross-rank is not available with activation recomputation yet; "
+                          "trees are placed whole on data-parallel ranks")
+            self.placement = "whole-tree"
         if layout.pipeline_parallel_size > 1 and config.placement != "whole-tree":
             # The stages of a pipeline are one placement rank; spreading one tree over several
             # pipelines (K/V exchanged per stage) is not offered yet.
@@ -339,7 +378,8 @@ class PolicyActor:
             from megatron_psrl.training.pipeline import PipelineStepRunner as runner_class
         self.runner = runner_class(self.model, self.arch.vocab_size, device, backend, self.kv_cache,
                                    exchange_group=self.exchange_group,
-                                   loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20))
+                                   loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20),
+                                   inject_kv_grads=self.recompute)
 
     def describe_kernels(self) -> str:
         """One line: layer spec, attention kernel, optional GPU packages installed."""
@@ -397,7 +437,8 @@ class PolicyActor:
         t1 = time.perf_counter()
         plan, memories, mode = plan_with_memory(
             tree, self._planner_config(),
-            lambda ranks: plan_memory_group(ranks, self.plan_geometry, self.config.kv_cache_budget, self.act_bytes))
+            lambda ranks: plan_memory_group(ranks, self.plan_geometry, self.config.kv_cache_budget, self.act_bytes,
+                                            rereads=self.recompute))
         if times is not None:
             times.update(tree=t1 - t0, plan=time.perf_counter() - t1)
         if mode != self.config.prefix_sharing:

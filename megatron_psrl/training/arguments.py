@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers of the last pipeline stage (the rest split evenly): fewer to balance the output "
                         "layer and the loss")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recomputation as in Megatron-LM: full layers or selective (core attention); "
+                        "exact with prefix sharing")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="with full: uniform (every --recompute-num-layers layers one unit) or block (the first "
+                        "--recompute-num-layers layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="with full: see --recompute-method")
     g.add_argument("--loss-head-chunk-mb", type=float, default=64.0,
                    help="claimed rows become fp32 logits / log-probs / entropies in chunks of at most this many MB "
                         "of logits, recomputed in backward: the loss head's peak is one chunk, not the batch")

@@ -36,6 +36,28 @@ from megatron_psrl.tree.planner import RankPlan, StepPlan
 Tensor = torch.Tensor
 
 
+class _InjectCachedGrad(torch.autograd.Function):
+    """Identity on a layer's K (or V) whose backward adds the dK (dV) the KV cache accumulated
+    for the rows of the sources this micro-batch produces.
+
+    Used with activation recomputation: the layer's forward may run twice (megatron's
+    reentrant checkpoint runs it without a graph, then again inside the backward pass), so
+    rows captured in the first pass have no graph to inject into. Placed on K/V in every pass
+    that builds a graph, it injects exactly once, whenever autograd reaches the layer."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cache: BlockKVCache, layer: int, index: int, sources):
+        ctx.cache, ctx.layer, ctx.index, ctx.sources = cache, layer, index, sources
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.clone()
+        for s, rows in ctx.sources:
+            grad.index_add_(0, rows, ctx.cache.read_grad(s, ctx.layer)[ctx.index].to(grad.dtype))
+        return grad, None, None, None, None
+
+
 class _PrefixKV:
     """The attention hook of one micro-batch forward (implements ``PrefixKVHook``).
 
@@ -46,9 +68,15 @@ class _PrefixKV:
     chains are attended to now (after the cached reads, in the plan's order)."""
 
     def __init__(self, cache: BlockKVCache, rank_plan: RankPlan, i: int, pack: PackedMicroBatch,
-                 store: bool, capture: bool, track_grads: bool, group=None, group_size: int = 1):
+                 store: bool, capture: bool, track_grads: bool, group=None, group_size: int = 1,
+                 inject: bool = False):
         mb = rank_plan.micro_batches[i]
         self.cache = cache
+        self.inject = inject
+        """Activation recomputation: inject dK/dV inside the graph (:class:`_InjectCachedGrad`)
+        instead of capturing K/V rows; writes and read metrics happen once per layer."""
+        self._written: set = set()
+        self._counted: set = set()
         self.reads = list(mb.reads)
         self.store = store
         self.capture = capture
@@ -78,11 +106,19 @@ class _PrefixKV:
             self.exchange = (send_rows, ex.send_counts(group_size), ex.recv_counts(group_size), layout, group)
 
     def on_kv(self, layer_number: int, key: Tensor, value: Tensor):
+        first_pass = layer_number not in self._written  # a recomputation calls again: write once
+        self._written.add(layer_number)
         for s, rows in self.rows.items():
-            if self.store and s in self.stored:
+            if self.store and s in self.stored and first_pass:
                 self.cache.write(s, layer_number, key.detach().index_select(0, rows), value.detach().index_select(0, rows))
-            if self.capture:
+            if self.capture and not self.inject:
                 self.captured.append((s, layer_number, key.index_select(0, rows), value.index_select(0, rows)))
+        if self.inject and self.capture and self.rows and torch.is_grad_enabled():
+            sources = list(self.rows.items())
+            key = _InjectCachedGrad.apply(key, self.cache, layer_number, 0, sources)
+            value = _InjectCachedGrad.apply(value, self.cache, layer_number, 1, sources)
+            if self.exchange is None:
+                return key, value
         if self.exchange is None:
             return None
         send_rows, send_counts, recv_counts, layout, group = self.exchange
@@ -107,8 +143,10 @@ class _PrefixKV:
         # graph (captured K/V rows), and a hook -> self -> graph cycle would keep the whole
         # graph alive after its backward (autograd's C++ references are invisible to Python GC).
         cache = self.cache
+        count = layer_number not in self._counted  # a recomputation reads again: count once
+        self._counted.add(layer_number)
         for s in self.reads:
-            k, v = cache.read(s, layer_number)
+            k, v = cache.read(s, layer_number, count=count)
             if self.track_grads:
                 k.requires_grad_(True)
                 v.requires_grad_(True)
@@ -175,8 +213,11 @@ class StepRunner:
         kv_cache: Optional[BlockKVCache] = None,
         exchange_group=None,
         loss_head_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        inject_kv_grads: bool = False,
     ):
         self.model = model
+        self.inject_kv_grads = inject_kv_grads
+        """Activation recomputation is on: cached-prefix gradients are injected inside the graph."""
         self.loss_head_chunk_bytes = loss_head_chunk_bytes
         """fp32 logits of one chunk of claimed rows (the loss head's peak)."""
         self.head = model_chunks(model)[-1]
@@ -212,7 +253,7 @@ class StepRunner:
                 raise RuntimeError("a plan with cached prefixes needs a KV cache (mechanism 2)")
             group_size = dist.get_world_size(self.exchange_group) if exchanging else 1
             hook = _PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad,
-                             group=self.exchange_group, group_size=group_size)
+                             group=self.exchange_group, group_size=group_size, inject=self.inject_kv_grads)
         meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook)
         ids = torch.from_numpy(pack.input_ids).to(self.device)
         pos = torch.from_numpy(pack.position_ids).to(self.device)
@@ -222,7 +263,9 @@ class StepRunner:
                 return None, {}, None, hook
             # In an exchange step every rank must run a backward through every layer's exchange
             # (a collective), even a rank whose fragment claims nothing: a zero "anchor" loss.
-            anchor = (hidden.sum() * 0.0) if (exchanging and grad) else None
+            # Injected prefix gradients (recomputation) need a root that reaches every layer too.
+            injecting = hook is not None and hook.inject and capture and bool(hook.rows)
+            anchor = (hidden.sum() * 0.0) if ((exchanging or injecting) and grad) else None
             if len(rows) == 0:
                 return anchor, {}, None, hook
             loss, metrics, logp = self._loss_head(plan, pack, hidden, rows, loss_cfg, coefficients, record)

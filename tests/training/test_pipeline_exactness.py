@@ -1,6 +1,6 @@
 """Pipeline parallelism under torchrun (gloo): one SGD step and the log-probs equal the
 per-sample Hugging Face reference (fp32, rel 1e-5: loss, every parameter, log-probs) for
-PP=2 (even, and 1 + 3 layers), PP=4, PP=2 x TP=2, PP=2 x DP=2, virtual PP=2 x PP=2 and virtual
+PP=2 (even, 1 + 3 layers, and with full activation recomputation), PP=4, PP=2 x TP=2, PP=2 x DP=2, virtual PP=2 x PP=2 and virtual
 PP=2 x PP=4, on Llama
 and Qwen3 (tied embeddings: the first and last stages hold one parameter), each with
 mechanism 1 only (megatron's 1F1B or interleaved schedule), with mechanism 2 (micro-batches far
@@ -72,6 +72,8 @@ LAYOUTS = {  # id: (TP, PP, ranks, layers per virtual stage, model layers, mecha
     "pp2": (1, 2, 2, None, 4, "1f1b"),
     # stages of 1 and 3 layers: every stage plans memory alike (keep / recompute decisions match)
     "pp2-uneven": (1, 2, 2, None, 4, "1f1b", 1),
+    # with full activation recomputation (prefix gradients injected inside the graph)
+    "pp2-recompute": (1, 2, 2, None, 4, "1f1b", None, True),
     "pp4": (1, 4, 4, None, 4, "1f1b"),
     "pp2xtp2": (2, 2, 4, None, 4, "1f1b"),
     "pp2xdp2": (1, 2, 4, None, 4, "1f1b"),
@@ -84,7 +86,8 @@ LAYOUTS = {  # id: (TP, PP, ranks, layers per virtual stage, model layers, mecha
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_step_equals_per_sample_reference(data, tmp_path, layout):
-    tp, pp, nproc, vpp_layers, layers, m1_schedule, *first = LAYOUTS[layout]
+    tp, pp, nproc, vpp_layers, layers, m1_schedule, *extra = LAYOUTS[layout]
+    first, recompute = (extra + [None, False])[:2]
     root, batch, _ = data
     families = FAMILIES if layers == 4 else ("llama",)  # the 8-layer case: one family is enough
     refs = {name: _reference(data, name, layers) for name in families}
@@ -93,7 +96,9 @@ def test_pipeline_step_equals_per_sample_reference(data, tmp_path, layout):
     if vpp_layers:
         args += ["--vpp-layers", str(vpp_layers)]
     if first:
-        args += ["--first-layers", str(first[0])]
+        args += ["--first-layers", str(first)]
+    if recompute:
+        args += ["--recompute"]
     for name in families:
         args += ["--hf-dir", f"{name}={refs[name]['hf_dir']}"]
     run_torchrun(SCRIPT, args, nproc=nproc)

@@ -25,6 +25,7 @@ p.add_argument("--tp", type=int, default=1)
 p.add_argument("--pp", type=int, default=2)
 p.add_argument("--vpp-layers", type=int, default=None, help="--num-layers-per-virtual-pipeline-stage")
 p.add_argument("--first-layers", type=int, default=None, help="--decoder-first-pipeline-num-layers")
+p.add_argument("--recompute", action="store_true", help="full activation recomputation, one layer per unit")
 p.add_argument("--modes", default="m1,m2,m2-recompute")
 p.add_argument("--m1-budget", type=int, default=72, help="every tree fits, several micro-batches")
 p.add_argument("--m2-budget", type=int, default=16)
@@ -44,6 +45,8 @@ for spec in args.hf_dir:
         actor = PolicyActor(hf_dir, ActorConfig(
             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, device="cpu",
             num_layers_per_virtual_pipeline_stage=args.vpp_layers, decoder_first_pipeline_num_layers=args.first_layers,
+            **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+               if args.recompute else {}),
             optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0),
             loss=LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean"),
             **MODES[mode]))
