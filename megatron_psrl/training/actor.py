@@ -373,6 +373,10 @@ class PolicyActor:
         self.act_bytes = activation_bytes_per_token(self.arch, tp, torch.tensor([], dtype=dtype).element_size())
         backend = None if config.attention_backend == "auto" else config.attention_backend
         self.backend_name = backend or default_backend(device.type, dtype)
+        if device.type == "cuda" and backend is None and self.backend_name == "torch":
+            self._log("warning: flash-attn is not installed, so tree attention runs the torch backend's reference "
+                      "math on CUDA (correct, slow): pip install flash-attn, or --attention-backend te with "
+                      "Transformer Engine")
         runner_class = StepRunner
         if layout.pipeline_parallel_size > 1:
             from megatron_psrl.training.pipeline import PipelineStepRunner as runner_class

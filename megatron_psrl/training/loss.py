@@ -35,6 +35,7 @@ import torch
 
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.options import LOSS_AGGREGATIONS
+from megatron_psrl.training.transfer import host_to_device
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 LOG_RATIO_BOUND = 20.0
@@ -165,17 +166,17 @@ def gather_claims(
         if b.ref_logprobs is None or not np.all(b.has_ref_logprobs[sample]):
             missing = sample[0] if b.ref_logprobs is None else sample[~b.has_ref_logprobs[sample]][0]
             raise ConfigurationError(f"{b.describe_sample(int(missing))}: --kl-coef > 0 needs 'ref_logprobs'")
-        ref = torch.from_numpy(b.ref_logprobs[flat].astype(np.float32)).to(device)
-    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)  # noqa: E731
+        ref = host_to_device(b.ref_logprobs[flat].astype(np.float32), device)
+    as_t = lambda a: host_to_device(np.ascontiguousarray(a, dtype=np.float32), device)  # noqa: E731
     return ClaimBatch(
-        row=torch.from_numpy(row).to(device),
+        row=host_to_device(row, device),
         coef=torch.from_numpy(coefficients[claim]).to(device=device, dtype=torch.float32),
         advantage=as_t(advantages[flat]),
         old_logprob=as_t(old),
         ref_logprob=ref,
         weight=as_t(b.weights[sample]),
         metric_coef=torch.full((total,), 1.0 / max(1, len(tree.claim_token)), dtype=torch.float32, device=device),
-        sample=torch.from_numpy(sample.astype(np.int64)).to(device),
+        sample=host_to_device(sample.astype(np.int64), device),
         sample_claims=as_t(_claims_per_sample(tree)[sample]),
     )
 

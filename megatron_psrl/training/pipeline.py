@@ -42,6 +42,7 @@ from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.training.loss import ClaimLoss, claim_coefficients
 from megatron_psrl.training.step import ComputedLogprobs, StepOutput, StepRunner
+from megatron_psrl.training.transfer import DeviceSums, host_to_device
 from megatron_psrl.tree.planner import StepPlan
 
 Tensor = torch.Tensor
@@ -204,7 +205,7 @@ class PipelineStepRunner(StepRunner):
         out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs())
         if self.kv_cache is not None:
             self.kv_cache.release_pool()
-        metric_sums: Dict[str, float] = {}
+        sums = DeviceSums()  # read once after the schedule
         order = [i for _, i in rank_plan.schedule]
         packs = {}
 
@@ -216,8 +217,8 @@ class PipelineStepRunner(StepRunner):
                 out.key_pairs += pack.key_pairs()
             pack = packs[i]
             meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=None)
-            ids = torch.from_numpy(pack.input_ids).to(self.device)
-            pos = torch.from_numpy(pack.position_ids).to(self.device)
+            ids = host_to_device(pack.input_ids, self.device)
+            pos = host_to_device(pack.position_ids, self.device)
             hidden = model(ids, pos, meta)  # [t, 1, h]; megatron set the chunk's input
 
             def loss_func(output: Tensor):
@@ -227,9 +228,9 @@ class PipelineStepRunner(StepRunner):
                     claim_loss, metrics, _ = self._loss_head(plan, pack, output[:, 0], rows, loss_cfg, coefficients,
                                                              out.logprobs)
                     loss = loss + claim_loss
-                out.loss += float(loss.detach())
+                sums.add("loss", loss)
                 for k, v in metrics.items():
-                    metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+                    sums.add(k, v)
                 # (loss, num_tokens, reduced): calculate_per_token_loss, so megatron does not rescale
                 return loss, torch.tensor(1, dtype=torch.int), {}
 
@@ -256,5 +257,7 @@ class PipelineStepRunner(StepRunner):
             )
         finally:
             config.grad_scale_func = None
-        out.metrics = metric_sums
+        totals = sums.read()
+        out.loss = totals.pop("loss", 0.0)
+        out.metrics = totals
         return self._finish(out)

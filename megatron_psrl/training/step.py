@@ -30,6 +30,7 @@ from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_logprobs
 from megatron_psrl.training.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
+from megatron_psrl.training.transfer import DeviceSums, host_to_device
 from megatron_psrl.tree.packing import PackedMicroBatch
 from megatron_psrl.tree.planner import RankPlan, StepPlan
 
@@ -84,7 +85,7 @@ class _PrefixKV:
         device = cache.geometry.device
 
         def pack_rows(tokens: np.ndarray) -> Tensor:
-            return torch.from_numpy(np.searchsorted(pack.tree_tokens, tokens)).to(device)
+            return host_to_device(np.searchsorted(pack.tree_tokens, tokens), device)
 
         # Pack rows of every source this rank computes here (replicas arrive by exchange).
         own = [s for s in mb.produces if rank_plan.sources[s].replica_of is None]
@@ -255,8 +256,8 @@ class StepRunner:
             hook = _PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad,
                              group=self.exchange_group, group_size=group_size, inject=self.inject_kv_grads)
         meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook)
-        ids = torch.from_numpy(pack.input_ids).to(self.device)
-        pos = torch.from_numpy(pack.position_ids).to(self.device)
+        ids = host_to_device(pack.input_ids, self.device)
+        pos = host_to_device(pack.position_ids, self.device)
         with torch.set_grad_enabled(grad):
             hidden = self._stage_forward(i, ids, pos, meta, grad)  # [t, h]; None before the last stage
             if hidden is None:
@@ -278,9 +279,9 @@ class StepRunner:
                    record: Optional[ComputedLogprobs]):
         """``(loss, metrics, logp)`` of the pack rows ``rows`` from final hidden states ``[t, h]``
         (``loss`` None without a loss)."""
-        sel_rows = torch.from_numpy(pack.logit_rows[rows]).to(self.device)
+        sel_rows = host_to_device(pack.logit_rows[rows], self.device)
         targets = pack.logit_targets[rows]
-        target_ids = torch.from_numpy(plan.tree.tokens[targets].astype(np.int64)).to(self.device)
+        target_ids = host_to_device(plan.tree.tokens[targets].astype(np.int64), self.device)
         want_entropy = loss_cfg is not None and loss_cfg.needs_entropy
         # [n, V/tp] logits only a chunk of rows at a time (forward and backward)
         logp, ent = chunked_logprobs(self.head.output_logits, hidden.index_select(0, sel_rows), target_ids,
@@ -389,13 +390,12 @@ class StepRunner:
         release_kv_after: Dict[int, List[int]] = {}  # schedule step -> sources whose K/V go then
         for s, last in (memory.kv_release_step.items() if rank_plan.sources else ()):
             release_kv_after.setdefault(last, []).append(s)
-        metric_sums: Dict[str, float] = {}
+        sums = DeviceSums()  # read once at the end of the step (no host sync per micro-batch)
 
         def account(loss, metrics):
-            if loss is not None:
-                out.loss += float(loss.detach())
+            sums.add("loss", loss)
             for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+                sums.add(k, v)
 
         for step_idx, (op, i) in enumerate(rank_plan.schedule):
             mb = rank_plan.micro_batches[i]
@@ -447,7 +447,9 @@ class StepRunner:
                 cache.free(s, ("k", "v"))
         if rank_plan.sources:
             cache.end_step()
-        out.metrics = metric_sums
+        totals = sums.read()
+        out.loss = totals.pop("loss", 0.0)
+        out.metrics = totals
         return self._finish(out)
 
     # ------------------------------------------------------------------ forward only
