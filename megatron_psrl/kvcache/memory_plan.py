@@ -197,9 +197,15 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
         held = timelines(keep)
     current = max(int(h.max(initial=0)) for h in held)
     if current > budget_bytes:
+        # The smallest peak this schedule reaches: the planner's decisions, or every producer
+        # recomputing (dropping is not always a saving: recomputing readers re-read later).
+        all_dropped = max(int(h.max(initial=0)) for h in timelines({p: False for p in producers}))
+        keep_all = max(int(h.max(initial=0)) for h in timelines({p: True for p in producers}))
+        minimum = min(current, all_dropped)
         raise CacheBudgetError(
-            f"the cached prefixes of this step need {current} bytes of KV blocks at their peak but "
-            f"--kv-cache-budget is {budget_bytes} bytes"
+            f"the cached prefixes of this step need at least {minimum} bytes at their peak (KV blocks of the "
+            f"prefixes alive at once plus the graphs and gathered K/V copies in use; {keep_all} with every "
+            f"graph kept) but --kv-cache-budget is {budget_bytes} bytes"
         )
     memories = []
     for plan, (graph_bytes, read_bytes) in zip(plans, tables):
