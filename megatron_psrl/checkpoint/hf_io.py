@@ -85,15 +85,9 @@ class HFCheckpointReader:
         return self._handles[filename], os.path.join(self.hf_dir, filename)
 
     def get(self, name: str, expected_shape: Optional[Tuple[int, ...]] = None) -> Tensor:
+        handle, path = self._handle(name)
         try:
-            filename = self.weight_map[name]
-        except KeyError:
-            raise CheckpointError(self.hf_dir, "missing from the checkpoint", tensor=name) from None
-        if filename not in self._handles:
-            self._handles[filename] = self._open(filename)
-        path = os.path.join(self.hf_dir, filename)
-        try:
-            tensor = self._handles[filename].get_tensor(name)
+            tensor = handle.get_tensor(name)
         except (SafetensorError, RuntimeError, ValueError) as exc:
             reason = " ".join(str(exc).split())[:200]
             raise CheckpointError(path, f"cannot be read: truncated or corrupt ({reason})", tensor=name) from None

@@ -7,9 +7,9 @@ import argparse
 import json
 import os
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from helpers.actor_steps import logprobs_and_step
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
 
@@ -30,18 +30,9 @@ actor = PolicyActor(args.hf_dir, ActorConfig(
     tensor_model_parallel_size=args.tp, device="cpu", micro_batch_tokens=args.micro_batch_tokens,
     optimizer=OptimizerSettings(optimizer="sgd", lr=args.lr, clip_grad=0.0),
     loss=LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")))
-logprobs = actor.compute_logprobs(records)
-before = actor.state_dict_hf()
-metrics = actor.train_step(records)
-after = actor.state_dict_hf()
-
 # Every rank must return the same log-probs and hold the same full weights.
-digest = [float(np.nansum(np.concatenate(logprobs))), float(np.nansum(np.concatenate(metrics["logprobs"]))),
-          float(sum(v.double().sum() for v in after.values())), metrics["loss"]]
-digests = [None] * dist.get_world_size()
-dist.all_gather_object(digests, digest)
+res = logprobs_and_step(actor, records)
 if dist.get_rank() == 0:
-    torch.save({"logprobs": logprobs, "step_logprobs": metrics["logprobs"], "loss": metrics["loss"],
-                "before": before, "after": after, "ranks_agree": all(d == digests[0] for d in digests),
-                "micro_batches": metrics["micro_batches"], "world": dist.get_world_size()}, args.out)
+    metrics = res.pop("metrics")
+    torch.save(dict(res, micro_batches=metrics["micro_batches"], world=dist.get_world_size()), args.out)
 actor.close()

@@ -12,9 +12,9 @@ small that producers drop their graph and recompute it).
 import argparse
 import json
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from helpers.actor_steps import logprobs_and_step
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
 
@@ -50,20 +50,12 @@ for spec in args.hf_dir:
             optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0),
             loss=LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean"),
             **MODES[mode]))
-        logprobs = actor.compute_logprobs(records)
-        before = actor.state_dict_hf()
-        metrics = actor.train_step(records)
-        after = actor.state_dict_hf()
-        digest = [float(np.nansum(np.concatenate(logprobs))), float(np.nansum(np.concatenate(metrics["logprobs"]))),
-                  float(sum(v.double().sum() for v in after.values())), metrics["loss"]]
-        digests = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, digest)
-        results[(name, mode)] = {
-            "logprobs": logprobs, "step_logprobs": metrics["logprobs"], "loss": metrics["loss"],
-            "before": before, "after": after, "ranks_agree": all(d == digests[0] for d in digests),
+        res = logprobs_and_step(actor, records)
+        metrics = res.pop("metrics")
+        results[(name, mode)] = dict(res, **{
             "micro_batches": metrics["micro_batches"], "tokens_recomputed": metrics["tokens_recomputed"],
             "tokens_computed": metrics["tokens_computed"], "tokens_total": metrics["tokens_total"],
-            "bubble": metrics.get("pipeline_bubble"), "schedule": metrics.get("pipeline_schedule"), "longest": longest}
+            "bubble": metrics.get("pipeline_bubble"), "schedule": metrics.get("pipeline_schedule"), "longest": longest})
 if dist.get_rank() == 0:
     torch.save(results, args.out)
 actor.close()
