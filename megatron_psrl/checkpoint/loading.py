@@ -10,14 +10,14 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from megatron_psrl.checkpoint.hf_io import HFCheckpointReader
-from megatron_psrl.checkpoint.mcore_format import load_rank_state, read_checkpoint_info
+from megatron_psrl.checkpoint.mcore_format import load_stage_states, read_checkpoint_info
 from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.errors import CheckpointError, ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.builder import build_model, parallel_layout
 from megatron_psrl.model.gpt import PsrlGPTModel, model_chunks
-from megatron_psrl.model.stages import PipelineSplit, stage_counts
+from megatron_psrl.model.stages import PipelineSplit, stage_counts, virtual_stages
 from megatron_psrl.model.tiny import tiny_config
 
 Tensor = torch.Tensor
@@ -240,7 +240,7 @@ def load_model(
     tp_rank, tp, pp_rank, pp = parallel_layout()
     vpp = virtual_pipeline_size
     split = tuple(pipeline_layers) if pipeline_layers else pp * vpp
-    stages = [v * pp + pp_rank for v in range(vpp)]  # this rank's (virtual) stages
+    stages = virtual_stages(pp_rank, pp, vpp)
     optimizer_state = None
     if source.tiny:
         arch = ModelArchitecture.from_hf_config(tiny_config(source.tiny))
@@ -253,11 +253,7 @@ def load_model(
         sharded = shard_state_dict(hf_memory_state_dict(source.hf_state_dict, arch), arch, tp, split)
         shards = [sharded[(tp_rank, s)] for s in stages]
     else:
-        shards = []
-        for s in stages:
-            info, shard, state = load_rank_state(source.checkpoint, tp_rank, tp, s, split, virtual_pipeline_size=vpp)
-            shards.append(shard)
-            optimizer_state = optimizer_state if optimizer_state is not None else state
+        info, shards, optimizer_state = load_stage_states(source.checkpoint, tp_rank, tp, stages, split, vpp)
         arch = info.architecture
     model = build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides)
     for chunk, shard in zip(model_chunks(model), shards):

@@ -25,7 +25,7 @@ import pickle
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -279,6 +279,19 @@ def load_rank_state(
         return info, blob["model"], blob.get("optimizer") if same else None
     _, full = load_full_state_dict(ckpt_dir)
     return info, shard_state_dict(full, arch, tp, pp)[(tp_rank, pp_rank)], None
+
+
+def load_stage_states(
+    ckpt_dir: str, tp_rank: int, tp: int, stages: Sequence[int], pp: PipelineSplit, virtual_pipeline_size: int = 1
+) -> Tuple[CheckpointInfo, List[Dict[str, Tensor]], Optional[Dict[str, Any]]]:
+    """:func:`load_rank_state` for each of a rank's (virtual) ``stages``: the checkpoint's info,
+    one shard per stage, and the rank's optimizer state (saved with its first chunk)."""
+    shards, optimizer_state, info = [], None, None
+    for stage in stages:
+        info, shard, state = load_rank_state(ckpt_dir, tp_rank, tp, stage, pp, virtual_pipeline_size)
+        shards.append(shard)
+        optimizer_state = optimizer_state if optimizer_state is not None else state
+    return info, shards, optimizer_state
 
 
 def write_rank_file(it_dir: str, tp_rank: int, pp_rank: int, pp: int, payload: Dict[str, Any]) -> None:

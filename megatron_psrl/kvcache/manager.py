@@ -97,11 +97,11 @@ class KVGeometry:
         ``pipeline_rank`` (``pipeline``: the (virtual) stage count or each one's layer count;
         with ``virtual_pipeline_size`` V, stage p holds virtual stages p, p + PP, ...),
         numbered from 1 as megatron numbers them."""
-        from megatron_psrl.model.stages import stage_counts
+        from megatron_psrl.model.stages import stage_counts, virtual_stages
 
         counts = stage_counts(arch, pipeline)
         pp = len(counts) // virtual_pipeline_size
-        numbers = tuple(n for vs in range(pipeline_rank, len(counts), pp)
+        numbers = tuple(n for vs in virtual_stages(pipeline_rank, pp, virtual_pipeline_size)
                         for n in range(1 + sum(counts[:vs]), 1 + sum(counts[:vs + 1])))
         contiguous = numbers == tuple(range(numbers[0], numbers[0] + len(numbers)))
         return cls(num_layers=len(numbers), num_groups=arch.num_kv_heads // tensor_parallel_size,

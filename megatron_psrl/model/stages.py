@@ -86,3 +86,9 @@ def virtual_pipeline_size(num_layers: int, pp: int, layers_per_virtual_stage: Op
         raise ConfigurationError(f"{flag} {layers_per_virtual_stage} must divide the {per_stage} layers of each "
                                  f"pipeline stage ({num_layers} layers / PP {pp})")
     return per_stage // layers_per_virtual_stage
+
+
+def virtual_stages(pp_rank: int, pp: int, virtual_pipeline_size: int = 1) -> List[int]:
+    """The (virtual) stages pipeline rank ``pp_rank`` holds, in chunk order: chunk ``v`` is
+    virtual stage ``v * PP + pp_rank`` (Megatron-LM's interleaving); ``[pp_rank]`` without."""
+    return [v * pp + pp_rank for v in range(virtual_pipeline_size)]

@@ -63,7 +63,7 @@ from megatron_psrl.kvcache import (
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
-from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts, virtual_pipeline_size
+from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts, virtual_pipeline_size, virtual_stages
 from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.training.calibration import MeasuredCosts, calibrate_for_planning
 from megatron_psrl.training.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
@@ -344,20 +344,15 @@ class PolicyActor:
         self.cost_model: CostModel = cost_model_for(self.arch)
         self._flops = self.cost_model
         self.measured: Optional[MeasuredCosts] = None
-        self.placement = config.placement
-        if config.recompute_granularity is not None and config.placement != "whole-tree":
-            # A recomputed layer would repeat its prefix K/V exchange inside the backward pass.
-            if config.placement == "cross-rank":
-                self._log("note: --placement cross-rank is not available with activation recomputation yet; "
-                          "trees are placed whole on data-parallel ranks")
-            self.placement = "whole-tree"
-        if layout.pipeline_parallel_size > 1 and config.placement != "whole-tree":
-            # The stages of a pipeline are one placement rank; spreading one tree over several
-            # pipelines (K/V exchanged per stage) is not offered yet.
-            if config.placement == "cross-rank":
-                self._log("note: --placement cross-rank is not available with pipeline parallelism yet; "
-                          "trees are placed whole on data-parallel ranks")
-            self.placement = "whole-tree"
+        # Trees are placed whole with pipeline stages (one pipeline is one placement rank;
+        # spreading a tree over pipelines, K/V exchanged per stage, is not offered yet) and with
+        # recomputation (a recomputed layer would repeat its K/V exchange inside the backward).
+        whole_tree_only = [why for why, on in (("pipeline parallelism", layout.pipeline_parallel_size > 1),
+                                               ("activation recomputation", self.recompute)) if on]
+        self.placement = "whole-tree" if whole_tree_only else config.placement
+        if whole_tree_only and config.placement == "cross-rank":
+            self._log(f"note: --placement cross-rank is not available with {' and '.join(whole_tree_only)} yet; "
+                      "trees are placed whole on data-parallel ranks")
         if self.exchange_group_size > 1 and self.placement != "whole-tree" and config.prefix_sharing == "tree":
             # Cross-rank decisions weigh compute against transfers: measure both on this model.
             with layout.monitor.phase("cost calibration"):
@@ -647,8 +642,8 @@ class PolicyActor:
     def _stage_chunks(self):
         """``(virtual stage, chunk)`` of this rank's model chunks (chunk v of stage p holds
         virtual stage v * PP + p; one chunk, stage p, without virtual stages)."""
-        pp = self.layout.pipeline_parallel_size
-        return [(v * pp + self.layout.pp_rank, chunk) for v, chunk in enumerate(model_chunks(self.model))]
+        chunks = model_chunks(self.model)
+        return list(zip(virtual_stages(self.layout.pp_rank, self.layout.pipeline_parallel_size, len(chunks)), chunks))
 
     def state_dict_hf(self) -> Dict[str, torch.Tensor]:
         """The model's weights with Hugging Face names and layouts (every rank gets all of them,
@@ -700,15 +695,14 @@ class PolicyActor:
         """Load weights (any TP/PP layout) and, when the layout matches and ``load_optimizer``,
         the optimizer and learning-rate schedule; the iteration is the checkpoint's either way
         (as Megatron-LM's ``--no-load-optim``: a fresh optimizer restarts the schedule)."""
-        from megatron_psrl.checkpoint.mcore_format import load_rank_state
+        from megatron_psrl.checkpoint.mcore_format import load_stage_states
 
         layout = self.layout
-        optimizer_state = None
-        for stage, chunk in self._stage_chunks():
-            info, shard, state = load_rank_state(ckpt_dir, layout.tp_rank, layout.tensor_parallel_size, stage,
-                                                 self.pipeline_split, virtual_pipeline_size=self.virtual_pipeline_size)
+        stages, chunks = zip(*self._stage_chunks())
+        info, shards, optimizer_state = load_stage_states(ckpt_dir, layout.tp_rank, layout.tensor_parallel_size, stages,
+                                                          self.pipeline_split, self.virtual_pipeline_size)
+        for chunk, shard in zip(chunks, shards):
             load_state_into(chunk, shard)
-            optimizer_state = optimizer_state if optimizer_state is not None else state
         self.iteration = info.iteration
         if optimizer_state and load_optimizer and self.optimizer is not None:
             self.optimizer.load_state_dict(optimizer_state)

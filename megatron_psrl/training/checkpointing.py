@@ -42,7 +42,7 @@ from megatron_psrl.distributed.setup import ParallelLayout
 from megatron_psrl.errors import CheckpointWriteError, NonFiniteTrainingError, PsrlError, error_text
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
-from megatron_psrl.model.stages import split_of_config
+from megatron_psrl.model.stages import split_of_config, virtual_stages
 
 
 def _broadcast_obj(value: Any) -> Any:
@@ -103,8 +103,8 @@ def save_training_checkpoint(
             # rank's optimizer state goes with its first chunk.
             chunks = model_chunks(model)
             stages = layout.pipeline_parallel_size * len(chunks)
-            for v, chunk in enumerate(chunks):
-                stage = v * layout.pipeline_parallel_size + layout.pp_rank
+            for v, (stage, chunk) in enumerate(zip(virtual_stages(layout.pp_rank, layout.pipeline_parallel_size,
+                                                                  len(chunks)), chunks)):
                 payload = {
                     "model": canonical_state_dict(chunk),
                     "optimizer": optimizer.state_dict() if optimizer is not None and v == 0 else None,

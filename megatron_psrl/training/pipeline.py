@@ -82,6 +82,16 @@ class PipelineStepRunner(StepRunner):
         self.last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.last_rank = dist.get_global_rank(self.pp_group, self.pp_size - 1)
         self.p2p = _TimedP2P(pp_group=self.pp_group, config=self.config)
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        self.groups = ProcessGroupCollection()
+        """The process groups megatron's schedules take with a custom p2p communicator."""
+        self.groups.tp = parallel_state.get_tensor_model_parallel_group()
+        self.groups.cp = parallel_state.get_context_parallel_group()
+        self.groups.pp = self.pp_group
+        self.groups.embd = parallel_state.get_embedding_group(check_initialized=False)
+        self.groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+        self.groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
         # micro-batch -> per chunk (its input, its output)
         self._io: Dict[int, List[Tuple[Optional[Tensor], Tensor]]] = {}
         self.last_bubble: float = 0.0
@@ -198,7 +208,6 @@ class PipelineStepRunner(StepRunner):
                                  loss_scale: float) -> StepOutput:
         """Mechanism-1 micro-batches through megatron-core's 1F1B (or interleaved 1F1B) schedule."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.process_groups_config import ProcessGroupCollection
 
         rank_plan = plan.ranks[rank]
         coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
@@ -241,19 +250,12 @@ class PipelineStepRunner(StepRunner):
         vpp = len(self.chunks)
         if vpp > 1:
             config.microbatch_group_size_per_vp_stage = self._group_size(len(order))
-        groups = ProcessGroupCollection()
-        groups.tp = parallel_state.get_tensor_model_parallel_group()
-        groups.cp = parallel_state.get_context_parallel_group()
-        groups.pp = self.pp_group
-        groups.embd = parallel_state.get_embedding_group(check_initialized=False)
-        groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-        groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
         try:
             get_forward_backward_func(self.pp_size, vpp if vpp > 1 else None)(
                 forward_step_func=forward_step, data_iterator=[iter(order) for _ in self.chunks],
                 model=list(self.chunks), num_microbatches=len(order),
                 seq_length=max(mb.num_tokens for mb in rank_plan.micro_batches), micro_batch_size=1,
-                forward_only=False, p2p_communicator=self.p2p, pg_collection=groups,
+                forward_only=False, p2p_communicator=self.p2p, pg_collection=self.groups,
             )
         finally:
             config.grad_scale_func = None

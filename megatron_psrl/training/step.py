@@ -106,6 +106,12 @@ class _PrefixKV:
                     offset += use.length
             self.exchange = (send_rows, ex.send_counts(group_size), ex.recv_counts(group_size), layout, group)
 
+    @property
+    def injects(self) -> bool:
+        """This forward injects cached dK/dV inside its graph (recomputation, a producer's
+        graph-building pass)."""
+        return self.inject and self.capture and bool(self.rows)
+
     def on_kv(self, layer_number: int, key: Tensor, value: Tensor):
         first_pass = layer_number not in self._written  # a recomputation calls again: write once
         self._written.add(layer_number)
@@ -114,7 +120,7 @@ class _PrefixKV:
                 self.cache.write(s, layer_number, key.detach().index_select(0, rows), value.detach().index_select(0, rows))
             if self.capture and not self.inject:
                 self.captured.append((s, layer_number, key.index_select(0, rows), value.index_select(0, rows)))
-        if self.inject and self.capture and self.rows and torch.is_grad_enabled():
+        if self.injects and torch.is_grad_enabled():
             sources = list(self.rows.items())
             key = _InjectCachedGrad.apply(key, self.cache, layer_number, 0, sources)
             value = _InjectCachedGrad.apply(value, self.cache, layer_number, 1, sources)
@@ -265,7 +271,7 @@ class StepRunner:
             # In an exchange step every rank must run a backward through every layer's exchange
             # (a collective), even a rank whose fragment claims nothing: a zero "anchor" loss.
             # Injected prefix gradients (recomputation) need a root that reaches every layer too.
-            injecting = hook is not None and hook.inject and capture and bool(hook.rows)
+            injecting = hook is not None and hook.injects
             anchor = (hidden.sum() * 0.0) if ((exchanging or injecting) and grad) else None
             if len(rows) == 0:
                 return anchor, {}, None, hook
