@@ -78,8 +78,9 @@ class PrefixSharingAttention(MegatronModule):
 
     # ------------------------------------------------------------------ dispatch
     def _run(self, backend: str, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external) -> Tensor:
-        if backend == "torch":
+        if backend == "torch":  # reads CachedPrefixKV sources itself (no copy kept for backward)
             return blockwise_tree_attention(q, k, v, plan, external, self.softmax_scale)
+        external = [e if isinstance(e, tuple) else e.materialize() for e in external]
         if backend == "dense":
             return dense_tree_attention(q, k, v, plan, external, self.softmax_scale)
         if backend == "flash":

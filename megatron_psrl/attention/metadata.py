@@ -11,12 +11,32 @@ positions at every ``cu_seqlens`` boundary as it does for ``"thd"``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_psrl.attention.plan import AttentionPlan
+
+
+@runtime_checkable
+class CachedPrefixKV(Protocol):
+    """One external source's K/V that the attention reads itself (instead of a ``(k, v)`` pair).
+
+    A kernel that saves its inputs for the backward pass would otherwise keep a private copy of
+    every cached prefix it read alive for as long as the graph lives. The ``torch`` backend
+    reads such a source in its forward, does not save it, reads it again in its backward and
+    hands the gradients back with :meth:`add_grad`; other backends call :meth:`materialize`.
+    """
+
+    def read(self, again: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` ``[n, ng, hn]`` copies (``again``: the backward pass's re-read)."""
+
+    def add_grad(self, grad_key: torch.Tensor, grad_value: torch.Tensor) -> None:
+        """Add the gradients of ``(k, v)`` (fp32 or the model dtype) to the source's dK/dV."""
+
+    def materialize(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` tensors whose autograd gradients reach the source (kernels that take tensors)."""
 
 
 @runtime_checkable
@@ -27,8 +47,9 @@ class PrefixKVHook(Protocol):
     ``[tokens, ng, hn]`` for this tensor-parallel rank's groups.
     """
 
-    def external_kv(self, layer_number: int) -> Sequence[Tuple[torch.Tensor, torch.Tensor]]:
-        """K/V of every external source of the plan, in ``plan.external_lengths`` order."""
+    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[torch.Tensor, torch.Tensor], CachedPrefixKV]]:
+        """K/V of every external source of the plan, in ``plan.external_lengths`` order: a
+        ``(k, v)`` pair, or a :class:`CachedPrefixKV` the attention reads itself."""
 
     def on_kv(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """Called with this pack's K/V, e.g. to store a prefix for later micro-batches. May

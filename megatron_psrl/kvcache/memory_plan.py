@@ -10,8 +10,13 @@ against the budget:
   that recomputes reads again at its backward);
 - dK and dV blocks of a source, from its producer's forward until the producer's backward;
 - the retained graph of a producer that keeps it (tokens x activation bytes per token, plus
-  the K/V it gathered from the cache);
-- the K/V copies gathered from the cache by the micro-batch that is running.
+  the K/V it gathered from the cache, unless the attention gathers them again in its backward
+  pass: ``gathers_in_backward``, the ``torch`` backend);
+- the K/V copies gathered from the cache by the micro-batch that is running (all layers' for
+  kernels that save them; one layer's at a time when gathered again in backward).
+
+Gathering again in backward trades the copies a kept graph held (every reader its whole
+prefix chain) for keeping the prefix's K/V blocks until the reader's backward.
 
 Producers keep their graphs unless the simulated peak exceeds the budget; then graphs are
 dropped greedily (see :func:`plan_memory`). If no choice fits, the plan is infeasible
@@ -71,18 +76,24 @@ class MemoryPlan:
     timeline_bytes: List[int] = field(default_factory=list)
     """Simulated bytes held after every schedule step."""
 
+    gathers_in_backward: bool = False
+    """Readers gather cached K/V again in their backward pass instead of keeping copies (the
+    runner reads the cache that way, and K/V blocks stay until the last such re-read)."""
+
 
 def _blocks(length: int, block_size: int) -> int:
     return -(-length // block_size)
 
 
-def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_bytes: Dict[int, int],
-              read_bytes: Dict[int, int], grad_slots: int = 1, rereads: bool = False):
+def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_ByteTables",
+              grad_slots: int = 1, rereads: bool = False):
     """Per schedule step: (blocks held, other bytes held); and every source's last K/V read.
 
-    Other bytes: retained producer graphs (their activations plus the K/V copies gathered from
-    the cache that they saved), and the gathered K/V copies of the micro-batch running now.
+    Other bytes: retained producer graphs (their activations plus the K/V copies they saved),
+    and the gathered K/V copies of the micro-batch running now.
     """
+    graph_bytes, held_reads, running_reads = tables.graph, tables.held_reads, tables.running_reads
+    rereads = rereads or tables.gathers_in_backward
     steps = plan.schedule
     last_read: Dict[int, int] = {}
     for t, (op, i) in enumerate(steps):
@@ -106,10 +117,11 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
                 blocks += sum(n_grad if k.startswith("g") else n for k in src.kinds)
                 kv_live[s] = n * sum(k in ("k", "v") for k in src.kinds)
             if kept:
-                graphs += graph_bytes[i] + read_bytes[i]
-        # A forward+backward, a graph-less forward and a recomputation hold their gathered
-        # K/V copies only while they run.
-        transient = read_bytes[i] if (op == "forward_backward" or not kept) else 0
+                graphs += graph_bytes[i] + held_reads[i]
+        # A forward+backward, a graph-less forward, a recomputation (and, gathering again in
+        # backward, every pass) hold their gathered K/V copies only while they run.
+        runs = op == "forward_backward" or not kept or tables.gathers_in_backward
+        transient = running_reads[i] if runs else 0
         blocks_held.append(blocks)
         other_held.append(graphs + transient)
         if op == "backward":
@@ -118,42 +130,65 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, graph_byte
                 if not plan.sources[s].consumers:  # nothing read its K/V here (a replica's owner)
                     blocks -= kv_live.pop(s, 0)
             if kept:
-                graphs -= graph_bytes[i] + read_bytes[i]
+                graphs -= graph_bytes[i] + held_reads[i]
         for s in [s for s, last in last_read.items() if last == t and s in kv_live]:
             blocks -= kv_live.pop(s)  # K, V after their last read
     return np.asarray(blocks_held, dtype=np.int64), np.asarray(other_held, dtype=np.int64), last_read
 
 
-def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int):
+@dataclass
+class _ByteTables:
+    """Per micro-batch bytes the simulation charges."""
+
+    graph: Dict[int, int]
+    """Its graph's activations (kept from its forward to its backward, or transient)."""
+
+    held_reads: Dict[int, int]
+    """Prefix K/V copies a kept graph holds until its backward."""
+
+    running_reads: Dict[int, int]
+    """Prefix K/V copies held while it runs."""
+
+    gathers_in_backward: bool
+
+
+def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
+                 gathers_in_backward: bool = False) -> _ByteTables:
     """Per micro-batch: its graph's activations, and the prefix K/V it holds while it runs (or,
     kept, until its backward): copies gathered from the cache and K/V received from other
-    ranks in the same step (cross-rank peers)."""
+    ranks in the same step (cross-rank peers, always kept as copies). Gathered again in
+    backward, cached prefixes cost one layer's K/V copies and their fp32 gradients at a time."""
     graph = {i: mb.num_tokens * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
-    reads = {i: 2 * geometry.bytes_per_token * (sum(plan.sources[s].length for s in mb.reads)
-                                                + sum(p.length for p in mb.peer_reads))
-             for i, mb in enumerate(plan.micro_batches)}
-    return graph, reads
+    kv = 2 * geometry.bytes_per_token  # K and V, all layers of this stage
+    cached = {i: kv * sum(plan.sources[s].length for s in mb.reads) for i, mb in enumerate(plan.micro_batches)}
+    peers = {i: kv * sum(p.length for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
+    if not gathers_in_backward:
+        reads = {i: cached[i] + peers[i] for i in cached}
+        return _ByteTables(graph, reads, reads, False)
+    one_layer = {i: -(-cached[i] * (1 + geometry.grad_slots_per_token) // geometry.num_layers) for i in cached}
+    return _ByteTables(graph, peers, {i: one_layer[i] + peers[i] for i in cached}, True)
 
 
 def simulated_peak_bytes(
     plan: RankPlan, geometry: KVGeometry, keep_graph: Dict[int, bool], act_bytes_per_token: int,
-    block_size: Optional[int] = None,
+    block_size: Optional[int] = None, gathers_in_backward: bool = False,
 ) -> int:
     """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
     block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
-    blocks, other, _ = _simulate(plan, keep_graph, block_size, *_byte_tables(plan, geometry, act_bytes_per_token),
-                                 grad_slots=geometry.grad_slots_per_token)
+    tables = _byte_tables(plan, geometry, act_bytes_per_token, gathers_in_backward)
+    blocks, other, _ = _simulate(plan, keep_graph, block_size, tables, grad_slots=geometry.grad_slots_per_token)
     return int((blocks * geometry.block_bytes(block_size) + other).max(initial=0))
 
 
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int,
-                rereads: bool = False) -> MemoryPlan:
+                rereads: bool = False, gathers_in_backward: bool = False) -> MemoryPlan:
     """Decide block size, pool size and keep/recompute for every producer of ``plan``."""
-    return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token, rereads)[0]
+    return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token, rereads, gathers_in_backward)[0]
 
 
 def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes: int,
-                      act_bytes_per_token: int, rereads: bool = False) -> List[MemoryPlan]:
+                      act_bytes_per_token: int, rereads: bool = False,
+                      gathers_in_backward: bool = False) -> List[MemoryPlan]:
     """:func:`plan_memory` for ranks that run one schedule in lockstep (a cross-rank group;
     or a single rank): a producer step keeps or drops its graph on all of them alike, because
     a recomputation re-runs the step's exchange, in which every rank takes part.
@@ -164,7 +199,9 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     simulation per dropped graph. Dropping is not always a saving: a reader that recomputes
     reads its cached prefixes again later, which keeps their K/V blocks alive longer; the
     simulation accounts for that. ``rereads``: with activation recomputation every backward
-    reads its cached prefixes again (their K/V stay until then).
+    reads its cached prefixes again (their K/V stay until then). ``gathers_in_backward``: the
+    attention gathers cached K/V again in its backward pass (the ``torch`` backend) instead of
+    keeping copies in the graph; every backward then re-reads too.
     """
     schedule = plans[0].schedule
     block_size = choose_block_size([s.length for p in plans for s in p.sources.values()])
@@ -173,13 +210,12 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     backward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "backward"}
     producers = sorted(forward_at)
     keep = {p: True for p in producers}
-    tables = [_byte_tables(p, geometry, act_bytes_per_token) for p in plans]
+    tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward) for p in plans]
 
     def timelines(decisions) -> List[np.ndarray]:
         out = []
-        for plan, (graph_bytes, read_bytes) in zip(plans, tables):
-            blocks, other, _ = _simulate(plan, decisions, block_size, graph_bytes, read_bytes,
-                                         geometry.grad_slots_per_token, rereads)
+        for plan, table in zip(plans, tables):
+            blocks, other, _ = _simulate(plan, decisions, block_size, table, geometry.grad_slots_per_token, rereads)
             out.append(blocks * block_bytes + other)
         return out
 
@@ -187,12 +223,12 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     while max(h.max(initial=0) for h in held) > budget_bytes:
         t = min(int(np.argmax(h > budget_bytes)) for h in held if h.max(initial=0) > budget_bytes)
         rank = max(range(len(plans)), key=lambda r: held[r][t] if len(held[r]) > t else 0)
-        graph_bytes, read_bytes = tables[rank]
+        table = tables[rank]
         alive = [p for p in producers if keep[p] and forward_at[p] <= t < backward_at[p]]
         if not alive:
             break  # only blocks and running micro-batches at that step: no graph to drop
-        victim = max(alive, key=lambda p: (graph_bytes[p] + read_bytes[p], -plans[rank].micro_batches[p].num_tokens,
-                                           -p))
+        victim = max(alive, key=lambda p: (table.graph[p] + table.held_reads[p],
+                                           -plans[rank].micro_batches[p].num_tokens, -p))
         keep[victim] = False
         held = timelines(keep)
     current = max(int(h.max(initial=0)) for h in held)
@@ -208,9 +244,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
             f"graph kept) but --kv-cache-budget is {budget_bytes} bytes"
         )
     memories = []
-    for plan, (graph_bytes, read_bytes) in zip(plans, tables):
-        blocks, other, last_read = _simulate(plan, keep, block_size, graph_bytes, read_bytes,
-                                             geometry.grad_slots_per_token, rereads)
+    for plan, table in zip(plans, tables):
+        blocks, other, last_read = _simulate(plan, keep, block_size, table, geometry.grad_slots_per_token, rereads)
         held_r = blocks * block_bytes + other
         recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
         memories.append(MemoryPlan(
@@ -221,6 +256,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
             peak_bytes=int(held_r.max(initial=0)),
             recompute_tokens=recompute,
             timeline_bytes=held_r.tolist(),
+            gathers_in_backward=gathers_in_backward,
         ))
     return memories
 
@@ -232,7 +268,7 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
     block_bytes = geometry.block_bytes(block_size)
     # Only sources read on this rank hold K/V (an owner read only by other ranks holds nothing).
     last_read = {s: max(src.consumers) for s, src in plan.sources.items() if src.consumers}
-    _, read_bytes = _byte_tables(plan, geometry, 0)
+    read_bytes = _byte_tables(plan, geometry, 0).running_reads
     blocks, held, peak_blocks = 0, [], 0
     for i, mb in enumerate(plan.micro_batches):
         blocks += sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.produces if s in last_read)

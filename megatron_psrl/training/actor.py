@@ -437,7 +437,9 @@ class PolicyActor:
         plan, memories, mode = plan_with_memory(
             tree, self._planner_config(),
             lambda ranks: plan_memory_group(ranks, self.plan_geometry, self.config.kv_cache_budget, self.act_bytes,
-                                            rereads=self.recompute))
+                                            rereads=self.recompute,
+                                            # the torch backend gathers cached K/V again in backward
+                                            gathers_in_backward=self.backend_name == "torch"))
         if times is not None:
             times.update(tree=t1 - t0, plan=time.perf_counter() - t1)
         if mode != self.config.prefix_sharing:

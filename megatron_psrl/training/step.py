@@ -17,7 +17,7 @@ around it, driven by the plan's schedule:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -70,7 +70,7 @@ class _PrefixKV:
 
     def __init__(self, cache: BlockKVCache, rank_plan: RankPlan, i: int, pack: PackedMicroBatch,
                  store: bool, capture: bool, track_grads: bool, group=None, group_size: int = 1,
-                 inject: bool = False):
+                 inject: bool = False, gather_in_backward: bool = False):
         mb = rank_plan.micro_batches[i]
         self.cache = cache
         self.inject = inject
@@ -82,6 +82,9 @@ class _PrefixKV:
         self.store = store
         self.capture = capture
         self.track_grads = track_grads
+        self.gather_in_backward = gather_in_backward
+        """Hand the attention :class:`_CachedRead` readers (gathered again in its backward, no
+        copy kept by the graph) instead of gathered copies; the memory plan decided it."""
         device = cache.geometry.device
 
         def pack_rows(tokens: np.ndarray) -> Tensor:
@@ -144,24 +147,49 @@ class _PrefixKV:
         # The attention reads these (the exchange's outputs), so its backward runs on every rank.
         return key, value
 
-    def external_kv(self, layer_number: int) -> Sequence[Tuple[Tensor, Tensor]]:
-        out = []
-        # The hooks close over the cache only, never over this object: it holds tensors of the
-        # graph (captured K/V rows), and a hook -> self -> graph cycle would keep the whole
-        # graph alive after its backward (autograd's C++ references are invisible to Python GC).
-        cache = self.cache
+    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "_CachedRead"]]:
+        out: List[Union[Tuple[Tensor, Tensor], _CachedRead]] = []
         count = layer_number not in self._counted  # a recomputation reads again: count once
         self._counted.add(layer_number)
         for s in self.reads:
-            k, v = cache.read(s, layer_number, count=count)
-            if self.track_grads:
-                k.requires_grad_(True)
-                v.requires_grad_(True)
-                k.register_hook(lambda g, s=s, layer=layer_number: cache.accumulate_grad(s, layer, g, None))
-                v.register_hook(lambda g, s=s, layer=layer_number: cache.accumulate_grad(s, layer, None, g))
-            out.append((k, v))
+            reader = _CachedRead(self.cache, s, layer_number, count)
+            if not self.track_grads:
+                out.append(reader.read())
+            elif self.gather_in_backward:
+                out.append(reader)
+            else:
+                out.append(reader.materialize())
         out += self.peers.pop(layer_number, [])
         return out
+
+
+class _CachedRead:
+    """A cached prefix's K/V of one layer as the attention reads it (``CachedPrefixKV``).
+
+    It holds the cache only, never the hook: the hook holds tensors of the graph (captured
+    K/V rows), and a graph -> reader -> hook -> graph cycle would keep the whole graph alive
+    after its backward (autograd's C++ references are invisible to Python's GC)."""
+
+    __slots__ = ("cache", "source", "layer", "count")
+
+    def __init__(self, cache: BlockKVCache, source: int, layer: int, count: bool):
+        self.cache, self.source, self.layer, self.count = cache, source, layer, count
+
+    def read(self, again: bool = False) -> Tuple[Tensor, Tensor]:
+        return self.cache.read(self.source, self.layer, count=self.count and not again)
+
+    def add_grad(self, grad_key: Tensor, grad_value: Tensor) -> None:
+        self.cache.accumulate_grad(self.source, self.layer, grad_key, grad_value)
+
+    def materialize(self) -> Tuple[Tensor, Tensor]:
+        """Leaf copies whose gradients hooks add to the source's dK/dV (kernels that take tensors)."""
+        cache, s, layer = self.cache, self.source, self.layer
+        k, v = self.read()
+        k.requires_grad_(True)
+        v.requires_grad_(True)
+        k.register_hook(lambda g: cache.accumulate_grad(s, layer, g, None))
+        v.register_hook(lambda g: cache.accumulate_grad(s, layer, None, g))
+        return k, v
 
 
 @dataclass
@@ -235,6 +263,8 @@ class StepRunner:
         self.kv_cache = kv_cache
         self.exchange_group = exchange_group
         """Process group of the ranks that exchange prefix K/V (cross-rank plans)."""
+        self._gather_in_backward = False
+        """This step's memory plan has readers gather cached K/V again in backward."""
 
     # ------------------------------------------------------------------ one forward
     def _forward(
@@ -260,7 +290,8 @@ class StepRunner:
                 raise RuntimeError("a plan with cached prefixes needs a KV cache (mechanism 2)")
             group_size = dist.get_world_size(self.exchange_group) if exchanging else 1
             hook = _PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad,
-                             group=self.exchange_group, group_size=group_size, inject=self.inject_kv_grads)
+                             group=self.exchange_group, group_size=group_size, inject=self.inject_kv_grads,
+                             gather_in_backward=self._gather_in_backward)
         meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook)
         ids = host_to_device(pack.input_ids, self.device)
         pos = host_to_device(pack.position_ids, self.device)
@@ -385,6 +416,7 @@ class StepRunner:
         coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
         out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs())
         cache = self.kv_cache
+        self._gather_in_backward = memory is not None and memory.gathers_in_backward
         if rank_plan.sources:
             if memory is None:
                 raise RuntimeError("a plan with cached prefixes needs a memory plan")

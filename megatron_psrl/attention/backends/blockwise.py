@@ -6,15 +6,18 @@ kernel call whose output is merged into its queries' running output with log-sum
 call runs on a fast path (causal-square or unmasked), no dense ``t x t`` mask is built, and
 the work is exactly the tree's (query, key) pairs. The backward pass replays the blocks with
 the merged output and lse (see ``partial.py``) and accumulates dQ, dK, dV, including the
-gradients of external (cached) prefix K/V, which mechanism 2 collects.
+gradients of external (cached) prefix K/V, which mechanism 2 collects. Cached prefixes given
+as :class:`CachedPrefixKV` are gathered from the cache in the forward pass and again in the
+backward pass rather than saved, so a graph kept between the two holds no copy of them.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron_psrl.attention.metadata import CachedPrefixKV
 from megatron_psrl.attention.partial import lse_dtype, partial_attention_backward, partial_attention_forward
 from megatron_psrl.attention.plan import AttentionPlan
 
@@ -32,11 +35,17 @@ def _merge_(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor) -> None:
 
 
 class BlockwiseTreeAttention(torch.autograd.Function):
-    """Autograd function: ``(q, k, v, *external_kv) -> out`` for one AttentionPlan."""
+    """Autograd function: ``(q, k, v, *external_kv) -> out`` for one AttentionPlan.
+
+    ``readers[j]`` is None when external source ``j`` comes as a ``(k, v)`` pair among the
+    tensor inputs, or a :class:`CachedPrefixKV` that is read here, in the forward and again in
+    the backward pass, and receives its gradients directly: a kept graph then holds no copy
+    of that cached prefix (only one layer's copy exists at a time, while it runs)."""
 
     @staticmethod
-    def forward(ctx, plan: AttentionPlan, scale: float, impl: str, q: Tensor, k: Tensor, v: Tensor, *external: Tensor):
-        ext_k, ext_v = list(external[0::2]), list(external[1::2])
+    def forward(ctx, plan: AttentionPlan, scale: float, impl: str, readers: Tuple[Optional[CachedPrefixKV], ...],
+                q: Tensor, k: Tensor, v: Tensor, *pairs: Tensor):
+        ext_k, ext_v = _external(readers, pairs, again=False)
         t, np_, hn = q.shape
         # Merged in fp32 (fp64 for fp64 inputs) and rounded once at the end: a bf16 running
         # output would round at every merge, an error growing with the number of ancestors.
@@ -52,15 +61,15 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             o_b, lse_b = partial_attention_forward(q[qa:qb], kk[ka:kb], vv[ka:kb], False, scale, impl)
             _merge_(out[qa:qb], lse[qa:qb], o_b, lse_b)
         out = out.to(q.dtype)
-        ctx.plan, ctx.scale, ctx.impl = plan, scale, impl
-        ctx.num_external = len(ext_k)
-        ctx.save_for_backward(q, k, v, out, lse, *external)
+        ctx.plan, ctx.scale, ctx.impl, ctx.readers = plan, scale, impl, readers
+        ctx.save_for_backward(q, k, v, out, lse, *pairs)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q, k, v, out, lse, *external = ctx.saved_tensors
-        ext_k, ext_v = external[0::2], external[1::2]
+        q, k, v, out, lse, *pairs = ctx.saved_tensors
+        readers = ctx.readers
+        ext_k, ext_v = _external(readers, pairs, again=True)
         plan, scale, impl = ctx.plan, ctx.scale, ctx.impl
         dout = dout.contiguous()
         # Every block adds into dQ (and into the keys' dK/dV): accumulate in fp32, round once.
@@ -84,8 +93,23 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             gk, gv = (dk, dv) if src < 0 else (d_ext_k[src], d_ext_v[src])
             gk[ka:kb] += g[1]
             gv[ka:kb] += g[2]
-        d_ext = [g.to(x.dtype) for g, x in zip((x for pair in zip(d_ext_k, d_ext_v) for x in pair), external)]
-        return (None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_ext)
+        d_pairs = []
+        for j, reader in enumerate(readers):
+            if reader is None:
+                d_pairs += [d_ext_k[j].to(ext_k[j].dtype), d_ext_v[j].to(ext_v[j].dtype)]
+            else:  # straight into the source's fp32 dK/dV: no rounding to the model dtype
+                reader.add_grad(d_ext_k[j], d_ext_v[j])
+        return (None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_pairs)
+
+
+def _external(readers: Sequence[Optional[CachedPrefixKV]], pairs: Sequence[Tensor], again: bool):
+    """External K and V lists in source order, from the tensor pairs and the readers."""
+    ext_k, ext_v, it = [], [], iter(pairs)
+    for reader in readers:
+        kk, vv = (next(it), next(it)) if reader is None else reader.read(again=again)
+        ext_k.append(kk)
+        ext_v.append(vv)
+    return ext_k, ext_v
 
 
 def _blocks(plan: AttentionPlan) -> List[Tuple[int, int, int, int, int]]:
@@ -101,11 +125,13 @@ def _blocks(plan: AttentionPlan) -> List[Tuple[int, int, int, int, int]]:
 
 
 def blockwise_tree_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence[Tuple[Tensor, Tensor]] = (),
-    scale: float = None, impl: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
+    external: Sequence[Union[Tuple[Tensor, Tensor], CachedPrefixKV]] = (), scale: float = None, impl: str = "auto",
 ) -> Tensor:
-    """Tree attention ``[t, np, hn] -> [t, np, hn]`` for ``plan``; external = cached (k, v)."""
+    """Tree attention ``[t, np, hn] -> [t, np, hn]`` for ``plan``; external = cached prefix K/V,
+    as ``(k, v)`` pairs or :class:`CachedPrefixKV` readers (read here, again in backward)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    flat = [x for pair in external for x in pair]
-    return BlockwiseTreeAttention.apply(plan, scale, impl, q, k, v, *flat)
+    readers = tuple(None if isinstance(e, tuple) else e for e in external)
+    pairs = [x for e in external if isinstance(e, tuple) for x in e]
+    return BlockwiseTreeAttention.apply(plan, scale, impl, readers, q, k, v, *pairs)
