@@ -759,19 +759,32 @@ class Result:
     status: str = "ok"            # ok | FAILED | skipped | error
     reason: str = ""
     times: List[float] = field(default_factory=list)
+    cpu_times: List[float] = field(default_factory=list)
     grad_rel_err: Optional[float] = None
     grad_worst: str = ""
 
+    clock: str = "wall"
+
     @property
     def median(self) -> Optional[float]:
+        t = self.cpu_times if self.clock == "cpu" else self.times
+        return statistics.median(t) if t else None
+
+    @property
+    def median_wall(self) -> Optional[float]:
         return statistics.median(self.times) if self.times else None
 
+    @property
+    def median_cpu(self) -> Optional[float]:
+        return statistics.median(self.cpu_times) if self.cpu_times else None
 
-def _clock(c: Contender, work: Work) -> float:
+
+def _clock(c: Contender, work: Work) -> Tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one step of ``c``."""
     c.zero_grad()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     c.run(work)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - cpu
 
 
 def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, args, log) -> Dict[str, Result]:
@@ -779,7 +792,7 @@ def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, ar
     ref = None
     first: Dict[str, float] = {}
     for c in contenders:  # hf-per-sample first: the reference
-        r = results[c.name] = Result(c.name)
+        r = results[c.name] = Result(c.name, clock=args.clock)
         why = getattr(c, "_unavailable", None)
         if why is None:
             try:
@@ -810,18 +823,21 @@ def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, ar
         r.grad_rel_err, r.grad_worst = rel, worst
         if not ok:
             r.status, r.reason = "FAILED", f"gradient max rel err {rel:.2e} on {worst} (> {args.grad_rtol:g})"
-        log(f"  {c.name}: warm-up {first[c.name]:.3f}s, grad rel err {rel:.1e} ({'ok' if ok else 'FAILED'})")
+        log(f"  {c.name}: warm-up {first[c.name][0]:.3f}s (CPU {first[c.name][1]:.3f}s), grad rel err {rel:.1e} ({'ok' if ok else 'FAILED'})")
         del grads
         c.zero_grad()
     live = [c for c in contenders if results[c.name].status == "ok"]
     for c in live:
-        if first[c.name] > args.slow_seconds:
-            results[c.name].times.append(first[c.name])
+        if first[c.name][0] > args.slow_seconds:
+            results[c.name].times.append(first[c.name][0])
+            results[c.name].cpu_times.append(first[c.name][1])
             results[c.name].reason = f"timed by its warm-up only (> {args.slow_seconds:g} s)"
     timed = [c for c in live if not results[c.name].times]
     for rep in range(args.repeats):  # interleaved, so drift hits every contender alike
         for c in timed:
-            results[c.name].times.append(_clock(c, work))
+            wall, cpu = _clock(c, work)
+            results[c.name].times.append(wall)
+            results[c.name].cpu_times.append(cpu)
     for c in live:
         c.zero_grad()
     return results
@@ -839,9 +855,11 @@ def summarise(work: Work, results: Dict[str, Result]) -> dict:
         t = med.get(n)
         rows.append({
             "contender": n, "status": r.status, "reason": r.reason, "median_s": t, "runs": len(r.times),
+            "median_wall_s": r.median_wall, "median_cpu_s": r.median_cpu,
             "vs_best_peer": t / peers[best_peer] if t is not None and best_peer else None,
             "vs_floor": t / floor_used if t is not None and floor_used else None,
             "grad_rel_err": r.grad_rel_err, "grad_worst_tensor": r.grad_worst, "times_s": r.times,
+            "cpu_times_s": r.cpu_times,
         })
     return {
         "workload": work.name, "samples": work.batch.num_samples, "tokens": int(work.batch.num_tokens),
@@ -866,7 +884,8 @@ def markdown(summaries: List[dict], profiles: Dict[str, dict], meta: dict) -> st
         "after one warm-up (packing + forward + backward, no optimizer); gradients of every parameter checked "
         f"against hf-per-sample (per tensor max|g - g_ref| <= {meta['grad_rtol']:g} * max|g_ref|). "
         "`vs best peer` = time / the fastest passing peer's (hf-per-sample, prefix-grouper, trl-tree, areal-dta); "
-        "`vs floor` = time / floor (measured, or the FLOP-ideal estimate marked est.).",
+        "`vs floor` = time / floor (measured, or the FLOP-ideal estimate marked est.). "
+        f"Ratios use the {meta['clock']} clock (`--clock`); wall and process-CPU medians both shown.",
         "",
     ]
     for c, why in meta["unavailable"].items():
@@ -883,15 +902,16 @@ def markdown(summaries: List[dict], profiles: Dict[str, dict], meta: dict) -> st
             f"({s['best_peer'] or '-'}) = {_f(s['psrl_over_best_peer'], '.2f')}, psrl / floor = "
             f"{_f(s['psrl_over_floor'], '.2f')}{' (est.)' if s['floor_kind'] == 'est.' else ''}**",
             "",
-            "| contender | median s | runs | vs best peer | vs floor | gradient check | note |",
-            "|---|---|---|---|---|---|---|",
+            "| contender | median wall s | median CPU s | runs | vs best peer | vs floor | gradient check | note |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in s["rows"]:
             if r["status"] in ("skipped",) and r["contender"] in meta["unavailable"]:
                 continue
             check = "-" if r["grad_rel_err"] is None else \
                 f"{'ok' if r['status'] != 'FAILED' else 'FAILED'} ({r['grad_rel_err']:.1e})"
-            lines.append(f"| {r['contender']} | {_f(r['median_s'], '.3f')} | {r['runs']} | "
+            lines.append(f"| {r['contender']} | {_f(r['median_wall_s'], '.3f')} | {_f(r['median_cpu_s'], '.3f')} | "
+                         f"{r['runs']} | "
                          f"{_f(r['vs_best_peer'], '.2f')} | {_f(r['vs_floor'], '.2f')} | {check} | "
                          f"{r['status'] if r['status'] != 'ok' else ''}{': ' if r['reason'] and r['status'] != 'ok' else ''}"
                          f"{r['reason']} |")
@@ -984,7 +1004,7 @@ def run(args, log=print) -> dict:
             "layers": hf_config["num_hidden_layers"], "heads": hf_config["num_attention_heads"],
             "kv_heads": hf_config["num_key_value_heads"], "vocab": hf_config["vocab_size"],
             "threads": torch.get_num_threads(), "device": "cpu", "micro_batch_tokens": args.micro_batch_tokens,
-            "repeats": args.repeats, "grad_rtol": args.grad_rtol, "slow_seconds": args.slow_seconds,
+            "repeats": args.repeats, "clock": args.clock, "grad_rtol": args.grad_rtol, "slow_seconds": args.slow_seconds,
             "max_forward_tokens": args.max_forward_tokens, "quick": args.quick, "unavailable": unavailable,
             "torch": torch.__version__, "platform": platform.platform(), "versions": _versions()}
     return {"meta": meta, "workloads": summaries, "profiles": profiles}
@@ -1014,6 +1034,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batch-tokens", type=int, default=32768)
     p.add_argument("--grad-rtol", type=float, default=1e-4)
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="which median the ratios use (process CPU time is steadier on a shared machine)")
     p.add_argument("--slow-seconds", type=float, default=30.0,
                    help="a contender whose warm-up takes longer is timed by that run only")
     p.add_argument("--max-forward-tokens", type=int, default=65536,
