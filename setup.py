@@ -29,6 +29,8 @@ setup(
         "tqdm>=4.60",
         "pyarrow>=14",
         "matplotlib>=3.7",
+        # megatron-core's torch_dist checkpoint writer reports its memory with psutil (it raises without it).
+        "psutil>=5.9",
     ],
     extras_require={
         # GPU kernels; apex (fused norms / optimizers) is optional and built from source,

@@ -35,6 +35,20 @@ are, why, and what dropping each one would take:
    and restore nothing (dropout is refused, so no recomputed op draws random numbers); the CPU
    generator and the tracker are still saved and restored by megatron. Dropping it needs a
    device-agnostic RNG fork upstream.
+7. ``torch_dist_save_strategy`` / ``install_cpu_dist_checkpointing_shims``: megatron's
+   ``dist_checkpointing`` (the ``torch_dist`` checkpoint format) writes through
+   ``FileSystemWriterAsync``, which even in its synchronous mode starts a multiprocessing
+   ``Manager`` (a spawned server process) for its results queue and forks one writer process
+   per file, stages tensors with ``torch.cuda.synchronize()`` and broadcasts the outcome in a
+   tensor on ``torch.cuda.current_device()``. On CPU we take megatron's own synchronous
+   ``TorchDistSaveShardedStrategy`` with ``thread_count=1`` (one file per rank), no
+   fully-parallel wrapper, and change only how its write step runs: megatron's own
+   ``write_preloaded_data`` is called in this process for each file, its results go through a
+   plain in-process queue, and its two modules (``strategies/state_dict_saver.py``,
+   ``strategies/filesystem_async.py``) see the ``torch`` of item 4 (``current_device()`` is
+   the CPU, ``synchronize()`` does nothing). The files are byte-for-byte what megatron writes;
+   loading needs no workaround. Nothing changes on CUDA (megatron's writer as it is). Dropping
+   it needs an in-process, device-agnostic writer upstream.
 
 Design choices that are *not* workarounds (they hold on GPU too): RoPE frequencies come from
 explicit per-token position ids (megatron's RotaryEmbedding knows only 0..S-1) and the core
@@ -178,3 +192,104 @@ def install_cpu_recompute_shims(device: torch.device) -> None:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.zeros(0, dtype=torch.uint8)
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._psrl_cpu_shim = True
+
+
+# ---------------------------------------------------------------------- 7: dist_checkpointing on CPU
+_DIST_CKPT_MODULES = ("megatron.core.dist_checkpointing.strategies.state_dict_saver",
+                      "megatron.core.dist_checkpointing.strategies.filesystem_async")
+
+
+def install_cpu_dist_checkpointing_shims(device: torch.device) -> None:
+    """Let megatron's torch_dist save run with CPU tensors over gloo (item 7); nothing on CUDA.
+    Idempotent."""
+    if on_cuda(device):
+        return
+    import importlib
+    import queue
+
+    for name in _DIST_CKPT_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuTorch):
+            module.torch = _CpuTorch()
+    fs = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if fs._results_queue is None:  # megatron would start a Manager process for it
+        fs._results_queue = queue.Queue()
+
+
+def _write_buckets_in_process(transforms, rank, write_buckets, results_queue) -> None:
+    """What megatron's ``write_preloaded_data_multiproc`` does, in this process: each file
+    written by megatron's ``write_preloaded_data``, the results (or the first error) put on
+    ``results_queue`` for the finalize step."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results: Any = {}
+    for i, bucket in enumerate(write_buckets):
+        local, count = queue.Queue(), queue.Queue()
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, local, count, True)
+        idx, outcome = local.get()
+        if isinstance(outcome, Exception):  # (a full disk, ...): an error naming the file
+            from megatron_psrl.errors import CheckpointWriteError
+
+            reason = outcome.strerror if isinstance(outcome, OSError) and outcome.strerror else None
+            results = CheckpointWriteError(bucket[0], reason or _refused_write(bucket[0]) or str(outcome))
+            break
+        results[idx] = outcome
+    results_queue.put(results)
+
+
+def _refused_write(path: str):
+    """Why the OS refuses writes next to ``path`` (e.g. "No space left on device"), or None:
+    torch's zip writer reports a refused write as "unexpected pos" without the OS error, so a
+    small probe file asks the OS again (and is removed)."""
+    import os
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-probe-", dir=os.path.dirname(path))
+    except OSError as exc:
+        return exc.strerror
+    try:
+        os.write(fd, b"\0" * 65536)
+        os.fsync(fd)
+    except OSError as exc:
+        return exc.strerror
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+    return None
+
+
+def torch_dist_save_strategy(device: torch.device):
+    """Megatron's synchronous torch_dist save strategy (one file per rank: ``thread_count=1``);
+    on CPU its write step runs in this process (item 7)."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    if on_cuda(device):
+        return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    install_cpu_dist_checkpointing_shims(device)
+    return _in_process_save_strategy()
+
+
+def _in_process_save_strategy():
+    from functools import partial
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        """megatron's strategy; only its write step runs in the calling process (item 7)."""
+
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+            if request.async_fn is None:  # nothing to write on this rank
+                return request
+            transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+            return AsyncRequest(partial(_write_buckets_in_process, transforms), request.async_fn_args,
+                                request.finalize_fns,
+                                preload_fn=partial(FileSystemWriterAsync.preload_tensors, writer.write_buckets, False))
+
+    return InProcessTorchDistSave("torch_dist", 1, thread_count=1)

@@ -31,3 +31,9 @@ TINY_MODEL_NAMES = ("debug-llama", "tiny-llama", "tiny-mistral", "tiny-qwen2", "
 
 DEFAULT_TIMEOUT_MINUTES = 10.0
 """Megatron-LM's default for ``--distributed-timeout-minutes``."""
+
+CKPT_FORMATS = ("torch_dist", "legacy")
+"""Checkpoint formats ``--save`` writes (``megatron_psrl.checkpoint.dist_format``); Megatron-LM's names."""
+
+DEFAULT_CKPT_FORMAT = "torch_dist"
+"""Megatron-LM's default: megatron-core's sharded checkpoint, loadable under any layout."""

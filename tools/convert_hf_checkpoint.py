@@ -1,9 +1,13 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face and megatron_psrl (Megatron legacy per-rank) formats.
+"""Convert checkpoints between Hugging Face and megatron_psrl (torch_dist or Megatron legacy) formats.
 
-    python tools/convert_hf_checkpoint.py hf-to-mcore --hf-dir HF_DIR --out-dir CKPT_DIR [--tp N] [--pp M]
+    python tools/convert_hf_checkpoint.py hf-to-mcore --hf-dir HF_DIR --out-dir CKPT_DIR [--ckpt-format F] [--tp N] [--pp M]
     python tools/convert_hf_checkpoint.py mcore-to-hf --load CKPT_DIR --out-dir HF_DIR [--hf-template HF_DIR]
+    python tools/convert_hf_checkpoint.py mcore-to-mcore --load CKPT_DIR --out-dir CKPT_DIR [--ckpt-format F] [--tp N] [--pp M]
 
+--ckpt-format torch_dist (the default, megatron-core's sharded format: one checkpoint that
+loads under any TP/PP layout, so --tp/--pp are not needed) or legacy (per-rank files of a
+TP x PP layout). The format of --load is detected (either is read, any layout).
 Supported: Llama, Mistral, Qwen2/Qwen2.5, Qwen3 (safetensors, sharded or not). A round trip
 reproduces every tensor bit for bit. Outputs are written atomically; a non-empty --out-dir is
 only replaced with --force.
@@ -16,8 +20,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf  # noqa: E402
+from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore  # noqa: E402
 from megatron_psrl.cli import HelpFormatter, call_cli, positive_int  # noqa: E402
+from megatron_psrl.options import CKPT_FORMATS, DEFAULT_CKPT_FORMAT  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -26,13 +31,20 @@ def parse_args(argv=None):
     a = sub.add_parser("hf-to-mcore", help="Hugging Face folder -> sharded megatron_psrl checkpoint")
     a.add_argument("--hf-dir", required=True, help="save_pretrained folder (config.json + safetensors)")
     a.add_argument("--out-dir", required=True, help="checkpoint directory to create")
-    a.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards (default 1)")
-    a.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel stages (default 1)")
-    b = sub.add_parser("mcore-to-hf", help="megatron_psrl checkpoint (any TP/PP) -> Hugging Face folder")
+    b = sub.add_parser("mcore-to-hf", help="megatron_psrl checkpoint (either format, any TP/PP) -> Hugging Face folder")
     b.add_argument("--load", required=True, help="checkpoint directory (as written by hf-to-mcore or --save)")
     b.add_argument("--out-dir", required=True, help="Hugging Face folder to create")
     b.add_argument("--hf-template", default=None, help="HF folder whose tokenizer/generation files are copied")
-    for s in (a, b):
+    c = sub.add_parser("mcore-to-mcore", help="megatron_psrl checkpoint (either format) -> the other format / "
+                                              "another legacy layout (weights only)")
+    c.add_argument("--load", required=True, help="checkpoint directory (either format, any TP/PP)")
+    c.add_argument("--out-dir", required=True, help="checkpoint directory to create")
+    for s in (a, c):
+        s.add_argument("--ckpt-format", default=DEFAULT_CKPT_FORMAT, choices=CKPT_FORMATS,
+                       help="output format: torch_dist (loads under any layout) or legacy (per-rank files)")
+        s.add_argument("--tp", type=positive_int, default=1, help="legacy: tensor-parallel shards (default 1)")
+        s.add_argument("--pp", type=positive_int, default=1, help="legacy: pipeline-parallel stages (default 1)")
+    for s in (a, b, c):
         s.add_argument("--force", action="store_true", help="replace a non-empty --out-dir")
         s.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -44,11 +56,23 @@ def main(argv=None) -> int:
     return call_cli(lambda: _convert(args))
 
 
+def _layout(args) -> str:
+    if args.ckpt_format == "torch_dist":
+        return "torch_dist (loads under any TP/PP)"
+    return f"legacy TP={args.tp} PP={args.pp}"
+
+
 def _convert(args) -> int:
     if args.direction == "hf-to-mcore":
-        info = hf_to_mcore(args.hf_dir, args.out_dir, args.tp, args.pp, overwrite=args.force, progress=not args.no_progress)
-        print(f"converted {args.hf_dir} ({info.architecture.model_type}, {info.dtype}) -> {args.out_dir} "
-              f"with TP={args.tp} PP={args.pp}")
+        info = hf_to_mcore(args.hf_dir, args.out_dir, args.tp, args.pp, overwrite=args.force,
+                           progress=not args.no_progress, ckpt_format=args.ckpt_format)
+        print(f"converted {args.hf_dir} ({info.architecture.model_type}, {info.dtype}) -> {args.out_dir}, "
+              f"{_layout(args)}")
+    elif args.direction == "mcore-to-mcore":
+        info = mcore_to_mcore(args.load, args.out_dir, args.tp, args.pp, overwrite=args.force,
+                              ckpt_format=args.ckpt_format)
+        print(f"converted {args.load} ({info.architecture.model_type}, {info.dtype}) -> {args.out_dir}, "
+              f"{_layout(args)}")
     else:
         info = mcore_to_hf(args.load, args.out_dir, args.hf_template, overwrite=args.force, progress=not args.no_progress)
         print(f"converted {args.load} ({info.architecture.model_type}) -> {args.out_dir}")

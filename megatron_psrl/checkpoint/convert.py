@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron_psrl checkpoint conversion (the library behind tools/convert_hf_checkpoint.py)."""
+"""Hugging Face <-> megatron_psrl checkpoint conversion, torch_dist or legacy format (the library behind
+tools/convert_hf_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from megatron_psrl.checkpoint.atomic import atomic_directory, check_writable_dir
+from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, check_writable_dir, write_file
+from megatron_psrl.checkpoint.dist_format import DEFAULT_CKPT_FORMAT, check_ckpt_format, write_model_checkpoint
 from megatron_psrl.checkpoint.hf_io import write_hf_checkpoint
 from megatron_psrl.checkpoint.loading import hf_full_state_dict
-from megatron_psrl.checkpoint.mcore_format import CheckpointInfo, load_full_state_dict, save_sharded_checkpoint
+from megatron_psrl.checkpoint.mcore_format import (
+    MODEL_JSON,
+    TRACKER,
+    CheckpointInfo,
+    iteration_dir_name,
+    load_full_state_dict,
+    save_sharded_checkpoint,
+)
 from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
@@ -28,9 +37,13 @@ def _bar(total: int, desc: str, enabled: bool):
 
 
 def hf_to_mcore(
-    hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, overwrite: bool = False, progress: bool = True
+    hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, overwrite: bool = False, progress: bool = True,
+    ckpt_format: str = DEFAULT_CKPT_FORMAT,
 ) -> CheckpointInfo:
-    """Convert a HF folder into a TP x PP sharded megatron_psrl checkpoint ("release")."""
+    """Convert a HF folder into a megatron_psrl checkpoint ("release") in ``ckpt_format``:
+    torch_dist (loads under any layout; ``tp`` / ``pp`` only check that the model can be split
+    so) or legacy (TP x PP per-rank files)."""
+    check_ckpt_format(ckpt_format)
     arch = ModelArchitecture.from_hf_dir(hf_dir)  # refuses unsupported models before any I/O
     if arch.num_kv_heads % tp:
         raise ConfigurationError(f"--tp {tp} must divide the model's {arch.num_kv_heads} key/value heads")
@@ -40,18 +53,58 @@ def hf_to_mcore(
     with _bar(len(get_adapter(arch).hf_keys()), "reading HF tensors", progress) as bar:
         full = hf_full_state_dict(hf_dir, arch, progress=lambda _: bar.update(1), strict=True)
     dtype = str(next(iter(full.values())).dtype).replace("torch.", "")
+    if ckpt_format == "torch_dist":
+        info = CheckpointInfo(architecture=arch, tensor_parallel_size=1, pipeline_parallel_size=1, iteration=0,
+                              dtype=dtype)
+        save_dist_checkpoint(out_dir, info, full, overwrite=overwrite)
+        logger.info("wrote %s (torch_dist, %s)", out_dir, dtype)
+        return info
     info = CheckpointInfo(architecture=arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, iteration=0, dtype=dtype)
     shards = shard_state_dict(full, arch, tp, pp)
     with _bar(len(shards), "writing shards", progress) as bar:
         save_sharded_checkpoint(out_dir, info, shards, overwrite=overwrite, progress=lambda _: bar.update(1))
-    logger.info("wrote %s (TP=%d, PP=%d, %s)", out_dir, tp, pp, dtype)
+    logger.info("wrote %s (legacy, TP=%d, PP=%d, %s)", out_dir, tp, pp, dtype)
+    return info
+
+
+def save_dist_checkpoint(out_dir: str, info: CheckpointInfo, full, overwrite: bool = False,
+                         release: bool = True) -> None:
+    """Write a whole model (megatron-core names) as a torch_dist checkpoint from this one
+    process, atomically (the layout of :func:`save_sharded_checkpoint`: tracker, iteration
+    folder, ``psrl_model.json``)."""
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        it_dir = os.path.join(tmp, iteration_dir_name(None if release else info.iteration))
+        os.makedirs(it_dir)
+        write_model_checkpoint(it_dir, info.architecture, full, info.iteration)
+        write_file(os.path.join(it_dir, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
+        atomic_write_text(os.path.join(tmp, TRACKER), "release" if release else str(info.iteration))
+
+
+def mcore_to_mcore(load: str, out_dir: str, tp: int = 1, pp: int = 1, overwrite: bool = False,
+                   ckpt_format: str = DEFAULT_CKPT_FORMAT) -> CheckpointInfo:
+    """Rewrite a checkpoint (either format, any layout) in ``ckpt_format`` ("release", weights
+    only): e.g. a legacy checkpoint as torch_dist, or a torch_dist one as legacy TP x PP files."""
+    check_ckpt_format(ckpt_format)
+    check_writable_dir(os.path.dirname(os.path.abspath(out_dir)), "the parent of --out-dir")
+    saved, full = load_full_state_dict(load)
+    arch = saved.architecture
+    if ckpt_format == "torch_dist":
+        tp, pp = 1, 1
+    info = CheckpointInfo(architecture=arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, iteration=0,
+                          dtype=saved.dtype)
+    if ckpt_format == "torch_dist":
+        save_dist_checkpoint(out_dir, info, full, overwrite=overwrite)
+    else:
+        save_sharded_checkpoint(out_dir, info, shard_state_dict(full, arch, tp, pp), overwrite=overwrite)
+    logger.info("wrote %s (%s)", out_dir, ckpt_format)
     return info
 
 
 def mcore_to_hf(
     load: str, out_dir: str, hf_template: Optional[str] = None, overwrite: bool = False, progress: bool = True
 ) -> CheckpointInfo:
-    """Convert a megatron_psrl checkpoint (any TP/PP) back into a HF save_pretrained folder."""
+    """Convert a megatron_psrl checkpoint (either format, any TP/PP) back into a HF
+    save_pretrained folder."""
     if hf_template is not None:
         template_arch = ModelArchitecture.from_hf_dir(hf_template)
     check_writable_dir(os.path.dirname(os.path.abspath(out_dir)), "the parent of --out-dir")

@@ -9,6 +9,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_psrl.checkpoint.dist_format import checkpoint_format, load_model_weights
 from megatron_psrl.checkpoint.hf_io import HFCheckpointReader
 from megatron_psrl.checkpoint.mcore_format import load_stage_states, read_checkpoint_info
 from megatron_psrl.checkpoint.sharding import shard_state_dict
@@ -31,7 +32,7 @@ class ModelSource:
     """A Hugging Face save_pretrained folder (converted in memory)."""
 
     checkpoint: Optional[str] = None
-    """A megatron_psrl / Megatron legacy checkpoint directory (any TP/PP layout)."""
+    """A megatron_psrl checkpoint directory, torch_dist or legacy format (any TP/PP layout)."""
 
     tiny: Optional[str] = None
     """A named tiny config (``megatron_psrl.model.tiny``), randomly initialised."""
@@ -232,7 +233,9 @@ def load_model(
     virtual_pipeline_size: int = 1,
     config_overrides: Optional[Dict[str, object]] = None,
 ) -> Tuple[ModelArchitecture, torch.nn.Module, Optional[dict]]:
-    """This rank's model from ``source``; returns (architecture, model, saved optimizer state).
+    """This rank's model from ``source``; returns (architecture, model, saved optimizer state:
+    a legacy checkpoint's, when the layout matches; a torch_dist checkpoint's optimizer state is
+    loaded once the optimizer exists, :func:`~megatron_psrl.checkpoint.dist_format.load_training_state`).
     ``pipeline_layers``: each pipeline stage's layer count (default: an even split);
     ``virtual_pipeline_size`` V > 1: the rank's V chunks (virtual stages ``v * PP + pp_rank``
     of an even split into PP x V); ``config_overrides``: TransformerConfig fields (activation
@@ -252,6 +255,12 @@ def load_model(
         arch = ModelArchitecture.from_hf_config(source.hf_config)
         sharded = shard_state_dict(hf_memory_state_dict(source.hf_state_dict, arch), arch, tp, split)
         shards = [sharded[(tp_rank, s)] for s in stages]
+    elif checkpoint_format(source.checkpoint) == "torch_dist":  # megatron reads this rank's slices
+        it_dir, info = read_checkpoint_info(source.checkpoint)
+        model = build_model(info.architecture, dtype, device, transformer_impl, pipeline_layers, vpp,
+                            config_overrides)
+        load_model_weights(it_dir, model)
+        return info.architecture, model, None
     else:
         info, shards, optimizer_state = load_stage_states(source.checkpoint, tp_rank, tp, stages, split, vpp)
         arch = info.architecture

@@ -1,4 +1,6 @@
-"""megatron_psrl checkpoints: Megatron-LM's legacy per-rank layout plus a model description.
+"""megatron_psrl checkpoints: Megatron-LM's legacy per-rank layout plus a model description
+(``--ckpt-format legacy``; the default torch_dist format is :mod:`dist_format`, which shares the
+tracker file, ``psrl_model.json`` and the folder recovery below).
 
 ::
 
@@ -45,6 +47,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_JSON = "psrl_model.json"
 RANK_FILE = "model_optim_rng.pt"
 FORMAT_VERSION = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -250,8 +253,14 @@ def _load_rank_file(path: str, expected: Optional[Dict[str, tuple]] = None) -> D
 
 
 def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, Dict[str, Tensor]]:
-    """Merge all shards of the latest iteration into one full (unpadded) state dict."""
+    """Merge all shards of the latest iteration into one full (unpadded) state dict (either
+    format: a torch_dist checkpoint is read in this one process, see
+    :func:`~megatron_psrl.checkpoint.dist_format.load_full_state_dict`)."""
+    from megatron_psrl.checkpoint import dist_format
+
     it_dir, info = read_checkpoint_info(ckpt_dir)
+    if dist_format.iteration_format(it_dir) == "torch_dist":
+        return info, dist_format.load_full_state_dict(it_dir, info.architecture, _DTYPES[info.dtype])
     tp, pp, split = info.tensor_parallel_size, info.num_stage_files, info.pipeline_split
     expected = expected_shard_shapes(info.architecture, tp, split)
     shards = {}

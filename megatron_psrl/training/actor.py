@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_psrl.attention.backends import default_backend
+from megatron_psrl.checkpoint.dist_format import DEFAULT_CKPT_FORMAT, check_ckpt_format, checkpoint_format
 from megatron_psrl.checkpoint.loading import (
     ModelSource,
     canonical_state_dict,
@@ -165,6 +167,11 @@ class ActorConfig:
     distributed_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES
     """Timeout of every collective."""
 
+    ckpt_format: str = DEFAULT_CKPT_FORMAT
+    """Format :meth:`PolicyActor.save` writes (``--ckpt-format``): ``torch_dist`` (megatron-core's
+    sharded format, Megatron-LM's default: loads under any TP/PP/DP layout, optimizer state
+    included) or ``legacy`` (Megatron's per-rank files). Loading reads either."""
+
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "micro_batch_tokens"):
@@ -187,6 +194,7 @@ class ActorConfig:
             raise ConfigurationError(f"prefix_sharing must be one of {SHARING_MODES}, got {self.prefix_sharing!r}")
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        check_ckpt_format(self.ckpt_format)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -263,6 +271,7 @@ class PolicyActor:
                  load_optimizer: bool = True, for_training: bool = True, log: Optional[Callable[[str], None]] = None):
         self.config = config = config or ActorConfig()
         self._log = log or (lambda msg: None)
+        self._log_given = log is not None
         source = model_source(model)
         with preserved_rng():
             self.layout: ParallelLayout = initialize_parallel(
@@ -298,19 +307,23 @@ class PolicyActor:
         self.pipeline_split = (pipeline_layer_counts(num_layers, pp, first, last)
                                if uneven else pp * self.virtual_pipeline_size)
         """Each (virtual) stage's layer count, or the (virtual) stage count for an even split."""
+        dist_checkpoint = None
+        """The iteration folder of a torch_dist checkpoint to resume from (its optimizer state is
+        loaded, resharded, once the optimizer exists)."""
         if source.checkpoint is not None:
-            _, info = read_checkpoint_info(source.checkpoint)
+            it_dir, info = read_checkpoint_info(source.checkpoint)
             self.iteration = info.iteration
-            same_layout = (info.tensor_parallel_size == layout.tensor_parallel_size
-                           and info.virtual_pipeline_size == self.virtual_pipeline_size
-                           and stage_counts(info.architecture, info.pipeline_split)
-                           == stage_counts(info.architecture, self.pipeline_split))
-            if info.has_optimizer_state and load_optimizer and for_training and not same_layout:
+            same_layout = self._same_layout(info)
+            if checkpoint_format(source.checkpoint) == "torch_dist":
+                if info.has_optimizer_state and load_optimizer and for_training:
+                    dist_checkpoint = (it_dir, info)
+            elif info.has_optimizer_state and load_optimizer and for_training and not same_layout:
                 raise ConfigurationError(
-                    f"{source.checkpoint} was saved with TP={info.tensor_parallel_size} "
+                    f"{source.checkpoint} (legacy format) was saved with TP={info.tensor_parallel_size} "
                     f"PP={info.pipeline_parallel_size}; its optimizer state cannot be loaded with "
                     f"TP={layout.tensor_parallel_size} PP={layout.pipeline_parallel_size}. Pass --no-load-optim to "
-                    "resume with a fresh optimizer, or --finetune to start a new run"
+                    "resume with a fresh optimizer, or --finetune to start a new run (a torch_dist checkpoint "
+                    "reshards its optimizer state)"
                 )
         self.recompute = config.recompute_granularity is not None
         """Activation recomputation is on (megatron's; prefix gradients injected in the graph)."""
@@ -332,8 +345,22 @@ class PolicyActor:
                       "kernels); use it to check GPU numerics, and float32 to train on CPU")
         # A log-prob-only actor (for_training=False) holds no optimizer (no fp32 master copies).
         self.optimizer = build_optimizer(self.model, config.optimizer, device) if for_training else None
+        overlaps = [flag for flag, on in (("--overlap-grad-reduce", config.optimizer.overlap_grad_reduce),
+                                          ("--overlap-param-gather", config.optimizer.overlap_param_gather)) if on]
+        if overlaps and device.type != "cuda" and for_training:
+            note = (f"{' and '.join(overlaps)} {'has' if len(overlaps) == 1 else 'have'} no effect on CPU "
+                    "(megatron's DDP needs CUDA; gradients are all-reduced over gloo after the backward pass)")
+            if self._log_given:
+                self._log(f"warning: {note}")
+            elif layout.rank == 0:
+                warnings.warn(note, stacklevel=3)
         if optimizer_state and load_optimizer and self.optimizer is not None:
             self.optimizer.load_state_dict(optimizer_state)
+        if dist_checkpoint is not None:
+            from megatron_psrl.checkpoint.dist_format import load_training_state
+
+            with layout.monitor.phase("optimizer state load"):
+                load_training_state(dist_checkpoint[0], self.model, self.optimizer, self._same_layout(dist_checkpoint[1]))
         tp = layout.tensor_parallel_size
         self.geometry = KVGeometry.for_model(self.arch, tp, self.pipeline_split, dtype, device,
                                              pipeline_rank=layout.pp_rank,
@@ -629,6 +656,7 @@ class PolicyActor:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model in megatron names (tensor-parallel shards gathered): a snapshot on
         CPU, never a view of the live parameters (a later step does not change it)."""
+        self._params_ready()
         own = {(self.layout.tp_rank, stage): {k: v.detach().to("cpu", copy=True)
                                               for k, v in canonical_state_dict(chunk).items()}
                for stage, chunk in self._stage_chunks()}
@@ -686,20 +714,34 @@ class PolicyActor:
         ``self.iteration``; every rank calls it. Atomic, one writer per folder."""
         from megatron_psrl.training.checkpointing import save_training_checkpoint
 
-        if self.config.optimizer.use_distributed_optimizer and self.optimizer is not None:
-            raise UnsupportedFeatureError("checkpoints of the distributed optimizer's sharded state are not "
-                                          "implemented yet: build the actor without use_distributed_optimizer to save")
+        fmt = self.config.ckpt_format
+        if self.config.optimizer.use_distributed_optimizer and self.optimizer is not None and fmt == "legacy":
+            raise UnsupportedFeatureError("the legacy checkpoint format cannot hold the distributed optimizer's "
+                                          "sharded state: save with ckpt_format torch_dist (the default)")
+        self._params_ready()
         with self.layout.monitor.phase(f"checkpoint save of iteration {self.iteration}"):
             return save_training_checkpoint(save_dir, self.iteration, self.model, self.optimizer, self.arch,
-                                            self.layout)
+                                            self.layout, ckpt_format=fmt)
 
     def load(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
-        """Load weights (any TP/PP layout) and, when the layout matches and ``load_optimizer``,
-        the optimizer and learning-rate schedule; the iteration is the checkpoint's either way
-        (as Megatron-LM's ``--no-load-optim``: a fresh optimizer restarts the schedule)."""
+        """Load weights (any TP/PP layout, either format) and, with ``load_optimizer``, the
+        optimizer and learning-rate schedule: a torch_dist checkpoint's under any layout
+        (resharded), a legacy one's when the layout matches. The iteration is the checkpoint's
+        either way (as Megatron-LM's ``--no-load-optim``: a fresh optimizer restarts the schedule)."""
+        from megatron_psrl.checkpoint import dist_format
         from megatron_psrl.checkpoint.mcore_format import load_stage_states
 
         layout = self.layout
+        if dist_format.checkpoint_format(ckpt_dir) == "torch_dist":
+            it_dir, info = read_checkpoint_info(ckpt_dir)
+            with layout.monitor.phase(f"checkpoint load of {it_dir}"):
+                dist_format.load_model_weights(it_dir, self.model)
+                self.iteration = info.iteration
+                if info.has_optimizer_state and load_optimizer and self.optimizer is not None:
+                    dist_format.load_training_state(it_dir, self.model, self.optimizer, self._same_layout(info))
+                else:
+                    self._weights_changed()
+            return
         stages, chunks = zip(*self._stage_chunks())
         info, shards, optimizer_state = load_stage_states(ckpt_dir, layout.tp_rank, layout.tensor_parallel_size, stages,
                                                           self.pipeline_split, self.virtual_pipeline_size)
@@ -710,6 +752,19 @@ class PolicyActor:
             self.optimizer.load_state_dict(optimizer_state)
         else:
             self._weights_changed()
+
+    def _params_ready(self) -> None:
+        """Parameters are read outside a forward pass: finish megatron's background all-gather
+        of the updated ones (``overlap_param_gather`` on CUDA; nothing otherwise)."""
+        if self.optimizer is not None and hasattr(self.optimizer, "sync_params"):
+            self.optimizer.sync_params()
+
+    def _same_layout(self, info) -> bool:
+        """A checkpoint was saved with this actor's TP size and (virtual) pipeline stages."""
+        return (info.tensor_parallel_size == self.layout.tensor_parallel_size
+                and info.virtual_pipeline_size == self.virtual_pipeline_size
+                and stage_counts(info.architecture, info.pipeline_split)
+                == stage_counts(info.architecture, self.pipeline_split))
 
     def close(self) -> None:
         """End the process groups (and the collective-timeout monitor) this process uses; call

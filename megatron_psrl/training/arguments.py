@@ -9,6 +9,8 @@ from typing import List, Optional
 from megatron_psrl.cli import HelpFormatter
 from megatron_psrl.options import (
     ATTENTION_BACKENDS,
+    CKPT_FORMATS,
+    DEFAULT_CKPT_FORMAT,
     DEFAULT_TIMEOUT_MINUTES,
     LOSS_AGGREGATIONS,
     MEMORY_TRACKING,
@@ -137,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=float, default=0.0, help="SGD momentum")
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip; 0 disables")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (CUDA)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="megatron DDP: overlap the data-parallel gradient reduce with the backward pass (CUDA; no "
+                        "effect on CPU)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: overlap the parameter all-gather with the next forward "
+                        "pass (CUDA; no effect on CPU)")
     g.add_argument("--max-skipped-iters", type=int, default=3,
                    help="a step whose loss or gradient norm is not finite is skipped (no change at all); this many "
                         "consecutive skipped steps stop the run with an error")
@@ -152,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
     g.add_argument("--save-interval", type=int, default=None, help="also save every N iterations")
+    g.add_argument("--ckpt-format", default=DEFAULT_CKPT_FORMAT, choices=CKPT_FORMATS,
+                   help="format --save writes: torch_dist (megatron-core's sharded checkpoint; resumes under any "
+                        "TP/PP/DP layout, optimizer state included) or legacy (Megatron's per-rank files); --load "
+                        "reads either")
     g.add_argument("--log-interval", type=int, default=1, help="print an iteration line every N iterations")
     g.add_argument("--log-json", default=None, help="append one JSON object per iteration to this file")
     g.add_argument("--tensorboard-dir", default=None, help="write every --log-json metric as TensorBoard scalars")
@@ -195,6 +207,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--global-batch-size must be >= 1")
     if args.save_interval is not None and args.save_interval < 1:
         parser.error("--save-interval must be >= 1")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        parser.error("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM: the parameters "
+                     "are all-gathered only when the optimizer state is sharded)")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     return args

@@ -1,16 +1,22 @@
 """Saving and resuming training checkpoints (every rank writes its shard, atomically as a whole).
 
-Layout and format: :mod:`megatron_psrl.checkpoint.mcore_format` (Megatron legacy per-rank
-files + ``psrl_model.json``), readable by ``--load``, ``tools/compute_logprobs.py`` and
-``tools/convert_hf_checkpoint.py mcore-to-hf``. Procedure:
+Two formats (``--ckpt-format``): ``torch_dist`` (the default, Megatron-LM's: one sharded
+checkpoint written with megatron-core's ``dist_checkpointing``, loadable under any TP/PP/DP
+layout with its optimizer state, :mod:`megatron_psrl.checkpoint.dist_format`) and ``legacy``
+(Megatron's per-rank ``model_optim_rng.pt`` files, :mod:`megatron_psrl.checkpoint.mcore_format`).
+Both carry ``psrl_model.json`` and are readable by ``--load``, ``tools/compute_logprobs.py``
+and ``tools/convert_hf_checkpoint.py mcore-to-hf``. Procedure:
 
 1. rank 0 undoes what dead writers left (``recover_checkpoint_dir``) and creates this save's
    temporary iteration directory;
-2. the first data-parallel replica of every (TP, PP) rank checks that every tensor it is about
-   to write is finite, then writes its model shard and optimizer state;
+2. every rank checks that every tensor it is about to write is finite (legacy: the first
+   data-parallel replica of every (TP, PP) rank, which then writes its model shard and
+   optimizer state);
 3. every rank learns whether every other rank succeeded (one all-gather of the error, if any);
    on any failure (a full disk, a non-finite tensor) rank 0 removes the temporary directory
-   and every rank raises the same error naming the file;
+   and every rank raises the same error naming the file. torch_dist: only when every rank
+   passed its checks do all ranks enter megatron's save (itself a collective, which reports a
+   write failure to every rank), and its outcome is all-gathered the same way;
 4. otherwise rank 0 writes the model description, renames the directory into place and
    atomically updates the tracker file.
 
@@ -28,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.checkpoint.atomic import atomic_write_text, write_file
+from megatron_psrl.checkpoint.dist_format import DEFAULT_CKPT_FORMAT, check_ckpt_format, save_training_state
 from megatron_psrl.checkpoint.loading import canonical_state_dict
 from megatron_psrl.checkpoint.mcore_format import (
     MODEL_JSON,
@@ -77,12 +84,15 @@ def save_training_checkpoint(
     optimizer,
     arch: ModelArchitecture,
     layout: ParallelLayout,
+    ckpt_format: str = DEFAULT_CKPT_FORMAT,
 ) -> str:
-    """Write iteration ``iteration`` of a training run into ``save_dir``; returns its path.
+    """Write iteration ``iteration`` of a training run into ``save_dir`` in ``ckpt_format``
+    (``torch_dist`` or ``legacy``); returns its path.
 
-    Every rank must call it: every rank takes part in the same three collectives whatever
-    fails where, so a failure on any rank ends the save on every rank with the same error.
-    The caller holds ``save_dir``'s lock."""
+    Every rank must call it: every rank takes part in the same collectives whatever fails
+    where, so a failure on any rank ends the save on every rank with the same error. The
+    caller holds ``save_dir``'s lock."""
+    check_ckpt_format(ckpt_format)
     final = os.path.join(os.path.abspath(save_dir), iteration_dir_name(iteration))
     tmp = final + f".tmp-{os.getpid()}"
     error: Optional[str] = None
@@ -97,7 +107,11 @@ def save_training_checkpoint(
     if error is not None:
         raise CheckpointWriteError(final, f"the save could not start; rank 0: {error}")
     failure: Optional[BaseException] = None
-    if layout.placement_rank == 0:  # one data (x context) parallel replica writes each shard
+    if ckpt_format == "torch_dist":
+        error, failure = _outcome(lambda: _check_dist_payload(tmp, model, optimizer))
+        _raise_if_any_failed(error, failure, tmp, final, layout)  # 2a: every rank's checks
+        error, failure = _outcome(lambda: save_training_state(tmp, iteration, model, optimizer, layout.device))
+    elif layout.placement_rank == 0:  # one data (x context) parallel replica writes each shard
         try:
             # One file per (virtual) stage: chunk v of stage p is virtual stage v * PP + p; the
             # rank's optimizer state goes with its first chunk.
@@ -116,17 +130,7 @@ def save_training_checkpoint(
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             failure = exc
             error = error_text(exc) if isinstance(exc, (PsrlError, OSError)) else f"{type(exc).__name__}: {exc}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # 2: every rank's outcome
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        if layout.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if failure is not None and not isinstance(failure, (PsrlError, OSError)):
-            raise failure  # a bug: keep its traceback
-        rank, first = failed[0]
-        where = "" if rank == layout.rank else f"rank {rank}: "
-        raise CheckpointWriteError(final, f"the save failed and was removed; {where}{first}")
+    _raise_if_any_failed(error, failure, tmp, final, layout)  # 2: every rank's outcome
     if layout.rank == 0:
         try:
             _publish(tmp, final, save_dir, iteration, model, optimizer, arch, layout)
@@ -137,6 +141,42 @@ def save_training_checkpoint(
     if error is not None:
         raise CheckpointWriteError(final, f"the save failed and was removed; rank 0: {error}")
     return final
+
+
+def _outcome(work) -> Tuple[Optional[str], Optional[BaseException]]:
+    """Run ``work``; ``(error text, exception)`` of its failure, ``(None, None)`` on success."""
+    try:
+        work()
+    except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        return (error_text(exc) if isinstance(exc, (PsrlError, OSError)) else f"{type(exc).__name__}: {exc}"), exc
+    return None, None
+
+
+def _raise_if_any_failed(error: Optional[str], failure: Optional[BaseException], tmp: str, final: str,
+                         layout: ParallelLayout) -> None:
+    """All-gather every rank's error; if any rank failed, remove the temporary directory and
+    raise the same error everywhere (a bug's own exception where it happened)."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if layout.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failure is not None and not isinstance(failure, (PsrlError, OSError)):
+        raise failure  # a bug: keep its traceback
+    rank, first = failed[0]
+    where = "" if rank == layout.rank else f"rank {rank}: "
+    raise CheckpointWriteError(final, f"the save failed and was removed; {where}{first}")
+
+
+def _check_dist_payload(it_dir: str, model: torch.nn.Module, optimizer) -> None:
+    """torch_dist: refuse a NaN or inf in this rank's weights or optimizer state before any
+    rank starts megatron's (collective) save."""
+    for v, chunk in enumerate(model_chunks(model)):
+        check_finite({"model": canonical_state_dict(chunk)}, f"{it_dir} (model chunk {v} of rank {dist.get_rank()})")
+    if optimizer is not None:
+        check_finite({"optimizer": optimizer.state_dict()}, f"{it_dir} (optimizer state of rank {dist.get_rank()})")
 
 
 def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimizer, arch: ModelArchitecture,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -73,11 +73,27 @@ class OptimizerSettings:
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (megatron, CUDA only)."""
 
+    overlap_grad_reduce: bool = False
+    """``--overlap-grad-reduce``: megatron's DDP reduces gradients in asynchronous buckets (CUDA;
+    no effect on CPU, where gloo all-reduces them after the backward pass). With prefix sharing
+    the reduce is launched once the step's last backward pass is done, not during it: megatron
+    starts a bucket when each of its parameters has had as many gradients as on the first step,
+    and a step's count follows its trees (micro-batches, retained prefix graphs), so that
+    trigger would fire early on a larger batch."""
+
+    overlap_param_gather: bool = False
+    """``--overlap-param-gather``: with the distributed optimizer, the updated parameters are
+    all-gathered in the background and each module waits for its bucket before its forward
+    pass (megatron's forward pre-hooks; CUDA only). Needs ``use_distributed_optimizer``."""
+
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigurationError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise ConfigurationError("--lr, --weight-decay and --clip-grad must be >= 0")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigurationError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM: "
+                                     "the parameters are all-gathered only when the optimizer state is sharded)")
 
 
 @dataclass
@@ -246,6 +262,91 @@ class CPUTrainingOptimizer(_TrainingOptimizer):
             with torch.no_grad():
                 master.copy_(saved)
 
+    # ---------------------------------------------------------------- torch_dist checkpoints
+    def _optimizer_order(self) -> List[torch.nn.Parameter]:
+        """The model parameter of each optimizer state id (torch numbers them over the groups)."""
+        model_param = {id(m): p for p, m in zip(self.params, self.masters)}
+        return [model_param[id(m)] for group in self.optimizer.param_groups for m in group["params"]]
+
+    def sharded_state_dict(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False,
+                           saved: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The optimizer state as megatron's sharded tensors: every per-parameter tensor (Adam's
+        ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``, the fp32 master copy of a bf16
+        parameter) has its parameter's shape, so it gets the parameter's sharding under the key
+        ``optimizer.state.<name>.<parameter key>`` (megatron's ``make_sharded_optimizer_tensor``)
+        and reshards across TP/PP like the weights. The step count, the same for every
+        parameter, and the groups' hyper-parameters are common state (megatron's FP32Optimizer
+        saves the step the same way). ``is_loading``: destinations for the keys ``saved`` (the
+        checkpoint's common optimizer state) lists."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
+        )
+
+        order = self._optimizer_order()
+        sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, order)
+        if len(sharded) != len(order):
+            raise ConfigurationError(f"{len(order) - len(sharded)} trained parameters have no sharded checkpoint entry")
+        masters = [m for group in self.optimizer.param_groups for m in group["params"]]
+        if is_loading:
+            keys = list(saved.get("state_keys", [])) if saved else []
+            per_param = {i: {k: torch.empty_like(m) for k in keys} for i, m in enumerate(masters)}
+            fp32 = bool(saved and saved.get("fp32_params")) and any(m is not p for p, m in zip(order, masters))
+            step = None
+        else:
+            states = [self.optimizer.state.get(m, {}) for m in masters]
+            keys = sorted({k for st in states for k, v in st.items() if k != "step" and torch.is_tensor(v)})
+            if any(states) and not all(all(torch.is_tensor(st.get(k)) for k in keys) for st in states):
+                # Only a parameter that never had a gradient lacks state; it gets what torch
+                # would start it with, so that every parameter has the same entries.
+                for st, m in zip(states, masters):
+                    for k in keys:
+                        if not torch.is_tensor(st.get(k)):
+                            st[k] = torch.zeros_like(m)
+            per_param = {i: {k: st[k] for k in keys} for i, st in enumerate(states)}
+            steps = {float(st["step"]) for st in states if "step" in st}
+            step = max(steps) if steps else None
+            fp32 = any(m is not p for p, m in zip(order, masters))
+        state: Dict[str, Any] = {
+            "state": {i: {k: make_sharded_optimizer_tensor(sharded[i], t, prefix=f"optimizer.state.{k}")
+                          for k, t in tensors.items()} for i, tensors in per_param.items()},
+            "state_keys": keys, "step": step, "fp32_params": fp32,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+        }
+        if fp32:
+            state["fp32_param"] = {i: make_sharded_optimizer_tensor(sharded[i], m if is_loading is False
+                                                                    else torch.empty_like(m),
+                                                                    prefix="optimizer.state.fp32_param")
+                                   for i, m in enumerate(masters) if m is not order[i]}
+        return state
+
+    def load_sharded_state_dict(self, loaded: Dict[str, Any]) -> None:
+        """Install what :meth:`sharded_state_dict` (``is_loading=True``) loaded."""
+        masters = [m for group in self.optimizer.param_groups for m in group["params"]]
+        for group, saved in zip(self.optimizer.param_groups, loaded.get("param_groups", [])):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.state.clear()
+        step = loaded.get("step")
+        for i, m in enumerate(masters):
+            tensors = loaded["state"].get(i, {})
+            if not tensors:
+                continue
+            entry = {k: t.to(m.device) for k, t in tensors.items()}
+            if step is not None and isinstance(self.optimizer, torch.optim.AdamW):
+                entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+            self.optimizer.state[m] = entry
+        saved_masters = loaded.get("fp32_param") or {}
+        with torch.no_grad():
+            for i, m in enumerate(masters):
+                if i in saved_masters:
+                    m.copy_(saved_masters[i])
+            if not saved_masters:
+                self.reload_model_params()
+            else:  # the model's bf16 weights follow the saved masters (as after a step)
+                for p, master in zip(self.params, self.masters):
+                    if master is not p:
+                        p.copy_(master)
+
 
 class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs CUDA
     """megatron-core DistributedDataParallel + MegatronOptimizer (CUDA)."""
@@ -260,7 +361,8 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
         config = model.config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=settings.overlap_grad_reduce,
+            overlap_param_gather=settings.overlap_param_gather,
             use_distributed_optimizer=settings.use_distributed_optimizer,
         )
         # One DDP per model chunk (virtual pipeline stages), buckets only for the first, as
@@ -283,6 +385,7 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
                 fp16=config.fp16,
                 params_dtype=config.params_dtype,
                 use_distributed_optimizer=settings.use_distributed_optimizer,
+                overlap_param_gather=settings.overlap_param_gather,
             ),
             self.ddps,
         )
@@ -291,7 +394,31 @@ class MegatronTrainingOptimizer(_TrainingOptimizer):  # pragma: no cover - needs
     def zero_grad(self) -> None:
         for ddp in self.ddps:
             ddp.zero_grad_buffer()
+            if self.settings.overlap_grad_reduce:
+                # The whole step accumulates as megatron's no_sync() does (no bucket starts on a
+                # per-parameter gradient count, see OptimizerSettings.overlap_grad_reduce);
+                # finalize_model_grads then launches every bucket asynchronously and waits.
+                for group in ddp.bucket_groups + getattr(ddp, "expert_parallel_bucket_groups", []):
+                    group.is_last_microbatch = False
         self.optimizer.zero_grad()
+
+    def sync_params(self) -> None:
+        """Finish an in-flight parameter all-gather (``overlap_param_gather``) before the
+        parameters are read outside a forward pass (a checkpoint, a weight export)."""
+        if self.settings.overlap_param_gather:
+            for ddp in self.ddps:
+                ddp.start_param_sync(force_sync=True)
+
+    def sharded_state_dict(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False,
+                           saved: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """megatron's own optimizer sharded state dict (torch_dist checkpoints); the distributed
+        optimizer's state in its ``fully_reshardable`` form, so it loads under any TP/PP/DP."""
+        metadata = ({"distrib_optim_sharding_type": "fully_reshardable"} if self.settings.use_distributed_optimizer
+                    else None)
+        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+
+    def load_sharded_state_dict(self, loaded: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(loaded)
 
     def reload_model_params(self) -> None:
         """After weights were loaded into the model: refresh megatron's fp32 main params."""
@@ -338,5 +465,7 @@ def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings, device:
     if use_megatron_ddp(device):
         return MegatronTrainingOptimizer(model, settings)
     if settings.use_distributed_optimizer:
-        raise ConfigurationError("--use-distributed-optimizer needs CUDA (megatron's distributed optimizer)")
+        raise ConfigurationError("--use-distributed-optimizer needs CUDA: megatron's distributed optimizer shards "
+                                 "its state in CUDA buffers, and on CPU the optimizer is torch.optim on every rank; "
+                                 "drop the flag on CPU")
     return CPUTrainingOptimizer(model, settings)

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from megatron_psrl.checkpoint.dist_format import checkpoint_format
 from megatron_psrl.checkpoint.loading import ModelSource, source_architecture
 from megatron_psrl.checkpoint.mcore_format import has_checkpoint
 from megatron_psrl.data.loader import load_samples
@@ -135,10 +136,11 @@ class Trainer:
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed, args.device,
             timeout_minutes=args.distributed_timeout_minutes, context_parallel_size=args.context_parallel_size,
         )
-        if args.use_distributed_optimizer and (args.save or (args.load and not (args.finetune or args.no_load_optim))):
+        if args.use_distributed_optimizer and _legacy_checkpoint_with_optimizer(args):
             raise UnsupportedFeatureError(
-                "checkpoints of the distributed optimizer's sharded state are not implemented yet: use --save/--load "
-                "without --use-distributed-optimizer, or --load with --finetune / --no-load-optim"
+                "the legacy checkpoint format cannot hold the distributed optimizer's sharded state: save with "
+                "--ckpt-format torch_dist (the default), or --load a legacy checkpoint with --finetune / "
+                "--no-load-optim"
             )
         # Everything the run will write is checked (and locked) before any compute.
         with self.layout.monitor.phase("start-up checks"):
@@ -295,6 +297,15 @@ class Trainer:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _legacy_checkpoint_with_optimizer(args) -> bool:
+    """The run would save, or resume the optimizer from, a legacy-format checkpoint."""
+    if args.save and args.ckpt_format == "legacy":
+        return True
+    if args.load and not (args.finetune or args.no_load_optim) and has_checkpoint(args.load):
+        return checkpoint_format(args.load) == "legacy"
+    return False
 _RECORD_FIELDS = {f.name for f in dataclasses.fields(IterationRecord)} | {"step_time_s", "peak_mem_bytes", "lr"}
 
 
@@ -322,11 +333,12 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
             sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
         ),
         loss=LossConfig(clip_eps=args.clip_eps, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
                         loss_agg=args.loss_agg),
         seed=args.seed, memory_tracking=args.memory_tracking, allow_rope_extrapolation=args.allow_rope_extrapolation,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        distributed_timeout_minutes=args.distributed_timeout_minutes, ckpt_format=args.ckpt_format,
     )
 
 

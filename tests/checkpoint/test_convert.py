@@ -1,5 +1,6 @@
-"""Checkpoint conversion: HF -> megatron_psrl (TP x PP shards) -> HF is bit-exact; the shards
-have megatron's layouts; the CLI's refusals and atomicity; loading across TP layouts."""
+"""Checkpoint conversion: HF -> megatron_psrl (torch_dist, or legacy TP x PP shards) -> HF is
+bit-exact; legacy -> torch_dist keeps every tensor; the legacy shards have megatron's layouts;
+the CLI's refusals and atomicity; loading across TP layouts."""
 
 from __future__ import annotations
 
@@ -52,19 +53,23 @@ def _leftovers(parent, name):
     return [e for e in os.listdir(parent) if e.startswith(f".{name}.")]
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)], ids=["tp1", "tp2", "tp2pp2"])
+@pytest.mark.parametrize("fmt,tp,pp", [("legacy", 1, 1), ("legacy", 2, 1), ("legacy", 2, 2), ("torch_dist", 1, 1)],
+                         ids=["tp1", "tp2", "tp2pp2", "torch_dist"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("family", ROUND_TRIP_FAMILIES)
-def test_round_trip_is_bit_exact(family, dtype, tp, pp, sharded_hf, tmp_path):
+def test_round_trip_is_bit_exact(family, dtype, fmt, tp, pp, sharded_hf, tmp_path):
     src = sharded_hf(family, dtype)
     assert len([f for f in os.listdir(src) if f.endswith(".safetensors")]) > 1  # sharded input
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
-    info = hf_to_mcore(src, str(ckpt), tp=tp, pp=pp, progress=False)
+    info = hf_to_mcore(src, str(ckpt), tp=tp, pp=pp, progress=False, ckpt_format=fmt)
     assert (info.tensor_parallel_size, info.pipeline_parallel_size) == (tp, pp)
     assert info.dtype == {"bf16": "bfloat16", "fp32": "float32"}[dtype]
-    ranks = sorted(os.listdir(ckpt / "release"))
-    expected = [f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{p:03d}" for r in range(tp) for p in range(pp)]
-    assert ranks == sorted(expected + ["psrl_model.json"])
+    files = sorted(os.listdir(ckpt / "release"))
+    if fmt == "legacy":
+        expected = [f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{p:03d}" for r in range(tp) for p in range(pp)]
+    else:  # megatron's dist_checkpointing files, written by one process
+        expected = [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert files == sorted(expected + ["psrl_model.json"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "release"
 
     mcore_to_hf(str(ckpt), str(back), hf_template=src, progress=False)
@@ -86,7 +91,7 @@ def test_tp_shards_have_megatron_layouts(sharded_hf, tmp_path):
     src = sharded_hf("qwen2-yarn", "fp32")
     cfg = family_config("qwen2-yarn")
     hf = read_hf_tensors(src)
-    hf_to_mcore(src, str(tmp_path / "ck"), tp=2, pp=1, progress=False)
+    hf_to_mcore(src, str(tmp_path / "ck"), tp=2, pp=1, progress=False, ckpt_format="legacy")
     np_, ng, hd, ffn = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"]
     rep = np_ // ng
     for r in range(2):
@@ -118,7 +123,7 @@ def test_tp_shards_have_megatron_layouts(sharded_hf, tmp_path):
 def test_pipeline_stages_hold_their_layers_and_a_tied_output_copy(sharded_hf, tmp_path):
     src = sharded_hf("qwen3-tied", "fp32")
     hf = read_hf_tensors(src)
-    hf_to_mcore(src, str(tmp_path / "ck"), tp=1, pp=2, progress=False)
+    hf_to_mcore(src, str(tmp_path / "ck"), tp=1, pp=2, progress=False, ckpt_format="legacy")
     first = torch.load(tmp_path / "ck" / "release" / "mp_rank_00_000" / "model_optim_rng.pt")["model"]
     last = torch.load(tmp_path / "ck" / "release" / "mp_rank_00_001" / "model_optim_rng.pt")["model"]
     assert torch.equal(first["decoder.layers.0.self_attention.q_layernorm.weight"], hf["model.layers.0.self_attn.q_norm.weight"])
@@ -135,7 +140,7 @@ def test_tp2_checkpoint_loads_into_tp1_model_with_hf_logprobs(sharded_hf, tmp_pa
 
     initialize_parallel(1, 1, device="cpu")
     src = sharded_hf("qwen2-yarn", "fp32")
-    hf_to_mcore(src, str(tmp_path / "ck"), tp=2, pp=2, progress=False)
+    hf_to_mcore(src, str(tmp_path / "ck"), tp=2, pp=2, progress=False, ckpt_format="legacy")
     arch, model, optimizer_state = load_model(ModelSource(checkpoint=str(tmp_path / "ck")))
     assert optimizer_state is None  # layout differs: no optimizer state to restore
     hf = load_hf_model(src)
@@ -153,12 +158,14 @@ def test_cli_round_trip_and_force(sharded_hf, tmp_path, capsys):
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    rc = cli.main(["hf-to-mcore", "--hf-dir", src, "--out-dir", str(out), "--tp", "2", "--no-progress"])
+    rc = cli.main(["hf-to-mcore", "--hf-dir", src, "--out-dir", str(out), "--tp", "2", "--no-progress",
+                   "--ckpt-format", "legacy"])
     err = capsys.readouterr().err
     assert rc == 2 and "--force" in err
     assert (out / "precious.txt").read_text() == "keep me" and sorted(os.listdir(out)) == ["precious.txt"]
 
-    rc = cli.main(["hf-to-mcore", "--hf-dir", src, "--out-dir", str(out), "--tp", "2", "--force", "--no-progress"])
+    rc = cli.main(["hf-to-mcore", "--hf-dir", src, "--out-dir", str(out), "--tp", "2", "--force", "--no-progress",
+                   "--ckpt-format", "legacy"])
     assert rc == 0 and "TP=2" in capsys.readouterr().out
     assert not (out / "precious.txt").exists() and (out / "release" / "mp_rank_01").is_dir()
     assert _leftovers(tmp_path, "ckpt") == []
@@ -258,7 +265,7 @@ def test_interrupted_hf_to_mcore_leaves_nothing(exc, sharded_hf, tmp_path, monke
     monkeypatch.setattr(mcore_format, "write_rank_file", flaky)
     out = tmp_path / "ckpt"
     with pytest.raises(exc):
-        hf_to_mcore(src, str(out), tp=2, pp=2, progress=False)
+        hf_to_mcore(src, str(out), tp=2, pp=2, progress=False, ckpt_format="legacy")
     assert len(calls) == 2
     assert not out.exists() and _leftovers(tmp_path, "ckpt") == []
 
@@ -287,7 +294,7 @@ def test_interrupted_mcore_to_hf_leaves_nothing(sharded_hf, tmp_path, monkeypatc
 def test_failed_forced_conversion_keeps_the_old_output(sharded_hf, tmp_path, monkeypatch):
     src = sharded_hf("mistral", "fp32")
     out = tmp_path / "ckpt"
-    hf_to_mcore(src, str(out), tp=1, progress=False)
+    hf_to_mcore(src, str(out), tp=1, progress=False, ckpt_format="legacy")
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
     def boom(*args, **kwargs):
@@ -295,7 +302,7 @@ def test_failed_forced_conversion_keeps_the_old_output(sharded_hf, tmp_path, mon
 
     monkeypatch.setattr(mcore_format, "write_rank_file", boom)
     with pytest.raises(Interrupt):
-        hf_to_mcore(src, str(out), tp=2, overwrite=True, progress=False)
+        hf_to_mcore(src, str(out), tp=2, overwrite=True, progress=False, ckpt_format="legacy")
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before and _leftovers(tmp_path, "ckpt") == []
 
@@ -310,3 +317,26 @@ def test_library_refusals_raise_typed_errors(sharded_hf, tmp_path):
         hf_to_mcore(str(src), str(tmp_path / "o"), progress=False)
     with pytest.raises(ValueError, match="--tp 4"):
         hf_to_mcore(sharded_hf("mistral", "fp32"), str(tmp_path / "o"), tp=4, progress=False)
+
+
+# ------------------------------------------------------------------------------ torch_dist
+def test_legacy_converts_to_torch_dist_and_back_with_every_tensor(sharded_hf, tmp_path):
+    """A legacy TP=2 x PP=2 checkpoint rewritten as torch_dist holds the same tensors bit for bit
+    (read back whole, and loaded by a model), and the CLI writes the legacy layout back."""
+    src = sharded_hf("qwen3-tied", "bf16")
+    legacy, dist_ckpt, again = tmp_path / "legacy", tmp_path / "dist", tmp_path / "again"
+    hf_to_mcore(src, str(legacy), tp=2, pp=2, progress=False, ckpt_format="legacy")
+    assert cli.main(["mcore-to-mcore", "--load", str(legacy), "--out-dir", str(dist_ckpt), "--no-progress"]) == 0
+    assert (dist_ckpt / "release" / "metadata.json").exists() and not (dist_ckpt / "release" / "mp_rank_00_000").exists()
+    _, a = mcore_format.load_full_state_dict(str(legacy))
+    _, b = mcore_format.load_full_state_dict(str(dist_ckpt))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert cli.main(["mcore-to-mcore", "--load", str(dist_ckpt), "--out-dir", str(again), "--ckpt-format", "legacy",
+                     "--tp", "2", "--no-progress"]) == 0
+    _, c = mcore_format.load_full_state_dict(str(again))
+    assert sorted(os.listdir(again / "release")) == ["mp_rank_00", "mp_rank_01", "psrl_model.json"]
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    back = tmp_path / "hf"
+    assert cli.main(["mcore-to-hf", "--load", str(dist_ckpt), "--out-dir", str(back), "--no-progress"]) == 0
+    x, y = read_hf_tensors(src), read_hf_tensors(str(back))
+    assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)

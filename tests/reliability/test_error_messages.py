@@ -28,7 +28,7 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture
 def ckpt(hf_dir, tmp_path):
     out = tmp_path / "ckpt"
-    hf_to_mcore(hf_dir, str(out), tp=2, progress=False)
+    hf_to_mcore(hf_dir, str(out), tp=2, progress=False, ckpt_format="legacy")  # per-rank files to damage
     return out
 
 

@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 from helpers.hf_reference import make_hf_checkpoint
 from helpers.torchrun import REPO_ROOT, free_port, script_env
@@ -50,26 +51,29 @@ def test_a_bad_gradient_on_one_rank_is_skipped_by_every_rank(tmp_path):
     assert reports[0]["checksum"] == reports[1]["checksum"] and all(r["finite"] for r in reports)
 
 
-def test_a_save_failing_on_rank_1_fails_on_every_rank_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_a_save_failing_on_rank_1_fails_on_every_rank_and_leaves_nothing(tmp_path, fmt):
     """A NaN in rank 1's tensor-parallel shard only: the step is skipped, and the final save is
     refused by rank 1's finiteness check; rank 0 learns it, removes the save, and both ranks
-    end with the same error naming rank 1's file."""
+    end with the same error naming rank 1's file (torch_dist: the iteration folder and rank 1,
+    checked before any rank enters megatron's collective save)."""
     hf = make_hf_checkpoint(tiny_config("debug-llama"), seed=0, directory=str(tmp_path / "hf"))
     ckpt = tmp_path / "ckpt"
-    hf_to_mcore(hf, str(ckpt), tp=2, progress=False)
+    hf_to_mcore(hf, str(ckpt), tp=2, progress=False, ckpt_format="legacy")
     path = ckpt / "release" / "mp_rank_01" / "model_optim_rng.pt"
     blob = torch.load(path, weights_only=True)
     blob["model"]["decoder.layers.0.self_attention.linear_qkv.weight"][0, 0] = float("nan")
     torch.save(blob, path)
     save = tmp_path / "out"
     proc = _torchrun(TRAIN, ["--load", str(ckpt), "--finetune", "--data", "grpo", "--micro-batch-tokens", "512",
-                             "--tensor-model-parallel-size", "2", "--train-iters", "1", "--save", str(save)])
+                             "--tensor-model-parallel-size", "2", "--train-iters", "1", "--save", str(save),
+                             "--ckpt-format", fmt])
     assert proc.returncode != 0
     lines = _error_lines(proc)
     assert len(lines) == 2, proc.stderr[-4000:]  # one line per rank
     for line in lines:
         assert "the save failed and was removed" in line and "holds NaN or inf" in line, line
-        assert "mp_rank_01" in line and "linear_qkv.weight" in line, line
+        assert ("mp_rank_01" if fmt == "legacy" else "of rank 1)") in line and "linear_qkv.weight" in line, line
     assert any(line.startswith("error: [rank 0]") and "rank 1:" in line for line in lines)
     assert "megatron_psrl/" not in proc.stderr  # no traceback from the ranks (torchrun prints its own)
     left = sorted(p.name for p in save.iterdir())

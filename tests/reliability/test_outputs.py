@@ -146,7 +146,8 @@ def _mount_tmpfs(path, size):
     return True
 
 
-def test_disk_full_during_save_names_the_file_and_frees_the_disk(tmp_path):
+@pytest.mark.parametrize("fmt,name", [("legacy", "model_optim_rng.pt"), ("torch_dist", "__0_0.distcp")])
+def test_disk_full_during_save_names_the_file_and_frees_the_disk(tmp_path, fmt, name):
     """A real full disk (a 600 KiB tmpfs, half a checkpoint; skipped where mounting is not allowed, the simulated
     ENOSPC test below covers the logic): the run ends with one line naming the file, the
     partial save is removed, and the disk is as free as before."""
@@ -155,9 +156,10 @@ def test_disk_full_during_save_names_the_file_and_frees_the_disk(tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     try:
         free_before = shutil.disk_usage(disk).free
-        proc = train(SMALL + ["--train-iters", "1", "--save", str(disk / "ckpt")], tmp_path, timeout=180)
+        proc = train(SMALL + ["--train-iters", "1", "--save", str(disk / "ckpt"), "--ckpt-format", fmt], tmp_path,
+                     timeout=180)
         line = error_line(proc)
-        assert "model_optim_rng.pt" in line and "No space left on device" in line, line
+        assert name in line and "No space left on device" in line, line
         assert "the save failed and was removed" in line
         assert leftovers(disk) == [] and shutil.disk_usage(disk).free == free_before
         assert "iteration      1/" in proc.stdout  # it trained, then reported the save
@@ -178,7 +180,27 @@ def test_simulated_disk_full_is_reported_and_removed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mcore_format.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"model_optim_rng\.pt.*No space left on device"):
-        save_training_checkpoint(str(tmp_path / "ckpt"), 4, model, None, arch, layout)
+        save_training_checkpoint(str(tmp_path / "ckpt"), 4, model, None, arch, layout, ckpt_format="legacy")
+    assert leftovers(tmp_path) == [] and not (tmp_path / "ckpt" / TRACKER).exists()
+
+
+def test_simulated_disk_full_in_torch_dist_names_the_rank_file(tmp_path, monkeypatch):
+    """The same through megatron's torch_dist writer (compat item 7 writes in this process):
+    the error names this rank's ``.distcp`` file, and nothing is left."""
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as writer
+
+    layout = initialize_parallel(1, 1, seed=0, device="cpu")
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-llama"))
+    model = build_model(arch)
+    real_write = writer._write_item
+
+    def full_disk(transforms, stream, data, write_item, storage_key, serialization_format=None):
+        real_write(transforms, stream, data, write_item, storage_key, serialization_format=serialization_format)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "_write_item", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"__0_0\.distcp: No space left on device"):
+        save_training_checkpoint(str(tmp_path / "ckpt"), 4, model, None, arch, layout, ckpt_format="torch_dist")
     assert leftovers(tmp_path) == [] and not (tmp_path / "ckpt" / TRACKER).exists()
 
 

@@ -1,7 +1,8 @@
 """pretrain_agent_rl.py and tools/compute_logprobs.py with pipeline parallelism under torchrun:
 an uneven split (--decoder-first-pipeline-num-layers) trains, logs its bubble, saves and resumes
 exactly (2 + 1 iterations = 3, bit for bit: the same operations in the same order); the
-checkpoint loads under another layout, and log-probs with PP=2 equal the reference."""
+checkpoint loads under another layout, and log-probs with PP=2 equal the reference. (Legacy
+checkpoints here; tests/training/test_dist_checkpoint.py covers torch_dist.)"""
 
 import json
 import os
@@ -30,7 +31,7 @@ def hf_dir(tmp_path_factory):
 def _train(hf, save, iters, log, load=None):
     args = ["--hf-dir", hf, "--data", "stepwise", "--synthetic-tokens", "1500", "--micro-batch-tokens", "256",
             "--train-iters", str(iters), "--save", str(save), "--log-json", str(log), "--lr", "1e-3", "--seed", "3",
-            "--optimizer", "adam"] + PP
+            "--optimizer", "adam", "--ckpt-format", "legacy"] + PP  # (the legacy files are inspected)
     if load is not None:
         args += ["--load", str(load)]
     return run_torchrun(SCRIPT, args, nproc=2)
@@ -88,7 +89,7 @@ def test_virtual_pipeline_checkpoint_resumes_and_reshards(hf_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     vpp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     base = ["--hf-dir", hf_dir, "--data", "grpo", "--synthetic-tokens", "1500", "--micro-batch-tokens", "512",
-            "--save", str(ckpt), "--lr", "1e-3", "--seed", "3"] + vpp
+            "--save", str(ckpt), "--lr", "1e-3", "--seed", "3", "--ckpt-format", "legacy"] + vpp
     out = run_torchrun(SCRIPT, base + ["--train-iters", "2"], nproc=2)
     assert "PP 2 (2 virtual stages of layers 1/1/1/1)" in out
     out = run_torchrun(SCRIPT, base + ["--train-iters", "3", "--load", str(ckpt), "--log-json",

@@ -1,0 +1,48 @@
+"""Check a rank's model and optimizer state against the raw tensors of a torch_dist checkpoint."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+def plain_tensors(it_dir: str) -> Dict[str, torch.Tensor]:
+    """Every global tensor of a torch_dist iteration folder, whole (megatron's own reader; a
+    collective when torch.distributed is initialised: every rank calls it)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_psrl.checkpoint.dist_format import _quiet
+
+    with _quiet():
+        return dist_checkpointing.load_plain_tensors(it_dir)
+
+
+def check_rank_against_checkpoint(actor, it_dir: str, plain: Dict[str, torch.Tensor] = None) -> Dict[str, int]:
+    """Assert that this rank's weights and optimizer state (Adam moments, fp32 masters) are,
+    bit for bit, their slices of the checkpoint's global tensors, wherever the checkpoint was
+    saved from (the slices are where this rank's layout puts them: megatron's sharding
+    metadata). Returns how many model / optimizer slices were compared."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megatron_psrl.checkpoint.dist_format import model_sharded_state_dict
+
+    plain = plain if plain is not None else plain_tensors(it_dir)
+    model_sd = model_sharded_state_dict(actor.model)
+    state = {"model": model_sd, "optimizer": actor.optimizer.sharded_state_dict(model_sd)}
+    apply_factories(state)
+    counts = {"model": 0, "optimizer": 0}
+    for part, sub in state.items():
+        for sh in nested_values(sub):
+            if not isinstance(sh, ShardedTensor) or sh.key.endswith("_extra_state"):
+                continue
+            assert sh.key in plain, sh.key
+            saved = plain[sh.key][sh.global_slice()]
+            local = sh.data
+            if saved.shape != local.shape:  # the vocabulary padded for another TP size
+                rows = min(saved.shape[0], local.shape[0])
+                saved, local = saved[:rows], local[:rows]
+            assert saved.dtype == local.dtype and torch.equal(saved, local.detach().cpu()), (sh.key, sh.global_offset)
+            counts[part] += 1
+    return counts

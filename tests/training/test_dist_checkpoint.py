@@ -1,0 +1,147 @@
+"""torch_dist checkpoints (the default ``--ckpt-format``): a resumed run equals a straight one
+bit for bit (losses, gradient norms, weights and Adam state); a checkpoint saved under one
+TP/PP layout resumes under another with its weights and optimizer state resharded exactly (each
+rank's slices equal the checkpoint's global tensors); damaged files and unusable flags are
+clear errors."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers.dist_ckpt import check_rank_against_checkpoint, plain_tensors
+from helpers.hf_reference import make_hf_checkpoint
+from helpers.torchrun import REPO_ROOT, run_torchrun
+
+from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
+from megatron_psrl.checkpoint.dist_format import checkpoint_format, load_common
+from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
+from megatron_psrl.errors import CheckpointError, ConfigurationError
+from megatron_psrl.model import tiny_config
+from megatron_psrl.training.arguments import parse_args
+from megatron_psrl.training.trainer import main
+
+SCRIPT = os.path.join(REPO_ROOT, "pretrain_agent_rl.py")
+CHECK = os.path.join(REPO_ROOT, "tests", "training", "scripts", "dist_ckpt_check.py")
+# The KL term makes synthetic rollouts carry old log-probs, so every loss depends on the weights.
+DATA = ["--data", "stepwise", "--synthetic-tokens", "2000", "--micro-batch-tokens", "512", "--quiet", "--seed", "3",
+        "--lr", "1e-3", "--kl-coef", "0.05", "--optimizer", "adam"]
+
+
+def _records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("dtype", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_two_plus_two_iterations_equal_four(tmp_path, dtype):
+    """Save after 2 iterations, resume for 2 more: the same losses and gradient norms per
+    iteration as 4 straight iterations, and the same final weights, Adam moments (and fp32
+    masters in bf16) and schedule."""
+    # (the schedule's length is saved with it: the same --lr-decay-iters for both runs)
+    base = ["--model", "debug-llama"] + DATA + dtype + ["--lr-decay-iters", "4"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    main(base + ["--train-iters", "4", "--save", str(straight), "--log-json", str(tmp_path / "a.jsonl")])
+    main(base + ["--train-iters", "2", "--save", str(split), "--log-json", str(tmp_path / "b.jsonl")])
+    assert checkpoint_format(str(split)) == "torch_dist"
+    assert sorted(os.listdir(split / "iter_0000002")) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json",
+                                                          "psrl_model.json"]
+    main(base + ["--train-iters", "4", "--load", str(split), "--save", str(split), "--log-json",
+                 str(tmp_path / "b.jsonl")])
+    a, b = _records(tmp_path / "a.jsonl"), _records(tmp_path / "b.jsonl")
+    assert [r["iter"] for r in b] == [1, 2, 3, 4]
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in a] == [(r["loss"], r["grad_norm"], r["lr"]) for r in b]
+    x, y = plain_tensors(str(straight / "iter_0000004")), plain_tensors(str(split / "iter_0000004"))
+    assert set(x) == set(y) and any(k.startswith("optimizer.state.exp_avg_sq.") for k in x)
+    assert any(k.startswith("optimizer.state.fp32_param.") for k in x) == bool(dtype)
+    for key in x:
+        assert torch.equal(x[key], y[key]) if torch.is_tensor(x[key]) else x[key] == y[key], key
+    common = [load_common(str(d / "iter_0000004")) for d in (straight, split)]
+    assert common[0]["opt_param_scheduler"] == common[1]["opt_param_scheduler"]
+    assert common[0]["iteration"] == common[1]["iteration"] == 4
+
+
+@pytest.mark.slow
+def test_tp2_checkpoint_resumes_under_tp1_with_its_optimizer_state(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_torchrun(SCRIPT, ["--model", "debug-llama"] + DATA + ["--train-iters", "2", "--save", str(ckpt),
+                                                              "--tensor-model-parallel-size", "2"], nproc=2)
+    it_dir, info = read_checkpoint_info(str(ckpt))
+    assert info.tensor_parallel_size == 2 and info.has_optimizer_state
+    actor = PolicyActor(str(ckpt), ActorConfig(device="cpu", micro_batch_tokens=512,
+                                               optimizer=OptimizerSettings(optimizer="adam", lr=1e-3)))
+    counts = check_rank_against_checkpoint(actor, it_dir)
+    assert counts["model"] >= 9 and counts["optimizer"] >= 2 * counts["model"]  # weights, exp_avg, exp_avg_sq
+    assert actor.iteration == 2 and actor.optimizer.scheduler.num_steps == 2
+    # and the command line resumes it under TP=1 without --no-load-optim (a legacy one refuses)
+    main(DATA + ["--train-iters", "3", "--load", str(ckpt), "--log-json", str(tmp_path / "log.jsonl")])
+    assert [r["iter"] for r in _records(tmp_path / "log.jsonl")] == [3]
+
+
+@pytest.mark.slow
+def test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state(tmp_path):
+    """An uneven PP=2 split (1/3 layers, a vocabulary not a multiple of 128) saved, then resumed
+    by TP=2: every rank's slices of the weights and Adam state are the saved ones."""
+    hf = make_hf_checkpoint(dict(tiny_config("debug-llama"), num_hidden_layers=4, vocab_size=300),
+                            directory=str(tmp_path / "hf"))
+    ckpt = tmp_path / "ckpt"
+    run_torchrun(SCRIPT, ["--hf-dir", hf] + DATA + ["--train-iters", "2", "--save", str(ckpt),
+                                                    "--pipeline-model-parallel-size", "2",
+                                                    "--decoder-first-pipeline-num-layers", "1"], nproc=2)
+    _, info = read_checkpoint_info(str(ckpt))
+    assert (info.pipeline_parallel_size, info.pipeline_layers) == (2, (1, 3))
+    out = tmp_path / "check.json"
+    run_torchrun(CHECK, ["--load", str(ckpt), "--tp", "2", "--out", str(out)], nproc=2)
+    res = json.loads(out.read_text())
+    assert res["world"] == 2 and res["saved_iteration"] == 2 and res["iteration"] == 3 and not res["skipped"]
+    for counts in res["counts"]:  # both TP ranks compared all their slices
+        assert counts["model"] >= 15 and counts["optimizer"] >= 2 * counts["model"]
+    assert res["lr_before"] == pytest.approx(1e-3)
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_checkpoint_loads_under_one_rank(tmp_path):
+    """PP=2 with 2 virtual stages each saves Megatron-LM's model0 / model1 entries (global layer
+    numbers), and one rank without pipeline stages resumes it with the optimizer state."""
+    hf = make_hf_checkpoint(dict(tiny_config("debug-llama"), num_hidden_layers=4, vocab_size=300),
+                            directory=str(tmp_path / "hf"))
+    ckpt = tmp_path / "ckpt"
+    run_torchrun(SCRIPT, ["--hf-dir", hf] + DATA + ["--train-iters", "2", "--save", str(ckpt),
+                                                    "--pipeline-model-parallel-size", "2",
+                                                    "--num-layers-per-virtual-pipeline-stage", "1"], nproc=2)
+    it_dir, info = read_checkpoint_info(str(ckpt))
+    assert info.virtual_pipeline_size == 2
+    actor = PolicyActor(str(ckpt), ActorConfig(device="cpu", micro_batch_tokens=512,
+                                               optimizer=OptimizerSettings(optimizer="adam", lr=1e-3)))
+    counts = check_rank_against_checkpoint(actor, it_dir)
+    assert counts["model"] >= 15 and counts["optimizer"] >= 2 * counts["model"]
+
+
+def test_a_damaged_torch_dist_file_is_named(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    main(["--model", "debug-llama"] + DATA + ["--train-iters", "1", "--save", str(ckpt)])
+    data = ckpt / "iter_0000001" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="iter_0000001.*cannot be loaded as a torch_dist checkpoint"):
+        PolicyActor(str(ckpt), ActorConfig(device="cpu"))
+    (ckpt / "iter_0000001" / "metadata.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="metadata.json.*cannot be read"):
+        PolicyActor(str(ckpt), ActorConfig(device="cpu"))
+
+
+def test_overlap_and_distributed_optimizer_flags_on_cpu(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--overlap-param-gather"])
+    assert "--overlap-param-gather needs --use-distributed-optimizer" in capsys.readouterr().err
+    with pytest.raises(ConfigurationError, match="needs --use-distributed-optimizer"):
+        OptimizerSettings(overlap_param_gather=True)
+    main(["--model", "debug-llama", "--data", "grpo", "--synthetic-tokens", "500", "--train-iters", "1",
+          "--overlap-grad-reduce"])
+    out = capsys.readouterr().out
+    assert out.count("--overlap-grad-reduce has no effect on CPU") == 1
+    with pytest.raises(ConfigurationError, match="--use-distributed-optimizer needs CUDA"):
+        main(["--model", "debug-llama", "--train-iters", "1", "--use-distributed-optimizer", "--save",
+              str(tmp_path / "ck")])
+    with pytest.raises(NotImplementedError, match="legacy checkpoint format cannot hold the distributed optimizer"):
+        main(["--model", "debug-llama", "--train-iters", "1", "--use-distributed-optimizer", "--save",
+              str(tmp_path / "ck"), "--ckpt-format", "legacy"])
