@@ -13,8 +13,10 @@ of a bisection until the smallest feasible one is found. Printed beside it:
   hold for no recomputation at all);
 - ``tokens recomputed`` at the minimal budget.
 
-The ratio minimal / floor is the headroom the planner leaves above the unavoidable; gathered
-K/V copies of kept readers and the order of the schedule are what lies between.
+The ratio minimal / floor is the headroom the planner leaves above the unavoidable. The main
+columns are the ``torch`` backend's, whose readers gather cached K/V again in their backward
+pass; the last two are for kernels that keep their gathered copies in the graph (GPU
+backends), where a kept reader holds a private copy of its whole prefix chain.
 """
 
 import argparse
@@ -36,12 +38,12 @@ from megatron_psrl.tree import build_prefix_tree  # noqa: E402
 from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
 
 
-def minimal_budget(rank, geometry, act_bytes, high: int) -> int:
+def minimal_budget(rank, geometry, act_bytes, high: int, gathers: bool) -> int:
     lo, hi = 0, high  # lo infeasible, hi feasible
     while hi - lo > max(1024, hi // 1000):
         mid = (lo + hi) // 2
         try:
-            plan_memory(rank, geometry, mid, act_bytes)
+            plan_memory(rank, geometry, mid, act_bytes, gathers_in_backward=gathers)
             hi = mid
         except CacheBudgetError:
             lo = mid
@@ -60,24 +62,25 @@ def main() -> None:
     print(f"tiny-llama geometry ({geometry.bytes_per_token} bytes per token per kind over {geometry.num_layers} "
           f"layers), fp32, micro-batches of {args.micro_batch_tokens} tokens, one rank")
     print("| workload | tokens | micro-batches | floor | minimal budget | minimal / floor | keep all | "
-          "recomputed at minimal |")
-    print("|---|---|---|---|---|---|---|---|")
+          "recomputed at minimal | minimal, copies kept | keep all, copies kept |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.workloads:
         batch = make_workload(name, num_tokens_target=args.tokens, vocab_size=arch.vocab_size, seed=1)
         plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=args.micro_batch_tokens,
                                                                   sharing="tree"))
         rank = plan.ranks[0]
         if not rank.sources:
-            print(f"| {name} | {batch.num_tokens} | {len(rank.micro_batches)} | - | (no cached prefixes) | | | |")
+            print(f"| {name} | {batch.num_tokens} | {len(rank.micro_batches)} | - | (no cached prefixes) | | | | | |")
             continue
         chain = max(sum(rank.sources[s].length for s in mb.reads) for mb in rank.micro_batches)
         floor = 4 * chain * geometry.bytes_per_token
-        keep_all = plan_memory(rank, geometry, 1 << 50, act).peak_bytes
-        minimal = minimal_budget(rank, geometry, act, keep_all)
-        recomputed = plan_memory(rank, geometry, minimal, act).recompute_tokens
+        keep_all = {g: plan_memory(rank, geometry, 1 << 50, act, gathers_in_backward=g).peak_bytes for g in (True, False)}
+        minimal = {g: minimal_budget(rank, geometry, act, keep_all[g], g) for g in (True, False)}
+        recomputed = plan_memory(rank, geometry, minimal[True], act, gathers_in_backward=True).recompute_tokens
         mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
-        print(f"| {name} | {batch.num_tokens} | {len(rank.micro_batches)} | {mib(floor)} | {mib(minimal)} | "
-              f"{minimal / floor:.2f} | {mib(keep_all)} | {recomputed} |", flush=True)
+        print(f"| {name} | {batch.num_tokens} | {len(rank.micro_batches)} | {mib(floor)} | {mib(minimal[True])} | "
+              f"{minimal[True] / floor:.2f} | {mib(keep_all[True])} | {recomputed} | {mib(minimal[False])} "
+              f"({minimal[False] / floor:.2f}) | {mib(keep_all[False])} |", flush=True)
 
 
 if __name__ == "__main__":

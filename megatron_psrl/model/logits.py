@@ -53,6 +53,10 @@ def vocab_parallel_logprobs(
     n, v_local = logits.shape
     v_start = rank * v_local
     num_real = max(0, min(v_local, vocab_size - v_start))
+    if world == 1 and num_real == v_local:
+        # The whole vocabulary here: PyTorch's fused log-softmax (one pass forward and one
+        # backward, one [n, V] tensor saved) computes the same function.
+        return _local_logprobs(logits, targets, with_entropy)
     if num_real < v_local:
         logits = logits.clone()
         # Finite (not -inf): exp() still gives exactly 0, and 0 * value stays 0 in gradients.
@@ -84,6 +88,14 @@ def vocab_parallel_logprobs(
             weighted = reduce_from_tensor_model_parallel_region(weighted)
         entropy = log_z - weighted / sum_exp
     return logprobs, entropy
+
+
+def _local_logprobs(logits: Tensor, targets: Tensor, with_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`vocab_parallel_logprobs` when this rank holds the whole, unpadded vocabulary."""
+    logp = torch.log_softmax(logits, dim=-1)  # [n, V]
+    picked = logp.gather(1, targets[:, None])[:, 0]
+    entropy = -(logp.exp() * logp).sum(dim=-1) if with_entropy else None
+    return picked, entropy
 
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024

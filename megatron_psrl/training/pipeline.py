@@ -123,7 +123,7 @@ class PipelineStepRunner(StepRunner):
             io.append((x, out))
         if grad:
             self._io[i] = io
-        return out[:, 0] if self.last else None
+        return out.squeeze(1) if self.last else None
 
     def _stage_backward(self, i: int, loss: Optional[Tensor], kv_grads) -> None:
         io = self._io.pop(i)

@@ -342,7 +342,7 @@ class StepRunner:
     # One pipeline stage runs the whole model here; PipelineStepRunner overrides these three.
     def _stage_forward(self, i: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata, grad: bool) -> Optional[Tensor]:
         """Hidden states ``[t, h]`` of micro-batch ``i`` (``None`` on a stage without the loss)."""
-        return self.model(ids, pos, meta)[:, 0]
+        return self.model(ids, pos, meta).squeeze(1)  # a view: its backward allocates nothing
 
     def _stage_backward(self, i: int, loss: Optional[Tensor], kv_grads: Sequence[Tuple[int, Tensor, Tensor]]) -> None:
         """Backward of micro-batch ``i`` from its (scaled) loss and the K/V rows it produced,

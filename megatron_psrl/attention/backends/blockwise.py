@@ -73,17 +73,19 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         plan, scale, impl = ctx.plan, ctx.scale, ctx.impl
         dout = dout.contiguous()
         # Every block adds into dQ (and into the keys' dK/dV): accumulate in fp32, round once.
+        # The segments partition the pack (AttentionPlan checks it): their causal blocks write
+        # every row first, so the accumulators start uninitialised, not zeroed.
         acc = lse_dtype(q)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dk = torch.empty(k.shape, dtype=acc, device=k.device)
+        dv = torch.empty(v.shape, dtype=acc, device=v.device)
         d_ext_k = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_k]
         d_ext_v = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_v]
         for a, b in zip(plan.seg_start.tolist(), plan.seg_end.tolist()):
             g = partial_attention_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[a:b], True, scale, impl)
-            dq[a:b] += g[0]
-            dk[a:b] += g[1]
-            dv[a:b] += g[2]
+            dq[a:b] = g[0]
+            dk[a:b] = g[1]
+            dv[a:b] = g[2]
         for qa, qb, ka, kb, src in _blocks(plan):
             kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
             g = partial_attention_backward(
