@@ -27,7 +27,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="Hugging Face save_pretrained folder")
-    src.add_argument("--load", help="megatron_psrl checkpoint directory (any TP/PP layout)")
+    src.add_argument("--load", help="megatron_psrl checkpoint directory (torch_dist or legacy, any TP/PP layout)")
     p.add_argument("--data", required=True, help="samples file (.jsonl or .parquet)")
     p.add_argument("--out", required=True, help="output JSONL file")
     p.add_argument("--no-prefix-sharing", action="store_true", help="pack samples back to back (no sharing)")

@@ -41,7 +41,8 @@ def parse_args(argv=None):
     c.add_argument("--out-dir", required=True, help="checkpoint directory to create")
     for s in (a, c):
         s.add_argument("--ckpt-format", default=DEFAULT_CKPT_FORMAT, choices=CKPT_FORMATS,
-                       help="output format: torch_dist (loads under any layout) or legacy (per-rank files)")
+                       help="output format: torch_dist (default; loads under any layout) or legacy (per-rank "
+                            "files of --tp x --pp)")
         s.add_argument("--tp", type=positive_int, default=1, help="legacy: tensor-parallel shards (default 1)")
         s.add_argument("--pp", type=positive_int, default=1, help="legacy: pipeline-parallel stages (default 1)")
     for s in (a, b, c):

@@ -117,6 +117,32 @@ def test_virtual_pipeline_checkpoint_loads_under_one_rank(tmp_path):
     assert counts["model"] >= 15 and counts["optimizer"] >= 2 * counts["model"]
 
 
+def test_compute_logprobs_reads_a_torch_dist_checkpoint(tmp_path):
+    """tools/compute_logprobs.py --load of a converted torch_dist checkpoint gives the log-probs
+    of the Hugging Face folder it came from."""
+    import subprocess
+    import sys
+
+    from helpers.torchrun import script_env
+
+    from megatron_psrl.checkpoint.convert import hf_to_mcore
+    from megatron_psrl.data import make_workload, write_samples
+
+    hf = make_hf_checkpoint(tiny_config("debug-llama"), directory=str(tmp_path / "hf"))
+    hf_to_mcore(hf, str(tmp_path / "ckpt"), progress=False)
+    data = tmp_path / "d.jsonl"
+    write_samples(make_workload("mixed", vocab_size=256, seed=4), data)
+    outs = []
+    for source in (["--load", str(tmp_path / "ckpt")], ["--hf-dir", hf]):
+        out = tmp_path / f"lp{len(outs)}.jsonl"
+        proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "compute_logprobs.py"), *source,
+                               "--data", str(data), "--out", str(out), "--micro-batch-tokens", "256"],
+                              env=script_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(_records(out))
+    assert outs[0] == outs[1]
+
+
 def test_a_damaged_torch_dist_file_is_named(tmp_path):
     ckpt = tmp_path / "ckpt"
     main(["--model", "debug-llama"] + DATA + ["--train-iters", "1", "--save", str(ckpt)])
