@@ -983,6 +983,14 @@ def run(args, log=print) -> dict:
     want_profile = set(names) if args.profile == "all" else set() if args.profile == "none" else \
         set(args.profile.split(","))
     summaries, profiles = [], {}
+    meta = {"hidden": hf_config["hidden_size"], "intermediate": hf_config["intermediate_size"],
+            "layers": hf_config["num_hidden_layers"], "heads": hf_config["num_attention_heads"],
+            "kv_heads": hf_config["num_key_value_heads"], "vocab": hf_config["vocab_size"],
+            "threads": torch.get_num_threads(), "device": "cpu", "micro_batch_tokens": args.micro_batch_tokens,
+            "repeats": args.repeats, "clock": args.clock, "grad_rtol": args.grad_rtol, "slow_seconds": args.slow_seconds,
+            "max_forward_tokens": args.max_forward_tokens, "quick": args.quick, "unavailable": unavailable,
+            "torch": torch.__version__, "platform": platform.platform(), "versions": _versions()}
+    out = {"meta": meta, "workloads": summaries, "profiles": profiles}
     for name in selected:
         work = Work.of(name, names[name]())
         tree = build_prefix_tree(work.batch)
@@ -1000,14 +1008,18 @@ def run(args, log=print) -> dict:
             profiles[name] = bench.profile(work.batch)
             log("  psrl profile: " + ", ".join(f"{k} {v:.3f}s" for k, v in profiles[name]["phases"].items())
                 + f", optimizer step {profiles[name]['optimizer_step_s']:.3f}s")
-    meta = {"hidden": hf_config["hidden_size"], "intermediate": hf_config["intermediate_size"],
-            "layers": hf_config["num_hidden_layers"], "heads": hf_config["num_attention_heads"],
-            "kv_heads": hf_config["num_key_value_heads"], "vocab": hf_config["vocab_size"],
-            "threads": torch.get_num_threads(), "device": "cpu", "micro_batch_tokens": args.micro_batch_tokens,
-            "repeats": args.repeats, "clock": args.clock, "grad_rtol": args.grad_rtol, "slow_seconds": args.slow_seconds,
-            "max_forward_tokens": args.max_forward_tokens, "quick": args.quick, "unavailable": unavailable,
-            "torch": torch.__version__, "platform": platform.platform(), "versions": _versions()}
-    return {"meta": meta, "workloads": summaries, "profiles": profiles}
+        write(args.out_dir, out)  # after every workload: a long run that is stopped keeps what it measured
+    return out
+
+
+def write(out_dir: str, out: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_peers.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    md = markdown(out["workloads"], out["profiles"], out["meta"])
+    with open(os.path.join(out_dir, "bench_peers.md"), "w") as f:
+        f.write(md)
+    return md
 
 
 def _versions() -> Dict[str, str]:
@@ -1047,12 +1059,7 @@ def main(argv=None) -> int:
     if args.repeats is None:
         args.repeats = 1 if args.quick else 5
     out = run(args)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "bench_peers.json"), "w") as f:
-        json.dump(out, f, indent=2)
-    md = markdown(out["workloads"], out["profiles"], out["meta"])
-    with open(os.path.join(args.out_dir, "bench_peers.md"), "w") as f:
-        f.write(md)
+    md = write(args.out_dir, out)
     print()
     print(md)
     failed = [(s["workload"], r["contender"]) for s in out["workloads"] for r in s["rows"]
