@@ -1,4 +1,4 @@
-"""Checkpoint I/O: HF safetensors folders, megatron legacy per-rank checkpoints, conversion."""
+"""Checkpoint I/O: HF safetensors folders, megatron-core torch_dist and legacy per-rank checkpoints, conversion."""
 
 from megatron_psrl.checkpoint.atomic import OutputExistsError, atomic_directory
 from megatron_psrl.checkpoint.loading import (

@@ -97,7 +97,7 @@ def model_sharded_state_dict(model: torch.nn.Module) -> Dict[str, Any]:
     return {f"model{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
 
 
-def rng_sharded_object(layout_key):
+def rng_sharded_object():
     """This rank's RNG states as Megatron-LM saves them: a ShardedObject over (PP, TP), one
     copy per data-parallel group."""
     from megatron.core import parallel_state, tensor_parallel
@@ -199,7 +199,7 @@ def save_training_state(it_dir: str, iteration: int, model, optimizer, device: t
     """Every rank: the training checkpoint of Megatron-LM's torch_dist layout (module docstring)."""
     model_state = model_sharded_state_dict(model)
     state: Dict[str, Any] = dict(model_state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
-                                 rng_state=rng_sharded_object(None))
+                                 rng_state=rng_sharded_object())
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_state)
         state["opt_param_scheduler"] = optimizer.scheduler.state_dict()
@@ -215,7 +215,7 @@ def load_training_state(it_dir: str, model, optimizer, same_layout: bool) -> Non
     request: Dict[str, Any] = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(model),
                                                                          is_loading=True, saved=common["optimizer"])}
     if same_layout:
-        request["rng_state"] = rng_sharded_object(None)
+        request["rng_state"] = rng_sharded_object()
     loaded = load_state(it_dir, request)
     optimizer.load_sharded_state_dict(loaded["optimizer"])
     optimizer.scheduler.load_state_dict(common["opt_param_scheduler"])
@@ -223,18 +223,14 @@ def load_training_state(it_dir: str, model, optimizer, same_layout: bool) -> Non
         restore_rng(loaded["rng_state"])
 
 
-def saved_iteration(it_dir: str) -> Optional[int]:
-    value = load_common(it_dir).get("iteration")
-    return None if value is None else int(value)
-
 
 # ---------------------------------------------------------------------- whole models, one process
 @contextlib.contextmanager
 def single_process_model_parallel() -> Iterator[None]:
     """TP = PP = 1 in this (only) process, for reading or writing a whole model (the converter,
     :func:`load_full_state_dict`): a torch_dist checkpoint is read and written through a model
-    whose ``sharded_state_dict()`` says where every tensor lives. The caller's RNG state is
-    kept."""
+    whose ``sharded_state_dict()`` says where every tensor lives. torch's CPU RNG state is kept
+    (megatron's RNG tracker is seeded anew)."""
     import torch.distributed as dist
 
     from megatron_psrl.distributed.setup import initialize_parallel

@@ -62,19 +62,27 @@ def test_two_plus_two_iterations_equal_four(tmp_path, dtype):
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_resumes_under_tp1_with_its_optimizer_state(tmp_path):
+@pytest.mark.parametrize("layout,dtype", [(["--tensor-model-parallel-size", "2"], "float32"),
+                                          (["--bf16"], "bfloat16")], ids=["tp2", "dp2-bf16"])
+def test_two_rank_checkpoint_resumes_on_one_rank_with_its_optimizer_state(tmp_path, layout, dtype):
+    """TP=2 (sharded weights and moments), or DP=2 in bf16 (replicas: rank 0 alone writes; fp32
+    master copies saved), resumed by one rank."""
     ckpt = tmp_path / "ckpt"
-    run_torchrun(SCRIPT, ["--model", "debug-llama"] + DATA + ["--train-iters", "2", "--save", str(ckpt),
-                                                              "--tensor-model-parallel-size", "2"], nproc=2)
+    run_torchrun(SCRIPT, ["--model", "debug-llama"] + DATA + ["--train-iters", "2", "--save", str(ckpt)] + layout,
+                 nproc=2)
     it_dir, info = read_checkpoint_info(str(ckpt))
-    assert info.tensor_parallel_size == 2 and info.has_optimizer_state
-    actor = PolicyActor(str(ckpt), ActorConfig(device="cpu", micro_batch_tokens=512,
+    assert info.has_optimizer_state and info.tensor_parallel_size == (2 if dtype == "float32" else 1)
+    if dtype == "bfloat16":
+        assert sorted(p.name for p in (ckpt / "iter_0000002").glob("*.distcp")) == ["__0_0.distcp"]
+    actor = PolicyActor(str(ckpt), ActorConfig(device="cpu", micro_batch_tokens=512, dtype=dtype,
                                                optimizer=OptimizerSettings(optimizer="adam", lr=1e-3)))
     counts = check_rank_against_checkpoint(actor, it_dir)
-    assert counts["model"] >= 9 and counts["optimizer"] >= 2 * counts["model"]  # weights, exp_avg, exp_avg_sq
+    per_param = 3 if dtype == "bfloat16" else 2  # exp_avg, exp_avg_sq (and the fp32 master)
+    assert counts["model"] >= 9 and counts["optimizer"] == per_param * counts["model"]
     assert actor.iteration == 2 and actor.optimizer.scheduler.num_steps == 2
-    # and the command line resumes it under TP=1 without --no-load-optim (a legacy one refuses)
-    main(DATA + ["--train-iters", "3", "--load", str(ckpt), "--log-json", str(tmp_path / "log.jsonl")])
+    # and the command line resumes it on one rank without --no-load-optim (a legacy TP=2 one refuses)
+    main(DATA + ["--train-iters", "3", "--load", str(ckpt), "--log-json", str(tmp_path / "log.jsonl")]
+         + (["--bf16"] if dtype == "bfloat16" else []))
     assert [r["iter"] for r in _records(tmp_path / "log.jsonl")] == [3]
 
 
