@@ -891,6 +891,7 @@ def markdown(summaries: List[dict], profiles: Dict[str, dict], meta: dict) -> st
     for c, why in meta["unavailable"].items():
         lines.append(f"- `{c}` not run: {why}")
     lines.append("")
+    lines += summary_table(summaries, meta)
     for s in summaries:
         floor = (f"floor {_f(s['floor_s'], '.3f')} s" if s["floor_s"] is not None
                  else f"floor n/a, FLOP-ideal estimate {_f(s['floor_estimate_s'], '.3f')} s (est.)")
@@ -920,6 +921,30 @@ def markdown(summaries: List[dict], profiles: Dict[str, dict], meta: dict) -> st
         if p:
             lines += _profile_md(p)
     return "\n".join(lines) + "\n"
+
+
+def summary_table(summaries: List[dict], meta: dict) -> List[str]:
+    """One row per workload: every contender's median ({clock} clock) and psrl's two ratios."""
+    names = [n for n in CONTENDERS if n not in meta["unavailable"]]
+    out = [f"Median step seconds ({meta['clock']} clock); FAILED = gradients differ from the reference; "
+           "skip = not applicable or over the memory cap (reason in the workload's table).", "",
+           "| workload | " + " | ".join(names) + " | psrl / best peer | psrl / floor |",
+           "|---|" + "---|" * (len(names) + 2)]
+    for s in summaries:
+        rows = {r["contender"]: r for r in s["rows"]}
+        cells = []
+        for n in names:
+            r = rows.get(n)
+            if r is None or r["status"] == "skipped":
+                cells.append("skip" if r is not None else "-")
+            elif r["status"] != "ok":
+                cells.append(r["status"])
+            else:
+                cells.append(f"{r['median_s']:.3f}{'*' if r['runs'] == 1 and meta['repeats'] > 1 else ''}")
+        est = " (est.)" if s["floor_kind"] == "est." and s["psrl_over_floor"] is not None else ""
+        out.append(f"| {s['workload']} | " + " | ".join(cells) + f" | {_f(s['psrl_over_best_peer'], '.2f')} "
+                   f"({s['best_peer'] or '-'}) | {_f(s['psrl_over_floor'], '.2f')}{est} |")
+    return out + ["", "\\* timed by its warm-up only (slower than --slow-seconds).", ""]
 
 
 def _profile_md(p: dict) -> List[str]:
