@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip; 0 disables")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (CUDA)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="megatron DDP: overlap the data-parallel gradient reduce with the backward pass (CUDA; no "
-                        "effect on CPU)")
+                   help="megatron DDP's asynchronous bucketed gradient reduce (CUDA; no effect on CPU). With prefix "
+                        "sharing it starts after the step's last backward pass: the backward pattern follows the "
+                        "trees, which megatron's in-backward trigger assumes fixed")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: overlap the parameter all-gather with the next forward "
                         "pass (CUDA; no effect on CPU)")
