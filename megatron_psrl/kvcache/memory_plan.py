@@ -13,7 +13,9 @@ against the budget:
   the K/V it gathered from the cache, unless the attention gathers them again in its backward
   pass: ``gathers_in_backward``, the ``torch`` backend);
 - the K/V copies gathered from the cache by the micro-batch that is running (all layers' for
-  kernels that save them; one layer's at a time when gathered again in backward).
+  kernels that save them; one layer's at a time when gathered again in backward);
+- the running micro-batch's loss head (``head_bytes``: one chunk of claimed rows' logits and
+  their gradients, :func:`megatron_psrl.model.logits.loss_head_peak_bytes`).
 
 Gathering again in backward trades the copies a kept graph held (every reader its whole
 prefix chain) for keeping the prefix's K/V blocks until the reader's backward.
@@ -123,7 +125,7 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_
         runs = op == "forward_backward" or not kept or tables.gathers_in_backward
         transient = running_reads[i] if runs else 0
         blocks_held.append(blocks)
-        other_held.append(graphs + transient)
+        other_held.append(graphs + transient + tables.head_bytes)
         if op == "backward":
             for s in mb.produces:
                 blocks -= 2 * _blocks(plan.sources[s].length * grad_slots, block_size)  # dK, dV consumed
@@ -151,9 +153,12 @@ class _ByteTables:
 
     gathers_in_backward: bool
 
+    head_bytes: int = 0
+    """The loss head's transient peak, charged at every step (a micro-batch is running)."""
+
 
 def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
-                 gathers_in_backward: bool = False) -> _ByteTables:
+                 gathers_in_backward: bool = False, head_bytes: int = 0) -> _ByteTables:
     """Per micro-batch: its graph's activations, and the prefix K/V it holds while it runs (or,
     kept, until its backward): copies gathered from the cache and K/V received from other
     ranks in the same step (cross-rank peers, always kept as copies). Gathered again in
@@ -164,31 +169,32 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
     peers = {i: kv * sum(p.length for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
     if not gathers_in_backward:
         reads = {i: cached[i] + peers[i] for i in cached}
-        return _ByteTables(graph, reads, reads, False)
+        return _ByteTables(graph, reads, reads, False, head_bytes)
     one_layer = {i: -(-cached[i] * (1 + geometry.grad_slots_per_token) // geometry.num_layers) for i in cached}
-    return _ByteTables(graph, peers, {i: one_layer[i] + peers[i] for i in cached}, True)
+    return _ByteTables(graph, peers, {i: one_layer[i] + peers[i] for i in cached}, True, head_bytes)
 
 
 def simulated_peak_bytes(
     plan: RankPlan, geometry: KVGeometry, keep_graph: Dict[int, bool], act_bytes_per_token: int,
-    block_size: Optional[int] = None, gathers_in_backward: bool = False,
+    block_size: Optional[int] = None, gathers_in_backward: bool = False, head_bytes: int = 0,
 ) -> int:
     """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
     block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
-    tables = _byte_tables(plan, geometry, act_bytes_per_token, gathers_in_backward)
+    tables = _byte_tables(plan, geometry, act_bytes_per_token, gathers_in_backward, head_bytes)
     blocks, other, _ = _simulate(plan, keep_graph, block_size, tables, grad_slots=geometry.grad_slots_per_token)
     return int((blocks * geometry.block_bytes(block_size) + other).max(initial=0))
 
 
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int,
-                rereads: bool = False, gathers_in_backward: bool = False) -> MemoryPlan:
+                rereads: bool = False, gathers_in_backward: bool = False, head_bytes: int = 0) -> MemoryPlan:
     """Decide block size, pool size and keep/recompute for every producer of ``plan``."""
-    return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token, rereads, gathers_in_backward)[0]
+    return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token, rereads, gathers_in_backward,
+                             head_bytes)[0]
 
 
 def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes: int,
                       act_bytes_per_token: int, rereads: bool = False,
-                      gathers_in_backward: bool = False) -> List[MemoryPlan]:
+                      gathers_in_backward: bool = False, head_bytes: int = 0) -> List[MemoryPlan]:
     """:func:`plan_memory` for ranks that run one schedule in lockstep (a cross-rank group;
     or a single rank): a producer step keeps or drops its graph on all of them alike, because
     a recomputation re-runs the step's exchange, in which every rank takes part.
@@ -201,7 +207,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     simulation accounts for that. ``rereads``: with activation recomputation every backward
     reads its cached prefixes again (their K/V stay until then). ``gathers_in_backward``: the
     attention gathers cached K/V again in its backward pass (the ``torch`` backend) instead of
-    keeping copies in the graph; every backward then re-reads too.
+    keeping copies in the graph; every backward then re-reads too. ``head_bytes``: the loss
+    head's transient peak, charged at every step.
     """
     schedule = plans[0].schedule
     block_size = choose_block_size([s.length for p in plans for s in p.sources.values()])
@@ -210,7 +217,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     backward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "backward"}
     producers = sorted(forward_at)
     keep = {p: True for p in producers}
-    tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward) for p in plans]
+    tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward, head_bytes) for p in plans]
 
     def timelines(decisions) -> List[np.ndarray]:
         out = []
@@ -240,8 +247,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
         minimum = min(current, all_dropped)
         raise CacheBudgetError(
             f"the cached prefixes of this step need at least {minimum} bytes at their peak (KV blocks of the "
-            f"prefixes alive at once plus the graphs and gathered K/V copies in use; {keep_all} with every "
-            f"graph kept) but --kv-cache-budget is {budget_bytes} bytes"
+            f"prefixes alive at once plus the graphs, gathered K/V copies and loss head in use; {keep_all} with "
+            f"every graph kept) but --kv-cache-budget is {budget_bytes} bytes"
         )
     memories = []
     for plan, table in zip(plans, tables):

@@ -107,6 +107,18 @@ def chunk_rows(local_vocab: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return max(1, int(chunk_bytes) // (4 * max(1, local_vocab)))
 
 
+LOSS_HEAD_PEAK_FACTOR = 6
+"""The loss head's transient peak in units of one chunk's fp32 logits: logits, log-softmax
+(or the shifted logits and their exponentials), and their gradients in the backward pass."""
+
+
+def loss_head_peak_bytes(local_vocab: int, max_rows: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Upper estimate of the loss head's transient bytes for a micro-batch of at most ``max_rows``
+    claimed rows (what the KV budget's memory plan charges every running micro-batch)."""
+    rows = min(max(1, max_rows), chunk_rows(local_vocab, chunk_bytes))
+    return LOSS_HEAD_PEAK_FACTOR * rows * local_vocab * 4
+
+
 def chunked_logprobs(output_logits, hidden: Tensor, targets: Tensor, vocab_size: int, with_entropy: bool = False,
                      rows_per_chunk: Optional[int] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """:func:`vocab_parallel_logprobs` of ``output_logits(hidden)``, ``rows_per_chunk`` rows at a

@@ -65,6 +65,7 @@ from megatron_psrl.kvcache import (
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.logits import loss_head_peak_bytes
 from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts, virtual_pipeline_size, virtual_stages
 from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.training.calibration import MeasuredCosts, calibrate_for_planning
@@ -393,6 +394,9 @@ class PolicyActor:
                       f"{m.seconds_per_exchange * 1e3:.2f} ms + {1 / max(m.seconds_per_byte, 1e-15) / 1e9:.2f} GB/s")
         self.kv_cache = BlockKVCache(self.geometry, config.kv_cache_budget)
         self.act_bytes = activation_bytes_per_token(self.arch, tp, torch.tensor([], dtype=dtype).element_size())
+        self.head_bytes = loss_head_peak_bytes(self.arch.padded_vocab_size(tp) // tp, config.micro_batch_tokens,
+                                               int(config.loss_head_chunk_mb * 2**20))
+        """The loss head's transient peak, charged by every memory plan."""
         backend = None if config.attention_backend == "auto" else config.attention_backend
         self.backend_name = backend or default_backend(device.type, dtype)
         if device.type == "cuda" and backend is None and self.backend_name == "torch":
@@ -466,7 +470,8 @@ class PolicyActor:
             lambda ranks: plan_memory_group(ranks, self.plan_geometry, self.config.kv_cache_budget, self.act_bytes,
                                             rereads=self.recompute,
                                             # the torch backend gathers cached K/V again in backward
-                                            gathers_in_backward=self.backend_name == "torch"))
+                                            gathers_in_backward=self.backend_name == "torch",
+                                            head_bytes=self.head_bytes))
         if times is not None:
             times.update(tree=t1 - t0, plan=time.perf_counter() - t1)
         if mode != self.config.prefix_sharing:

@@ -120,3 +120,35 @@ def test_memory_plan_pool_matches_the_simulated_peak():
         readers = rank.sources[sid].consumers
         fwd = [t for t, (op, i) in enumerate(rank.schedule) if i in readers and op != "backward"]
         assert step == max(fwd)
+
+
+@pytest.mark.parametrize("gathers", [False, True], ids=["copies", "regather"])
+def test_memory_plan_charges_the_loss_head_at_every_step(gathers):
+    """The loss head's chunk is transient memory of every running micro-batch: the peak grows by
+    exactly its bytes, and a budget that held the rest without it now drops graphs or refuses."""
+    from megatron_psrl.model.logits import loss_head_peak_bytes
+
+    rank = _stream_plan()
+    head = loss_head_peak_bytes(local_vocab=152064, max_rows=64, chunk_bytes=16 << 20)
+    assert head == 6 * 27 * 152064 * 4  # 16 MiB holds 27 fp32 rows of a 152k vocabulary
+    without = plan_memory(rank, GEOM, 1 << 40, 100, gathers_in_backward=gathers)
+    with_head = plan_memory(rank, GEOM, 1 << 40, 100, gathers_in_backward=gathers, head_bytes=head)
+    assert with_head.peak_bytes == without.peak_bytes + head
+    assert [b - head for b in with_head.timeline_bytes] == without.timeline_bytes
+    with pytest.raises(CacheBudgetError):
+        plan_memory(rank, GEOM, head, 100, gathers_in_backward=gathers, head_bytes=head)
+
+
+def test_regathering_in_backward_holds_no_copies_in_kept_graphs():
+    """Readers that gather again in backward: kept graphs hold only activations, and every K/V
+    block stays until the last backward that re-reads it."""
+    rank = _stream_plan()
+    copies = plan_memory(rank, GEOM, 1 << 40, 0)
+    regather = plan_memory(rank, GEOM, 1 << 40, 0, gathers_in_backward=True)
+    assert regather.gathers_in_backward and not copies.gathers_in_backward
+    assert all(regather.keep_graph.values())
+    assert regather.peak_bytes < copies.peak_bytes
+    backward_at = {i: t for t, (op, i) in enumerate(rank.schedule) if op == "backward"}
+    for sid, step in regather.kv_release_step.items():
+        for reader in rank.sources[sid].consumers:
+            assert step >= backward_at.get(reader, -1)

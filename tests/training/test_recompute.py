@@ -14,21 +14,27 @@ from helpers.tolerance import rounding_tolerance
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
 from megatron_psrl.data.loader import samples_from_dicts
+from megatron_psrl.model import ModelArchitecture
+from megatron_psrl.model.logits import loss_head_peak_bytes
 
 RECOMPUTE = {
     "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
     "selective": dict(recompute_granularity="selective"),
 }
+MODEL = dict(PARALLEL_CONFIGS["qwen3"], num_hidden_layers=3)
+# A budget that forces graphs to be dropped: 120000 bytes of K/V blocks and graphs, plus the
+# loss head's chunk, which every memory plan charges.
+HEAD = loss_head_peak_bytes(ModelArchitecture.from_hf_config(MODEL).padded_vocab_size(1), 16)
 MODES = {"m1": dict(micro_batch_tokens=4096), "m2": dict(micro_batch_tokens=16),
-         "m2-dropped-graphs": dict(micro_batch_tokens=16, kv_cache_budget=120000)}
+         "m2-dropped-graphs": dict(micro_batch_tokens=16, kv_cache_budget=120000 + HEAD)}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     records = random_tree_records(seed=5, num_roots=3, vocab_size=251)
     batch = samples_from_dicts(records, source="records")
-    hf_dir = make_hf_checkpoint(dict(PARALLEL_CONFIGS["qwen3"], num_hidden_layers=3), seed=1,
+    hf_dir = make_hf_checkpoint(MODEL, seed=1,
                                 directory=str(tmp_path_factory.mktemp("hf")))
     hf = load_hf_model(hf_dir)
     loss, grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")

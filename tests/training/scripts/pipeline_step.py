@@ -17,6 +17,8 @@ import torch.distributed as dist
 from helpers.actor_steps import logprobs_and_step
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
+from megatron_psrl.model import ModelArchitecture
+from megatron_psrl.model.logits import loss_head_peak_bytes
 
 p = argparse.ArgumentParser()
 p.add_argument("--hf-dir", action="append", required=True, help="NAME=DIR")
@@ -29,18 +31,21 @@ p.add_argument("--recompute", action="store_true", help="full activation recompu
 p.add_argument("--modes", default="m1,m2,m2-recompute")
 p.add_argument("--m1-budget", type=int, default=72, help="every tree fits, several micro-batches")
 p.add_argument("--m2-budget", type=int, default=16)
-p.add_argument("--recompute-kv-budget", type=int, default=120000)
+p.add_argument("--recompute-kv-budget", type=int, default=120000,
+               help="bytes of K/V blocks and graphs; the loss head every memory plan charges is added")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
 records = json.load(open(args.records))
 longest = max(len(r["tokens"]) for r in records)
-MODES = {"m1": dict(micro_batch_tokens=args.m1_budget),
-         "m2": dict(micro_batch_tokens=args.m2_budget),
-         "m2-recompute": dict(micro_batch_tokens=args.m2_budget, kv_cache_budget=args.recompute_kv_budget)}
 results = {}
 for spec in args.hf_dir:
     name, hf_dir = spec.split("=", 1)
+    head = loss_head_peak_bytes(ModelArchitecture.from_hf_dir(hf_dir).padded_vocab_size(args.tp) // args.tp,
+                                args.m2_budget)
+    MODES = {"m1": dict(micro_batch_tokens=args.m1_budget),
+             "m2": dict(micro_batch_tokens=args.m2_budget),
+             "m2-recompute": dict(micro_batch_tokens=args.m2_budget, kv_cache_budget=args.recompute_kv_budget + head)}
     for mode in args.modes.split(","):
         actor = PolicyActor(hf_dir, ActorConfig(
             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, device="cpu",
