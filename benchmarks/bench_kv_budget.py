@@ -16,7 +16,9 @@ of a bisection until the smallest feasible one is found. Printed beside it:
 The ratio minimal / floor is the headroom the planner leaves above the unavoidable. The main
 columns are the ``torch`` backend's, whose readers gather cached K/V again in their backward
 pass; the last two are for kernels that keep their gathered copies in the graph (GPU
-backends), where a kept reader holds a private copy of its whole prefix chain.
+backends), where a kept reader holds a private copy of its whole prefix chain. The last column
+plans micro-batches cut at branch switches (``cut_at_branch_switches``), what the trainer
+falls back to when the default cut does not fit the budget.
 """
 
 import argparse
@@ -62,25 +64,31 @@ def main() -> None:
     print(f"tiny-llama geometry ({geometry.bytes_per_token} bytes per token per kind over {geometry.num_layers} "
           f"layers), fp32, micro-batches of {args.micro_batch_tokens} tokens, one rank")
     print("| workload | tokens | micro-batches | floor | minimal budget | minimal / floor | keep all | "
-          "recomputed at minimal | minimal, copies kept | keep all, copies kept |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "recomputed at minimal | minimal, copies kept | keep all, copies kept | minimal, cut at branch switches |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.workloads:
         batch = make_workload(name, num_tokens_target=args.tokens, vocab_size=arch.vocab_size, seed=1)
-        plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=args.micro_batch_tokens,
-                                                                  sharing="tree"))
+        tree = build_prefix_tree(batch)
+        plan = plan_step(tree, PlannerConfig(micro_batch_tokens=args.micro_batch_tokens, sharing="tree"))
+        cut = plan_step(tree, PlannerConfig(micro_batch_tokens=args.micro_batch_tokens, sharing="tree",
+                                            cut_at_branch_switches=True)).ranks[0]
         rank = plan.ranks[0]
         if not rank.sources:
-            print(f"| {name} | {batch.num_tokens} | {len(rank.micro_batches)} | - | (no cached prefixes) | | | | | |")
+            print(f"| {name} | {batch.num_tokens} | {len(rank.micro_batches)} | - | (no cached prefixes) | | | | | | |")
             continue
         chain = max(sum(rank.sources[s].length for s in mb.reads) for mb in rank.micro_batches)
         floor = 4 * chain * geometry.bytes_per_token
         keep_all = {g: plan_memory(rank, geometry, 1 << 50, act, gathers_in_backward=g).peak_bytes for g in (True, False)}
         minimal = {g: minimal_budget(rank, geometry, act, keep_all[g], g) for g in (True, False)}
         recomputed = plan_memory(rank, geometry, minimal[True], act, gathers_in_backward=True).recompute_tokens
+        # what the trainer falls back to when the default cut does not fit (planning.plan_with_memory)
+        cut_keep_all = plan_memory(cut, geometry, 1 << 50, act, gathers_in_backward=True).peak_bytes
+        cut_minimal = minimal_budget(cut, geometry, act, cut_keep_all, True)
         mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
         print(f"| {name} | {batch.num_tokens} | {len(rank.micro_batches)} | {mib(floor)} | {mib(minimal[True])} | "
               f"{minimal[True] / floor:.2f} | {mib(keep_all[True])} | {recomputed} | {mib(minimal[False])} "
-              f"({minimal[False] / floor:.2f}) | {mib(keep_all[False])} |", flush=True)
+              f"({minimal[False] / floor:.2f}) | {mib(keep_all[False])} | {mib(cut_minimal)} "
+              f"({cut_minimal / floor:.2f}), {len(cut.micro_batches)} micro-batches |", flush=True)
 
 
 if __name__ == "__main__":

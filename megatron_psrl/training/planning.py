@@ -32,7 +32,8 @@ def plan_with_memory(
 
     Every rank plans every rank, so the decision (and any error) is the same everywhere and
     collectives stay matched. When the cached prefixes do not fit the KV budget, the step is
-    planned again: first with every tree on one rank (cross-rank replicas hold more), then with
+    planned again: with every tree on one rank (cross-rank replicas hold more), then also with
+    micro-batches cut at branch switches (one chain's prefixes alive at a time), then with
     prefix duplication (no cache); if that cannot split the trees either (a sample longer than
     a micro-batch), the error names both reasons.
     """
@@ -40,9 +41,15 @@ def plan_with_memory(
     try:
         return plan, memory_plans(plan, group_memory), config.sharing
     except CacheBudgetError as exc:
+        retries = []
         if "cross-rank" in plan.placements:
+            retries.append(dataclasses.replace(config, placement="whole-tree"))
+        if not config.cut_at_branch_switches:
+            retries.append(dataclasses.replace(config, placement="whole-tree" if retries else config.placement,
+                                               cut_at_branch_switches=True))
+        for retry in retries:
             try:
-                plan = plan_step(tree, dataclasses.replace(config, placement="whole-tree"))
+                plan = plan_step(tree, retry)
                 return plan, memory_plans(plan, group_memory), config.sharing
             except CacheBudgetError:
                 pass

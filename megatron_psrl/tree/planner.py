@@ -73,6 +73,15 @@ class PlannerConfig:
     """Mechanism-2 chunks end at a node boundary instead of mid-node when that keeps them at
     least this full (fewer cached sources)."""
 
+    cut_at_branch_switches: bool = False
+    """Mechanism-2 chunks also end wherever the depth-first stream moves on to a sibling
+    subtree, so no micro-batch both finishes one branch and starts the next. Such a
+    micro-batch reads the first branch's prefixes and produces the second's, so its deferred
+    backward would keep the first branch's dK/dV (and K/V) alive while the second runs. Cut
+    there, only one chain's prefixes are alive at a time, at the price of more, less full
+    micro-batches (small trees fill their free space). The trainer plans with it when the
+    default cut does not fit ``--kv-cache-budget``."""
+
     exchange_group_size: int = 1
     """Ranks that may split one tree between them and exchange its prefix K/V (consecutive
     blocks of ``data_parallel_size``; 1: every tree stays on one rank). Trees are balanced
@@ -448,7 +457,8 @@ def _plan_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig) -> Ra
         root = int(units[u])
         mechanism = _choose_mechanism(index, root, config)
         if mechanism == "stream":
-            bounds = _stream_chunks(index, int(unit_start[u]), int(unit_end[u]), budget, config.snap_fraction)
+            bounds = _stream_chunks(index, int(unit_start[u]), int(unit_end[u]), budget, config.snap_fraction,
+                                    config.cut_at_branch_switches)
             ids = []
             for a, b in zip(bounds[:-1], bounds[1:]):
                 bins.append(_Bin(ranges=[(a, b)], size=b - a))
@@ -521,17 +531,31 @@ def _choose_mechanism(index: TreeIndex, root: int, config: PlannerConfig) -> str
 
 
 # ---------------------------------------------------------------------- mechanism 2: streams
-def _stream_chunks(index: TreeIndex, start: int, end: int, budget: int, snap: float) -> List[int]:
+def _stream_chunks(index: TreeIndex, start: int, end: int, budget: int, snap: float,
+                   branch_switch_cuts: bool = False) -> List[int]:
     """Chunk boundaries of the depth-first token range [start, end): at most ``budget`` tokens
-    each, ending at a node boundary when one keeps the chunk >= ``snap * budget`` full."""
+    each, ending at a node boundary when one keeps the chunk >= ``snap * budget`` full, and
+    (``branch_switch_cuts``) at every node that does not continue the node before it."""
     tree = index.tree
     node_starts = tree.node_offset[:-1]
     lo_node = np.searchsorted(node_starts, start)
     hi_node = np.searchsorted(node_starts, end)
     boundaries = node_starts[lo_node:hi_node]
+    switches = np.zeros(0, dtype=node_starts.dtype)
+    if branch_switch_cuts:
+        nodes = np.arange(lo_node, hi_node)
+        # nodes are numbered in depth-first order: node n continues the stream's branch when
+        # its parent is node n - 1; otherwise it starts a sibling subtree
+        switches = node_starts[nodes[(nodes > lo_node) & (tree.node_parent[nodes] != nodes - 1)]]
     bounds = [start]
-    while end - bounds[-1] > budget:
+    while True:
         a = bounds[-1]
+        j = np.searchsorted(switches, a, side="right")
+        if j < len(switches) and switches[j] - a <= budget:
+            bounds.append(int(switches[j]))
+            continue
+        if end - a <= budget:
+            break
         limit = a + budget
         i = np.searchsorted(boundaries, limit, side="right") - 1
         cut = int(boundaries[i]) if i >= 0 and boundaries[i] > a and boundaries[i] - a >= snap * budget else limit

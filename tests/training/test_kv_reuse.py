@@ -48,9 +48,9 @@ def search_tree_batch(vocab=256, seed=0, branches=6):
     return samples_from_dicts(recs, source="search-tree")
 
 
-def _run(arch, model, batch, budget_bytes, act_bytes, gathers=False):
+def _run(arch, model, batch, budget_bytes, act_bytes, gathers=False, cut=False):
     tree = build_prefix_tree(batch)
-    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=BUDGET, sharing="tree"))
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=BUDGET, sharing="tree", cut_at_branch_switches=cut))
     rank = plan.ranks[0]
     geom = KVGeometry(arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
     memory = plan_memory(rank, geom, budget_bytes, act_bytes, gathers_in_backward=gathers)
@@ -168,3 +168,33 @@ def test_regathering_in_backward_frees_the_prefix_copies_of_kept_graphs(psrl_mod
         measured[gathers], planned[gathers] = m.peak_bytes - m.start_bytes, memory.peak_bytes
     assert planned[True] < planned[False]
     assert measured[True] + (planned[False] - planned[True]) // 2 <= measured[False]
+
+
+def test_micro_batches_cut_at_branch_switches_are_exact_and_chosen_before_duplication(psrl_model, hf_model):
+    """The search tree planned with micro-batches cut where the stream moves to a sibling
+    branch trains exactly; and a budget that only this cut fits makes the trainer's planning
+    pick it (sharing stays ``tree``) instead of duplicating prefixes."""
+    from megatron_psrl.kvcache import plan_memory_group
+    from megatron_psrl.training.planning import plan_with_memory
+
+    arch, model = psrl_model
+    batch = search_tree_batch()
+    act = activation_bytes_per_token(arch, 1, 4)
+    tree, plan, memory, cache, out = _run(arch, model, batch, 1 << 30, act, gathers=True, cut=True)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    ref_loss, ref = per_sample_loss_and_grads(hf_model, batch, 0.2, 0.0, 0.0, "seq-mean-token-mean")
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_close(grads, hf_grads_to_mcore(ref, arch), rtol=1e-5)
+
+    geom = KVGeometry(arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
+    config = PlannerConfig(micro_batch_tokens=BUDGET, sharing="tree")
+    peaks = {}
+    for cut in (False, True):
+        rank = plan_step(tree, PlannerConfig(micro_batch_tokens=BUDGET, sharing="tree",
+                                             cut_at_branch_switches=cut)).ranks[0]
+        peaks[cut] = simulated_peak_bytes(rank, geom, {s.producer: False for s in rank.sources.values()}, act,
+                                          gathers_in_backward=True)
+    assert peaks[True] < peaks[False]
+    chosen, memories, mode = plan_with_memory(
+        tree, config, lambda ranks: plan_memory_group(ranks, geom, peaks[True], act, gathers_in_backward=True))
+    assert mode == "tree" and chosen.ranks[0].sources and memories[0].peak_bytes <= peaks[True]

@@ -118,3 +118,32 @@ def test_one_tree_per_micro_batch():
                                                              max_trees_per_micro_batch=1))
     assert plan.num_micro_batches() == batch.num_samples
     check_plan(plan, 1 << 20)
+
+
+def test_cutting_at_branch_switches_keeps_one_chain_alive():
+    """``cut_at_branch_switches``: no micro-batch continues the stream into a sibling subtree,
+    the plan still computes every token once with the right keys, and because a micro-batch
+    that finishes a branch no longer starts the next one, far fewer prefixes are alive at the
+    peak of a step-wise tree (all graphs dropped, torch backend's re-gathering)."""
+    import torch
+
+    from megatron_psrl.kvcache import KVGeometry, simulated_peak_bytes
+
+    batch = make_workload("stepwise", vocab_size=512, seed=1, num_tokens_target=20000)
+    tree = build_prefix_tree(batch)
+    assert (tree.node_parent < 0).sum() == 1  # one tree, many times the budget: all of it streams
+    plans = {cut: plan_step(tree, PlannerConfig(micro_batch_tokens=128, sharing="tree", cut_at_branch_switches=cut))
+             for cut in (False, True)}
+    cut = plans[True]
+    check_plan(cut, 128)
+    assert cut.tokens_computed() == tree.num_tree_tokens
+    starts = {int(tree.node_offset[n]): n for n in range(tree.num_nodes)}
+    for mb in cut.ranks[0].micro_batches:
+        toks = mb.tokens
+        for t in toks[1:][np.diff(toks) == 1]:  # t and t - 1 in the same micro-batch
+            n = starts.get(int(t))
+            assert n is None or tree.node_parent[n] == n - 1, f"micro-batch {mb.index} switches branch at node {n}"
+    geometry = KVGeometry(num_layers=4, num_groups=2, head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+    peaks = {c: simulated_peak_bytes(p.ranks[0], geometry, {i: False for i in range(len(p.ranks[0].micro_batches))},
+                                     0, gathers_in_backward=True) for c, p in plans.items()}
+    assert peaks[True] < 0.6 * peaks[False]
