@@ -70,16 +70,33 @@ def test_recomputed_step_equals_per_sample_reference(reference, recompute, mode)
         np.testing.assert_allclose(lp[computed], ref[computed], atol=1e-5)
 
 
+_PEAK_SCRIPT = """
+import json, sys
+from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
+from megatron_psrl.data import make_workload
+extra = json.loads(sys.argv[1])
+actor = PolicyActor("tiny-llama", ActorConfig(device="cpu", micro_batch_tokens=8192, memory_tracking="ops",
+                                              optimizer=OptimizerSettings(optimizer="sgd", lr=0.1), **extra))
+batch = make_workload("stepwise", vocab_size=actor.arch.vocab_size, seed=3, num_tokens_target=6000)
+print("PEAK", actor.train_step(batch)["peak_mem_bytes"])
+"""
+
+
 def test_full_recomputation_lowers_the_measured_peak():
     """tiny-llama, 1,293 unique tokens of step-wise trajectories in one micro-batch: measured
     270 MB -> 197 MB with full recomputation (uniform, 1 layer per unit); selective
-    (core attention) saves nothing measurable here, since tree attention keeps no scores."""
-    from megatron_psrl.data import make_workload
+    (core attention) saves nothing measurable here, since tree attention keeps no scores.
+    Each measurement runs in a fresh process, as a user's run would: heap bytes in use are
+    sampled process-wide, and what earlier tests left in this one (threads, allocator state)
+    would add to both."""
+    import json
+    import subprocess
+    import sys
 
     peaks = {}
     for name, extra in (("none", {}), ("full", RECOMPUTE["full-uniform"])):
-        actor = PolicyActor("tiny-llama", ActorConfig(device="cpu", micro_batch_tokens=8192, memory_tracking="ops",
-                                                      optimizer=OptimizerSettings(optimizer="sgd", lr=0.1), **extra))
-        batch = make_workload("stepwise", vocab_size=actor.arch.vocab_size, seed=3, num_tokens_target=6000)
-        peaks[name] = actor.train_step(batch)["peak_mem_bytes"]
+        proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, json.dumps(extra)], capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        peaks[name] = int(proc.stdout.split("PEAK")[-1])
     assert peaks["full"] < 0.85 * peaks["none"], peaks
