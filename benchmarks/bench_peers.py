@@ -1062,6 +1062,18 @@ def _versions() -> Dict[str, str]:
 
 
 def main(argv=None) -> int:
+    out, args = _main(argv)
+    failed = [(s["workload"], r["contender"]) for s in out["workloads"] for r in s["rows"]
+              if r["status"] in ("FAILED", "error") and r["contender"] in ("psrl", "psrl-no-sharing", "hf-per-sample")]
+    return 1 if failed else 0
+
+
+def main_result(argv=None) -> dict:
+    """The run's result (what ``bench_peers.json`` holds), for other benchmarks."""
+    return _main(argv)[0]
+
+
+def _main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--contenders", default=None, help=f"comma-separated subset of {','.join(CONTENDERS)}")
@@ -1087,9 +1099,7 @@ def main(argv=None) -> int:
     md = write(args.out_dir, out)
     print()
     print(md)
-    failed = [(s["workload"], r["contender"]) for s in out["workloads"] for r in s["rows"]
-              if r["status"] in ("FAILED", "error") and r["contender"] in ("psrl", "psrl-no-sharing", "hf-per-sample")]
-    return 1 if failed else 0
+    return out, args
 
 
 if __name__ == "__main__":

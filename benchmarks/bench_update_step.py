@@ -19,6 +19,12 @@ and reports the median step time over ``--repeats`` interleaved runs, the ideal 
 measured peak memory of the step (heap bytes in use above the step's start, sampled after
 every torch operation in a separate, untimed run; CUDA: the allocator's peak).
 Results go to ``bench_update_step.json`` and ``bench_update_step.md`` in ``--out-dir``.
+
+``--peers`` adds the distance to the best alternative: for the workloads both benchmarks have
+(``grpo-2048x8x128``, ``grpo-512x8x512``, ``stepwise-8x256``), the same invocation then runs
+``benchmarks/bench_peers.py`` (its own model, the project's step beside the other
+prefix-sharing trainers that are installed, gradients checked) and adds the best peer's step
+time and ``psrl / best peer`` from that measurement.
 """
 
 from __future__ import annotations
@@ -172,6 +178,23 @@ def run(args) -> List[dict]:
     return rows
 
 
+def add_best_peers(rows: List[dict], repeats: int) -> None:
+    """``--peers``: run bench_peers on the shared workloads and add its best-peer columns."""
+    import bench_peers
+
+    shared = [r["workload"] for r in rows if r["workload"] in bench_peers.workloads(2048)]
+    if not shared:
+        return
+    out = bench_peers.main_result(["--workloads", ",".join(shared), "--repeats", str(repeats), "--profile", "none",
+                                   "--out-dir", "runs/bench_update_step_peers"])
+    by_name = {s["workload"]: s for s in out["workloads"]}
+    for r in rows:
+        s = by_name.get(r["workload"])
+        if s and s["best_peer"]:
+            best = next(x for x in s["rows"] if x["contender"] == s["best_peer"])
+            r.update(best_peer=s["best_peer"], best_peer_s=best["median_s"], psrl_over_best_peer=s["psrl_over_best_peer"])
+
+
 def markdown(rows: List[dict], meta: dict) -> str:
     lines = [
         f"Model `{meta['model']}` ({meta['device']}, fp32, {meta['threads']} threads), micro-batch budget "
@@ -179,8 +202,9 @@ def markdown(rows: List[dict], meta: dict) -> str:
         "(tree build + planning + forward + backward).",
         "",
         "| workload | samples | tokens | tree tokens | ideal | shared s | baseline s | dense-mask s | speedup | "
-        "efficiency | dense-mask speedup | speedup vs per-sample | peak MB shared / baseline / dense |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "efficiency | dense-mask speedup | speedup vs per-sample | peak MB shared / baseline / dense | "
+        "best peer (bench_peers) | psrl / best peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -188,7 +212,9 @@ def markdown(rows: List[dict], meta: dict) -> str:
             f"{r['step_s_shared']:.3f} | {r['step_s_baseline']:.3f} | {r['step_s_dense']:.3f} | {r['speedup']:.2f}x | "
             f"{r['efficiency']:.2f} | {r['speedup_dense']:.2f}x | {r['speedup_vs_per_sample']:.2f}x | "
             f"{r['peak_mb_shared']:.0f} / {r['peak_mb_baseline']:.0f}"
-            f" / {r['peak_mb_dense']:.0f} |")
+            f" / {r['peak_mb_dense']:.0f} | "
+            + (f"{r['best_peer']} {r['best_peer_s']:.3f} s | {r['psrl_over_best_peer']:.2f} |" if r.get("best_peer")
+               else "- | - |"))
     return "\n".join(lines) + "\n"
 
 
@@ -200,8 +226,12 @@ def main() -> None:
     p.add_argument("--workloads", nargs="*", default=None)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out-dir", default="runs/bench_update_step")
+    p.add_argument("--peers", action="store_true",
+                   help="also run bench_peers on the shared workloads: best peer and psrl / best peer columns")
     args = p.parse_args()
     rows = run(args)
+    if args.peers:
+        add_best_peers(rows, max(args.repeats, 3))
     meta = {"model": args.model, "device": args.device, "threads": torch.get_num_threads(),
             "micro_batch_tokens": args.micro_batch_tokens, "repeats": args.repeats,
             "torch": torch.__version__, "platform": platform.platform()}
