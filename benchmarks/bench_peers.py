@@ -82,16 +82,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_update_step import Bench, _grpo_exact, _stepwise_exact  # noqa: E402
 
-from megatron_psrl.checkpoint import ModelSource, load_model  # noqa: E402
+from megatron_psrl.checkpoint import ModelSource  # noqa: E402
 from megatron_psrl.checkpoint.loading import canonical_name  # noqa: E402
 from megatron_psrl.data import make_mixed, make_tree_rollouts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
-from megatron_psrl.distributed.setup import initialize_parallel  # noqa: E402
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory  # noqa: E402
+from megatron_psrl.kvcache import activation_bytes_per_token, plan_memory  # noqa: E402
 from megatron_psrl.model.adapters import get_adapter  # noqa: E402
 from megatron_psrl.model.tiny import tiny_config  # noqa: E402
-from megatron_psrl.training.actor import cost_model_for  # noqa: E402
-from megatron_psrl.training.loss import LossConfig  # noqa: E402
 from megatron_psrl.training.optimizer import OptimizerSettings, build_optimizer  # noqa: E402
 from megatron_psrl.training.step import StepRunner  # noqa: E402
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
@@ -593,15 +590,7 @@ class PeerBench(Bench):
 
     def __init__(self, hf_config: dict, state_dict: Dict[str, torch.Tensor], micro_batch_tokens: int,
                  device: torch.device):
-        initialize_parallel(1, 1, seed=0, device=device.type)
-        self.arch, self.model, _ = load_model(ModelSource(hf_config=hf_config, hf_state_dict=state_dict),
-                                              dtype=torch.float32, device=device)
-        self.device = device
-        self.cost = cost_model_for(self.arch)
-        self.loss = LossConfig(loss_agg="token-mean")
-        self.budget = micro_batch_tokens
-        self.geometry = KVGeometry.for_model(self.arch, 1, 1, torch.float32, device)
-        self.cache = BlockKVCache(self.geometry, 4 << 30)
+        super().__init__(ModelSource(hf_config=hf_config, hf_state_dict=state_dict), micro_batch_tokens, device)
         self.hf_names = list(state_dict)
 
     def grads_mcore(self) -> Dict[str, torch.Tensor]:

@@ -100,9 +100,11 @@ def workloads(vocab: int) -> Dict[str, Callable[[], SampleBatch]]:
 
 # ---------------------------------------------------------------------- measurement
 class Bench:
-    def __init__(self, model_name: str, micro_batch_tokens: int, device: torch.device):
+    def __init__(self, model, micro_batch_tokens: int, device: torch.device):
+        """``model``: a tiny config's name or a :class:`ModelSource`."""
         initialize_parallel(1, 1, seed=0, device=device.type)
-        self.arch, self.model, _ = load_model(ModelSource(tiny=model_name), dtype=torch.float32, device=device)
+        source = model if isinstance(model, ModelSource) else ModelSource(tiny=model)
+        self.arch, self.model, _ = load_model(source, dtype=torch.float32, device=device)
         self.device = device
         self.cost = cost_model_for(self.arch)
         self.loss = LossConfig(loss_agg="token-mean")
