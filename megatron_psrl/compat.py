@@ -150,9 +150,14 @@ def install_cpu_pipeline_shims(device: torch.device) -> None:
     nothing on CUDA. Idempotent."""
     if on_cuda(device):
         return
+    _give_cpu_torch(_PIPELINE_MODULES)
+
+
+def _give_cpu_torch(module_names) -> None:
+    """Replace the ``torch`` these megatron modules see with :class:`_CpuTorch` (once)."""
     import importlib
 
-    for name in _PIPELINE_MODULES:
+    for name in module_names:
         module = importlib.import_module(name)
         if not isinstance(module.torch, _CpuTorch):
             module.torch = _CpuTorch()
@@ -207,10 +212,7 @@ def install_cpu_dist_checkpointing_shims(device: torch.device) -> None:
     import importlib
     import queue
 
-    for name in _DIST_CKPT_MODULES:
-        module = importlib.import_module(name)
-        if not isinstance(module.torch, _CpuTorch):
-            module.torch = _CpuTorch()
+    _give_cpu_torch(_DIST_CKPT_MODULES)
     fs = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
     if fs._results_queue is None:  # megatron would start a Manager process for it
         fs._results_queue = queue.Queue()

@@ -112,24 +112,7 @@ def save_training_checkpoint(
         _raise_if_any_failed(error, failure, tmp, final, layout)  # 2a: every rank's checks
         error, failure = _outcome(lambda: save_training_state(tmp, iteration, model, optimizer, layout.device))
     elif layout.placement_rank == 0:  # one data (x context) parallel replica writes each shard
-        try:
-            # One file per (virtual) stage: chunk v of stage p is virtual stage v * PP + p; the
-            # rank's optimizer state goes with its first chunk.
-            chunks = model_chunks(model)
-            stages = layout.pipeline_parallel_size * len(chunks)
-            for v, (stage, chunk) in enumerate(zip(virtual_stages(layout.pp_rank, layout.pipeline_parallel_size,
-                                                                  len(chunks)), chunks)):
-                payload = {
-                    "model": canonical_state_dict(chunk),
-                    "optimizer": optimizer.state_dict() if optimizer is not None and v == 0 else None,
-                    "iteration": iteration,
-                    "checkpoint_version": 3.0,
-                }
-                check_finite(payload, os.path.join(tmp, rank_dir_name(layout.tp_rank, stage, stages)))
-                write_rank_file(tmp, layout.tp_rank, stage, stages, payload)
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
-            failure = exc
-            error = error_text(exc) if isinstance(exc, (PsrlError, OSError)) else f"{type(exc).__name__}: {exc}"
+        error, failure = _outcome(lambda: _write_legacy_shards(tmp, iteration, model, optimizer, layout))
     _raise_if_any_failed(error, failure, tmp, final, layout)  # 2: every rank's outcome
     if layout.rank == 0:
         try:
@@ -141,6 +124,23 @@ def save_training_checkpoint(
     if error is not None:
         raise CheckpointWriteError(final, f"the save failed and was removed; rank 0: {error}")
     return final
+
+
+def _write_legacy_shards(tmp: str, iteration: int, model, optimizer, layout: ParallelLayout) -> None:
+    """This rank's legacy files: one per (virtual) stage, chunk v of stage p being virtual
+    stage v * PP + p; the rank's optimizer state goes with its first chunk."""
+    chunks = model_chunks(model)
+    stages = layout.pipeline_parallel_size * len(chunks)
+    for v, (stage, chunk) in enumerate(zip(virtual_stages(layout.pp_rank, layout.pipeline_parallel_size,
+                                                          len(chunks)), chunks)):
+        payload = {
+            "model": canonical_state_dict(chunk),
+            "optimizer": optimizer.state_dict() if optimizer is not None and v == 0 else None,
+            "iteration": iteration,
+            "checkpoint_version": 3.0,
+        }
+        check_finite(payload, os.path.join(tmp, rank_dir_name(layout.tp_rank, stage, stages)))
+        write_rank_file(tmp, layout.tp_rank, stage, stages, payload)
 
 
 def _outcome(work) -> Tuple[Optional[str], Optional[BaseException]]:

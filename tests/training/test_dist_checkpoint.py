@@ -86,16 +86,22 @@ def test_two_rank_checkpoint_resumes_on_one_rank_with_its_optimizer_state(tmp_pa
     assert [r["iter"] for r in _records(tmp_path / "log.jsonl")] == [3]
 
 
-@pytest.mark.slow
-def test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state(tmp_path):
-    """An uneven PP=2 split (1/3 layers, a vocabulary not a multiple of 128) saved, then resumed
-    by TP=2: every rank's slices of the weights and Adam state are the saved ones."""
+def _save_pp2(tmp_path, *flags: str):
+    """2 training iterations of a 4-layer model (vocabulary 300) on PP=2 with ``flags``, saved;
+    returns the checkpoint folder."""
     hf = make_hf_checkpoint(dict(tiny_config("debug-llama"), num_hidden_layers=4, vocab_size=300),
                             directory=str(tmp_path / "hf"))
     ckpt = tmp_path / "ckpt"
     run_torchrun(SCRIPT, ["--hf-dir", hf] + DATA + ["--train-iters", "2", "--save", str(ckpt),
-                                                    "--pipeline-model-parallel-size", "2",
-                                                    "--decoder-first-pipeline-num-layers", "1"], nproc=2)
+                                                    "--pipeline-model-parallel-size", "2", *flags], nproc=2)
+    return ckpt
+
+
+@pytest.mark.slow
+def test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state(tmp_path):
+    """An uneven PP=2 split (1/3 layers, a vocabulary not a multiple of 128) saved, then resumed
+    by TP=2: every rank's slices of the weights and Adam state are the saved ones."""
+    ckpt = _save_pp2(tmp_path, "--decoder-first-pipeline-num-layers", "1")
     _, info = read_checkpoint_info(str(ckpt))
     assert (info.pipeline_parallel_size, info.pipeline_layers) == (2, (1, 3))
     out = tmp_path / "check.json"
@@ -111,12 +117,7 @@ def test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state(tmp_path):
 def test_virtual_pipeline_checkpoint_loads_under_one_rank(tmp_path):
     """PP=2 with 2 virtual stages each saves Megatron-LM's model0 / model1 entries (global layer
     numbers), and one rank without pipeline stages resumes it with the optimizer state."""
-    hf = make_hf_checkpoint(dict(tiny_config("debug-llama"), num_hidden_layers=4, vocab_size=300),
-                            directory=str(tmp_path / "hf"))
-    ckpt = tmp_path / "ckpt"
-    run_torchrun(SCRIPT, ["--hf-dir", hf] + DATA + ["--train-iters", "2", "--save", str(ckpt),
-                                                    "--pipeline-model-parallel-size", "2",
-                                                    "--num-layers-per-virtual-pipeline-stage", "1"], nproc=2)
+    ckpt = _save_pp2(tmp_path, "--num-layers-per-virtual-pipeline-stage", "1")
     it_dir, info = read_checkpoint_info(str(ckpt))
     assert info.virtual_pipeline_size == 2
     actor = PolicyActor(str(ckpt), ActorConfig(device="cpu", micro_batch_tokens=512,
