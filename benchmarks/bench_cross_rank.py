@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_psrl.data.synthetic import make_mixed, make_stepwise, make_tree_rollouts  # noqa: E402
 from megatron_psrl.tree import CostModel, build_prefix_tree  # noqa: E402
 from megatron_psrl.tree.cost import NAMED_MODEL_DIMS  # noqa: E402
-from megatron_psrl.tree.cross_rank import compare_placements  # noqa: E402
+from megatron_psrl.tree.planner import compare_placements  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = {
@@ -109,7 +109,7 @@ def predict(args) -> None:
     from megatron_psrl.model import tiny_config
     from megatron_psrl.model.architecture import ModelArchitecture
     from megatron_psrl.model.builder import build_model
-    from megatron_psrl.training.calibration import _pack_step, _time, calibrate
+    from megatron_psrl.training.calibration import calibrate, median_seconds, pack_step
 
     initialize_parallel(1, 1, seed=0, device="cpu")
     arch = ModelArchitecture.from_hf_config(tiny_config("tiny-llama"))
@@ -123,7 +123,7 @@ def predict(args) -> None:
         segments = rng.integers(16, 400, size=int(rng.integers(1, 10))).tolist()
         rows = int(rng.integers(0, sum(segments)))
         keys = sum(s * (s + 1) // 2 for s in segments)
-        t = _time(_pack_step(model, arch.vocab_size, torch.device("cpu"), segments, rows), 3)
+        t = median_seconds(pack_step(model, arch.vocab_size, torch.device("cpu"), segments, rows), 3)
         p = measured.predict(sum(segments), keys, rows)
         errors.append(abs(p - t) / t)
         print(f"| {k} | {sum(segments)} | {keys} | {rows} | {p:.4f} | {t:.4f} | {100 * (p - t) / t:+.1f}% |")

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_update_step import Bench  # noqa: E402
+from step_bench import Bench  # noqa: E402
 
 from megatron_psrl.data import samples_from_dicts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402

@@ -80,10 +80,11 @@ quiet_expected_import_warnings()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_update_step import Bench, _grpo_exact, _stepwise_exact  # noqa: E402
+from exact_workloads import grpo_exact, stepwise_exact  # noqa: E402
+from step_bench import Bench  # noqa: E402
 
 from megatron_psrl.checkpoint import ModelSource  # noqa: E402
-from megatron_psrl.checkpoint.loading import canonical_name  # noqa: E402
+from megatron_psrl.checkpoint.state_dict import canonical_name  # noqa: E402
 from megatron_psrl.data import make_mixed, make_tree_rollouts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
 from megatron_psrl.kvcache import activation_bytes_per_token, plan_memory  # noqa: E402
@@ -108,8 +109,8 @@ def workloads(vocab: int, quick: bool = False) -> Dict[str, Callable[[], SampleB
     """Step-wise t x L: sample t = turns 1..t, trained on the last quarter of turn t (its action)."""
     if quick:
         return {
-            "grpo-64x4x16": lambda: _grpo_exact(64, 4, 16, vocab),
-            "stepwise-4x32": lambda: _stepwise_exact(4, 32, 8, vocab),
+            "grpo-64x4x16": lambda: grpo_exact(64, 4, 16, vocab),
+            "stepwise-4x32": lambda: stepwise_exact(4, 32, 8, vocab),
             "tree-small": lambda: make_tree_rollouts(num_roots=1, depth=2, segment_len=(4, 8), prompt_len=(16, 32),
                                                      obs_len=(4, 8), vocab_size=vocab, seed=1),
             "mixed-small": lambda: make_mixed(
@@ -119,12 +120,12 @@ def workloads(vocab: int, quick: bool = False) -> Dict[str, Callable[[], SampleB
                 vocab_size=vocab, seed=1),
         }
     return {
-        "grpo-2048x8x128": lambda: _grpo_exact(2048, 8, 128, vocab),
-        "grpo-512x8x512": lambda: _grpo_exact(512, 8, 512, vocab),
-        "stepwise-8x256": lambda: _stepwise_exact(8, 256, 64, vocab),
-        "stepwise-16x256": lambda: _stepwise_exact(16, 256, 64, vocab),
-        "stepwise-32x256": lambda: _stepwise_exact(32, 256, 64, vocab),
-        "stepwise-64x128": lambda: _stepwise_exact(64, 128, 32, vocab),
+        "grpo-2048x8x128": lambda: grpo_exact(2048, 8, 128, vocab),
+        "grpo-512x8x512": lambda: grpo_exact(512, 8, 512, vocab),
+        "stepwise-8x256": lambda: stepwise_exact(8, 256, 64, vocab),
+        "stepwise-16x256": lambda: stepwise_exact(16, 256, 64, vocab),
+        "stepwise-32x256": lambda: stepwise_exact(32, 256, 64, vocab),
+        "stepwise-64x128": lambda: stepwise_exact(64, 128, 32, vocab),
         "tree": lambda: make_tree_rollouts(num_roots=2, vocab_size=vocab, seed=1),
         "mixed": lambda: make_mixed(vocab_size=vocab, seed=1),
     }
@@ -586,7 +587,7 @@ class ArealDtaContender(HFContender):
 
 # ---------------------------------------------------------------------- the project
 class PeerBench(Bench):
-    """bench_update_step's Bench on the in-memory model of ``hf_config`` / ``state_dict``."""
+    """step_bench's Bench on the in-memory model of ``hf_config`` / ``state_dict``."""
 
     def __init__(self, hf_config: dict, state_dict: Dict[str, torch.Tensor], micro_batch_tokens: int,
                  device: torch.device):

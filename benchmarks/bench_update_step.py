@@ -35,54 +35,25 @@ import os
 import platform
 import statistics
 import sys
-import time
 from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
 
 quiet_expected_import_warnings()
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from exact_workloads import grpo_exact, stepwise_exact  # noqa: E402
+from step_bench import Bench  # noqa: E402
 
-from megatron_psrl.checkpoint import ModelSource, load_model  # noqa: E402
-from megatron_psrl.data import make_grpo, make_mixed, make_stepwise, make_tree_rollouts, samples_from_dicts  # noqa: E402
+from megatron_psrl.data import make_grpo, make_mixed, make_stepwise, make_tree_rollouts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
-from megatron_psrl.distributed.setup import initialize_parallel  # noqa: E402
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory  # noqa: E402
-from megatron_psrl.training.actor import cost_model_for  # noqa: E402
-from megatron_psrl.training.loss import LossConfig  # noqa: E402
-from megatron_psrl.training.memory import PeakMemory  # noqa: E402
-from megatron_psrl.training.step import StepRunner  # noqa: E402
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
-from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
 
 
 # ---------------------------------------------------------------------- workloads
-def _grpo_exact(prompt: int, group: int, response: int, vocab: int, seed: int = 0) -> SampleBatch:
-    """One prompt with ``group`` responses of exactly ``response`` tokens (the shapes other prefix-sharing trainers were measured on)."""
-    rng = np.random.default_rng(seed)
-    p = rng.integers(0, vocab, prompt).tolist()
-    recs = [{"id": i, "tokens": p + rng.integers(0, vocab, response).tolist(),
-             "loss_mask": [0] * prompt + [1] * response, "advantage": float(rng.normal())} for i in range(group)]
-    return samples_from_dicts(recs, source=f"grpo-{prompt}x{group}x{response}")
-
-
-def _stepwise_exact(turns: int, turn_len: int, action_len: int, vocab: int, seed: int = 0) -> SampleBatch:
-    """One trajectory of ``turns`` turns of ``turn_len`` tokens; sample t = history up to turn t,
-    trained on turn t's action (its last ``action_len`` tokens)."""
-    rng = np.random.default_rng(seed)
-    toks = rng.integers(0, vocab, turns * turn_len).tolist()
-    recs = []
-    for t in range(1, turns + 1):
-        n = t * turn_len
-        recs.append({"id": t, "tokens": toks[:n], "loss_mask": [0] * (n - action_len) + [1] * action_len,
-                     "advantage": float(rng.normal())})
-    return samples_from_dicts(recs, source=f"stepwise-{turns}x{turn_len}")
-
-
 def workloads(vocab: int) -> Dict[str, Callable[[], SampleBatch]]:
     return {
         "grpo": lambda: make_grpo(num_prompts=2, group_size=8, prompt_len=(512, 1536), response_len=(64, 384),
@@ -92,54 +63,13 @@ def workloads(vocab: int) -> Dict[str, Callable[[], SampleBatch]]:
         "tree": lambda: make_tree_rollouts(num_roots=2, vocab_size=vocab, seed=1),
         "mixed": lambda: make_mixed(vocab_size=vocab, seed=1),
         # The shapes other prefix-sharing trainers were measured on (docs/benchmarks.md).
-        "grpo-2048x8x128": lambda: _grpo_exact(2048, 8, 128, vocab),
-        "grpo-512x8x512": lambda: _grpo_exact(512, 8, 512, vocab),
-        "stepwise-8x256": lambda: _stepwise_exact(8, 256, 64, vocab),
+        "grpo-2048x8x128": lambda: grpo_exact(2048, 8, 128, vocab),
+        "grpo-512x8x512": lambda: grpo_exact(512, 8, 512, vocab),
+        "stepwise-8x256": lambda: stepwise_exact(8, 256, 64, vocab),
     }
 
 
 # ---------------------------------------------------------------------- measurement
-class Bench:
-    def __init__(self, model, micro_batch_tokens: int, device: torch.device):
-        """``model``: a tiny config's name or a :class:`ModelSource`."""
-        initialize_parallel(1, 1, seed=0, device=device.type)
-        source = model if isinstance(model, ModelSource) else ModelSource(tiny=model)
-        self.arch, self.model, _ = load_model(source, dtype=torch.float32, device=device)
-        self.device = device
-        self.cost = cost_model_for(self.arch)
-        self.loss = LossConfig(loss_agg="token-mean")
-        self.budget = micro_batch_tokens
-        self.geometry = KVGeometry.for_model(self.arch, 1, 1, torch.float32, device)
-        self.cache = BlockKVCache(self.geometry, 4 << 30)
-
-    def step(self, batch: SampleBatch, variant: str, measure_memory: bool = False,
-             kv_budget: int = 4 << 30) -> dict:
-        """One update step of ``variant`` (``shared``, ``baseline``, ``dense`` or a sharing mode
-        ``tree`` / ``tree-dup`` / ``none``); returns time, memory and token counts. Memory is
-        measured in separate runs: the per-operation sampling would slow the timed ones."""
-        mode = {"shared": "tree", "dense": "tree", "baseline": "none", "per-sample": "none"}.get(variant, variant)
-        backend = "dense" if variant == "dense" else "torch"
-        per_tree = 1 if variant == "per-sample" else None
-        self.model.zero_grad(set_to_none=True)
-        with PeakMemory(self.device, enabled=measure_memory) as mem:
-            t0 = time.perf_counter()
-            tree = build_prefix_tree(batch)
-            plan = plan_step(tree, PlannerConfig(micro_batch_tokens=self.budget, sharing=mode, cost_model=self.cost,
-                                                 max_trees_per_micro_batch=per_tree))
-            rank = plan.ranks[0]
-            memory = plan_memory(rank, self.geometry, kv_budget, activation_bytes_per_token(self.arch, 1, 4)) \
-                if rank.sources else None
-            out = StepRunner(self.model, self.arch.vocab_size, self.device, backend, self.cache).train(
-                plan, 0, self.loss, memory)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-        return {"seconds": seconds, "peak_bytes": mem.peak_bytes - mem.start_bytes, "loss": out.loss,
-                "tokens_computed": out.tokens_computed, "tokens_recomputed": out.tokens_recomputed,
-                "key_pairs": out.key_pairs, "micro_batches": out.num_micro_batches,
-                "kv": self.cache.metrics.to_dict() if memory is not None else {}}
-
-
 def run(args) -> List[dict]:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     bench = Bench(args.model, args.micro_batch_tokens, device)

@@ -63,4 +63,9 @@ def __getattr__(name):
     raise AttributeError(f"module 'megatron_psrl' has no attribute {name!r}")
 
 
+def __dir__():
+    """The module's globals and the lazily imported API (``dir(megatron_psrl)``, completion)."""
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = sorted(_API)

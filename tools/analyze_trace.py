@@ -54,7 +54,7 @@ from megatron_psrl.tree import (  # noqa: E402
     sample_shared_fraction,
     tree_stats,
 )
-from megatron_psrl.tree.cross_rank import compare_placements  # noqa: E402
+from megatron_psrl.tree.planner import compare_placements  # noqa: E402
 
 LARGE_INPUT_BYTES = 32 << 20
 """Inputs above this size get tqdm progress bars."""

@@ -55,8 +55,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_psrl.checkpoint.atomic import atomic_write_text, check_writable_dir
+    from megatron_psrl.checkpoint.layout import read_checkpoint_info
     from megatron_psrl.checkpoint.loading import ModelSource, source_architecture
-    from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
     from megatron_psrl.data.loader import load_samples
     from megatron_psrl.distributed.setup import initialize_parallel
     from megatron_psrl.model.architecture import ModelArchitecture

@@ -29,7 +29,7 @@ from megatron_psrl.attention.backends import (
     dense_tree_attention,
     flash_tree_attention,
 )
-from megatron_psrl.attention.backends.varlen import _require_cuda
+from megatron_psrl.attention.backends.varlen import require_cuda
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.attention.plan import AttentionPlan, causal_plan
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
@@ -86,7 +86,7 @@ class PrefixSharingAttention(MegatronModule):
         if backend == "flash":
             return flash_tree_attention(q, k, v, plan, external, self.softmax_scale)
         if backend == "te":
-            _require_cuda("te", q)  # before importing Transformer Engine: the CPU error names CUDA
+            require_cuda("te", q)  # before importing Transformer Engine: the CPU error names CUDA
             if self._te is None:
                 self._te = TETreeAttention(q.shape[1], k.shape[1], q.shape[2], self.softmax_scale, self.layer_number)
             return self._te(q, k, v, plan, external, self.softmax_scale)

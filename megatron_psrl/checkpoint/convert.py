@@ -12,21 +12,16 @@ from typing import Optional
 from tqdm import tqdm
 
 from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, check_writable_dir, write_file
-from megatron_psrl.checkpoint.dist_format import DEFAULT_CKPT_FORMAT, check_ckpt_format, write_model_checkpoint
+from megatron_psrl.checkpoint.dist_format import write_model_checkpoint
 from megatron_psrl.checkpoint.hf_io import write_hf_checkpoint
-from megatron_psrl.checkpoint.loading import hf_full_state_dict
-from megatron_psrl.checkpoint.mcore_format import (
-    MODEL_JSON,
-    TRACKER,
-    CheckpointInfo,
-    iteration_dir_name,
-    load_full_state_dict,
-    save_sharded_checkpoint,
-)
+from megatron_psrl.checkpoint.layout import MODEL_JSON, TRACKER, CheckpointInfo, check_ckpt_format, iteration_dir_name
+from megatron_psrl.checkpoint.legacy_format import save_sharded_checkpoint
+from megatron_psrl.checkpoint.loading import hf_full_state_dict, load_full_state_dict
 from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.options import DEFAULT_CKPT_FORMAT
 
 logger = logging.getLogger(__name__)
 

@@ -23,14 +23,14 @@ too; ``opt_param_scheduler``, ``iteration`` and ``checkpoint_version`` are commo
 layout matches). Loading asks for this rank's pieces of the current layout and megatron
 reads exactly those slices.
 
-The legacy per-rank layout stays readable and writable (:mod:`mcore_format`);
-:func:`iteration_format` tells the two apart by megatron's ``metadata.json``.
+The legacy per-rank layout stays readable and writable (:mod:`legacy_format`);
+:func:`~megatron_psrl.checkpoint.layout.iteration_format` tells the two apart by megatron's
+``metadata.json`` (:data:`~megatron_psrl.checkpoint.layout.MEGATRON_METADATA`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import re
@@ -40,46 +40,17 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
+from megatron_psrl.checkpoint.state_dict import canonical_state_dict, load_state_into
 from megatron_psrl.errors import CheckpointError, CheckpointWriteError, ConfigurationError
-from megatron_psrl.options import CKPT_FORMATS
-from megatron_psrl.options import DEFAULT_CKPT_FORMAT as DEFAULT_CKPT_FORMAT  # (re-exported)
 
-MEGATRON_METADATA = "metadata.json"
 CHECKPOINT_VERSION = 3.0
 
 
-def check_ckpt_format(ckpt_format: str) -> str:
-    if ckpt_format not in CKPT_FORMATS:
-        raise ConfigurationError(f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, got {ckpt_format!r}")
-    return ckpt_format
-
-
-def iteration_format(it_dir: str) -> str:
-    """``torch_dist`` when ``it_dir`` holds megatron's ``metadata.json``, else ``legacy``."""
-    path = os.path.join(it_dir, MEGATRON_METADATA)
-    if not os.path.exists(path):
-        return "legacy"
-    try:
-        with open(path, encoding="utf-8") as f:
-            backend = json.load(f).get("sharded_backend")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(path, f"cannot be read ({exc}); the checkpoint is corrupt or truncated") from None
-    if backend != "torch_dist":
-        raise CheckpointError(path, f"sharded backend {backend!r} is not supported (only torch_dist)")
-    return "torch_dist"
-
-
-def checkpoint_format(ckpt_dir: str) -> str:
-    """The format of the latest iteration of ``ckpt_dir``."""
-    from megatron_psrl.checkpoint.mcore_format import resolve_iteration_dir
-
-    return iteration_format(resolve_iteration_dir(ckpt_dir))
-
-
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    # torch.distributed.checkpoint warns on every call that its ShardedTensor (what megatron
-    # builds on) is deprecated in favour of DTensor: megatron's choice, nothing to act on.
+def quiet_deprecation_warnings() -> Iterator[None]:
+    """Silence the FutureWarning torch.distributed.checkpoint gives on every call: its
+    ShardedTensor (what megatron builds on) is deprecated in favour of DTensor, megatron's
+    choice, nothing to act on."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
@@ -136,7 +107,7 @@ def save_state(it_dir: str, sharded_state_dict: Dict[str, Any], device: torch.de
     from megatron_psrl.compat import torch_dist_save_strategy
 
     try:
-        with _quiet():
+        with quiet_deprecation_warnings():
             dist_checkpointing.save(sharded_state_dict, it_dir, sharded_strategy=torch_dist_save_strategy(device))
     except (CheckpointingException, CheckpointException, OSError) as exc:
         named = _named_failure(exc)
@@ -161,7 +132,7 @@ def load_state(it_dir: str, sharded_state_dict: Dict[str, Any]) -> Dict[str, Any
     from torch.distributed.checkpoint import CheckpointException
 
     try:
-        with _quiet():
+        with quiet_deprecation_warnings():
             return dist_checkpointing.load(sharded_state_dict, it_dir)
     except (CheckpointingException, CheckpointException, OSError, RuntimeError, EOFError, ValueError) as exc:
         reason = " ".join(str(exc).split())[:400]
@@ -174,7 +145,7 @@ def load_common(it_dir: str) -> Dict[str, Any]:
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     try:
-        with _quiet():
+        with quiet_deprecation_warnings():
             return dist_checkpointing.load_common_state_dict(it_dir)
     except (CheckpointingException, OSError, RuntimeError, EOFError, ValueError) as exc:
         reason = " ".join(str(exc).split())[:300]
@@ -255,10 +226,8 @@ def _whole_model(arch, dtype: torch.dtype):
 
 def load_full_state_dict(it_dir: str, arch, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     """The whole model of a torch_dist iteration folder, with megatron-core names and the
-    unpadded vocabulary (as :func:`~megatron_psrl.checkpoint.mcore_format.load_full_state_dict`
+    unpadded vocabulary (as :func:`~megatron_psrl.checkpoint.legacy_format.load_full_state_dict`
     returns a legacy one): megatron loads every tensor into a TP = PP = 1 model."""
-    from megatron_psrl.checkpoint.loading import canonical_state_dict
-
     with single_process_model_parallel():
         model = _whole_model(arch, dtype)
         load_model_weights(it_dir, model)
@@ -269,8 +238,6 @@ def write_model_checkpoint(it_dir: str, arch, full: Dict[str, torch.Tensor], ite
     """Write a whole model (megatron-core names, e.g. converted from Hugging Face) into the empty
     folder ``it_dir`` as a torch_dist checkpoint, from this one process; it loads under any
     layout. Host memory: the state dict and a model of the same size."""
-    from megatron_psrl.checkpoint.loading import load_state_into
-
     dtype = next(iter(full.values())).dtype
     with single_process_model_parallel():
         model = _whole_model(arch, dtype)

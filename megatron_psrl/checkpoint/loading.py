@@ -1,4 +1,6 @@
-"""Load this rank's model from a HF folder, a megatron_psrl checkpoint or a tiny config."""
+"""Load models from where their weights are: this rank's model from a HF folder, a megatron_psrl
+checkpoint of either format (:mod:`dist_format`, :mod:`legacy_format`) or a tiny config
+(:func:`load_model`), and whole state dicts of HF folders, in-memory HF models and checkpoints."""
 
 from __future__ import annotations
 
@@ -9,15 +11,16 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_psrl.checkpoint.dist_format import checkpoint_format, load_model_weights
+from megatron_psrl.checkpoint import dist_format, legacy_format
 from megatron_psrl.checkpoint.hf_io import HFCheckpointReader
-from megatron_psrl.checkpoint.mcore_format import load_stage_states, read_checkpoint_info
+from megatron_psrl.checkpoint.layout import CheckpointInfo, checkpoint_format, iteration_format, read_checkpoint_info
 from megatron_psrl.checkpoint.sharding import shard_state_dict
+from megatron_psrl.checkpoint.state_dict import load_state_into
 from megatron_psrl.errors import CheckpointError, ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.builder import build_model, parallel_layout
-from megatron_psrl.model.gpt import PsrlGPTModel, model_chunks
+from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.stages import PipelineSplit, stage_counts, virtual_stages
 from megatron_psrl.model.tiny import tiny_config
 
@@ -49,44 +52,6 @@ class ModelSource:
             raise ConfigurationError("give exactly one model source: --hf-dir, --load or --model")
         if (self.hf_config is None) != (self.hf_state_dict is None):
             raise ConfigurationError("an in-memory model needs both hf_config and hf_state_dict")
-
-
-# Transformer Engine's layer spec fuses the pre-attention / pre-MLP norms into the following
-# linear layer, so their parameters have other names than in the local spec. Checkpoints always
-# use the local names (Megatron-LM's convention for converted checkpoints).
-_TE_NORM_NAMES = (
-    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
-    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
-)
-
-
-def canonical_name(name: str) -> str:
-    """The checkpoint (local-spec) name of a model parameter of either layer spec."""
-    for te, local in _TE_NORM_NAMES:
-        if name.endswith(te):
-            return name[: -len(te)] + local
-    return name
-
-
-def canonical_state_dict(model: torch.nn.Module) -> Dict[str, Tensor]:
-    """The model's state dict with local-spec names and without TE's ``_extra_state`` entries."""
-    return {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-
-
-def load_state_into(model: PsrlGPTModel, shard: Dict[str, Tensor]) -> None:
-    """Load a rank shard (any dtype, local-spec names) strictly into a model of either layer
-    spec: every parameter must be present and match."""
-    own = {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    missing = sorted(set(own) - set(shard))
-    unexpected = sorted(k for k in set(shard) - set(own) if not k.endswith("_extra_state"))
-    if missing or unexpected:
-        raise ConfigurationError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for name, target in own.items():
-            src = shard[name]
-            if tuple(src.shape) != tuple(target.shape):
-                raise ConfigurationError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(target.shape)}")
-            target.copy_(src.to(dtype=target.dtype, device=target.device))
 
 
 def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, progress=None,
@@ -259,12 +224,23 @@ def load_model(
         it_dir, info = read_checkpoint_info(source.checkpoint)
         model = build_model(info.architecture, dtype, device, transformer_impl, pipeline_layers, vpp,
                             config_overrides)
-        load_model_weights(it_dir, model)
+        dist_format.load_model_weights(it_dir, model)
         return info.architecture, model, None
     else:
-        info, shards, optimizer_state = load_stage_states(source.checkpoint, tp_rank, tp, stages, split, vpp)
+        info, shards, optimizer_state = legacy_format.load_stage_states(source.checkpoint, tp_rank, tp, stages,
+                                                                        split, vpp)
         arch = info.architecture
     model = build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides)
     for chunk, shard in zip(model_chunks(model), shards):
         load_state_into(chunk, shard)
     return arch, model, optimizer_state
+
+
+def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, Dict[str, Tensor]]:
+    """Merge all shards of the latest iteration into one full (unpadded) state dict (either
+    format: a torch_dist checkpoint is read in this one process, see
+    :func:`~megatron_psrl.checkpoint.dist_format.load_full_state_dict`)."""
+    it_dir, info = read_checkpoint_info(ckpt_dir)
+    if iteration_format(it_dir) == "torch_dist":
+        return info, dist_format.load_full_state_dict(it_dir, info.architecture, info.torch_dtype)
+    return info, legacy_format.load_full_state_dict(it_dir, info, progress)

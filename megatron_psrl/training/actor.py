@@ -37,17 +37,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_psrl.attention.backends import default_backend
-from megatron_psrl.checkpoint.dist_format import DEFAULT_CKPT_FORMAT, check_ckpt_format, checkpoint_format
-from megatron_psrl.checkpoint.loading import (
-    ModelSource,
-    canonical_state_dict,
-    hf_memory_state_dict,
-    load_model,
-    load_state_into,
-    source_architecture,
-)
-from megatron_psrl.checkpoint.mcore_format import has_checkpoint, read_checkpoint_info
+from megatron_psrl.checkpoint.layout import check_ckpt_format, checkpoint_format, has_checkpoint, read_checkpoint_info
+from megatron_psrl.checkpoint.loading import ModelSource, hf_memory_state_dict, load_model, source_architecture
 from megatron_psrl.checkpoint.sharding import merge_state_dicts, shard_state_dict
+from megatron_psrl.checkpoint.state_dict import canonical_state_dict, load_state_into
 from megatron_psrl.compat import install_cpu_recompute_shims
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.data.samples import SampleBatch
@@ -67,7 +60,7 @@ from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import loss_head_peak_bytes
 from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts, virtual_pipeline_size, virtual_stages
-from megatron_psrl.options import TINY_MODEL_NAMES
+from megatron_psrl.options import DEFAULT_CKPT_FORMAT, TINY_MODEL_NAMES
 from megatron_psrl.training.calibration import MeasuredCosts, calibrate_for_planning
 from megatron_psrl.training.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.training.memory import PeakMemory
@@ -76,7 +69,8 @@ from megatron_psrl.training.planning import memory_plans, plan_with_memory
 from megatron_psrl.training.step import StepOutput, StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.cost import CostModel
-from megatron_psrl.tree.planner import PLACEMENTS, SHARING_MODES, PlannerConfig, StepPlan
+from megatron_psrl.tree.plan import StepPlan
+from megatron_psrl.tree.planner import PLACEMENTS, SHARING_MODES, PlannerConfig
 
 Batch = Union[SampleBatch, Sequence[Mapping[str, Any]]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -734,10 +728,10 @@ class PolicyActor:
         (resharded), a legacy one's when the layout matches. The iteration is the checkpoint's
         either way (as Megatron-LM's ``--no-load-optim``: a fresh optimizer restarts the schedule)."""
         from megatron_psrl.checkpoint import dist_format
-        from megatron_psrl.checkpoint.mcore_format import load_stage_states
+        from megatron_psrl.checkpoint.legacy_format import load_stage_states
 
         layout = self.layout
-        if dist_format.checkpoint_format(ckpt_dir) == "torch_dist":
+        if checkpoint_format(ckpt_dir) == "torch_dist":
             it_dir, info = read_checkpoint_info(ckpt_dir)
             with layout.monitor.phase(f"checkpoint load of {it_dir}"):
                 dist_format.load_model_weights(it_dir, self.model)

@@ -76,7 +76,8 @@ class MeasuredCosts:
                 + self.seconds_per_micro_batch * micro_batches)
 
 
-def _time(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` after one warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -86,7 +87,7 @@ def _time(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def _pack_step(model, vocab_size: int, device, segments: List[int], rows: int):
+def pack_step(model, vocab_size: int, device, segments: List[int], rows: int):
     """Forward + backward of one synthetic pack: ``segments`` causal chains, ``rows`` logits."""
     n = int(sum(segments))
     gen = torch.Generator().manual_seed(n + 7 * len(segments) + rows)
@@ -124,7 +125,7 @@ def measure_compute(model, vocab_size: int, device, max_tokens: int, repeats: in
         tokens = sum(segments)
         keys = sum(s * (s + 1) // 2 for s in segments)
         rows_a.append([tokens, keys, rows, 1.0])
-        times.append(_time(_pack_step(model, vocab_size, device, segments, rows), repeats))
+        times.append(median_seconds(pack_step(model, vocab_size, device, segments, rows), repeats))
     coef, *_ = np.linalg.lstsq(np.asarray(rows_a, dtype=np.float64), np.asarray(times), rcond=None)
     floor = np.array([1e-12, 1e-15, 1e-12, 0.0])
     return np.maximum(coef, floor)
@@ -139,7 +140,7 @@ def measure_exchange(group, bytes_per_row: int, device, repeats: int = 3) -> np.
     for rows in sizes:
         send = torch.zeros((rows * g, max(1, bytes_per_row // 4)), dtype=torch.float32, device=device)
         counts = [rows] * g
-        times.append(_time(lambda send=send, counts=counts: return_replica_grads(send, counts, counts, group), repeats))
+        times.append(median_seconds(lambda send=send, counts=counts: return_replica_grads(send, counts, counts, group), repeats))
     per_byte = max((times[1] - times[0]) / ((sizes[1] - sizes[0]) * (g - 1) * bytes_per_row), 0.0)
     return np.array([per_byte, max(times[0], 0.0)])
 

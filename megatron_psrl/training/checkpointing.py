@@ -3,7 +3,7 @@
 Two formats (``--ckpt-format``): ``torch_dist`` (the default, Megatron-LM's: one sharded
 checkpoint written with megatron-core's ``dist_checkpointing``, loadable under any TP/PP/DP
 layout with its optimizer state, :mod:`megatron_psrl.checkpoint.dist_format`) and ``legacy``
-(Megatron's per-rank ``model_optim_rng.pt`` files, :mod:`megatron_psrl.checkpoint.mcore_format`).
+(Megatron's per-rank ``model_optim_rng.pt`` files, :mod:`megatron_psrl.checkpoint.legacy_format`).
 Both carry ``psrl_model.json`` and are readable by ``--load``, ``tools/compute_logprobs.py``
 and ``tools/convert_hf_checkpoint.py mcore-to-hf``. Procedure:
 
@@ -34,22 +34,23 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.checkpoint.atomic import atomic_write_text, write_file
-from megatron_psrl.checkpoint.dist_format import DEFAULT_CKPT_FORMAT, check_ckpt_format, save_training_state
-from megatron_psrl.checkpoint.loading import canonical_state_dict
-from megatron_psrl.checkpoint.mcore_format import (
+from megatron_psrl.checkpoint.dist_format import save_training_state
+from megatron_psrl.checkpoint.layout import (
     MODEL_JSON,
     TRACKER,
     CheckpointInfo,
+    check_ckpt_format,
     iteration_dir_name,
-    rank_dir_name,
     recover_checkpoint_dir,
-    write_rank_file,
 )
+from megatron_psrl.checkpoint.legacy_format import rank_dir_name, write_rank_file
+from megatron_psrl.checkpoint.state_dict import canonical_state_dict
 from megatron_psrl.distributed.setup import ParallelLayout
 from megatron_psrl.errors import CheckpointWriteError, NonFiniteTrainingError, PsrlError, error_text
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.stages import split_of_config, virtual_stages
+from megatron_psrl.options import DEFAULT_CKPT_FORMAT
 
 
 def _broadcast_obj(value: Any) -> Any:

@@ -43,7 +43,7 @@ from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.training.loss import ClaimLoss, claim_coefficients
 from megatron_psrl.training.step import ComputedLogprobs, StepOutput, StepRunner
 from megatron_psrl.training.transfer import DeviceSums, host_to_device
-from megatron_psrl.tree.planner import StepPlan
+from megatron_psrl.tree.plan import StepPlan
 
 Tensor = torch.Tensor
 

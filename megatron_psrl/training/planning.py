@@ -6,7 +6,8 @@ import dataclasses
 from typing import Callable, List, Optional, Tuple
 
 from megatron_psrl.kvcache import CacheBudgetError, MemoryPlan
-from megatron_psrl.tree.planner import PlannerConfig, PlanningError, RankPlan, StepPlan, plan_step
+from megatron_psrl.tree.plan import PlanningError, RankPlan, StepPlan
+from megatron_psrl.tree.planner import PlannerConfig, plan_step
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]

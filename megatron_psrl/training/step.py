@@ -32,7 +32,7 @@ from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_
 from megatron_psrl.training.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
 from megatron_psrl.training.transfer import DeviceSums, host_to_device
 from megatron_psrl.tree.packing import PackedMicroBatch
-from megatron_psrl.tree.planner import RankPlan, StepPlan
+from megatron_psrl.tree.plan import RankPlan, StepPlan
 
 Tensor = torch.Tensor
 

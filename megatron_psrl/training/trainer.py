@@ -27,9 +27,8 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from megatron_psrl.checkpoint.dist_format import checkpoint_format
+from megatron_psrl.checkpoint.layout import checkpoint_format, has_checkpoint
 from megatron_psrl.checkpoint.loading import ModelSource, source_architecture
-from megatron_psrl.checkpoint.mcore_format import has_checkpoint
 from megatron_psrl.data.loader import load_samples
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.synthetic import WORKLOADS, make_workload

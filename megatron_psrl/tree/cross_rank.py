@@ -32,17 +32,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from megatron_psrl.tree.chunks import chunk_dependencies, split_chains
 from megatron_psrl.tree.packing import TreeIndex
-from megatron_psrl.tree.planner import (
+from megatron_psrl.tree.plan import (
     CachedSource,
     ChainUse,
     MicroBatchSpec,
     PeerRead,
     RankPlan,
     StepExchange,
-    _schedule,
-    _split_chains,
-    chunk_dependencies,
+    build_schedule,
 )
 
 TokenCost = Callable[[np.ndarray], np.ndarray]
@@ -140,7 +139,7 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
             mb.remote_targets = np.concatenate([mb.remote_targets, deps.remote[p]])
         if p not in deps.needed:
             continue
-        for chain in _split_chains(index, deps.needed[p], deps.attach[p]):
+        for chain in split_chains(index, deps.needed[p], deps.attach[p]):
             last = int(chain[-1])
             later_firsts = first[p + 1:]
             consumers = (p + 1 + np.flatnonzero((later_firsts > last) & (later_firsts < subtree_end[last]))).tolist()
@@ -179,7 +178,7 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
     # backward (on every rank) until all those readers are done.
     pseudo = {i: CachedSource(source_id=i, producer=m, tokens=np.zeros(1, np.int64), consumers=sorted(rs))
               for i, (m, rs) in enumerate(sorted(readers.items())) if rs}
-    schedule = _schedule(mbs[0], pseudo)
+    schedule = build_schedule(mbs[0], pseudo)
     fragment_cost = np.array([cost[bounds[f]:bounds[f + 1]].sum() for f in range(num)])
     plans = []
     for r in range(g):
@@ -207,35 +206,3 @@ def exchange_tokens(plans: List[RankPlan]) -> int:
     sends them once; replica gradients travel back once more)."""
     return int(sum(len(c) for p in plans for mb in p.micro_batches if mb.exchange
                    for chains in mb.exchange.send.values() for c in chains))
-
-
-def compare_placements(tree, cost_model, ranks: int, micro_batch_tokens: int, group_size: Optional[int] = None,
-                       kv_bytes_per_token: float = 0.0) -> Dict[str, dict]:
-    """Whole-tree vs cross-rank placement of one batch over ``ranks`` simulated ranks (no
-    model): per-rank planned cost, imbalance (max / mean), predicted makespan (cost units),
-    micro-batches, bytes exchanged, tokens duplicated, planning time. ``group_size``: ranks per
-    exchange group (default: all)."""
-    import time
-
-    from megatron_psrl.tree.planner import PlannerConfig, plan_step
-
-    report = {}
-    for placement in ("whole-tree", "cross-rank"):
-        config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
-                               exchange_group_size=group_size or ranks, placement=placement, cost_model=cost_model,
-                               kv_bytes_per_token=kv_bytes_per_token)
-        t0 = time.perf_counter()
-        plan = plan_step(tree, config)
-        seconds = time.perf_counter() - t0
-        costs = plan.rank_costs()
-        report[placement] = {
-            "rank_cost": costs.tolist(),
-            "imbalance": plan.imbalance(),
-            "makespan": float(max(plan.predicted_makespan)),
-            "perfect": float(costs.sum() / len(costs)),
-            "micro_batches": plan.num_micro_batches(),
-            "exchanged_bytes": plan.exchanged_bytes(kv_bytes_per_token),
-            "tokens_duplicated": plan.mechanism_counts()["duplicated_tokens"],
-            "plan_seconds": seconds,
-        }
-    return report

@@ -1,9 +1,10 @@
 """The global planner: which tree tokens every rank computes, in which micro-batches and order.
 
-Input: the global prefix tree of the update batch. Output: a :class:`StepPlan`, for every
-data-parallel rank an ordered list of micro-batches (sets of tree tokens), the cached prefix
-sources between them, and a forward/backward schedule. The plan is deterministic, so every
-rank computes the same plan from the same tree (no communication).
+Input: the global prefix tree of the update batch. Output: a :class:`StepPlan`
+(:mod:`megatron_psrl.tree.plan`), for every data-parallel rank an ordered list of micro-batches
+(sets of tree tokens), the cached prefix sources between them, and a forward/backward schedule.
+The plan is deterministic, so every rank computes the same plan from the same tree (no
+communication).
 
 1. **Placement over ranks.** The independent trees of the forest (top-level subtrees) are
    assigned to data-parallel ranks largest-cost-first to the least-loaded rank (LPT), with
@@ -31,21 +32,29 @@ rank computes the same plan from the same tree (no communication).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_psrl.errors import ConfigurationError, PsrlError
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.options import PLACEMENTS, SHARING_MODES
+from megatron_psrl.tree.chunks import chunk_dependencies, split_chains
 from megatron_psrl.tree.cost import CostModel, claimed_tokens
-from megatron_psrl.tree.packing import ExternalSource, PackedMicroBatch, TreeIndex, chain_structure, pack_tokens
+from megatron_psrl.tree.cross_rank import plan_group_cross_rank
+from megatron_psrl.tree.packing import TreeIndex
+from megatron_psrl.tree.plan import (
+    CachedSource,
+    MicroBatchSpec,
+    PlanningError,
+    RankPlan,
+    StepPlan,
+    build_schedule,
+    maybe_check_plan,
+)
 from megatron_psrl.tree.prefix_tree import PrefixTree
 from megatron_psrl.tree.unshared import build_unshared_tree
-
-
-class PlanningError(PsrlError, ValueError):
-    """The batch cannot be planned under the given budgets."""
 
 
 @dataclass
@@ -120,227 +129,10 @@ class PlannerConfig:
             raise ConfigurationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
 
-@dataclass
-class CachedSource:
-    """A chain of tree tokens whose K/V one micro-batch produces for later ones."""
-
-    source_id: int
-    """Rank-local id (the KV cache's key)."""
-
-    producer: int
-    """Micro-batch computing the tokens."""
-
-    tokens: np.ndarray
-    """int64 tree tokens of the chain (ascending; each the predecessor of the next)."""
-
-    consumers: List[int] = field(default_factory=list)
-    """Micro-batches that read the source (attend to its K/V)."""
-
-    replica_of: Optional[Tuple[int, int]] = None
-    """Cross-rank: ``(owner rank, owner's source id)`` when this is a copy of another rank's
-    prefix, received at ``producer`` (the owner's step) and read here later; its gradients go
-    back to the owner before the owner's deferred backward. None: this rank computes it."""
-
-    kinds: Tuple[str, ...] = ("k", "v", "gk", "gv")
-    """Cache blocks it needs: an owner whose prefix only other ranks read keeps dK/dV only."""
-
-    @property
-    def length(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def last_token(self) -> int:
-        return int(self.tokens[-1])
-
-
-@dataclass
-class MicroBatchSpec:
-    """One micro-batch of a rank: the input of :func:`pack_tokens`, plus dependencies."""
-
-    index: int
-    """Position in the rank's list."""
-
-    tokens: np.ndarray
-    """int64 sorted tree tokens."""
-
-    owned: np.ndarray
-    """bool, aligned with ``tokens``: claims and log-probs belong here (False = duplicate)."""
-
-    reads: List[int] = field(default_factory=list)
-    """Sources this micro-batch attends to (outermost first)."""
-
-    produces: List[int] = field(default_factory=list)
-    """Sources this micro-batch computes for later micro-batches."""
-
-    remote_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    """Tree tokens in later micro-batches whose predecessor is here (their log-prob is
-    computed here)."""
-
-    peer_reads: List["PeerRead"] = field(default_factory=list)
-    """Cross-rank: prefix chains other ranks compute in this same step, attended to through the
-    per-layer exchange (after ``reads`` in the attention plan's external sources)."""
-
-    exchange: Optional["StepExchange"] = None
-    """Cross-rank: what this rank sends and receives in this step (None: no exchange)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.shape[0])
-
-
-@dataclass
-class PeerRead:
-    """A prefix chain computed by another rank in the same step (cross-rank)."""
-
-    src_rank: int
-    """The rank (in the exchange group) that computes it."""
-
-    length: int
-    """Tokens in the chain."""
-
-    last_token: int
-    """Tree index of its last token: pack tokens descending from it see all of it."""
-
-
-@dataclass
-class ChainUse:
-    """What a receiver does with one chain it receives in an exchange step."""
-
-    length: int
-    """Rows of the chain (received in order)."""
-
-    peer: Optional[int] = None
-    """Index in the step's ``peer_reads`` if the receiver attends to it in this step."""
-
-    replica: Optional[int] = None
-    """Source id of the receiver's replica to store it in, if read in later steps."""
-
-
-@dataclass
-class StepExchange:
-    """One rank's transfers in one cross-rank step (all ranks of the group know all of them).
-
-    Forward (every layer): ``send[dst]`` chains of this rank's fragment go to ``dst``;
-    ``recv[src]`` says what each chain received from ``src`` is for. Deferred backward of the
-    step: ``grad_send[owner]`` replica source ids whose dK/dV go back to ``owner``;
-    ``grad_recv[src]`` this rank's source ids that ``src`` returns gradients for, in order."""
-
-    send: Dict[int, List[np.ndarray]] = field(default_factory=dict)
-    recv: Dict[int, List[ChainUse]] = field(default_factory=dict)
-    grad_send: Dict[int, List[int]] = field(default_factory=dict)
-    grad_recv: Dict[int, List[int]] = field(default_factory=dict)
-    forward_collective: bool = False
-    """Some rank of the group sends K/V in this step: every rank takes part, per layer."""
-
-    backward_collective: bool = False
-    """Some rank returns replica gradients at this step's backward: every rank takes part."""
-
-    def send_counts(self, group_size: int) -> List[int]:
-        return [int(sum(len(c) for c in self.send.get(r, []))) for r in range(group_size)]
-
-    def recv_counts(self, group_size: int) -> List[int]:
-        return [int(sum(u.length for u in self.recv.get(r, []))) for r in range(group_size)]
-
-
-@dataclass
-class RankPlan:
-    """Everything one data-parallel rank computes in the step."""
-
-    micro_batches: List[MicroBatchSpec]
-    """In forward order."""
-
-    sources: Dict[int, CachedSource]
-    """Cached sources by id."""
-
-    schedule: List[Tuple[str, int]]
-    """``("forward", i)``, ``("backward", i)`` or ``("forward_backward", i)`` steps."""
-
-    planned_cost: float = 0.0
-    """Cost-model FLOPs of the rank's work."""
-
-    group_rank: int = 0
-    """This rank's index in its exchange group."""
-
-    cross_rank: bool = False
-    """Part of a cross-rank plan: every rank of the group runs the same schedule in lockstep,
-    exchanging prefix K/V (``MicroBatchSpec.exchange``)."""
-
-    def pack(self, index: TreeIndex, i: int) -> PackedMicroBatch:
-        """The packed micro-batch i (built on demand: packing is cheap next to the model).
-
-        External sources: the cached prefixes it reads, then the peer chains of this step."""
-        mb = self.micro_batches[i]
-        external = [ExternalSource(s, self.sources[s].length, self.sources[s].last_token) for s in mb.reads]
-        external += [ExternalSource(-1 - j, p.length, p.last_token) for j, p in enumerate(mb.peer_reads)]
-        return pack_tokens(index, mb.tokens, mb.owned, external, mb.remote_targets)
-
-
-@dataclass
-class StepPlan:
-    """The plan of one update step over all data-parallel ranks."""
-
-    config: PlannerConfig
-    tree: PrefixTree
-    """The tree the token indices refer to (the unshared tree in ``none`` mode)."""
-
-    index: TreeIndex
-    ranks: List[RankPlan]
-    groups: List[List[int]] = field(default_factory=list)
-    """Ranks whose memory is planned together (a cross-rank group runs one schedule)."""
-
-    placements: List[str] = field(default_factory=list)
-    """Per exchange group: ``whole-tree`` or ``cross-rank``."""
-
-    predicted_makespan: List[float] = field(default_factory=list)
-    """Per exchange group: the cost-model makespan of the chosen placement (and of the other
-    one, for the log: see :attr:`alternative_makespan`)."""
-
-    alternative_makespan: List[float] = field(default_factory=list)
-
-    def tokens_computed(self, rank: Optional[int] = None) -> int:
-        ranks = self.ranks if rank is None else [self.ranks[rank]]
-        return int(sum(mb.num_tokens for r in ranks for mb in r.micro_batches))
-
-    def num_micro_batches(self, rank: Optional[int] = None) -> int:
-        ranks = self.ranks if rank is None else [self.ranks[rank]]
-        return int(sum(len(r.micro_batches) for r in ranks))
-
-    def rank_costs(self) -> np.ndarray:
-        """Planned cost of every rank (cost-model units)."""
-        return np.array([r.planned_cost for r in self.ranks], dtype=np.float64)
-
-    def imbalance(self) -> float:
-        """max / mean planned rank cost (1.0 = perfect balance)."""
-        costs = self.rank_costs()
-        return float(costs.max() / costs.mean()) if costs.size and costs.mean() > 0 else 1.0
-
-    def exchanged_tokens(self) -> int:
-        """Tokens of prefix K/V sent between ranks per layer in the forward pass."""
-        return int(sum(len(c) for r in self.ranks for mb in r.micro_batches if mb.exchange
-                       for chains in mb.exchange.send.values() for c in chains))
-
-    def exchanged_bytes(self, kv_bytes_per_token: float) -> int:
-        """Bytes sent between ranks in the step: prefix K/V forward, their gradients back (the
-        exchange's backward), and the replicas' gradients returned to their owners."""
-        replica = sum(r.sources[s].length for r in self.ranks for mb in r.micro_batches if mb.exchange
-                      for ids in mb.exchange.grad_send.values() for s in ids)
-        return int((2 * self.exchanged_tokens() + replica) * kv_bytes_per_token)
-
-    def mechanism_counts(self) -> Dict[str, int]:
-        """How many cached sources / duplicated tokens the plan uses (for logs)."""
-        duplicated = sum(int((~mb.owned).sum()) for r in self.ranks for mb in r.micro_batches)
-        return {
-            "cached_sources": sum(len(r.sources) for r in self.ranks),
-            "cached_source_tokens": sum(s.length for r in self.ranks for s in r.sources.values()),
-            "duplicated_tokens": duplicated,
-        }
-
-
 # ====================================================================== entry point
 def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
-    """Plan an update step (see the module docstring)."""
-    from megatron_psrl.tree.cross_rank import plan_group_cross_rank
-
+    """Plan an update step (see the module docstring); checked (:func:`~megatron_psrl.tree.plan.check_plan`)
+    when ``PSRL_CHECK_PLANS=1``."""
     if config.sharing == "none":
         tree = build_unshared_tree(tree.batch)
     index = TreeIndex(tree)
@@ -369,7 +161,35 @@ def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
         for r, rank_plan in enumerate(ranks):
             rank_plan.group_rank = r
         plan.ranks += ranks
-    return plan
+    return maybe_check_plan(plan)
+
+
+def compare_placements(tree, cost_model, ranks: int, micro_batch_tokens: int, group_size: Optional[int] = None,
+                       kv_bytes_per_token: float = 0.0) -> Dict[str, dict]:
+    """Whole-tree vs cross-rank placement of one batch over ``ranks`` simulated ranks (no
+    model): per-rank planned cost, imbalance (max / mean), predicted makespan (cost units),
+    micro-batches, bytes exchanged, tokens duplicated, planning time. ``group_size``: ranks per
+    exchange group (default: all)."""
+    report = {}
+    for placement in ("whole-tree", "cross-rank"):
+        config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
+                               exchange_group_size=group_size or ranks, placement=placement, cost_model=cost_model,
+                               kv_bytes_per_token=kv_bytes_per_token)
+        t0 = time.perf_counter()
+        plan = plan_step(tree, config)
+        seconds = time.perf_counter() - t0
+        costs = plan.rank_costs()
+        report[placement] = {
+            "rank_cost": costs.tolist(),
+            "imbalance": plan.imbalance(),
+            "makespan": float(max(plan.predicted_makespan)),
+            "perfect": float(costs.sum() / len(costs)),
+            "micro_batches": plan.num_micro_batches(),
+            "exchanged_bytes": plan.exchanged_bytes(kv_bytes_per_token),
+            "tokens_duplicated": plan.mechanism_counts()["duplicated_tokens"],
+            "plan_seconds": seconds,
+        }
+    return report
 
 
 def _token_cost(index: TreeIndex, cost_model: Optional[CostModel]):
@@ -484,7 +304,7 @@ def _plan_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig) -> Ra
         _link_stream(index, bounds, ids, micro_batches, sources)
     order = _forward_order(bins)
     micro_batches, sources = _renumber(micro_batches, sources, order)
-    return RankPlan(micro_batches=micro_batches, sources=sources, schedule=_schedule(micro_batches, sources))
+    return RankPlan(micro_batches=micro_batches, sources=sources, schedule=build_schedule(micro_batches, sources))
 
 
 def _bin_to_spec(i: int, b: _Bin) -> MicroBatchSpec:
@@ -576,85 +396,6 @@ def _ancestor_path(index: TreeIndex, token: int) -> np.ndarray:
     return np.concatenate(pieces[::-1])
 
 
-def _union_of_paths(index: TreeIndex, tokens, floor: int) -> np.ndarray:
-    """Tree tokens ``>= floor`` on the paths from the root to any of ``tokens``, ascending.
-
-    The marked set is closed under ancestors, so per node it is a prefix of the node's tokens:
-    a walk up stops at the first node already marked."""
-    tree = index.tree
-    marked: Dict[int, int] = {}  # node -> last marked token of the node
-    for y in tokens:
-        m, hi = int(index.token_node[y]), int(y)
-        while m >= 0:
-            if m in marked:
-                marked[m] = max(marked[m], hi)
-                break
-            marked[m] = hi
-            if tree.node_offset[m] <= floor:
-                break
-            m = int(tree.node_parent[m])
-            hi = int(tree.node_offset[m + 1]) - 1
-    return np.concatenate([np.arange(max(int(tree.node_offset[m]), floor), marked[m] + 1, dtype=np.int64)
-                           for m in sorted(marked)])
-
-
-@dataclass
-class ChunkDependencies:
-    """What later chunks of a depth-first stream need from each chunk (by chunk index)."""
-
-    needed: Dict[int, np.ndarray]
-    """Tokens of the chunk that lie on the path of some later chunk (ascending)."""
-
-    attach: Dict[int, np.ndarray]
-    """Tokens of the chunk that a later chunk's root segments continue from."""
-
-    remote: Dict[int, np.ndarray]
-    """Tokens of later chunks whose predecessor is in the chunk (their log-prob is computed there)."""
-
-
-def chunk_dependencies(index: TreeIndex, chunks: List[np.ndarray]) -> ChunkDependencies:
-    """Dependencies between the chunks (contiguous depth-first ranges of one or more trees, in
-    stream order) of a stream: a chunk's outside ancestors all lie on the path to its first
-    token, in earlier chunks.
-
-    A later chunk needs, from an earlier chunk p, the path tokens inside p: the ancestors (in
-    p) of the deepest path token in p. Only those deepest tokens are collected, walking the
-    path node by node (not token by token), and each chunk's needed tokens are built once at
-    the end, so a long chain (every chunk reads everything before it) costs linear work."""
-    pred, tree = index.pred, index.tree
-    first = np.array([int(c[0]) for c in chunks], dtype=np.int64)
-    last = np.array([int(c[-1]) for c in chunks], dtype=np.int64)
-    chunk_of = lambda tok: np.searchsorted(first, tok, side="right") - 1  # noqa: E731
-    deepest: Dict[int, set] = {}
-    attach: Dict[int, List[np.ndarray]] = {}
-    remote: Dict[int, List[np.ndarray]] = {}
-    for tokens in chunks:
-        a = int(tokens[0])
-        if pred[a] < 0:
-            continue
-        hi = int(pred[a])  # walk the path up, one node piece [lo, hi] at a time
-        m = int(index.token_node[hi])
-        while m >= 0:
-            lo = int(tree.node_offset[m])
-            for c in range(int(chunk_of(hi)), int(chunk_of(lo)) - 1, -1):
-                deepest.setdefault(c, set()).add(min(hi, int(last[c])))
-            m = int(tree.node_parent[m])
-            if m >= 0:
-                hi = int(tree.node_offset[m + 1]) - 1
-        roots = tokens[(pred[tokens] >= 0) & (pred[tokens] < a)]
-        preds = pred[roots]
-        pj = chunk_of(preds)
-        for j in np.unique(pj):
-            attach.setdefault(int(j), []).append(preds[pj == j])
-            remote.setdefault(int(j), []).append(roots[pj == j])
-    needed = {p: _union_of_paths(index, ys, int(first[p])) for p, ys in deepest.items()}
-    return ChunkDependencies(
-        needed=needed,
-        attach={j: np.unique(np.concatenate(v)) for j, v in attach.items()},
-        remote={j: np.unique(np.concatenate(v)) for j, v in remote.items()},
-    )
-
-
 def _link_stream(
     index: TreeIndex, bounds: List[int], bin_ids: List[int], mbs: List[MicroBatchSpec], sources: Dict[int, CachedSource]
 ) -> None:
@@ -667,7 +408,7 @@ def _link_stream(
             mb.remote_targets = np.concatenate([mb.remote_targets, deps.remote[j]])
         if j not in deps.needed:
             continue
-        for piece in _split_chains(index, deps.needed[j], deps.attach[j]):
+        for piece in split_chains(index, deps.needed[j], deps.attach[j]):
             sid = len(sources)
             src = CachedSource(source_id=sid, producer=bin_ids[j], tokens=piece)
             last = src.last_token
@@ -679,14 +420,6 @@ def _link_stream(
             mb.produces.append(sid)
             for c in src.consumers:
                 mbs[c].reads.append(sid)
-
-
-def _split_chains(index: TreeIndex, tokens: np.ndarray, attach_points: np.ndarray) -> List[np.ndarray]:
-    """Split a set of path tokens (a union of root paths, ascending) into chains that end at
-    attach points or branch points, so every reader sees whole chains."""
-    _, cont = chain_structure(index, tokens, break_after=np.isin(tokens, attach_points))
-    starts = np.flatnonzero(~cont)
-    return [tokens[a:b] for a, b in zip(starts, np.append(starts[1:], len(tokens)))]
 
 
 # ---------------------------------------------------------------------- duplication
@@ -774,35 +507,3 @@ def _renumber(mbs, sources, order):
     for mb in out:
         mb.reads = sorted(mb.reads, key=lambda s: sources[s].last_token)
     return out, sources
-
-
-def _schedule(mbs: List[MicroBatchSpec], sources: Dict[int, CachedSource]) -> List[Tuple[str, int]]:
-    """Forward in order; backward of a producer as soon as all its readers are done."""
-    readers: Dict[int, set] = {}
-    for src in sources.values():
-        readers.setdefault(src.producer, set()).update(src.consumers)
-    for p, r in readers.items():
-        if any(c <= p for c in r):
-            raise PlanningError("a cached source is read before it is computed")
-    done: set = set()
-    waiting: List[int] = []
-    steps: List[Tuple[str, int]] = []
-    for i in range(len(mbs)):
-        if readers.get(i):
-            steps.append(("forward", i))
-            waiting.append(i)
-            continue
-        steps.append(("forward_backward", i))
-        done.add(i)
-        progressed = True
-        while progressed:
-            progressed = False
-            for p in sorted(waiting, reverse=True):
-                if readers[p] <= done:
-                    steps.append(("backward", p))
-                    done.add(p)
-                    waiting.remove(p)
-                    progressed = True
-    if waiting:
-        raise PlanningError(f"micro-batches {waiting} never became ready for backward")
-    return steps

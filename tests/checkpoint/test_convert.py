@@ -17,9 +17,10 @@ from helpers.families import family_config
 from helpers.hf_reference import load_hf_model
 from safetensors import safe_open
 
-from megatron_psrl.checkpoint import ModelSource, OutputExistsError, hf_io, load_model, mcore_format
+from megatron_psrl.checkpoint import ModelSource, OutputExistsError, hf_io, legacy_format, load_model
 from megatron_psrl.checkpoint import convert as convert_lib
 from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+from megatron_psrl.checkpoint.loading import load_full_state_dict
 from megatron_psrl.model.architecture import UnsupportedModelError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,6 +209,7 @@ def test_cli_refuses_unsupported_models_without_output(override, words, tmp_path
     assert not out.exists() and _leftovers(tmp_path, "out") == []
 
 
+@pytest.mark.slow  # a subprocess
 def test_cli_process_exit_code_for_unsupported_model(tmp_path):
     """The real command line (a separate process): exit status 2, message on stderr, no output."""
     src = _write_config(tmp_path, "src", dict(family_config("mistral"), model_type="mixtral", num_local_experts=8))
@@ -253,7 +255,7 @@ class Interrupt(Exception):
 @pytest.mark.parametrize("exc", [Interrupt, KeyboardInterrupt])
 def test_interrupted_hf_to_mcore_leaves_nothing(exc, sharded_hf, tmp_path, monkeypatch):
     src = sharded_hf("qwen2-yarn", "fp32")
-    real = mcore_format.write_rank_file
+    real = legacy_format.write_rank_file
     calls = []
 
     def flaky(*args, **kwargs):
@@ -262,7 +264,7 @@ def test_interrupted_hf_to_mcore_leaves_nothing(exc, sharded_hf, tmp_path, monke
             raise exc("killed mid-way")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mcore_format, "write_rank_file", flaky)
+    monkeypatch.setattr(legacy_format, "write_rank_file", flaky)
     out = tmp_path / "ckpt"
     with pytest.raises(exc):
         hf_to_mcore(src, str(out), tp=2, pp=2, progress=False, ckpt_format="legacy")
@@ -300,7 +302,7 @@ def test_failed_forced_conversion_keeps_the_old_output(sharded_hf, tmp_path, mon
     def boom(*args, **kwargs):
         raise Interrupt("killed")
 
-    monkeypatch.setattr(mcore_format, "write_rank_file", boom)
+    monkeypatch.setattr(legacy_format, "write_rank_file", boom)
     with pytest.raises(Interrupt):
         hf_to_mcore(src, str(out), tp=2, overwrite=True, progress=False, ckpt_format="legacy")
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
@@ -328,12 +330,12 @@ def test_legacy_converts_to_torch_dist_and_back_with_every_tensor(sharded_hf, tm
     hf_to_mcore(src, str(legacy), tp=2, pp=2, progress=False, ckpt_format="legacy")
     assert cli.main(["mcore-to-mcore", "--load", str(legacy), "--out-dir", str(dist_ckpt), "--no-progress"]) == 0
     assert (dist_ckpt / "release" / "metadata.json").exists() and not (dist_ckpt / "release" / "mp_rank_00_000").exists()
-    _, a = mcore_format.load_full_state_dict(str(legacy))
-    _, b = mcore_format.load_full_state_dict(str(dist_ckpt))
+    _, a = load_full_state_dict(str(legacy))
+    _, b = load_full_state_dict(str(dist_ckpt))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert cli.main(["mcore-to-mcore", "--load", str(dist_ckpt), "--out-dir", str(again), "--ckpt-format", "legacy",
                      "--tp", "2", "--no-progress"]) == 0
-    _, c = mcore_format.load_full_state_dict(str(again))
+    _, c = load_full_state_dict(str(again))
     assert sorted(os.listdir(again / "release")) == ["mp_rank_00", "mp_rank_01", "psrl_model.json"]
     assert all(torch.equal(a[k], c[k]) for k in a)
     back = tmp_path / "hf"

@@ -12,9 +12,9 @@ def plain_tensors(it_dir: str) -> Dict[str, torch.Tensor]:
     collective when torch.distributed is initialised: every rank calls it)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_psrl.checkpoint.dist_format import _quiet
+    from megatron_psrl.checkpoint.dist_format import quiet_deprecation_warnings
 
-    with _quiet():
+    with quiet_deprecation_warnings():
         return dist_checkpointing.load_plain_tensors(it_dir)
 
 

@@ -12,7 +12,7 @@ from helpers.hf_reference import make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
 from megatron_psrl.checkpoint.convert import hf_to_mcore
-from megatron_psrl.checkpoint.mcore_format import TRACKER
+from megatron_psrl.checkpoint.layout import TRACKER
 from megatron_psrl.cli import call_cli
 from megatron_psrl.model import tiny_config
 from megatron_psrl.training.arguments import MIN_MICRO_BATCH_TOKENS

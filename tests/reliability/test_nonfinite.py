@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.faults import error_line, leftovers, train
 
-from megatron_psrl.checkpoint.mcore_format import load_full_state_dict
+from megatron_psrl.checkpoint.loading import load_full_state_dict
 from megatron_psrl.data import samples_from_dicts
 from megatron_psrl.distributed.setup import initialize_parallel
 from megatron_psrl.errors import CheckpointWriteError

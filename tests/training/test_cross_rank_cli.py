@@ -23,8 +23,7 @@ from helpers.hf_reference import (
 )
 from helpers.torchrun import REPO_ROOT, free_port, script_env
 
-from megatron_psrl.checkpoint.loading import hf_full_state_dict
-from megatron_psrl.checkpoint.mcore_format import load_full_state_dict
+from megatron_psrl.checkpoint.loading import hf_full_state_dict, load_full_state_dict
 from megatron_psrl.data.loader import write_samples
 from megatron_psrl.model import ModelArchitecture
 

@@ -14,8 +14,8 @@ from helpers.hf_reference import make_hf_checkpoint
 from helpers.torchrun import REPO_ROOT, run_torchrun
 
 from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
-from megatron_psrl.checkpoint.dist_format import checkpoint_format, load_common
-from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
+from megatron_psrl.checkpoint.dist_format import load_common
+from megatron_psrl.checkpoint.layout import checkpoint_format, read_checkpoint_info
 from megatron_psrl.errors import CheckpointError, ConfigurationError
 from megatron_psrl.model import tiny_config
 from megatron_psrl.training.arguments import parse_args

@@ -13,7 +13,8 @@ import torch
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint, per_sample_logprobs
 from helpers.torchrun import REPO_ROOT, run_torchrun
 
-from megatron_psrl.checkpoint.mcore_format import load_full_state_dict, read_checkpoint_info
+from megatron_psrl.checkpoint.layout import read_checkpoint_info
+from megatron_psrl.checkpoint.loading import load_full_state_dict
 from megatron_psrl.data import make_workload, write_samples
 from megatron_psrl.model import tiny_config
 

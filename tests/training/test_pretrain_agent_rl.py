@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers.torchrun import REPO_ROOT, run_torchrun
 
-from megatron_psrl.checkpoint.mcore_format import TRACKER, read_checkpoint_info
+from megatron_psrl.checkpoint.layout import TRACKER, read_checkpoint_info
 from megatron_psrl.training.trainer import main
 
 SCRIPT = os.path.join(REPO_ROOT, "pretrain_agent_rl.py")

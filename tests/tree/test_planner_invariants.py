@@ -12,7 +12,8 @@ from helpers.batches import random_tree_batch
 
 from megatron_psrl.data import make_workload
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig, PlanningError, plan_step
+from megatron_psrl.tree.plan import PlanningError
+from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 
 def _ancestors(index, x):

@@ -40,7 +40,8 @@ def _gather_inputs(k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence
     return keys.index_select(0, idx), values.index_select(0, idx), cu_q_t, cu_k_t, max_q, max_k
 
 
-def _require_cuda(name: str, q: Tensor) -> None:
+def require_cuda(name: str, q: Tensor) -> None:
+    """Refuse non-CUDA tensors for the CUDA-only attention backend ``name``."""
     if q.device.type != "cuda":
         raise MissingRequirementError(
             f"attention backend {name!r} needs CUDA tensors (got {q.device}); use "
@@ -53,7 +54,7 @@ def flash_tree_attention(
     scale: float = None,
 ) -> Tensor:
     """flash-attn varlen over per-segment gathered keys, causal aligned bottom right."""
-    _require_cuda("flash", q)
+    require_cuda("flash", q)
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError as exc:  # pragma: no cover - GPU extra
@@ -89,7 +90,7 @@ class TETreeAttention(torch.nn.Module):
         )
 
     def forward(self, q, k, v, plan: AttentionPlan, external=(), scale: float = None) -> Tensor:
-        _require_cuda("te", q)
+        require_cuda("te", q)
         kg, vg, cu_q, cu_k, max_q, max_k = _gather_inputs(k, v, plan, external)
         out = self.attention(
             q, kg, vg, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k,

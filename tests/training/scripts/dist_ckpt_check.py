@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers.dist_ckpt import check_rank_against_checkpoint, plain_tensors
 
 from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
-from megatron_psrl.checkpoint.mcore_format import read_checkpoint_info
+from megatron_psrl.checkpoint.layout import read_checkpoint_info
 from megatron_psrl.data import make_workload
 
 p = argparse.ArgumentParser()

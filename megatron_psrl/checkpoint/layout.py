@@ -1,51 +1,40 @@
-"""megatron_psrl checkpoints: Megatron-LM's legacy per-rank layout plus a model description
-(``--ckpt-format legacy``; the default torch_dist format is :mod:`dist_format`, which shares the
-tracker file, ``psrl_model.json`` and the folder recovery below).
+"""The on-disk layout every megatron_psrl checkpoint shares, whichever format holds its tensors.
 
 ::
 
     CKPT_DIR/
-      latest_checkpointed_iteration.txt      "release" or the iteration number
+      latest_checkpointed_iteration.txt      "release" or the iteration number (the tracker)
       release/ | iter_0000042/
         psrl_model.json                      architecture, TP/PP layout, dtype, iteration
-        mp_rank_00/model_optim_rng.pt        (PP = 1)   or  mp_rank_00_000/... (PP > 1)
-        mp_rank_01/model_optim_rng.pt
+        ...                                  the tensors: torch_dist (:mod:`dist_format`) or
+                                             legacy per-rank files (:mod:`legacy_format`)
 
-Every ``model_optim_rng.pt`` holds ``{"model": state_dict, "iteration", "checkpoint_version",
-and optionally "optimizer", "rng_state"}`` with megatron-core parameter names (local layer
-spec), as Megatron-LM writes them. An iteration directory is written atomically (temporary
-directory, renamed when every rank has written), then the tracker file is replaced atomically.
-A checkpoint saved with one TP/PP layout can be loaded with any other (shards are merged and
-re-split).
+This module names those files, reads the tracker and ``psrl_model.json``
+(:class:`CheckpointInfo`), tells the two formats apart (:func:`checkpoint_format`, by
+megatron's ``metadata.json`` in the iteration folder) and undoes what writers that died
+mid-save left behind (:func:`recover_checkpoint_dir`). It reads no tensors.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, write_file
-from megatron_psrl.checkpoint.sharding import (
-    PipelineSplit,
-    expected_shard_shapes,
-    merge_state_dicts,
-    shard_state_dict,
-    stage_counts,
-)
-from megatron_psrl.errors import CheckpointError, PsrlError, pid_alive
+from megatron_psrl.errors import CheckpointError, ConfigurationError, PsrlError, pid_alive
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.stages import PipelineSplit
+from megatron_psrl.options import CKPT_FORMATS
 
-Tensor = torch.Tensor
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_JSON = "psrl_model.json"
-RANK_FILE = "model_optim_rng.pt"
+MEGATRON_METADATA = "metadata.json"
+"""megatron's file in a torch_dist iteration folder (``{"sharded_backend": "torch_dist", ...}``)."""
 FORMAT_VERSION = 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,6 +81,11 @@ class CheckpointInfo:
     def num_stage_files(self) -> int:
         """Rank files per tensor-parallel rank: one per (virtual) stage."""
         return self.pipeline_parallel_size * self.virtual_pipeline_size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """:attr:`dtype` as a torch dtype."""
+        return _DTYPES[self.dtype]
 
     def to_json(self) -> str:
         d = {
@@ -141,10 +135,6 @@ class CheckpointInfo:
 
 def iteration_dir_name(iteration: Optional[int]) -> str:
     return "release" if iteration is None else f"iter_{iteration:07d}"
-
-
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
 def has_checkpoint(ckpt_dir: str) -> bool:
@@ -224,108 +214,28 @@ def read_checkpoint_info(ckpt_dir: str) -> Tuple[str, CheckpointInfo]:
     return it_dir, CheckpointInfo.from_json(text, path)
 
 
-def _load_rank_file(path: str, expected: Optional[Dict[str, tuple]] = None) -> Dict[str, Any]:
-    """One rank file; a missing, empty, truncated or foreign file raises an error naming it, and
-    so does a model tensor that is missing, unexpected or of another shape than ``expected``."""
+# ---------------------------------------------------------------------- which format
+def check_ckpt_format(ckpt_format: str) -> str:
+    if ckpt_format not in CKPT_FORMATS:
+        raise ConfigurationError(f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, got {ckpt_format!r}")
+    return ckpt_format
+
+
+def iteration_format(it_dir: str) -> str:
+    """``torch_dist`` when ``it_dir`` holds megatron's ``metadata.json``, else ``legacy``."""
+    path = os.path.join(it_dir, MEGATRON_METADATA)
     if not os.path.exists(path):
-        raise CheckpointError(path, "missing (the checkpoint is incomplete)")
-    if os.path.getsize(path) == 0:
-        raise CheckpointError(path, "empty file (0 bytes): the checkpoint is truncated")
+        return "legacy"
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
-        reason = " ".join(str(exc).split())[:200]
-        raise CheckpointError(path, f"cannot be read: the file is truncated or corrupt ({reason})") from None
-    if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict):
-        raise CheckpointError(path, "not a megatron_psrl rank file (no 'model' state dict)")
-    if expected is not None:
-        model = blob["model"]
-        missing = [n for n in expected if n not in model]
-        unexpected = [n for n in model if n not in expected and not n.endswith("_extra_state")]
-        if missing or unexpected:
-            raise CheckpointError(path, f"does not match psrl_model.json: missing tensors {missing[:5]}, "
-                                        f"unexpected tensors {unexpected[:5]}")
-        for name, shape in expected.items():
-            if tuple(model[name].shape) != shape:
-                raise CheckpointError(path, f"shape {tuple(model[name].shape)} does not match {shape} implied by "
-                                            "psrl_model.json", tensor=name)
-    return blob
+        with open(path, encoding="utf-8") as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(path, f"cannot be read ({exc}); the checkpoint is corrupt or truncated") from None
+    if backend != "torch_dist":
+        raise CheckpointError(path, f"sharded backend {backend!r} is not supported (only torch_dist)")
+    return "torch_dist"
 
 
-def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, Dict[str, Tensor]]:
-    """Merge all shards of the latest iteration into one full (unpadded) state dict (either
-    format: a torch_dist checkpoint is read in this one process, see
-    :func:`~megatron_psrl.checkpoint.dist_format.load_full_state_dict`)."""
-    from megatron_psrl.checkpoint import dist_format
-
-    it_dir, info = read_checkpoint_info(ckpt_dir)
-    if dist_format.iteration_format(it_dir) == "torch_dist":
-        return info, dist_format.load_full_state_dict(it_dir, info.architecture, _DTYPES[info.dtype])
-    tp, pp, split = info.tensor_parallel_size, info.num_stage_files, info.pipeline_split
-    expected = expected_shard_shapes(info.architecture, tp, split)
-    shards = {}
-    for p in range(pp):
-        for r in range(tp):
-            path = os.path.join(it_dir, rank_dir_name(r, p, pp), RANK_FILE)
-            shards[(r, p)] = _load_rank_file(path, expected[(r, p)])["model"]
-            if progress is not None:
-                progress(path)
-    return info, merge_state_dicts(shards, info.architecture, tp, split)
-
-
-def load_rank_state(
-    ckpt_dir: str, tp_rank: int, tp: int, pp_rank: int, pp: PipelineSplit, virtual_pipeline_size: int = 1
-) -> Tuple[CheckpointInfo, Dict[str, Tensor], Optional[Dict[str, Any]]]:
-    """The model shard of (virtual) stage ``pp_rank`` (re-sharded if the layout differs) and,
-    when the layout matches (``virtual_pipeline_size`` included), its saved optimizer state."""
-    it_dir, info = read_checkpoint_info(ckpt_dir)
-    arch = info.architecture
-    if info.tensor_parallel_size == tp and stage_counts(arch, info.pipeline_split) == stage_counts(arch, pp):
-        stages = info.num_stage_files
-        blob = _load_rank_file(os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, stages), RANK_FILE),
-                               expected_shard_shapes(arch, tp, pp)[(tp_rank, pp_rank)])
-        same = info.virtual_pipeline_size == virtual_pipeline_size
-        return info, blob["model"], blob.get("optimizer") if same else None
-    _, full = load_full_state_dict(ckpt_dir)
-    return info, shard_state_dict(full, arch, tp, pp)[(tp_rank, pp_rank)], None
-
-
-def load_stage_states(
-    ckpt_dir: str, tp_rank: int, tp: int, stages: Sequence[int], pp: PipelineSplit, virtual_pipeline_size: int = 1
-) -> Tuple[CheckpointInfo, List[Dict[str, Tensor]], Optional[Dict[str, Any]]]:
-    """:func:`load_rank_state` for each of a rank's (virtual) ``stages``: the checkpoint's info,
-    one shard per stage, and the rank's optimizer state (saved with its first chunk)."""
-    shards, optimizer_state, info = [], None, None
-    for stage in stages:
-        info, shard, state = load_rank_state(ckpt_dir, tp_rank, tp, stage, pp, virtual_pipeline_size)
-        shards.append(shard)
-        optimizer_state = optimizer_state if optimizer_state is not None else state
-    return info, shards, optimizer_state
-
-
-def write_rank_file(it_dir: str, tp_rank: int, pp_rank: int, pp: int, payload: Dict[str, Any]) -> None:
-    d = os.path.join(it_dir, rank_dir_name(tp_rank, pp_rank, pp))
-    os.makedirs(d, exist_ok=True)
-    write_file(os.path.join(d, RANK_FILE), lambda f: torch.save(payload, f))
-
-
-def save_sharded_checkpoint(
-    out_dir: str,
-    info: CheckpointInfo,
-    shards: Dict[tuple, Dict[str, Tensor]],
-    overwrite: bool = False,
-    release: bool = True,
-    progress=None,
-) -> None:
-    """Write a whole checkpoint from one process (the converter), atomically."""
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        it_dir = os.path.join(tmp, iteration_dir_name(None if release else info.iteration))
-        os.makedirs(it_dir)
-        for (r, p), sd in sorted(shards.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            write_rank_file(it_dir, r, p, info.pipeline_parallel_size, {
-                "model": sd, "iteration": info.iteration, "checkpoint_version": 3.0,
-            })
-            if progress is not None:
-                progress(rank_dir_name(r, p, info.pipeline_parallel_size))
-        write_file(os.path.join(it_dir, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
-        atomic_write_text(os.path.join(tmp, TRACKER), "release" if release else str(info.iteration))
+def checkpoint_format(ckpt_dir: str) -> str:
+    """The format of the latest iteration of ``ckpt_dir``."""
+    return iteration_format(resolve_iteration_dir(ckpt_dir))
