@@ -36,7 +36,8 @@ setup(
         # GPU kernels; apex (fused norms / optimizers) is optional and built from source,
         # see docs/installation.md.
         "gpu": ["transformer-engine[pytorch]>=1.13", "flash-attn>=2.6"],
-        "test": ["pytest>=7", "transformers>=4.45", "hypothesis>=6", "tensorboard>=2.14"],
+        # pytest-randomly: the suite runs in a random order, its seed printed (README, "Testing").
+        "test": ["pytest>=7", "pytest-randomly>=3.15", "transformers>=4.45", "hypothesis>=6", "tensorboard>=2.14"],
         # Experiment tracking (--tensorboard-dir needs tensorboard, --wandb-project needs wandb).
         "logging": ["tensorboard>=2.14", "wandb>=0.16"],
     },

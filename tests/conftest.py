@@ -1,12 +1,33 @@
-"""Shared pytest setup: helpers importable as ``helpers.*``, quiet megatron import warnings."""
+"""Shared pytest setup: helpers importable as ``helpers.*``, quiet megatron import warnings,
+every step plan checked, and the ``fresh_process`` marker (tests/helpers/fresh_process.py)."""
 
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every step plan the suite makes (here and in the torchrun scripts it starts, which inherit
+# the environment) is checked against the plan's invariants when it is made
+# (megatron_psrl/tree/plan.py, ``check_plan``).
+os.environ.setdefault("PSRL_CHECK_PLANS", "1")
+
+from helpers.fresh_process import is_fresh_child, run_in_fresh_process  # noqa: E402
 
 from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
 
 quiet_expected_import_warnings()
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: a fresh-process test counts as slow
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not item.get_closest_marker("fresh_process"):
+            continue
+        item.add_marker(pytest.mark.slow)  # a process of its own: seconds of imports
+        if not is_fresh_child(item):
+            # It runs, fixtures included, in its child process; here it only waits on it.
+            item.setup = lambda: None
+            item.runtest = lambda item=item: run_in_fresh_process(item)

@@ -9,15 +9,18 @@ from megatron_psrl.kvcache.manager import (
     choose_block_size,
 )
 from megatron_psrl.kvcache.memory_plan import (
+    ALLOCATOR_MARGIN,
     MemoryPlan,
     activation_bytes_per_token,
     plan_forward_memory,
     plan_memory,
     plan_memory_group,
+    saved_activation_bytes_per_token,
     simulated_peak_bytes,
 )
 
 __all__ = [
+    "ALLOCATOR_MARGIN",
     "BLOCK_SIZE_CLASSES",
     "BlockKVCache",
     "CacheBudgetError",
@@ -29,5 +32,6 @@ __all__ = [
     "plan_forward_memory",
     "plan_memory",
     "plan_memory_group",
+    "saved_activation_bytes_per_token",
     "simulated_peak_bytes",
 ]

@@ -34,23 +34,66 @@ import numpy as np
 
 from megatron_psrl.kvcache.manager import KINDS, CacheBudgetError, KVGeometry, choose_block_size
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.tree.planner import RankPlan
+from megatron_psrl.tree.plan import RankPlan
+
+# The norms' internals and statistics and the attention's log-sum-exp stay fp32 in any dtype.
+_FP32_BYTES = 4
+
+# What the heap holds for a kept graph beyond the count of saved tensors: allocator rounding.
+# Every saved tensor is one allocation, rounded up by at most one 4 KiB page (glibc's mmapped
+# chunks; its heap chunks by at most 96 B with torch's 64-byte alignment; CUDA's caching
+# allocator by at most 512 B). A layer saves 22-28 tensors (tiny configs), so a graph's
+# rounding is at most 120 KiB per layer: under 10% of it from 256 tokens on, even for
+# debug-llama (11.8 KB per token in 2 layers). Nothing here depends on the processor: the
+# count is of the tensors autograd saves. What does vary by processor is the BLAS library's
+# own buffer pool (MKL keeps per-thread packing buffers, sized by the largest GEMM it has run,
+# for the life of the process: 3 MB for a 1,024-token forward of tiny-llama on an AMD EPYC,
+# about 15 MB on an Intel Xeon): a per-process constant like the weights, not part of any
+# graph, outside --kv-cache-budget (docs/architecture.md, "Activations of a kept graph").
+ALLOCATOR_MARGIN = 1.1
+
+
+def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int) -> int:
+    """Bytes of the tensors autograd saves for backward per token (all layers), exactly.
+
+    Counted from megatron's local layer with the project's core attention (a test compares it
+    with the storages ``torch.autograd.graph.saved_tensors_hooks`` sees, fp32 and bf16). Per
+    layer:
+
+    - each of the two RMSNorms: its input and the normalised input in fp32 (torch's RMSNorm
+      computes in fp32), its output in the model dtype (the next linear's input): 2h fp32 + h;
+    - the fused QKV output (V is saved as a view of it): (np + 2 ng) hd / tp;
+    - the query after RoPE and the attention output: 2 np hd / tp; the key after RoPE: ng hd / tp;
+    - RoPE's cos and sin for queries and keys: 4 hd;
+    - Qwen3's per-head q/k norms: the query's input and normalised input in fp32 (2 np hd / tp);
+      the key's normalised input, and its input where the cast to fp32 copies it (a view of
+      the fused QKV output in fp32): (1 or 2) ng hd / tp;
+    - SwiGLU: the fc1 output (2f / tp), its two halves' activation products and the fc2 input
+      (3f / tp);
+    - fp32 statistics: the norms' reciprocal RMS (2, plus np + ng per-head ones with q/k
+      norms) and the attention's log-sum-exp (np / tp).
+
+    Plus the final norm (2h fp32 and its statistic) and the input ids (int64).
+    """
+    h, f, hd, tp, b = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim, tensor_parallel_size, dtype_bytes
+    q, kv = arch.num_attention_heads * hd // tp, arch.num_kv_heads * hd // tp
+    fp32 = _FP32_BYTES
+    norms = 2 * (2 * h * fp32 + h * b)
+    attention = (q + 2 * kv) * b + (2 * q + kv) * b + 4 * hd * b
+    qk_norms = 2 * q * fp32 + (1 if b == fp32 else 2) * kv * fp32 if arch.qk_norm else 0
+    mlp = 5 * f // tp * b
+    stats = fp32 * (2 + q // hd + ((q + kv) // hd if arch.qk_norm else 0))
+    per_layer = norms + attention + qk_norms + mlp + stats
+    return arch.num_layers * per_layer + 2 * h * fp32 + fp32 + 8
 
 
 def activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int) -> int:
-    """Upper estimate of the autograd activations one token keeps alive (all layers).
-
-    Per layer, what megatron's local layer saves for backward: the two norms' inputs and outputs
-    (4h); the fused QKV output, RoPE's inputs, rotate-half outputs and results and the attention
-    output (5 (np + ng) hd / tp, plus cos/sin 4 hd); Qwen3's per-head q/k norms (2 (np + ng) hd
-    / tp); SwiGLU's fc1 output, activation and fc2 input (4 f / tp). Plus the final norm.
-    The 1.2 margin covers what this count misses (measured: 3-15% on the tiny configs,
-    tests/kvcache/test_activation_estimate.py).
-    """
-    h, f, hd, tp = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim, tensor_parallel_size
-    heads = (arch.num_attention_heads + arch.num_kv_heads) * hd
-    per_layer = 4 * h + (5 * heads + (2 * heads if arch.qk_norm else 0) + 4 * f) / tp + 4 * hd
-    return int(1.2 * (arch.num_layers * per_layer + 2 * h) * dtype_bytes)
+    """Upper bound of the memory one token's part of a kept autograd graph holds (all layers):
+    the saved tensors (:func:`saved_activation_bytes_per_token`) and the graph's output hidden
+    state (the loss head keeps it), times :data:`ALLOCATOR_MARGIN` for allocator rounding.
+    The memory plan charges this per token of every graph it keeps."""
+    saved = saved_activation_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+    return int(ALLOCATOR_MARGIN * (saved + arch.hidden_size * dtype_bytes))
 
 
 @dataclass
@@ -295,9 +338,11 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
 __all__ = [
     "KINDS",
     "MemoryPlan",
+    "ALLOCATOR_MARGIN",
     "activation_bytes_per_token",
     "plan_forward_memory",
     "plan_memory",
     "plan_memory_group",
+    "saved_activation_bytes_per_token",
     "simulated_peak_bytes",
 ]

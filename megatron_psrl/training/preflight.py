@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.checkpoint.atomic import check_writable_dir
-from megatron_psrl.checkpoint.lock import SaveDirLock
 from megatron_psrl.checkpoint.layout import recover_checkpoint_dir
+from megatron_psrl.checkpoint.lock import SaveDirLock
 from megatron_psrl.errors import CheckpointWriteError, ConfigurationError, PsrlError, error_text
 from megatron_psrl.model.architecture import ModelArchitecture
 

@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers.torchrun import REPO_ROOT, script_env
+
+pytestmark = pytest.mark.slow  # a closed RL loop in a subprocess
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "agentic_rl_loop.py")
 

@@ -8,7 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers.torchrun import REPO_ROOT, free_port, script_env, worker_pids
+
+pytestmark = pytest.mark.slow  # a torchrun job
 
 
 def test_killed_rank_ends_the_job_naming_it(tmp_path):

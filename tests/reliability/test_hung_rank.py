@@ -9,7 +9,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers.torchrun import REPO_ROOT, free_port, script_env, worker_pids
+
+pytestmark = pytest.mark.slow  # a torchrun job
 
 TIMEOUT_MINUTES = 0.1  # 6 s
 

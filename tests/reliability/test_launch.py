@@ -13,6 +13,8 @@ import uuid
 import pytest
 from helpers.torchrun import REPO_ROOT, free_port, script_env, worker_pids
 
+pytestmark = pytest.mark.slow  # torchrun agents and restarts
+
 LAUNCH = os.path.join(REPO_ROOT, "launch")
 COMMON = dict(DEVICE="cpu", MODEL="debug-llama", DATA="grpo", MICRO_BATCH_TOKENS="512", KV_BUDGET="64MiB",
               LR="1e-3", DIST_TIMEOUT_MINUTES="2")

@@ -14,6 +14,8 @@ from helpers.torchrun import REPO_ROOT, free_port, script_env
 from megatron_psrl.checkpoint.convert import hf_to_mcore
 from megatron_psrl.model import tiny_config
 
+pytestmark = pytest.mark.slow  # torchrun jobs
+
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 TRAIN = os.path.join(REPO_ROOT, "pretrain_agent_rl.py")
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers.faults import SMALL, error_line, leftovers, train
 
-from megatron_psrl.checkpoint import mcore_format
+from megatron_psrl.checkpoint import legacy_format
+from megatron_psrl.checkpoint.layout import TRACKER, read_checkpoint_info
 from megatron_psrl.checkpoint.lock import LOCK_NAME, SaveDirLock
-from megatron_psrl.checkpoint.mcore_format import TRACKER, read_checkpoint_info
 from megatron_psrl.distributed.setup import initialize_parallel
 from megatron_psrl.errors import CheckpointWriteError, ConfigurationError
 from megatron_psrl.model import tiny_config
@@ -115,6 +115,7 @@ def test_an_interrupted_resave_is_restored_not_deleted(tmp_path, dead_pid):
     assert read_checkpoint_info(str(save))[1].iteration == 2 and leftovers(save) == []
 
 
+@pytest.mark.slow  # a writer process killed mid-save
 def test_a_killed_save_is_removed_by_the_next_run(tmp_path):
     """SIGKILL a real writer in the middle of its temporary folder; the next save cleans it."""
     save = tmp_path / "ckpt"
@@ -178,7 +179,7 @@ def test_simulated_disk_full_is_reported_and_removed(tmp_path, monkeypatch):
         real_save(obj, f, *args, **kwargs)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(mcore_format.torch, "save", full_disk)
+    monkeypatch.setattr(legacy_format.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"model_optim_rng\.pt.*No space left on device"):
         save_training_checkpoint(str(tmp_path / "ckpt"), 4, model, None, arch, layout, ckpt_format="legacy")
     assert leftovers(tmp_path) == [] and not (tmp_path / "ckpt" / TRACKER).exists()

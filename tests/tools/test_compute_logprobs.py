@@ -13,6 +13,8 @@ from helpers.torchrun import REPO_ROOT
 from megatron_psrl.data import make_workload, write_samples
 from megatron_psrl.model import tiny_config
 
+pytestmark = pytest.mark.slow  # the command line in subprocesses
+
 TOOL = os.path.join(REPO_ROOT, "tools", "compute_logprobs.py")
 CONVERT = os.path.join(REPO_ROOT, "tools", "convert_hf_checkpoint.py")
 

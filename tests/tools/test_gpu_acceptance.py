@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers.torchrun import REPO_ROOT, script_env
 
+pytestmark = pytest.mark.slow  # scripts in subprocesses
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only output")
 def test_acceptance_script_skips_every_part_without_cuda():

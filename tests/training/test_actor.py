@@ -77,6 +77,7 @@ def test_compute_logprobs_equals_per_sample_reference(hf_dir, records, reference
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow  # the command line in a subprocess
 def test_compute_logprobs_equals_the_cli(hf_dir, records, tmp_path):
     data, out = tmp_path / "data.jsonl", tmp_path / "out.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -320,6 +321,7 @@ def test_creating_and_using_an_actor_leaves_the_callers_rng_alone(hf_dir, record
 
 
 # ---------------------------------------------------------------------------------------- torchrun
+@pytest.mark.slow  # torchrun
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
 def test_under_torchrun_every_rank_gets_the_reference_numbers(hf_dir, hf_model, records, batch, reference_logprobs,
                                                              tmp_path, tp):
@@ -392,6 +394,7 @@ def test_bad_sources_and_weights_are_named(hf_dir, tmp_path):
         actor.load_hf_state_dict(dict(actor.state_dict_hf(), **{"model.norm.weigth": torch.ones(64)}))
 
 
+@pytest.mark.slow  # torchrun
 def test_under_torchrun_ranks_with_different_batches_are_refused(hf_dir, records, tmp_path):
     """A framework that hands each rank its own slice gets an error, not mixed-up numbers."""
     data = tmp_path / "records.json"

@@ -82,6 +82,7 @@ print("PEAK", actor.train_step(batch)["peak_mem_bytes"])
 """
 
 
+@pytest.mark.slow  # measured in fresh processes
 def test_full_recomputation_lowers_the_measured_peak():
     """tiny-llama, 1,293 unique tokens of step-wise trajectories in one micro-batch: measured
     270 MB -> 197 MB with full recomputation (uniform, 1 layer per unit); selective
