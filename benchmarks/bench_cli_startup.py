@@ -5,7 +5,7 @@
 
 Each command runs in a fresh interpreter (as a user types it); the median wall time is printed
 with the target (``--help`` under 2 s: arguments are parsed before megatron-core and torch are
-imported). ``import megatron_psrl.training.actor`` is timed beside it: what a run pays later.
+imported). ``import megatron_psrl.rl.actor`` is timed beside it: what a run pays later.
 """
 
 import argparse
@@ -21,7 +21,7 @@ COMMANDS = [
     ("pretrain_agent_rl.py --micro-batch-tokens 0", [os.path.join(REPO, "pretrain_agent_rl.py"),
                                                      "--micro-batch-tokens", "0"], 2.0),
     ("tools/compute_logprobs.py --help", [os.path.join(REPO, "tools", "compute_logprobs.py"), "--help"], None),
-    ("import megatron_psrl.training.actor (for comparison)", ["-c", "import megatron_psrl.training.actor"], None),
+    ("import megatron_psrl.rl.actor (for comparison)", ["-c", "import megatron_psrl.rl.actor"], None),
 ]
 
 

@@ -106,10 +106,10 @@ def predict(args) -> None:
     import torch
 
     from megatron_psrl.distributed.setup import initialize_parallel
+    from megatron_psrl.engine.calibration import calibrate, median_seconds, pack_step
     from megatron_psrl.model import tiny_config
     from megatron_psrl.model.architecture import ModelArchitecture
     from megatron_psrl.model.builder import build_model
-    from megatron_psrl.training.calibration import calibrate, median_seconds, pack_step
 
     initialize_parallel(1, 1, seed=0, device="cpu")
     arch = ModelArchitecture.from_hf_config(tiny_config("tiny-llama"))

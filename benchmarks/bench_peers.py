@@ -87,13 +87,13 @@ from megatron_psrl.checkpoint import ModelSource  # noqa: E402
 from megatron_psrl.checkpoint.state_dict import canonical_name  # noqa: E402
 from megatron_psrl.data import make_mixed, make_tree_rollouts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
-from megatron_psrl.kvcache import activation_bytes_per_token, plan_memory  # noqa: E402
+from megatron_psrl.engine.optimizer import OptimizerSettings, build_optimizer  # noqa: E402
+from megatron_psrl.engine.runners import make_runner  # noqa: E402
+from megatron_psrl.kvcache import plan_memory  # noqa: E402
 from megatron_psrl.model.adapters import get_adapter  # noqa: E402
 from megatron_psrl.model.tiny import tiny_config  # noqa: E402
-from megatron_psrl.training.optimizer import OptimizerSettings, build_optimizer  # noqa: E402
-from megatron_psrl.training.step import StepRunner  # noqa: E402
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
-from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
+from megatron_psrl.tree.planner import plan_step  # noqa: E402
 
 # The model of issue 13 (tiny-llama's h256 / i512 / 4 layers, with 8 heads of 32, 4 KV heads, vocab 2048).
 PEER_MODEL = dict(tiny_config("tiny-llama"), num_attention_heads=8, num_key_value_heads=4, head_dim=32,
@@ -631,12 +631,12 @@ class PeerBench(Bench):
         tree = build_prefix_tree(batch)
         add("tree build", time.perf_counter() - t)
         t = time.perf_counter()
-        plan = plan_step(tree, PlannerConfig(micro_batch_tokens=self.budget, sharing="tree", cost_model=self.cost))
+        plan = plan_step(tree, self.engine.planner_config("tree"))
         rank = plan.ranks[0]
-        memory = plan_memory(rank, self.geometry, 4 << 30, activation_bytes_per_token(self.arch, 1, 4)) \
-            if rank.sources else None
+        memory = plan_memory(rank, self.geometry, 4 << 30, self.engine.act_bytes) if rank.sources else None
         add("plan", time.perf_counter() - t)
-        runner = StepRunner(self.model, self.arch.vocab_size, self.device, "torch", self.cache)
+        # A runner of its own: its stages are wrapped with timers below (the bench's stays as it is).
+        runner = make_runner(self.model, self.arch.vocab_size, self.device, "torch", self.cache)
         try:
             rank.pack = timed(rank.pack, "pack")
         except (AttributeError, TypeError):  # a frozen plan: pack timed inside "other"

@@ -3,36 +3,42 @@ its measured peak memory: what bench_update_step.py, bench_peers.py and bench_kv
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
-from megatron_psrl.checkpoint import ModelSource, load_model
+from megatron_psrl.checkpoint import ModelSource
 from megatron_psrl.data.samples import SampleBatch
-from megatron_psrl.distributed.setup import initialize_parallel
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
-from megatron_psrl.training.actor import cost_model_for
-from megatron_psrl.training.loss import LossConfig
-from megatron_psrl.training.memory import PeakMemory
-from megatron_psrl.training.step import StepRunner
+from megatron_psrl.engine.builder import build_engine
+from megatron_psrl.engine.config import ActorConfig
+from megatron_psrl.engine.memory import PeakMemory
+from megatron_psrl.engine.runners import make_runner
+from megatron_psrl.kvcache import plan_memory
+from megatron_psrl.rl.loss import LossConfig
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
+from megatron_psrl.tree.planner import plan_step
 
 
 class Bench:
     """One update step of the project on one model, timed, with its measured peak memory."""
 
     def __init__(self, model, micro_batch_tokens: int, device: torch.device):
-        """``model``: a tiny config's name or a :class:`ModelSource`."""
-        initialize_parallel(1, 1, seed=0, device=device.type)
+        """``model``: a tiny config's name or a :class:`ModelSource` (its engine is built the way
+        every entry point builds one; no optimizer: the bench times forward + backward)."""
         source = model if isinstance(model, ModelSource) else ModelSource(tiny=model)
-        self.arch, self.model, _ = load_model(source, dtype=torch.float32, device=device)
+        self.engine = build_engine(source, ActorConfig(device=device.type, seed=0, micro_batch_tokens=micro_batch_tokens,
+                                                       kv_cache_budget=4 << 30, attention_backend="torch"),
+                                   for_training=False)
+        self.arch, self.model, self.cache = self.engine.arch, self.engine.model, self.engine.kv_cache
         self.device = device
-        self.cost = cost_model_for(self.arch)
+        self.cost = self.engine.flop_model
         self.loss = LossConfig(loss_agg="token-mean")
         self.budget = micro_batch_tokens
-        self.geometry = KVGeometry.for_model(self.arch, 1, 1, torch.float32, device)
-        self.cache = BlockKVCache(self.geometry, 4 << 30)
+        self.geometry = self.engine.geometry
+        # The ``dense`` variant runs another attention kernel over the same model and cache.
+        self.runners = {"torch": self.engine.runner,
+                        "dense": make_runner(self.model, self.arch.vocab_size, device, "dense", self.cache)}
 
     def step(self, batch: SampleBatch, variant: str, measure_memory: bool = False,
              kv_budget: int = 4 << 30) -> dict:
@@ -46,13 +52,11 @@ class Bench:
         with PeakMemory(self.device, enabled=measure_memory) as mem:
             t0 = time.perf_counter()
             tree = build_prefix_tree(batch)
-            plan = plan_step(tree, PlannerConfig(micro_batch_tokens=self.budget, sharing=mode, cost_model=self.cost,
-                                                 max_trees_per_micro_batch=per_tree))
+            plan = plan_step(tree, dataclasses.replace(self.engine.planner_config(mode),
+                                                       max_trees_per_micro_batch=per_tree))
             rank = plan.ranks[0]
-            memory = plan_memory(rank, self.geometry, kv_budget, activation_bytes_per_token(self.arch, 1, 4)) \
-                if rank.sources else None
-            out = StepRunner(self.model, self.arch.vocab_size, self.device, backend, self.cache).train(
-                plan, 0, self.loss, memory)
+            memory = plan_memory(rank, self.geometry, kv_budget, self.engine.act_bytes) if rank.sources else None
+            out = self.runners[backend].train(plan, 0, self.loss, memory)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0

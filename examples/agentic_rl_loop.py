@@ -189,7 +189,7 @@ def pretrain(args, system: List[int], log=print):
 def run(prefix_sharing: str, base, system: List[int], args, log=print) -> Dict[str, list]:
     """``args.iterations`` GRPO iterations from the base policy, every random draw seeded."""
     from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
-    from megatron_psrl.training.loss import LossConfig
+    from megatron_psrl.rl.loss import LossConfig
 
     config = ActorConfig(micro_batch_tokens=args.micro_batch_tokens, prefix_sharing=prefix_sharing, device="cpu",
                          optimizer=OptimizerSettings(lr=args.lr, min_lr=args.lr, clip_grad=1.0, adam_eps=args.adam_eps),

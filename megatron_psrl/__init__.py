@@ -8,10 +8,12 @@ Subpackages, one per concern:
 - ``attention``: the prefix-sharing core attention (TE-compatible) and its backends
 - ``model``: Megatron-core GPT models built from Hugging Face configs, HF adapters
 - ``distributed``: process groups, gradient and prefix K/V exchange
-- ``training``: RL losses, the update step, the training loop
-- ``checkpoint``: checkpoint I/O
-
-The in-memory API for RL frameworks: :class:`PolicyActor` (``megatron_psrl.training.actor``).
+- ``engine``: the engine one rank runs steps with (its builder, the step runner, the
+  pipeline runner, the optimizer, planning with memory, cost calibration)
+- ``rl``: the RL-facing layer: policy losses and :class:`PolicyActor`, the in-memory API for
+  RL frameworks (a thin layer over the engine)
+- ``training``: the command line's training loop, its arguments, logging and start-up checks
+- ``checkpoint``: checkpoint formats and I/O
 """
 
 __version__ = "0.1.0"
@@ -40,16 +42,18 @@ def quiet_expected_import_warnings() -> None:
 quiet_expected_import_warnings()
 
 _API = {
-    "PolicyActor": "megatron_psrl.training.actor",
-    "ActorConfig": "megatron_psrl.training.actor",
-    "StepResult": "megatron_psrl.training.actor",
-    "LossConfig": "megatron_psrl.training.loss",
-    "ClaimView": "megatron_psrl.training.loss",
-    "PerClaimLoss": "megatron_psrl.training.loss",
-    "SequenceLoss": "megatron_psrl.training.loss",
-    "GSPOLoss": "megatron_psrl.training.loss",
-    "log_likelihood_loss": "megatron_psrl.training.loss",
-    "OptimizerSettings": "megatron_psrl.training.optimizer",
+    "PolicyActor": "megatron_psrl.rl.actor",
+    "ActorConfig": "megatron_psrl.engine.config",
+    "StepResult": "megatron_psrl.engine.engine",
+    "Engine": "megatron_psrl.engine.engine",
+    "build_engine": "megatron_psrl.engine.builder",
+    "LossConfig": "megatron_psrl.rl.loss",
+    "ClaimView": "megatron_psrl.rl.loss",
+    "PerClaimLoss": "megatron_psrl.rl.loss",
+    "SequenceLoss": "megatron_psrl.rl.loss",
+    "GSPOLoss": "megatron_psrl.rl.loss",
+    "log_likelihood_loss": "megatron_psrl.rl.loss",
+    "OptimizerSettings": "megatron_psrl.engine.optimizer",
 }
 
 

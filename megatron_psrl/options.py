@@ -18,10 +18,10 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 """Aggregations of the per-claim loss over the global batch (docs/loss.md)."""
 
 OPTIMIZERS = ("adam", "sgd")
-"""Optimizers (``megatron_psrl.training.optimizer``)."""
+"""Optimizers (``megatron_psrl.engine.optimizer``)."""
 
 MEMORY_TRACKING = ("sampled", "ops", "off")
-"""CPU peak-memory measurement modes (``megatron_psrl.training.memory``)."""
+"""CPU peak-memory measurement modes (``megatron_psrl.engine.memory``)."""
 
 WORKLOAD_NAMES = ("grpo", "stepwise", "tree", "mixed")
 """Synthetic workloads (``megatron_psrl.data.synthetic``)."""

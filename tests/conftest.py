@@ -31,3 +31,11 @@ def pytest_collection_modifyitems(config, items):
             # It runs, fixtures included, in its child process; here it only waits on it.
             item.setup = lambda: None
             item.runtest = lambda item=item: run_in_fresh_process(item)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # pytest-randomly names its seed in the header, which -q hides: name it at the end too,
+    # so that any run's order can be replayed (README, "Testing").
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None and config.pluginmanager.has_plugin("randomly"):
+        terminalreporter.write_line(f"test order: random, replay with --randomly-seed={seed}")

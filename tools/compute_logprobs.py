@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     from megatron_psrl.distributed.setup import initialize_parallel
     from megatron_psrl.model.architecture import ModelArchitecture
     from megatron_psrl.model.builder import parse_dtype
-    from megatron_psrl.training.actor import ActorConfig, PolicyActor
+    from megatron_psrl.rl.actor import ActorConfig, PolicyActor
     from megatron_psrl.training.preflight import on_logging_rank
 
     layout = initialize_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=0,

@@ -25,7 +25,6 @@ import time
 from typing import Dict, List, Optional
 
 import numpy as np
-import torch
 
 from megatron_psrl.checkpoint.layout import checkpoint_format, has_checkpoint
 from megatron_psrl.checkpoint.loading import ModelSource, source_architecture
@@ -34,12 +33,13 @@ from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.synthetic import WORKLOADS, make_workload
 from megatron_psrl.data.validation import check_max_sample_length
 from megatron_psrl.distributed.setup import ParallelLayout, initialize_parallel
+from megatron_psrl.engine.config import DTYPES, ActorConfig
+from megatron_psrl.engine.optimizer import OptimizerSettings
 from megatron_psrl.errors import ConfigurationError, NonFiniteTrainingError, UnsupportedFeatureError
 from megatron_psrl.model.stages import stage_counts
-from megatron_psrl.training.actor import ActorConfig, PolicyActor
-from megatron_psrl.training.loss import LossConfig
+from megatron_psrl.rl.actor import PolicyActor
+from megatron_psrl.rl.loss import LossConfig
 from megatron_psrl.training.metrics_log import MetricsLog
-from megatron_psrl.training.optimizer import OptimizerSettings
 from megatron_psrl.training.preflight import checkpoint_bytes, prepare_outputs, warn_if_disk_short
 
 logger = logging.getLogger("megatron_psrl")
@@ -126,7 +126,7 @@ class IterationRecord:
 
 
 class Trainer:
-    """The command line's loop around a :class:`~megatron_psrl.training.actor.PolicyActor`:
+    """The command line's loop around a :class:`~megatron_psrl.rl.actor.PolicyActor`:
     start-up checks, data, iterations, skipped steps, logs and checkpoints."""
 
     def __init__(self, args):
@@ -184,15 +184,16 @@ class Trainer:
             if longer:
                 self.log(f"warning: {longer} sample(s) are longer than the model's max_position_embeddings "
                          f"({arch.max_position_embeddings}); RoPE extrapolates (--allow-rope-extrapolation)")
-        dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+        dtype = args_dtype(args)
         if args.save and self.layout.is_logging_rank:
-            warning = warn_if_disk_short(args.save, checkpoint_bytes(arch, _DTYPES[dtype], args.optimizer,
+            warning = warn_if_disk_short(args.save, checkpoint_bytes(arch, DTYPES[dtype], args.optimizer,
                                                                      args.sgd_momentum))
             if warning:
                 self.log(warning)
+        # The flags become one config; the engine is built on the process groups opened above.
         config = actor_config_from_args(args, dtype)
         self.actor = PolicyActor(source, config, load_optimizer=not (args.finetune or args.no_load_optim),
-                                 log=self.log)
+                                 log=self.log, layout=self.layout)
         self.start_iteration = 0 if args.finetune else self.actor.iteration
         if args.finetune:
             self.actor.iteration = 0
@@ -217,7 +218,7 @@ class Trainer:
 
     def train_iteration(self, iteration: int) -> IterationRecord:
         """One step. A step whose global loss or gradient norm is not finite changes nothing
-        (see :class:`~megatron_psrl.training.optimizer.StepOutcome`) and is counted."""
+        (see :class:`~megatron_psrl.engine.optimizer.StepOutcome`) and is counted."""
         batch = self.data.batch(iteration)
         if iteration == self.start_iteration and batch.old_logprobs is None:
             self.log("note: no sample has 'old_logprobs', so the policy ratio is 1 and the policy loss is the same "
@@ -293,9 +294,6 @@ class Trainer:
             self.outputs.close()
             self.metrics_log.close()
         return records
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _legacy_checkpoint_with_optimizer(args) -> bool:

@@ -2,7 +2,7 @@
 
 The planners (:mod:`megatron_psrl.tree.planner` for whole trees, :mod:`megatron_psrl.tree.cross_rank`
 for one tree's fragments on several ranks) make a :class:`StepPlan`; the KV memory plan
-(:mod:`megatron_psrl.kvcache.memory_plan`) and the step runner (:mod:`megatron_psrl.training.step`)
+(:mod:`megatron_psrl.kvcache.memory_plan`) and the step runner (:mod:`megatron_psrl.engine.step`)
 consume it. This module holds the plan's data types, the forward/backward schedule builder
 (:func:`build_schedule`) and the plan's invariants (:func:`check_plan`):
 

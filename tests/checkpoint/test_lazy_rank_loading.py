@@ -8,8 +8,8 @@ from helpers.families import FAMILIES, family_config, make_family_checkpoint
 
 from megatron_psrl.checkpoint.loading import hf_full_state_dict, hf_rank_state_dict
 from megatron_psrl.checkpoint.sharding import shard_state_dict
+from megatron_psrl.engine.memory import PeakMemory, heap_bytes_in_use
 from megatron_psrl.model import ModelArchitecture
-from megatron_psrl.training.memory import PeakMemory, heap_bytes_in_use
 
 LAYOUTS = [(2, 1), (2, 2), (1, 2), (2, (1, 3)), (1, 4)]  # (TP, PP or each stage's layers)
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers.tolerance import rounding_tolerance
 
+from megatron_psrl.engine.memory import PeakMemory, heap_bytes_in_use
 from megatron_psrl.model.logits import chunk_rows, chunked_logprobs
-from megatron_psrl.training.memory import PeakMemory, heap_bytes_in_use
 
 
 def _setup(n, h, vocab, seed=0):

@@ -11,13 +11,13 @@ from helpers.faults import error_line, leftovers, train
 from megatron_psrl.checkpoint.loading import load_full_state_dict
 from megatron_psrl.data import samples_from_dicts
 from megatron_psrl.distributed.setup import initialize_parallel
+from megatron_psrl.engine.checkpointing import save_training_checkpoint
+from megatron_psrl.engine.optimizer import CPUTrainingOptimizer, OptimizerSettings
 from megatron_psrl.errors import CheckpointWriteError
 from megatron_psrl.model import tiny_config
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.builder import build_model
-from megatron_psrl.training.checkpointing import save_training_checkpoint
-from megatron_psrl.training.loss import LOG_RATIO_BOUND, LossConfig, claim_coefficients, gather_claims, policy_loss
-from megatron_psrl.training.optimizer import CPUTrainingOptimizer, OptimizerSettings
+from megatron_psrl.rl.loss import LOG_RATIO_BOUND, LossConfig, claim_coefficients, gather_claims, policy_loss
 from megatron_psrl.tree import build_prefix_tree
 
 VOCAB = 256  # debug-llama

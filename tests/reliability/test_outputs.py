@@ -18,11 +18,11 @@ from megatron_psrl.checkpoint import legacy_format
 from megatron_psrl.checkpoint.layout import TRACKER, read_checkpoint_info
 from megatron_psrl.checkpoint.lock import LOCK_NAME, SaveDirLock
 from megatron_psrl.distributed.setup import initialize_parallel
+from megatron_psrl.engine.checkpointing import save_training_checkpoint
 from megatron_psrl.errors import CheckpointWriteError, ConfigurationError
 from megatron_psrl.model import tiny_config
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.builder import build_model
-from megatron_psrl.training.checkpointing import save_training_checkpoint
 from megatron_psrl.training.preflight import warn_if_disk_short
 
 

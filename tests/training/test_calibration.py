@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from megatron_psrl.distributed.setup import initialize_parallel
+from megatron_psrl.engine import calibration
+from megatron_psrl.engine.calibration import MeasuredCosts, calibrate
 from megatron_psrl.model import tiny_config
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.builder import build_model
-from megatron_psrl.training import calibration
-from megatron_psrl.training.calibration import MeasuredCosts, calibrate
 
 
 @pytest.fixture(scope="module")

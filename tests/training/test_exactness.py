@@ -13,10 +13,10 @@ import torch
 from helpers.batches import random_tree_batch
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_logprobs, per_sample_loss_and_grads
 
+from megatron_psrl.engine.logprobs import compute_logprobs
+from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
-from megatron_psrl.training.logprobs import compute_logprobs
-from megatron_psrl.training.loss import LossConfig
-from megatron_psrl.training.step import StepRunner
+from megatron_psrl.rl.loss import LossConfig
 from megatron_psrl.tree import build_prefix_tree
 from megatron_psrl.tree.planner import PlannerConfig, plan_step
 

@@ -12,6 +12,8 @@ import torch
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_loss_and_grads
 
 from megatron_psrl.data import samples_from_dicts
+from megatron_psrl.engine.memory import PeakMemory
+from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.kvcache import (
     BlockKVCache,
     CacheBudgetError,
@@ -20,9 +22,7 @@ from megatron_psrl.kvcache import (
     plan_memory,
     simulated_peak_bytes,
 )
-from megatron_psrl.training.loss import LossConfig
-from megatron_psrl.training.memory import PeakMemory
-from megatron_psrl.training.step import StepRunner
+from megatron_psrl.rl.loss import LossConfig
 from megatron_psrl.tree import build_prefix_tree
 from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
@@ -146,7 +146,7 @@ def test_repeated_steps_do_not_accumulate_memory(psrl_model):
     process of its own from the second step on (the first fills the BLAS buffer pool). A leaked
     graph or K/V block of this batch is hundreds of KB; 64 KiB leaves room for what Python and
     the allocator keep between steps (freed small chunks cached per thread, interned objects)."""
-    from megatron_psrl.training.memory import heap_bytes_in_use
+    from megatron_psrl.engine.memory import heap_bytes_in_use
 
     arch, model = psrl_model
     batch = search_tree_batch(branches=4)
@@ -187,8 +187,8 @@ def test_micro_batches_cut_at_branch_switches_are_exact_and_chosen_before_duplic
     """The search tree planned with micro-batches cut where the stream moves to a sibling
     branch trains exactly; and a budget that only this cut fits makes the trainer's planning
     pick it (sharing stays ``tree``) instead of duplicating prefixes."""
+    from megatron_psrl.engine.planning import plan_with_memory
     from megatron_psrl.kvcache import plan_memory_group
-    from megatron_psrl.training.planning import plan_with_memory
 
     arch, model = psrl_model
     batch = search_tree_batch()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_psrl.data import samples_from_dicts
-from megatron_psrl.training.loss import LossConfig, claim_coefficients, gather_claims, policy_loss
+from megatron_psrl.rl.loss import LossConfig, claim_coefficients, gather_claims, policy_loss
 from megatron_psrl.tree import build_prefix_tree
 
 

@@ -6,7 +6,7 @@ import torch
 
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.distributed.setup import initialize_parallel
-from megatron_psrl.training.optimizer import CPUTrainingOptimizer, OptimizerSettings
+from megatron_psrl.engine.optimizer import CPUTrainingOptimizer, OptimizerSettings
 
 
 def _model(dtype):

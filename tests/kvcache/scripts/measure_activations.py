@@ -23,7 +23,7 @@ import torch
 from megatron_psrl.attention import TreeAttentionMetadata, causal_plan, tree_plan
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.distributed.setup import initialize_parallel
-from megatron_psrl.training.memory import heap_bytes_in_use
+from megatron_psrl.engine.memory import heap_bytes_in_use
 
 PROMPT, RESPONSES, RESPONSE = 512, 4, 128
 N = PROMPT + RESPONSES * RESPONSE  # 1,024 tokens in both modes

@@ -18,12 +18,12 @@ from megatron.core import parallel_state
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.checkpoint.sharding import merge_state_dicts
 from megatron_psrl.distributed.setup import exchange_group_of, initialize_parallel, shutdown_parallel
+from megatron_psrl.engine.logprobs import compute_logprobs
+from megatron_psrl.engine.optimizer import CPUTrainingOptimizer, OptimizerSettings
+from megatron_psrl.engine.planning import plan_with_memory
+from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory_group
-from megatron_psrl.training.logprobs import compute_logprobs
-from megatron_psrl.training.loss import LossConfig
-from megatron_psrl.training.optimizer import CPUTrainingOptimizer, OptimizerSettings
-from megatron_psrl.training.planning import plan_with_memory
-from megatron_psrl.training.step import StepRunner
+from megatron_psrl.rl.loss import LossConfig
 from megatron_psrl.tree import CostModel, build_prefix_tree
 from megatron_psrl.tree.planner import PlannerConfig
 

@@ -14,6 +14,15 @@ GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]
 """Memory plans of ranks planned together (one rank, or a cross-rank group in lockstep)."""
 
 
+def whole_tree_reasons(pipeline_parallel_size: int, recompute: bool) -> List[str]:
+    """Why trees must be placed whole on the ranks of an exchange group (empty: they may be
+    split). With pipeline stages one pipeline is one placement rank (spreading a tree over
+    pipelines, K/V exchanged per stage, is not offered yet); with activation recomputation a
+    recomputed layer would repeat its K/V exchange inside the backward pass."""
+    return [why for why, on in (("pipeline parallelism", pipeline_parallel_size > 1),
+                                ("activation recomputation", recompute)) if on]
+
+
 def memory_plans(plan: StepPlan, group_memory: GroupMemory) -> List[Optional[MemoryPlan]]:
     """Every rank's memory plan: None for a rank that caches nothing and needs no decisions."""
     memories: List[Optional[MemoryPlan]] = [None] * len(plan.ranks)

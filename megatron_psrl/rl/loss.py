@@ -33,9 +33,9 @@ from typing import Callable, Dict, Optional, Protocol, Tuple
 import numpy as np
 import torch
 
+from megatron_psrl.engine.transfer import host_to_device
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.options import LOSS_AGGREGATIONS
-from megatron_psrl.training.transfer import host_to_device
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 LOG_RATIO_BOUND = 20.0

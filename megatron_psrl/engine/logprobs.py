@@ -17,13 +17,14 @@ from megatron.core import parallel_state
 
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
+from megatron_psrl.engine.planning import plan_with_memory, whole_tree_reasons
+from megatron_psrl.engine.runners import make_runner
+from megatron_psrl.engine.step import ComputedLogprobs, StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES
 from megatron_psrl.model.stages import split_of_config
-from megatron_psrl.training.planning import plan_with_memory
-from megatron_psrl.training.step import ComputedLogprobs, StepRunner
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.cost import CostModel
 from megatron_psrl.tree.planner import PlannerConfig
@@ -46,7 +47,8 @@ def compute_logprobs(
     loss_head_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     planner_settings: Optional[dict] = None,
 ) -> List[np.ndarray]:
-    """float32 log-prob arrays, one per sample, aligned with its tokens (index 0 is 0.0).
+    """float32 log-prob arrays, one per sample, aligned with its tokens (index 0 is 0.0), of a
+    bare megatron model (an engine's is :meth:`~megatron_psrl.engine.engine.Engine.compute_logprobs`).
 
     Works in a single process and under torchrun: data (and context) parallel ranks split the
     trees, with the same placement as training (``placement``; a tree may be spread over the
@@ -71,7 +73,6 @@ def compute_logprobs(
     if exchange_group is None and ranks > 1:
         exchange_group = parallel_state.get_context_parallel_group() if cp > 1 else parallel_state.get_data_parallel_group()
     group_size = dist.get_world_size(exchange_group) if exchange_group is not None else 1
-    tree = build_prefix_tree(batch)
     dtype = next(model.parameters()).dtype
     pp = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
@@ -80,27 +81,33 @@ def compute_logprobs(
     geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=pp_rank,
                                     virtual_pipeline_size=len(chunks))
     plan_geometry = KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, len(chunks))
-    runner_class = StepRunner
-    if pp > 1:
-        from megatron_psrl.training.pipeline import PipelineStepRunner as runner_class
-        placement = "whole-tree"  # see PolicyActor: one pipeline is one placement rank
+    if whole_tree_reasons(pp, recompute=False):
+        placement = "whole-tree"
     config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,
                            placement=placement, **(planner_settings or dict(cost_model=cost_model)))
+    runner = make_runner(model, arch.vocab_size, device, attention_backend, BlockKVCache(geometry, kv_cache_budget),
+                         exchange_group=exchange_group, loss_head_chunk_bytes=loss_head_chunk_bytes)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True) if ranks > 1 else None
+    return run_logprobs(runner, plan_geometry, batch, config, kv_cache_budget, me, group)
+
+
+def run_logprobs(runner: StepRunner, plan_geometry: KVGeometry, batch: SampleBatch, config: PlannerConfig,
+                 kv_cache_budget: int, rank: int, group=None) -> List[np.ndarray]:
+    """The log-prob pass: the batch's tree, planned with ``config`` (K/V blocks only in the
+    memory plan), forward on this placement ``rank``'s micro-batches through ``runner`` (model
+    in eval mode), every rank's results gathered over ``group`` into per-sample arrays."""
+    tree = build_prefix_tree(batch)
     plan, memories, _ = plan_with_memory(
-        tree, config, lambda group: [plan_forward_memory(r, plan_geometry, kv_cache_budget) for r in group])
-    memory = memories[me]
-    cache = BlockKVCache(geometry, kv_cache_budget)
-    runner = runner_class(model, arch.vocab_size, device, attention_backend, cache, exchange_group=exchange_group,
-                          loss_head_chunk_bytes=loss_head_chunk_bytes)
+        tree, config, lambda ranks: [plan_forward_memory(r, plan_geometry, kv_cache_budget) for r in ranks])
+    model = runner.model
     was_training = model.training
     model.eval()
     try:
-        local = runner.logprobs(plan, me, memory).logprobs
+        local = runner.logprobs(plan, rank, memories[rank]).logprobs
     finally:
         model.train(was_training)
-        cache.release_pool()
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True) if ranks > 1 else None
+        runner.kv_cache.release_pool()
     return per_sample_logprobs(plan.tree, local, group, fill=0.0)
 
 

@@ -25,12 +25,12 @@ import torch.distributed as dist
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.distributed.kv_exchange import exchange_kv, return_replica_grads
+from megatron_psrl.engine.transfer import DeviceSums, host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_logprobs
-from megatron_psrl.training.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
-from megatron_psrl.training.transfer import DeviceSums, host_to_device
+from megatron_psrl.rl.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
 from megatron_psrl.tree.packing import PackedMicroBatch
 from megatron_psrl.tree.plan import RankPlan, StepPlan
 

@@ -1,0 +1,261 @@
+"""How the engine is assembled: :func:`build_engine`, in named steps.
+
+Every entry point (``PolicyActor``, the ``pretrain_agent_rl.py`` loop, ``tools/
+compute_logprobs.py``, the benchmarks, framework adapters) builds its engine here, so one
+place decides the parallel layout, the layer spec, the pipeline split, what a checkpoint
+resumes, the KV cache, the placement of trees over ranks and the step runner. Each step is a
+function of the config and what the steps before it made; read them top to bottom:
+
+1. :func:`process_groups`: torch.distributed and megatron's parallel state, RNG seeds;
+2. :func:`layer_spec`: megatron's local layers or Transformer Engine's;
+3. :func:`pipeline_split`: the (virtual) pipeline stages' layers;
+4. :func:`resume_point`: the iteration and optimizer state a checkpoint resumes;
+5. :func:`recompute_overrides`: activation recomputation;
+6. :func:`model_and_optimizer`: this rank's model chunks and optimizer, their state loaded;
+7. :func:`kv_geometry`: the KV cache's and the memory plan's geometry;
+8. :func:`placement_and_costs`: trees over an exchange group, and the planner's cost model
+   (measured at start-up when trees may be split over ranks);
+9. :func:`cache_and_runner`: the block KV cache, the attention backend and the step runner.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+
+from megatron_psrl.attention.backends import default_backend
+from megatron_psrl.checkpoint.dist_format import load_training_state
+from megatron_psrl.checkpoint.layout import checkpoint_format, read_checkpoint_info
+from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture
+from megatron_psrl.compat import install_cpu_recompute_shims, seed_model_parallel_rng
+from megatron_psrl.distributed.setup import (
+    ParallelLayout,
+    exchange_group_of,
+    initialize_parallel,
+)
+from megatron_psrl.engine.calibration import calibrate_for_planning
+from megatron_psrl.engine.config import ActorConfig
+from megatron_psrl.engine.engine import Engine, cost_model_for, same_layout
+from megatron_psrl.engine.optimizer import build_optimizer
+from megatron_psrl.engine.planning import whole_tree_reasons
+from megatron_psrl.engine.runners import make_runner
+from megatron_psrl.engine.step import StepRunner
+from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token
+from megatron_psrl.model.logits import loss_head_peak_bytes
+from megatron_psrl.model.stages import pipeline_layer_counts, virtual_pipeline_size
+
+Log = Callable[[str], None]
+
+
+def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[ParallelLayout] = None,
+                 load_optimizer: bool = True, for_training: bool = True, log: Optional[Log] = None) -> Engine:
+    """This rank's engine for ``source`` (every rank calls it with the same arguments).
+
+    ``layout``: process groups the caller opened already with ``config``'s sizes (the command
+    line opens them before its start-up checks); their RNG is seeded again here, as opening
+    them would. ``for_training=False``: no optimizer (a log-prob-only engine). ``log``: where
+    notes and warnings go (None: warnings through :mod:`warnings`, notes dropped)."""
+    say = log or (lambda msg: None)
+    layout = process_groups(config, layout)
+    impl = layer_spec(config, layout.device)
+    vpp, split = pipeline_split(config, layout, source)
+    resume = resume_point(source, layout, vpp, split, load_optimizer and for_training)
+    overrides = recompute_overrides(config, layout)
+    arch, model, optimizer = model_and_optimizer(source, config, layout, impl, vpp, split, overrides, resume,
+                                                 load_optimizer, for_training, say, warn_to_log=log is not None)
+    geometry, plan_geometry = kv_geometry(arch, config, layout, vpp, split)
+    placement, flop_model, measured = placement_and_costs(config, layout, arch, model, geometry,
+                                                          recompute=bool(overrides), log=say)
+    backend_name, kv_cache, runner = cache_and_runner(config, layout, arch, model, geometry,
+                                                      recompute=bool(overrides), log=say)
+    tp = layout.tensor_parallel_size
+    return Engine(
+        config=config, layout=layout, arch=arch, model=model, optimizer=optimizer, kv_cache=kv_cache, runner=runner,
+        geometry=geometry, plan_geometry=plan_geometry, flop_model=flop_model, measured=measured,
+        placement=placement, backend_name=backend_name, transformer_impl=impl, pipeline_split=split,
+        virtual_pipeline_size=vpp, recompute=bool(overrides), iteration=resume.iteration,
+        act_bytes=activation_bytes_per_token(arch, tp, torch.tensor([], dtype=config.torch_dtype).element_size()),
+        head_bytes=loss_head_peak_bytes(arch.padded_vocab_size(tp) // tp, config.micro_batch_tokens,
+                                        int(config.loss_head_chunk_mb * 2**20)),
+        log=say,
+    )
+
+
+# ---------------------------------------------------------------------- the steps
+def process_groups(config: ActorConfig, layout: Optional[ParallelLayout]) -> ParallelLayout:
+    """torch.distributed, megatron's TP / PP / CP / DP groups and the RNG seeds."""
+    if layout is None:
+        return initialize_parallel(
+            config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed, config.device,
+            timeout_minutes=config.distributed_timeout_minutes, context_parallel_size=config.context_parallel_size)
+    sizes = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.context_parallel_size)
+    wanted = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size)
+    if sizes != wanted:
+        raise ConfigurationError(f"the process groups opened have TP/PP/CP {sizes}, the config asks for {wanted}")
+    seed_model_parallel_rng(config.seed, layout.device)
+    return layout
+
+
+def layer_spec(config: ActorConfig, device: torch.device) -> str:
+    """``auto``: Transformer Engine's layers on CUDA where it is installed, else megatron's local ones."""
+    if config.transformer_impl != "auto":
+        return config.transformer_impl
+    if device.type == "cuda":
+        try:
+            import transformer_engine  # noqa: F401
+
+            return "transformer_engine"
+        except ImportError:
+            pass
+    return "local"
+
+
+def pipeline_split(config: ActorConfig, layout: ParallelLayout,
+                   source: ModelSource) -> Tuple[int, Union[int, Sequence[int]]]:
+    """``(virtual stages per rank, split)``: the split is each (virtual) stage's layer count
+    with an uneven first / last stage, else the (virtual) stage count of an even split."""
+    first, last = config.decoder_first_pipeline_num_layers, config.decoder_last_pipeline_num_layers
+    uneven = first is not None or last is not None
+    pp, num_layers = layout.pipeline_parallel_size, source_architecture(source).num_layers
+    vpp = virtual_pipeline_size(num_layers, pp, config.num_layers_per_virtual_pipeline_stage, uneven)
+    return vpp, (pipeline_layer_counts(num_layers, pp, first, last) if uneven else pp * vpp)
+
+
+@dataclass
+class ResumePoint:
+    """What a checkpoint resumes (nothing for a Hugging Face or tiny source)."""
+
+    iteration: int = 0
+    """Optimizer steps the checkpoint had taken."""
+
+    dist_checkpoint: Optional[str] = None
+    """Iteration folder of a torch_dist checkpoint whose optimizer state is loaded (resharded)
+    once the optimizer exists."""
+
+    same_layout: bool = True
+    """The checkpoint was saved with this run's TP size and (virtual) pipeline stages."""
+
+
+def resume_point(source: ModelSource, layout: ParallelLayout, vpp: int, split, with_optimizer: bool) -> ResumePoint:
+    """The resume point of ``source``; a legacy checkpoint's optimizer state under another
+    layout is refused (a torch_dist one reshards)."""
+    if source.checkpoint is None:
+        return ResumePoint()
+    it_dir, info = read_checkpoint_info(source.checkpoint)
+    same = same_layout(info, layout.tensor_parallel_size, vpp, split)
+    point = ResumePoint(iteration=info.iteration, same_layout=same)
+    if checkpoint_format(source.checkpoint) == "torch_dist":
+        if info.has_optimizer_state and with_optimizer:
+            point.dist_checkpoint = it_dir
+    elif info.has_optimizer_state and with_optimizer and not same:
+        raise ConfigurationError(
+            f"{source.checkpoint} (legacy format) was saved with TP={info.tensor_parallel_size} "
+            f"PP={info.pipeline_parallel_size}; its optimizer state cannot be loaded with "
+            f"TP={layout.tensor_parallel_size} PP={layout.pipeline_parallel_size}. Pass --no-load-optim to "
+            "resume with a fresh optimizer, or --finetune to start a new run (a torch_dist checkpoint "
+            "reshards its optimizer state)"
+        )
+    return point
+
+
+def recompute_overrides(config: ActorConfig, layout: ParallelLayout) -> Dict[str, object]:
+    """megatron's TransformerConfig fields for activation recomputation (empty when off)."""
+    if config.recompute_granularity is None:
+        return {}
+    if layout.context_parallel_size > 1:
+        raise UnsupportedFeatureError("activation recomputation with context parallelism is not supported "
+                                      "yet (a recomputed layer would repeat its prefix K/V exchange)")
+    install_cpu_recompute_shims(layout.device)
+    return dict(recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
+                recompute_num_layers=config.recompute_num_layers)
+
+
+def model_and_optimizer(source: ModelSource, config: ActorConfig, layout: ParallelLayout, impl: str, vpp: int,
+                        split, overrides: Dict[str, object], resume: ResumePoint, load_optimizer: bool,
+                        for_training: bool, log: Log, warn_to_log: bool):
+    """``(architecture, model, optimizer)``: the rank's chunks with the source's weights, and
+    (for training) the optimizer with the checkpoint's state when it has one."""
+    device, dtype = layout.device, config.torch_dtype
+    uneven = not isinstance(split, int)
+    arch, model, optimizer_state = load_model(
+        source, dtype=dtype, device=device, transformer_impl=impl, pipeline_layers=split if uneven else None,
+        virtual_pipeline_size=vpp, config_overrides=overrides)
+    if device.type == "cpu" and dtype != torch.float32:
+        log(f"warning: {config.dtype} on CPU is slower than float32 (few CPUs have fast {config.dtype} "
+            "kernels); use it to check GPU numerics, and float32 to train on CPU")
+    if not for_training:  # a log-prob-only engine holds no optimizer (no fp32 master copies)
+        return arch, model, None
+    optimizer = build_optimizer(model, config.optimizer, device)
+    overlaps = [flag for flag, on in (("--overlap-grad-reduce", config.optimizer.overlap_grad_reduce),
+                                      ("--overlap-param-gather", config.optimizer.overlap_param_gather)) if on]
+    if overlaps and device.type != "cuda":
+        note = (f"{' and '.join(overlaps)} {'has' if len(overlaps) == 1 else 'have'} no effect on CPU "
+                "(megatron's DDP needs CUDA; gradients are all-reduced over gloo after the backward pass)")
+        if warn_to_log:
+            log(f"warning: {note}")
+        elif layout.rank == 0:
+            warnings.warn(note, stacklevel=4)
+    if optimizer_state and load_optimizer:
+        optimizer.load_state_dict(optimizer_state)
+    if resume.dist_checkpoint is not None:
+        with layout.monitor.phase("optimizer state load"):
+            load_training_state(resume.dist_checkpoint, model, optimizer, resume.same_layout)
+    return arch, model, optimizer
+
+
+def kv_geometry(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, split) -> Tuple[KVGeometry, KVGeometry]:
+    """``(the cache's geometry on this rank's stages, what memory plans assume on every stage)``."""
+    tp, dtype, device = layout.tensor_parallel_size, config.torch_dtype, layout.device
+    geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=layout.pp_rank,
+                                    virtual_pipeline_size=vpp)
+    return geometry, KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, vpp)
+
+
+def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
+                        recompute: bool, log: Log):
+    """``(placement, FLOP cost model, measured costs or None)``.
+
+    Trees are placed whole with pipeline stages and with recomputation
+    (:func:`~megatron_psrl.engine.planning.whole_tree_reasons`). Where trees may be split over
+    an exchange group, the planner weighs compute against transfers measured on this model at
+    start-up."""
+    whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute)
+    placement = "whole-tree" if whole_tree_only else config.placement
+    if whole_tree_only and config.placement == "cross-rank":
+        log(f"note: --placement cross-rank is not available with {' and '.join(whole_tree_only)} yet; "
+            "trees are placed whole on data-parallel ranks")
+    flop_model = cost_model_for(arch)
+    group, group_size = exchange_group_of(layout)
+    if not (group_size > 1 and placement != "whole-tree" and config.prefix_sharing == "tree"):
+        return placement, flop_model, None
+    with layout.monitor.phase("cost calibration"):
+        m = calibrate_for_planning(model, arch, geometry, layout.device, config.micro_batch_tokens, group,
+                                   profile=config.cost_profile)
+    log(f"cost calibration: {m.seconds_per_token * 1e6:.1f} us/token, {m.seconds_per_key * 1e9:.2f} "
+        f"ns/key pair, {m.seconds_per_micro_batch * 1e3:.2f} ms/micro-batch, exchange "
+        f"{m.seconds_per_exchange * 1e3:.2f} ms + {1 / max(m.seconds_per_byte, 1e-15) / 1e9:.2f} GB/s")
+    return placement, flop_model, m
+
+
+def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
+                     recompute: bool, log: Log) -> Tuple[str, BlockKVCache, StepRunner]:
+    """``(attention backend, KV cache, step runner)``: the pipeline runner with PP > 1."""
+    device = layout.device
+    backend = None if config.attention_backend == "auto" else config.attention_backend
+    backend_name = backend or default_backend(device.type, config.torch_dtype)
+    if device.type == "cuda" and backend is None and backend_name == "torch":
+        log("warning: flash-attn is not installed, so tree attention runs the torch backend's reference "
+            "math on CUDA (correct, slow): pip install flash-attn, or --attention-backend te with "
+            "Transformer Engine")
+    kv_cache = BlockKVCache(geometry, config.kv_cache_budget)
+    group, _ = exchange_group_of(layout)
+    runner = make_runner(model, arch.vocab_size, device, backend, kv_cache, exchange_group=group,
+                         loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute)
+    return backend_name, kv_cache, runner
+
+
+__all__ = ["ResumePoint", "build_engine"]
