@@ -13,6 +13,7 @@ Subpackages, one per concern:
 - ``rl``: the RL-facing layer: policy losses and :class:`PolicyActor`, the in-memory API for
   RL frameworks (a thin layer over the engine)
 - ``training``: the command line's training loop, its arguments, logging and start-up checks
+- ``integrations``: adapters to RL frameworks' data (slime)
 - ``checkpoint``: checkpoint formats and I/O
 """
 

@@ -1,5 +1,6 @@
-"""The activation estimate the KV cache manager charges for a kept graph: an exact count of
-the tensors autograd saves, and an upper bound of the heap bytes a forward pass keeps alive.
+"""The activation estimate the KV cache manager charges for a kept graph, on every tiny config:
+an exact count of the tensors autograd saves, and an upper bound of the heap bytes a forward
+pass keeps alive.
 
 The heap figure is measured in a fresh process per config (tests/kvcache/scripts): it is
 process-wide, so another test's leftovers would move it.
@@ -15,14 +16,14 @@ from helpers.torchrun import script_env
 
 from megatron_psrl.kvcache import ALLOCATOR_MARGIN, activation_bytes_per_token, saved_activation_bytes_per_token
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.model.tiny import tiny_config
+from megatron_psrl.model.tiny import TINY_CONFIGS, tiny_config
 
 pytestmark = pytest.mark.slow  # measurements in fresh processes
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "measure_activations.py")
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "debug-llama"])
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def measured(request):
     proc = subprocess.run([sys.executable, SCRIPT, request.param], env=script_env(), capture_output=True,
                           text=True, timeout=600)
