@@ -24,6 +24,21 @@ import traceback
 from typing import Callable, NoReturn, Optional
 
 from megatron_psrl.errors import PsrlError, error_text
+from megatron_psrl.options import VERIFY_CHECKSUMS_ENV
+
+
+def add_checksum_flag(parser) -> None:
+    """``--no-verify-checksums``: the same flag on every command line that reads checkpoints."""
+    parser.add_argument("--no-verify-checksums", action="store_true",
+                        help="do not verify a checkpoint's files against its checksums.sha256 before reading "
+                             "them (verification reads every file once more; skip it for huge checkpoints)")
+
+
+def apply_checksum_flag(args) -> None:
+    """Turn verification off for this process (and the processes it starts) when asked."""
+    if getattr(args, "no_verify_checksums", False):
+        os.environ[VERIFY_CHECKSUMS_ENV] = "0"
+
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1

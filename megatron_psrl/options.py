@@ -37,3 +37,7 @@ CKPT_FORMATS = ("torch_dist", "legacy")
 
 DEFAULT_CKPT_FORMAT = "torch_dist"
 """Megatron-LM's default: megatron-core's sharded checkpoint, loadable under any layout."""
+
+VERIFY_CHECKSUMS_ENV = "PSRL_VERIFY_CHECKSUMS"
+"""``0`` skips verifying a checkpoint's checksums when it is read (``--no-verify-checksums``;
+:mod:`megatron_psrl.checkpoint.checksums`)."""

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Only light imports before the arguments are parsed (``--help`` answers at once); the model
 # stack (megatron-core, torch) is imported in main().
-from megatron_psrl.cli import HelpFormatter, positive_int, run_cli  # noqa: E402
+from megatron_psrl.cli import HelpFormatter, add_checksum_flag, apply_checksum_flag, positive_int, run_cli  # noqa: E402
 from megatron_psrl.options import ATTENTION_BACKENDS, DEFAULT_TIMEOUT_MINUTES, PLACEMENTS  # noqa: E402
 from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
 
@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--progress", action="store_true", help="progress bar while reading the data")
     p.add_argument("--allow-rope-extrapolation", action="store_true",
                    help="score samples longer than the model's max_position_embeddings (refused otherwise)")
+    add_checksum_flag(p)
     p.add_argument("--distributed-timeout-minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
                    help="timeout of every collective under torchrun")
     return p.parse_args(argv)
@@ -54,6 +55,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    apply_checksum_flag(args)
     from megatron_psrl.checkpoint.atomic import atomic_write_text, check_writable_dir
     from megatron_psrl.checkpoint.layout import read_checkpoint_info
     from megatron_psrl.checkpoint.loading import ModelSource, source_architecture

@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore  # noqa: E402
-from megatron_psrl.cli import HelpFormatter, call_cli, positive_int  # noqa: E402
+from megatron_psrl.cli import HelpFormatter, add_checksum_flag, apply_checksum_flag, call_cli, positive_int  # noqa: E402
 from megatron_psrl.options import CKPT_FORMATS, DEFAULT_CKPT_FORMAT  # noqa: E402
 
 
@@ -45,6 +45,8 @@ def parse_args(argv=None):
                             "files of --tp x --pp)")
         s.add_argument("--tp", type=positive_int, default=1, help="legacy: tensor-parallel shards (default 1)")
         s.add_argument("--pp", type=positive_int, default=1, help="legacy: pipeline-parallel stages (default 1)")
+    for s in (b, c):
+        add_checksum_flag(s)
     for s in (a, b, c):
         s.add_argument("--force", action="store_true", help="replace a non-empty --out-dir")
         s.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -54,6 +56,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     args = parse_args(argv)
+    apply_checksum_flag(args)
     return call_cli(lambda: _convert(args))
 
 

@@ -12,6 +12,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, check_writable_dir, write_file
+from megatron_psrl.checkpoint.checksums import write_manifest
 from megatron_psrl.checkpoint.dist_format import write_model_checkpoint
 from megatron_psrl.checkpoint.hf_io import write_hf_checkpoint
 from megatron_psrl.checkpoint.layout import MODEL_JSON, TRACKER, CheckpointInfo, check_ckpt_format, iteration_dir_name
@@ -72,6 +73,7 @@ def save_dist_checkpoint(out_dir: str, info: CheckpointInfo, full, overwrite: bo
         os.makedirs(it_dir)
         write_model_checkpoint(it_dir, info.architecture, full, info.iteration)
         write_file(os.path.join(it_dir, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
+        write_manifest(it_dir)
         atomic_write_text(os.path.join(tmp, TRACKER), "release" if release else str(info.iteration))
 
 

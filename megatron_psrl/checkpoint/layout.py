@@ -6,6 +6,7 @@
       latest_checkpointed_iteration.txt      "release" or the iteration number (the tracker)
       release/ | iter_0000042/
         psrl_model.json                      architecture, TP/PP layout, dtype, iteration
+        checksums.sha256                     SHA-256 of every other file (:mod:`checksums`)
         ...                                  the tensors: torch_dist (:mod:`dist_format`) or
                                              legacy per-rank files (:mod:`legacy_format`)
 
@@ -26,6 +27,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_psrl.checkpoint.checksums import verify_folder
 from megatron_psrl.errors import CheckpointError, ConfigurationError, PsrlError, pid_alive
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.stages import PipelineSplit
@@ -204,7 +206,11 @@ def resolve_iteration_dir(ckpt_dir: str) -> str:
 
 
 def read_checkpoint_info(ckpt_dir: str) -> Tuple[str, CheckpointInfo]:
+    """``(iteration folder, its info)`` of the latest iteration; every file of the folder is
+    verified against its checksums first (once per process, :mod:`checksums`): every reader
+    calls this before it reads anything else."""
     it_dir = resolve_iteration_dir(ckpt_dir)
+    verify_folder(it_dir)
     path = os.path.join(it_dir, MODEL_JSON)
     try:
         with open(path, encoding="utf-8", errors="replace") as f:

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, write_file
+from megatron_psrl.checkpoint.checksums import write_manifest
 from megatron_psrl.checkpoint.layout import (
     MODEL_JSON,
     TRACKER,
@@ -151,4 +152,5 @@ def save_sharded_checkpoint(
             if progress is not None:
                 progress(rank_dir_name(r, p, info.pipeline_parallel_size))
         write_file(os.path.join(it_dir, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
+        write_manifest(it_dir)
         atomic_write_text(os.path.join(tmp, TRACKER), "release" if release else str(info.iteration))

@@ -17,8 +17,9 @@ and ``tools/convert_hf_checkpoint.py mcore-to-hf``. Procedure:
    and every rank raises the same error naming the file. torch_dist: only when every rank
    passed its checks do all ranks enter megatron's save (itself a collective, which reports a
    write failure to every rank), and its outcome is all-gathered the same way;
-4. otherwise rank 0 writes the model description, renames the directory into place and
-   atomically updates the tracker file.
+4. every rank hashes a share of the written files (SHA-256, :mod:`megatron_psrl.checkpoint.checksums`);
+5. rank 0 writes the model description and ``checksums.sha256`` (every file's checksum),
+   renames the directory into place and atomically updates the tracker file.
 
 An interrupted save leaves the previous checkpoint untouched, and its temporary directory is
 removed by the next save.
@@ -28,12 +29,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_psrl.checkpoint.atomic import atomic_write_text, write_file
+from megatron_psrl.checkpoint.checksums import folder_files, hash_files, write_manifest
 from megatron_psrl.checkpoint.dist_format import save_training_state
 from megatron_psrl.checkpoint.layout import (
     MODEL_JSON,
@@ -115,13 +117,24 @@ def save_training_checkpoint(
     elif layout.placement_rank == 0:  # one data (x context) parallel replica writes each shard
         error, failure = _outcome(lambda: _write_legacy_shards(tmp, iteration, model, optimizer, layout))
     _raise_if_any_failed(error, failure, tmp, final, layout)  # 2: every rank's outcome
+    # Every file is written: each rank hashes a share of them (rank 0 lists them all).
+    error, failure, sums = None, None, {}
+    try:
+        files = folder_files(tmp)
+        sums = hash_files(tmp, files[layout.rank::layout.world_size])
+    except OSError as exc:
+        error, failure = error_text(exc), exc
+    _raise_if_any_failed(error, failure, tmp, final, layout)  # 3: every rank's checksums
+    shares = [None] * layout.world_size
+    dist.all_gather_object(shares, sums)
     if layout.rank == 0:
         try:
-            _publish(tmp, final, save_dir, iteration, model, optimizer, arch, layout)
+            known = {path: digest for share in shares for path, digest in share.items()}
+            _publish(tmp, final, save_dir, iteration, model, optimizer, arch, layout, known)
         except (PsrlError, OSError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = error_text(exc)
-    error = _broadcast_obj(error if layout.rank == 0 else None)  # 3: the outcome (and a barrier)
+    error = _broadcast_obj(error if layout.rank == 0 else None)  # 4: the outcome (and a barrier)
     if error is not None:
         raise CheckpointWriteError(final, f"the save failed and was removed; rank 0: {error}")
     return final
@@ -181,8 +194,9 @@ def _check_dist_payload(it_dir: str, model: torch.nn.Module, optimizer) -> None:
 
 
 def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimizer, arch: ModelArchitecture,
-             layout: ParallelLayout) -> None:
-    """Rank 0: describe the model, move the iteration into place, point the tracker at it."""
+             layout: ParallelLayout, known_checksums: Dict[str, str]) -> None:
+    """Rank 0: describe the model, list every file's checksum, move the iteration into place,
+    point the tracker at it."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     split = split_of_config(model.config)
     info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype,
@@ -190,6 +204,7 @@ def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimiz
                           pipeline_layers=None if isinstance(split, int) else split,
                           virtual_pipeline_size=len(model_chunks(model)))
     write_file(os.path.join(tmp, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
+    write_manifest(tmp, known_checksums)
     old = None
     if os.path.exists(final):  # re-saving an iteration: swap, never leave it missing
         old = final + f".old-{os.getpid()}"

@@ -6,7 +6,7 @@ import argparse
 import re
 from typing import List, Optional
 
-from megatron_psrl.cli import HelpFormatter
+from megatron_psrl.cli import HelpFormatter, add_checksum_flag
 from megatron_psrl.options import (
     ATTENTION_BACKENDS,
     CKPT_FORMATS,
@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"named tiny config with random weights (default {DEFAULT_MODEL} when no --hf-dir/--load)")
     g.add_argument("--finetune", action="store_true", help="with --load: start at iteration 0, no optimizer state")
     g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
+    add_checksum_flag(g)
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (megatron-core)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (megatron's 1F1B schedule; with cached prefixes the plan's order on every "

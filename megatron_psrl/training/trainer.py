@@ -28,6 +28,7 @@ import numpy as np
 
 from megatron_psrl.checkpoint.layout import checkpoint_format, has_checkpoint
 from megatron_psrl.checkpoint.loading import ModelSource, source_architecture
+from megatron_psrl.cli import apply_checksum_flag
 from megatron_psrl.data.loader import load_samples
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.synthetic import WORKLOADS, make_workload
@@ -383,6 +384,7 @@ def format_record(rec: IterationRecord, total_iters: int) -> str:
 def train(args) -> List[IterationRecord]:
     """Run ``pretrain_agent_rl.py`` with parsed arguments (``arguments.parse_args``)."""
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(message)s")
+    apply_checksum_flag(args)
     return Trainer(args).run()
 
 

@@ -70,7 +70,7 @@ def test_round_trip_is_bit_exact(family, dtype, fmt, tp, pp, sharded_hf, tmp_pat
         expected = [f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{p:03d}" for r in range(tp) for p in range(pp)]
     else:  # megatron's dist_checkpointing files, written by one process
         expected = [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
-    assert files == sorted(expected + ["psrl_model.json"])
+    assert files == sorted(expected + ["checksums.sha256", "psrl_model.json"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "release"
 
     mcore_to_hf(str(ckpt), str(back), hf_template=src, progress=False)
@@ -336,7 +336,7 @@ def test_legacy_converts_to_torch_dist_and_back_with_every_tensor(sharded_hf, tm
     assert cli.main(["mcore-to-mcore", "--load", str(dist_ckpt), "--out-dir", str(again), "--ckpt-format", "legacy",
                      "--tp", "2", "--no-progress"]) == 0
     _, c = load_full_state_dict(str(again))
-    assert sorted(os.listdir(again / "release")) == ["mp_rank_00", "mp_rank_01", "psrl_model.json"]
+    assert sorted(os.listdir(again / "release")) == ["checksums.sha256", "mp_rank_00", "mp_rank_01", "psrl_model.json"]
     assert all(torch.equal(a[k], c[k]) for k in a)
     back = tmp_path / "hf"
     assert cli.main(["mcore-to-hf", "--load", str(dist_ckpt), "--out-dir", str(back), "--no-progress"]) == 0

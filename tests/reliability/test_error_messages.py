@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.faults import SMALL, error_line, tool, train
+from helpers.faults import SMALL, error_line, tool, train, without_checksums
 from helpers.hf_reference import make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -52,10 +52,15 @@ def _damage(path, how):
         path.write_bytes(blob[: len(blob) // 3])
 
 
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksummed", "unverified"])
 @pytest.mark.parametrize("how", ["empty", "truncated"])
-def test_damaged_rank_file_is_named_by_every_reader(ckpt, data, tmp_path, how):
+def test_damaged_rank_file_is_named_by_every_reader(ckpt, data, tmp_path, how, checksums):
+    """With the checksum list the damage is a checksum mismatch; without it (a checkpoint from
+    before checksums) the legacy reader's own check names it."""
     rank_file = _rank_file(ckpt)
     _damage(rank_file, how)
+    if not checksums:
+        without_checksums(ckpt / "release")
     runs = {
         "--load": train(["--load", str(ckpt), "--data", str(data), "--train-iters", "1", "--finetune"], tmp_path),
         "mcore-to-hf": tool("convert_hf_checkpoint.py", ["mcore-to-hf", "--load", str(ckpt), "--out-dir",
@@ -66,7 +71,9 @@ def test_damaged_rank_file_is_named_by_every_reader(ckpt, data, tmp_path, how):
     for name, proc in runs.items():
         line = error_line(proc)
         assert str(rank_file) in line, (name, line)
-        assert ("empty" if how == "empty" else "truncated or corrupt") in line, (name, line)
+        expected = ("checksum mismatch (corrupt or modified after save)" if checksums
+                    else "empty" if how == "empty" else "truncated or corrupt")
+        assert expected in line, (name, line)
     assert not (tmp_path / "hf-out").exists() and not (tmp_path / "lp.jsonl").exists()
 
 
@@ -80,13 +87,17 @@ def test_corrupt_tracker_file_is_named(ckpt, tmp_path, content, words):
     assert TRACKER in line and all(w in line for w in words), line
 
 
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksummed", "unverified"])
 @pytest.mark.parametrize("content,words", [("{not json", ["not valid JSON"]),
                                            ('{"format_version": 1}', ["missing field 'architecture'"]),
                                            ("", ["not valid JSON"])])
-def test_corrupt_model_info_is_named(ckpt, data, tmp_path, content, words):
+def test_corrupt_model_info_is_named(ckpt, data, tmp_path, content, words, checksums):
     info = ckpt / "release" / "psrl_model.json"
     info.write_text(content)
+    if not checksums:
+        without_checksums(ckpt / "release")
     line = error_line(train(["--load", str(ckpt), "--data", str(data), "--train-iters", "1"], tmp_path))
+    words = ["checksum mismatch"] if checksums else words
     assert str(info) in line and all(w in line for w in words), line
 
 
@@ -189,6 +200,7 @@ def test_mcore_checkpoint_of_wrong_model_names_the_tensor(ckpt, data, tmp_path):
     name = "decoder.layers.0.mlp.linear_fc2.weight"
     blob["model"][name] = blob["model"][name][:, :3].clone()
     torch.save(blob, path)
+    without_checksums(ckpt / "release")  # a consistent rewrite: the shape check names it
     line = error_line(tool("compute_logprobs.py", ["--load", str(ckpt), "--data", str(data), "--out",
                                                    str(tmp_path / "lp.jsonl")], tmp_path))
     assert repr(name) in line and str(path) in line and "(64, 3)" in line, line

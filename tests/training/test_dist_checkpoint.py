@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from helpers.dist_ckpt import check_rank_against_checkpoint, plain_tensors
+from helpers.faults import without_checksums
 from helpers.hf_reference import make_hf_checkpoint
 from helpers.torchrun import REPO_ROOT, run_torchrun
 
@@ -44,8 +45,8 @@ def test_two_plus_two_iterations_equal_four(tmp_path, dtype):
     main(base + ["--train-iters", "4", "--save", str(straight), "--log-json", str(tmp_path / "a.jsonl")])
     main(base + ["--train-iters", "2", "--save", str(split), "--log-json", str(tmp_path / "b.jsonl")])
     assert checkpoint_format(str(split)) == "torch_dist"
-    assert sorted(os.listdir(split / "iter_0000002")) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json",
-                                                          "psrl_model.json"]
+    assert sorted(os.listdir(split / "iter_0000002")) == [".metadata", "__0_0.distcp", "checksums.sha256", "common.pt",
+                                                          "metadata.json", "psrl_model.json"]
     main(base + ["--train-iters", "4", "--load", str(split), "--save", str(split), "--log-json",
                  str(tmp_path / "b.jsonl")])
     a, b = _records(tmp_path / "a.jsonl"), _records(tmp_path / "b.jsonl")
@@ -157,6 +158,9 @@ def test_a_damaged_torch_dist_file_is_named(tmp_path):
     main(["--model", "debug-llama"] + DATA + ["--train-iters", "1", "--save", str(ckpt)])
     data = ckpt / "iter_0000001" / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
+        PolicyActor(str(ckpt), ActorConfig(device="cpu"))
+    without_checksums(ckpt / "iter_0000001")  # as written before checksums: megatron's loader names the folder
     with pytest.raises(CheckpointError, match="iter_0000001.*cannot be loaded as a torch_dist checkpoint"):
         PolicyActor(str(ckpt), ActorConfig(device="cpu"))
     (ckpt / "iter_0000001" / "metadata.json").write_text("{not json")
