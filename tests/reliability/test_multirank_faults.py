@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers.faults import without_checksums
 from helpers.hf_reference import make_hf_checkpoint
 from helpers.torchrun import REPO_ROOT, free_port, script_env
 
@@ -66,6 +67,7 @@ def test_a_save_failing_on_rank_1_fails_on_every_rank_and_leaves_nothing(tmp_pat
     blob = torch.load(path, weights_only=True)
     blob["model"]["decoder.layers.0.self_attention.linear_qkv.weight"][0, 0] = float("nan")
     torch.save(blob, path)
+    without_checksums(ckpt / "release")  # a consistent checkpoint holding a NaN, not a damaged one
     save = tmp_path / "out"
     proc = _torchrun(TRAIN, ["--load", str(ckpt), "--finetune", "--data", "grpo", "--micro-batch-tokens", "512",
                              "--tensor-model-parallel-size", "2", "--train-iters", "1", "--save", str(save),
