@@ -81,6 +81,22 @@ def error_line(exc: BaseException) -> str:
     return f"error: {_prefix()}{error_text(exc)}"
 
 
+def write_error_line(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one system call.
+
+    Every rank of a torchrun job shares one stderr; ``print`` writes the text and the newline
+    separately, so two ranks failing together could glue their lines into one. A single
+    ``write`` of less than PIPE_BUF bytes to a pipe is atomic, and one line per rank is what
+    operators (and log scrapers) read."""
+    sys.stderr.flush()
+    data = (line + "\n").encode("utf-8", "replace")
+    try:
+        os.write(sys.stderr.fileno(), data)
+    except (AttributeError, OSError, ValueError):  # a replaced stderr (pytest capture, a notebook)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 class Terminated(BaseException):
     """SIGTERM (torchrun stopping its workers, Slurm's scancel, preemption), raised so that every
     ``finally`` runs: locks are released and temporaries removed instead of leaked."""
@@ -98,13 +114,13 @@ def call_cli(main: Callable[[], Optional[int]], cleanup: Optional[Callable[[], N
     try:
         code = main() or 0
     except KeyboardInterrupt:
-        print(f"error: {_prefix()}interrupted", file=sys.stderr, flush=True)
+        write_error_line(f"error: {_prefix()}interrupted")
         code = EXIT_INTERRUPTED
     except Terminated:
-        print(f"error: {_prefix()}terminated (SIGTERM)", file=sys.stderr, flush=True)
+        write_error_line(f"error: {_prefix()}terminated (SIGTERM)")
         code = EXIT_TERMINATED
     except (PsrlError, OSError) as exc:
-        print(error_line(exc), file=sys.stderr, flush=True)
+        write_error_line(error_line(exc))
         code = EXIT_USER_ERROR
     except Exception:  # a bug: keep everything needed to fix it
         traceback.print_exc()
