@@ -9,8 +9,9 @@
 loads under any TP/PP layout, so --tp/--pp are not needed) or legacy (per-rank files of a
 TP x PP layout). The format of --load is detected (either is read, any layout).
 Supported: Llama, Mistral, Qwen2/Qwen2.5, Qwen3 (safetensors, sharded or not). A round trip
-reproduces every tensor bit for bit. Outputs are written atomically; a non-empty --out-dir is
-only replaced with --force.
+reproduces every tensor bit for bit. hf-to-mcore refuses a weight holding NaN or inf (one
+line naming the tensor and its file) unless --allow-non-finite is given. Outputs are written
+atomically; a non-empty --out-dir is only replaced with --force.
 """
 
 import argparse
@@ -31,6 +32,8 @@ def parse_args(argv=None):
     a = sub.add_parser("hf-to-mcore", help="Hugging Face folder -> sharded megatron_psrl checkpoint")
     a.add_argument("--hf-dir", required=True, help="save_pretrained folder (config.json + safetensors)")
     a.add_argument("--out-dir", required=True, help="checkpoint directory to create")
+    a.add_argument("--allow-non-finite", action="store_true",
+                   help="convert weights holding NaN or inf (one warning per tensor) instead of refusing them")
     b = sub.add_parser("mcore-to-hf", help="megatron_psrl checkpoint (either format, any TP/PP) -> Hugging Face folder")
     b.add_argument("--load", required=True, help="checkpoint directory (as written by hf-to-mcore or --save)")
     b.add_argument("--out-dir", required=True, help="Hugging Face folder to create")
@@ -69,7 +72,8 @@ def _layout(args) -> str:
 def _convert(args) -> int:
     if args.direction == "hf-to-mcore":
         info = hf_to_mcore(args.hf_dir, args.out_dir, args.tp, args.pp, overwrite=args.force,
-                           progress=not args.no_progress, ckpt_format=args.ckpt_format)
+                           progress=not args.no_progress, ckpt_format=args.ckpt_format,
+                           allow_non_finite=args.allow_non_finite)
         print(f"converted {args.hf_dir} ({info.architecture.model_type}, {info.dtype}) -> {args.out_dir}, "
               f"{_layout(args)}")
     elif args.direction == "mcore-to-mcore":

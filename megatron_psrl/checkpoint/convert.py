@@ -34,11 +34,12 @@ def _bar(total: int, desc: str, enabled: bool):
 
 def hf_to_mcore(
     hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, overwrite: bool = False, progress: bool = True,
-    ckpt_format: str = DEFAULT_CKPT_FORMAT,
+    ckpt_format: str = DEFAULT_CKPT_FORMAT, allow_non_finite: bool = False,
 ) -> CheckpointInfo:
     """Convert a HF folder into a megatron_psrl checkpoint ("release") in ``ckpt_format``:
     torch_dist (loads under any layout; ``tp`` / ``pp`` only check that the model can be split
-    so) or legacy (TP x PP per-rank files)."""
+    so) or legacy (TP x PP per-rank files). A weight holding NaN or inf is refused, naming
+    the tensor and its file, unless ``allow_non_finite`` (then one warning line each)."""
     check_ckpt_format(ckpt_format)
     arch = ModelArchitecture.from_hf_dir(hf_dir)  # refuses unsupported models before any I/O
     if arch.num_kv_heads % tp:
@@ -47,7 +48,8 @@ def hf_to_mcore(
         raise ConfigurationError(f"--pp {pp} must divide the model's {arch.num_layers} layers")
     check_writable_dir(os.path.dirname(os.path.abspath(out_dir)), "the parent of --out-dir")
     with _bar(len(get_adapter(arch).hf_keys()), "reading HF tensors", progress) as bar:
-        full = hf_full_state_dict(hf_dir, arch, progress=lambda _: bar.update(1), strict=True)
+        full = hf_full_state_dict(hf_dir, arch, progress=lambda _: bar.update(1), strict=True,
+                                   non_finite="warn" if allow_non_finite else "refuse")
     dtype = str(next(iter(full.values())).dtype).replace("torch.", "")
     if ckpt_format == "torch_dist":
         info = CheckpointInfo(architecture=arch, tensor_parallel_size=1, pipeline_parallel_size=1, iteration=0,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import random
 import re
 import warnings
@@ -40,6 +41,7 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
+from megatron_psrl.checkpoint import dist_checks
 from megatron_psrl.checkpoint.state_dict import canonical_state_dict, load_state_into
 from megatron_psrl.errors import CheckpointError, CheckpointWriteError, ConfigurationError
 
@@ -126,30 +128,31 @@ def _named_failure(exc: BaseException) -> Optional[CheckpointWriteError]:
 
 def load_state(it_dir: str, sharded_state_dict: Dict[str, Any]) -> Dict[str, Any]:
     """Every rank: this rank's pieces of ``sharded_state_dict`` from ``it_dir`` (a collective).
-    A missing, truncated or mismatching file raises :class:`CheckpointError` naming it."""
+    The folder is checked first (:func:`~megatron_psrl.checkpoint.dist_checks.check_folder`:
+    the index, the files' lengths, what is unpickled); a missing, truncated, corrupt or
+    mismatching file raises :class:`CheckpointError` naming it (and the tensor), one line."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint import CheckpointException
 
+    index = dist_checks.check_folder(it_dir)
     try:
         with quiet_deprecation_warnings():
             return dist_checkpointing.load(sharded_state_dict, it_dir)
-    except (CheckpointingException, CheckpointException, OSError, RuntimeError, EOFError, ValueError) as exc:
-        reason = " ".join(str(exc).split())[:400]
-        raise CheckpointError(it_dir, f"cannot be loaded as a torch_dist checkpoint: {reason}") from None
+    except (CheckpointingException, CheckpointException, OSError, RuntimeError, EOFError, ValueError,
+            AssertionError, pickle.UnpicklingError) as exc:
+        raise dist_checks.explain_failure(exc, it_dir, index) from None
 
 
 def load_common(it_dir: str) -> Dict[str, Any]:
-    """The common (non-sharded) state: iteration, scheduler, optimizer layout (rank-local read)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-
-    try:
-        with quiet_deprecation_warnings():
-            return dist_checkpointing.load_common_state_dict(it_dir)
-    except (CheckpointingException, OSError, RuntimeError, EOFError, ValueError) as exc:
-        reason = " ".join(str(exc).split())[:300]
-        raise CheckpointError(os.path.join(it_dir, "common.pt"), f"cannot be read: {reason}") from None
+    """The common (non-sharded) state: iteration, scheduler, optimizer layout (rank-local read).
+    Read with ``weights_only=True`` (megatron's own reader takes torch's default): nothing but
+    tensors and plain containers is unpickled; anything else is refused naming ``common.pt``."""
+    path = os.path.join(it_dir, dist_checks.COMMON)
+    common = dist_checks.safe_torch_load(path, path)
+    if not isinstance(common, dict):
+        raise CheckpointError(path, f"expected a dict of megatron's common state, found {type(common).__name__}")
+    return common
 
 
 def load_model_weights(it_dir: str, model: torch.nn.Module) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, write_file
 from megatron_psrl.checkpoint.checksums import write_manifest
+from megatron_psrl.checkpoint.dist_checks import refusal
 from megatron_psrl.checkpoint.layout import (
     MODEL_JSON,
     TRACKER,
@@ -63,6 +64,8 @@ def _load_rank_file(path: str, expected: Optional[Dict[str, tuple]] = None) -> D
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
+            raise CheckpointError(path, refusal(exc)) from None  # an object that is not a tensor or container
         reason = " ".join(str(exc).split())[:200]
         raise CheckpointError(path, f"cannot be read: the file is truncated or corrupt ({reason})") from None
     if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict):

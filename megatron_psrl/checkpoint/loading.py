@@ -5,6 +5,7 @@ checkpoint of either format (:mod:`dist_format`, :mod:`legacy_format`) or a tiny
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
@@ -25,6 +26,7 @@ from megatron_psrl.model.stages import PipelineSplit, stage_counts, virtual_stag
 from megatron_psrl.model.tiny import tiny_config
 
 Tensor = torch.Tensor
+logger = logging.getLogger("megatron_psrl")
 
 
 @dataclass
@@ -55,13 +57,15 @@ class ModelSource:
 
 
 def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, progress=None,
-                       strict: bool = False) -> Dict[str, Tensor]:
+                       strict: bool = False, non_finite: str = "ignore") -> Dict[str, Tensor]:
     """Full (unsharded) megatron state dict of a HF folder.
 
     Every tensor is checked against the shape config.json implies before it is used (a wrong
     one names the file and the tensor). ``strict`` also refuses tensors the layout does not
-    know (the converter: a round trip must not drop anything). ``progress(hf_name)`` is
-    called for every HF tensor read."""
+    know (the converter: a round trip must not drop anything). ``non_finite``: what a tensor
+    holding NaN or inf does: ``"refuse"`` (a :class:`CheckpointError` naming the file and the
+    tensor), ``"warn"`` (one warning line naming them; converted as is) or ``"ignore"`` (not
+    checked). ``progress(hf_name)`` is called for every HF tensor read."""
     arch = arch or ModelArchitecture.from_hf_dir(hf_dir)
     reader = HFCheckpointReader(hf_dir)
     adapter = get_adapter(arch)
@@ -75,13 +79,35 @@ def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, pr
         if extra:
             raise CheckpointError(hf_dir, f"unexpected tensors (not a plain {arch.model_type} model?): {extra[:5]}")
 
+    if non_finite not in ("ignore", "refuse", "warn"):
+        raise ValueError(f"non_finite must be 'ignore', 'refuse' or 'warn', got {non_finite!r}")
+
     def get(name: str) -> Tensor:
         tensor = reader.get(name, expected_shape=shapes[name])
+        if non_finite != "ignore":
+            check_finite(tensor, reader.path_of(name), name, refuse=non_finite == "refuse")
         if progress is not None:
             progress(name)
         return tensor
 
     return dict(adapter.hf_to_mcore(get))
+
+
+def check_finite(tensor: Tensor, path: str, name: str, refuse: bool = True) -> None:
+    """A tensor holding NaN or inf: a :class:`CheckpointError` naming ``path`` and ``name``
+    (``refuse``), else one warning line naming them. A model with such a weight produces NaN
+    log-probs from the first step, far from the file that caused them."""
+    if not tensor.is_floating_point():
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if not bad:
+        return
+    nans = int(torch.isnan(tensor).sum())
+    what = f"{bad} non-finite values ({nans} NaN, {bad - nans} inf) in {tensor.numel()}"
+    if refuse:
+        raise CheckpointError(path, f"{what}; refusing to convert it (--allow-non-finite converts it as is)",
+                              tensor=name)
+    logger.warning("%s: tensor %r: %s; converted as is (--allow-non-finite)", path, name, what)
 
 
 def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: int, stage: int,

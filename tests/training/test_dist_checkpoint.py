@@ -160,8 +160,8 @@ def test_a_damaged_torch_dist_file_is_named(tmp_path):
     data.write_bytes(data.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
         PolicyActor(str(ckpt), ActorConfig(device="cpu"))
-    without_checksums(ckpt / "iter_0000001")  # as written before checksums: megatron's loader names the folder
-    with pytest.raises(CheckpointError, match="iter_0000001.*cannot be loaded as a torch_dist checkpoint"):
+    without_checksums(ckpt / "iter_0000001")  # as written before checksums: the index check names the file
+    with pytest.raises(CheckpointError, match="__0_0.distcp: truncated: 1000 bytes"):
         PolicyActor(str(ckpt), ActorConfig(device="cpu"))
     (ckpt / "iter_0000001" / "metadata.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="metadata.json.*cannot be read"):
