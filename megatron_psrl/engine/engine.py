@@ -263,13 +263,15 @@ class Engine:
             self.optimizer.zero_grad()
 
     # ------------------------------------------------------------------ log-probs
-    def compute_logprobs(self, batch: SampleBatch) -> List[np.ndarray]:
+    def compute_logprobs(self, batch: SampleBatch, with_entropy: bool = False):
         """log p(tokens[i] | tokens[:i]) of every sample (index 0: 0.0), prefix-shared, with the
-        same placement over ranks as training; every rank returns all samples."""
+        same placement over ranks as training; every rank returns all samples. With
+        ``with_entropy``: ``(log-probs, entropies)``, the entropy of the distribution that
+        predicts each token beside its log-prob."""
         sharing = "tree" if self.config.prefix_sharing != "none" else "none"
         group = gradient_group() if self.layout.placement_size > 1 else None
         return run_logprobs(self.runner, self.plan_geometry, batch, self.planner_config(sharing),
-                            self.config.kv_cache_budget, self.layout.placement_rank, group)
+                            self.config.kv_cache_budget, self.layout.placement_rank, group, with_entropy=with_entropy)
 
     # ------------------------------------------------------------------ weights and layout
     def stage_chunks(self):

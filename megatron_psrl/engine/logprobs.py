@@ -93,10 +93,14 @@ def compute_logprobs(
 
 
 def run_logprobs(runner: StepRunner, plan_geometry: KVGeometry, batch: SampleBatch, config: PlannerConfig,
-                 kv_cache_budget: int, rank: int, group=None) -> List[np.ndarray]:
+                 kv_cache_budget: int, rank: int, group=None, with_entropy: bool = False):
     """The log-prob pass: the batch's tree, planned with ``config`` (K/V blocks only in the
     memory plan), forward on this placement ``rank``'s micro-batches through ``runner`` (model
-    in eval mode), every rank's results gathered over ``group`` into per-sample arrays."""
+    in eval mode), every rank's results gathered over ``group`` into per-sample arrays.
+
+    Returns the per-sample log-prob arrays; with ``with_entropy``, ``(log-probs, entropies)``
+    where ``entropies[s][i]`` is the entropy of the distribution that predicts token i of
+    sample s (0.0 at position 0, like the log-probs)."""
     tree = build_prefix_tree(batch)
     plan, memories, _ = plan_with_memory(
         tree, config, lambda ranks: [plan_forward_memory(r, plan_geometry, kv_cache_budget) for r in ranks])
@@ -104,11 +108,15 @@ def run_logprobs(runner: StepRunner, plan_geometry: KVGeometry, batch: SampleBat
     was_training = model.training
     model.eval()
     try:
-        local = runner.logprobs(plan, rank, memories[rank]).logprobs
+        local = runner.logprobs(plan, rank, memories[rank], with_entropy=with_entropy).logprobs
     finally:
         model.train(was_training)
         runner.kv_cache.release_pool()
-    return per_sample_logprobs(plan.tree, local, group, fill=0.0)
+    logprobs = per_sample_logprobs(plan.tree, local, group, fill=0.0)
+    if not with_entropy:
+        return logprobs
+    index, _ = local.arrays()
+    return logprobs, per_sample_values(plan.tree, index, local.entropy_array(), group, fill=0.0)
 
 
 def per_sample_logprobs(tree: PrefixTree, computed: ComputedLogprobs, group=None, fill: float = 0.0
@@ -117,6 +125,14 @@ def per_sample_logprobs(tree: PrefixTree, computed: ComputedLogprobs, group=None
     every rank of ``group`` (one gather of index / value arrays): ``fill`` where no rank
     computed one, 0.0 at position 0 (no log-prob there)."""
     index, values = computed.arrays()
+    return per_sample_values(tree, index, values, group, fill)
+
+
+def per_sample_values(tree: PrefixTree, index: np.ndarray, values: np.ndarray, group=None, fill: float = 0.0
+                      ) -> List[np.ndarray]:
+    """Per-sample float32 arrays of per-tree-token ``values`` computed at tree tokens ``index``
+    on this rank and on every rank of ``group`` (one gather): ``fill`` where no rank computed
+    one, 0.0 at position 0."""
     if group is not None and dist.get_world_size(group) > 1:
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, (index, values), group=group)

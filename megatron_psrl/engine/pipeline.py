@@ -40,6 +40,7 @@ from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.compat import install_cpu_pipeline_shims
 from megatron_psrl.engine.step import ComputedLogprobs, StepOutput, StepRunner
 from megatron_psrl.engine.transfer import DeviceSums, host_to_device
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.rl.loss import ClaimLoss, claim_coefficients
@@ -190,7 +191,11 @@ class PipelineStepRunner(StepRunner):
         self.last_schedule = "plan-order"
         return self._measure(lambda: super(PipelineStepRunner, self).train(plan, rank, loss_cfg, memory, loss_scale))
 
-    def _forward_only(self, plan, rank, memory, claims_loss=None, coefficients=None) -> StepOutput:
+    def _forward_only(self, plan, rank, memory, claims_loss=None, coefficients=None,
+                      with_entropy: bool = False) -> StepOutput:
+        if with_entropy:  # _finish hands the loss stage's log-probs to every stage, not entropies
+            raise ConfigurationError("per-token entropies of a log-prob pass are not available with pipeline "
+                                     "parallelism yet (--pipeline-model-parallel-size 1)")
         self.last_schedule = "plan-order"
         return self._measure(lambda: super(PipelineStepRunner, self)._forward_only(
             plan, rank, memory, claims_loss=claims_loss, coefficients=coefficients))

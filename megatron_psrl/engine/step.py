@@ -218,14 +218,19 @@ class StepOutput:
 
 
 class ComputedLogprobs:
-    """Tree-token log-probs a call computed, kept where they were computed (on the device, no
-    host sync per micro-batch) until :meth:`arrays` reads them all at once."""
+    """Tree-token log-probs a call computed (and, ``with_entropy``, the entropy of each
+    predicting distribution), kept where they were computed (on the device, no host sync per
+    micro-batch) until :meth:`arrays` reads them all at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_entropy: bool = False) -> None:
+        self.with_entropy = with_entropy
         self._parts: List[Tuple[np.ndarray, Tensor]] = []
+        self._entropy: List[Tensor] = []
 
-    def add(self, tree_tokens: np.ndarray, logp: Tensor) -> None:
+    def add(self, tree_tokens: np.ndarray, logp: Tensor, entropy: Optional[Tensor] = None) -> None:
         self._parts.append((tree_tokens, logp.detach()))
+        if self.with_entropy:
+            self._entropy.append(entropy.detach())
 
     def arrays(self) -> Tuple[np.ndarray, np.ndarray]:
         """``(tree token indices int64, log-probs float32)``."""
@@ -234,6 +239,14 @@ class ComputedLogprobs:
         index = np.concatenate([t for t, _ in self._parts]).astype(np.int64)
         values = torch.cat([v.float() for _, v in self._parts]).cpu().numpy()
         return index, values
+
+    def entropy_array(self) -> np.ndarray:
+        """float32 entropies aligned with :meth:`arrays`' indices (``with_entropy`` only)."""
+        if not self.with_entropy:
+            raise RuntimeError("entropies were not recorded (ComputedLogprobs(with_entropy=True))")
+        if not self._entropy:
+            return np.zeros(0, dtype=np.float32)
+        return torch.cat([e.float() for e in self._entropy]).cpu().numpy()
 
 
 class StepRunner:
@@ -319,12 +332,13 @@ class StepRunner:
         sel_rows = host_to_device(pack.logit_rows[rows], self.device)
         targets = pack.logit_targets[rows]
         target_ids = host_to_device(plan.tree.tokens[targets].astype(np.int64), self.device)
-        want_entropy = loss_cfg is not None and loss_cfg.needs_entropy
+        want_entropy = ((loss_cfg is not None and loss_cfg.needs_entropy)
+                        or (record is not None and record.with_entropy))
         # [n, V/tp] logits only a chunk of rows at a time (forward and backward)
         logp, ent = chunked_logprobs(self.head.output_logits, hidden.index_select(0, sel_rows), target_ids,
                                      self.vocab_size, with_entropy=want_entropy, rows_per_chunk=self._head_rows())
         if record is not None:  # the log-probs this call computed, returned to the caller
-            record.add(targets, logp)
+            record.add(targets, logp, ent)
         if loss_cfg is None:
             return None, {}, logp
         claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
@@ -511,17 +525,19 @@ class StepRunner:
         return self._from_loss_stage(sums)
 
     @torch.no_grad()
-    def logprobs(self, plan: StepPlan, rank: int, memory: Optional[MemoryPlan] = None) -> StepOutput:
-        """Log-prob of every tree token this rank computes (forward only, no loss)."""
-        return self._forward_only(plan, rank, memory)
+    def logprobs(self, plan: StepPlan, rank: int, memory: Optional[MemoryPlan] = None,
+                 with_entropy: bool = False) -> StepOutput:
+        """Log-prob (and, ``with_entropy``, the predicting distribution's entropy) of every
+        tree token this rank computes (forward only, no loss)."""
+        return self._forward_only(plan, rank, memory, with_entropy=with_entropy)
 
     def _forward_only(self, plan: StepPlan, rank: int, memory: Optional[MemoryPlan], claims_loss=None,
-                      coefficients=None) -> StepOutput:
+                      coefficients=None, with_entropy: bool = False) -> StepOutput:
         """Every micro-batch of ``rank`` forward, in order, K/V of cached prefixes freed after
         their last reader: the log-prob of every row, or (``claims_loss``) only of claimed rows,
         handed to ``claims_loss``."""
         rank_plan = plan.ranks[rank]
-        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs())
+        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs(with_entropy))
         cache = self.kv_cache
         if rank_plan.sources:
             if memory is None:

@@ -1,0 +1,484 @@
+"""A verl training engine over this project's engine: verl's PPO / GRPO trainer, rollouts,
+advantages and loss unchanged, the update phase prefix-shared.
+
+verl (0.9.x) builds its training backend through ``EngineRegistry.new(model_type, backend=
+engine_config.strategy, ...)``; importing this module registers :class:`PsrlEngine` for
+``model_type="language_model"`` under the backend name :data:`BACKEND` (``psrl``), on CUDA and
+CPU. A verl config selects it with::
+
+    actor_rollout_ref.model.external_lib=megatron_psrl.integrations.verl
+    actor_rollout_ref.actor.engine._target_=megatron_psrl.integrations.verl.PsrlEngineConfig
+    actor_rollout_ref.actor.engine.strategy=psrl
+
+(docs/integrations.md has a whole config.)
+
+What a call does. verl hands each data-parallel rank its share of a mini-batch, after
+``left_right_2_no_padding``: jagged ``input_ids``, the padded ``prompts`` / ``responses`` /
+``attention_mask`` / ``response_mask``, ``old_log_probs``, ``advantages``, ... and settings as
+non-tensor entries. :meth:`PsrlEngine.forward_backward_batch`
+
+1. gathers every data-parallel rank's token sequences (token ids only), so the engine's
+   planner sees the whole mini-batch: GRPO groups, multi-turn histories and any other shared
+   prefix are computed once, whichever rank verl sent them to;
+2. runs the prefix-shared log-prob pass (forward only) for the whole mini-batch, and hands this
+   rank's log-probs (and entropies when ``calculate_entropy``) to verl's ``loss_function``
+   unchanged, as the nested tensors verl's own engines produce (position t holds
+   log p(token t+1));
+3. for training, differentiates verl's loss with respect to those log-probs (and entropies):
+   ``g[t] = dL/dlogp[t]``. Because verl's loss depends on the parameters only through them,
+   ``sum_t g[t] * logp[t]`` (evaluated at the same parameters) has exactly the loss's
+   parameter gradient; the engine runs that per-token loss forward and backward over the whole
+   mini-batch with prefix sharing (mechanisms 1 and 2), every rank's ``g`` gathered first.
+
+The gradient equals verl's: verl's engines average gradients over data-parallel ranks, so each
+rank's ``g`` is divided by the data-parallel size before the engine sums over ranks. The cost
+is one forward pass more than a single fused pass (the log-prob pass); the rest is shared.
+
+Not supported yet (refused at the call, in one line): a sampling ``temperature`` other than 1,
+pipeline parallelism with ``calculate_entropy``, parameter / optimizer offload, LoRA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+try:
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config.engine import EngineConfig
+    from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("megatron_psrl.integrations.verl needs verl: pip install -e \".[verl]\" "
+                      f"(verl 0.9.x; {exc})") from exc
+
+from megatron_psrl.engine.config import ActorConfig
+from megatron_psrl.engine.optimizer import OptimizerSettings
+from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.rl.loss import PerClaimLoss
+
+BACKEND = "psrl"
+"""The backend (``engine.strategy``) name this engine registers under."""
+
+
+@dataclass
+class PsrlEngineConfig(EngineConfig):
+    """verl's engine config for this backend: verl's common engine fields plus the project's
+    parallel sizes, micro-batch token budget and KV cache budget (Megatron-style names)."""
+
+    strategy: str = BACKEND
+    """Must be ``psrl`` (verl picks the engine class by it)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP size."""
+
+    pipeline_model_parallel_size: int = 1
+    """PP size (log-prob entropies need 1)."""
+
+    context_parallel_size: int = 1
+    """CP size: the ranks of a CP group share the fragments of the same trees."""
+
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (tree tokens, i.e. after sharing)."""
+
+    kv_cache_budget: int = 1 << 30
+    """Bytes for cached prefix K/V, their gradients and retained prefix graphs (mechanism 2)."""
+
+    prefix_sharing: str = "tree"
+    """``tree`` (mechanisms 1 + 2), ``tree-dup`` or ``none`` (the per-sample baseline)."""
+
+    attention_backend: str = "auto"
+    """Prefix-sharing attention kernel: ``torch``, ``flash``, ``te`` or ``auto``."""
+
+    transformer_impl: str = "auto"
+    """megatron's layer spec: ``local``, ``transformer_engine`` or ``auto``."""
+
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
+
+    recompute_granularity: Optional[str] = None
+    """Megatron-LM's activation recomputation (``full`` / ``selective``)."""
+
+    recompute_method: Optional[str] = None
+    """With ``full``: ``uniform`` or ``block``."""
+
+    recompute_num_layers: Optional[int] = None
+    """With ``full``: layers per recomputed unit."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy != BACKEND:
+            raise ConfigurationError(f"PsrlEngineConfig.strategy must be {BACKEND!r}, got {self.strategy!r}")
+        if self.param_offload or self.optimizer_offload:
+            raise ConfigurationError("the psrl engine does not offload parameters or optimizer state yet "
+                                     "(param_offload / optimizer_offload must be false)")
+
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "float32": "float32", "fp32": "float32"}
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    value = getattr(config, name, default) if config is not None else default
+    return default if value is None else value
+
+
+def actor_config(engine_config: PsrlEngineConfig, optimizer_config: Any = None) -> ActorConfig:
+    """The project's :class:`ActorConfig` of a verl engine config and optimizer config (verl's
+    ``OptimizerConfig`` or ``McoreOptimizerConfig``: lr, weight decay, betas, clipping, warmup,
+    decay style; megatron's optimizer names ``adam`` / ``sgd``)."""
+    dtype = _DTYPES.get(str(engine_config.dtype))
+    if dtype is None:
+        raise ConfigurationError(f"engine.dtype must be one of {sorted(_DTYPES)}, got {engine_config.dtype!r}")
+    o = optimizer_config
+    name = str(_get(o, "optimizer", "adam")).lower()
+    name = {"adamw": "adam", "adam": "adam", "sgd": "sgd"}.get(name, name)
+    betas = tuple(_get(o, "betas", (0.9, 0.999)))
+    clip = _get(o, "clip_grad", 1.0)
+    warmup = int(_get(o, "lr_warmup_steps", 0) or 0)
+    total = int(_get(o, "total_training_steps", -1) or -1)
+    if warmup < 0:  # verl: -1 means "from lr_warmup_steps_ratio"
+        warmup = int(float(_get(o, "lr_warmup_steps_ratio", 0.0)) * max(total, 0))
+    decay_steps = _get(o, "lr_decay_steps", None) or (total if total > 0 else None)
+    # verl fills total_training_steps in from the trainer; without it there is nothing to decay
+    # over, and a decay over one step would drop the rate to min_lr after the first update
+    style = str(_get(o, "lr_decay_style", "constant")) if decay_steps else "constant"
+    optimizer = OptimizerSettings(
+        optimizer=name, lr=float(_get(o, "lr", 1e-6)), min_lr=float(_get(o, "min_lr", 0.0)),
+        lr_warmup_iters=warmup, lr_decay_style=style, lr_decay_iters=int(decay_steps or 1),
+        weight_decay=float(_get(o, "weight_decay", 0.0)),
+        adam_beta1=float(betas[0]), adam_beta2=float(betas[1]), clip_grad=float(clip))
+    e = engine_config
+    return ActorConfig(
+        tensor_model_parallel_size=e.tensor_model_parallel_size, pipeline_model_parallel_size=e.pipeline_model_parallel_size,
+        context_parallel_size=e.context_parallel_size, micro_batch_tokens=e.micro_batch_tokens,
+        kv_cache_budget=e.kv_cache_budget, prefix_sharing=e.prefix_sharing, attention_backend=e.attention_backend,
+        transformer_impl=e.transformer_impl, device=e.device, dtype=dtype, seed=e.seed,
+        recompute_granularity=e.recompute_granularity, recompute_method=e.recompute_method,
+        recompute_num_layers=e.recompute_num_layers, optimizer=optimizer)
+
+
+# ---------------------------------------------------------------------- verl's batch layout
+@dataclass
+class VerlSequences:
+    """One data-parallel rank's share of a verl mini-batch, as token sequences."""
+
+    tokens: List[np.ndarray]
+    """Per sample: prompt + response token ids (padding removed)."""
+
+    prompt_lengths: np.ndarray
+    """Per sample: tokens of the prompt (>= 1)."""
+
+    offsets: torch.Tensor
+    """int64 ``[B + 1]``: the jagged offsets of verl's ``input_ids`` (the layout of its outputs)."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.tokens)
+
+
+def sequences_of(data: TensorDict) -> VerlSequences:
+    """The token sequences of a verl batch in the no-padding layout (``left_right_2_no_padding``:
+    jagged ``input_ids``; prompt lengths from ``prompts`` / ``attention_mask``, as verl's
+    ``no_padding_2_padding`` reads them). Positions must be 0, 1, 2, ... per sample (text
+    models; 3-D rope positions of vision-language models are refused)."""
+    input_ids = data["input_ids"]
+    if not getattr(input_ids, "is_nested", False):
+        raise ConfigurationError("the psrl engine takes verl's no-padding layout (jagged input_ids from "
+                                 "left_right_2_no_padding), got a padded input_ids")
+    offsets = input_ids.offsets().to("cpu", torch.int64)
+    values = input_ids.values().to("cpu").numpy().astype(np.int64)
+    lengths = offsets.diff().numpy()
+    prompts = data["prompts"]
+    if getattr(prompts, "is_nested", False):
+        prompt_lengths = prompts.offsets().diff().to("cpu").numpy()
+    else:
+        prompt_lengths = data["attention_mask"][:, : prompts.shape[1]].sum(dim=1).to("cpu").numpy()
+    prompt_lengths = prompt_lengths.astype(np.int64)
+    for i, (p, n) in enumerate(zip(prompt_lengths, lengths)):
+        if not 1 <= p < n:
+            raise ConfigurationError(f"verl batch, sample {i}: prompt of {p} tokens in a sequence of {n} "
+                                     "(needs at least one prompt and one response token)")
+    if "position_ids" in data.keys():
+        positions = data["position_ids"]
+        if positions.is_nested and positions.values().dim() == 1:
+            want = torch.cat([torch.arange(int(n)) for n in lengths])
+            if not torch.equal(positions.values().to("cpu", torch.int64), want):
+                raise ConfigurationError("verl batch: position_ids are not 0, 1, 2, ... per sample; the psrl engine "
+                                         "derives positions from each sample's tokens (text models)")
+        elif positions.is_nested:
+            raise ConfigurationError("verl batch: multi-dimensional position_ids (vision-language rope) are not "
+                                     "supported by the psrl engine")
+    tokens = [values[offsets[i]:offsets[i + 1]] for i in range(len(lengths))]
+    return VerlSequences(tokens=tokens, prompt_lengths=prompt_lengths, offsets=offsets)
+
+
+def _check_temperature(data: TensorDict) -> None:
+    temperature = tu.get_non_tensor_data(data, key="temperature", default=None)
+    if temperature is None and "temperature" in data.keys():
+        temperature = data["temperature"]
+    if temperature is None:
+        return
+    values = temperature.float() if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    if not torch.all(values == 1.0):
+        raise ConfigurationError("the psrl engine computes log-probs at temperature 1; this batch asks for "
+                                 f"temperature {values.flatten()[:4].tolist()} (set rollout.temperature=1.0)")
+
+
+def _shift_to_verl(per_sample: List[np.ndarray]) -> List[torch.Tensor]:
+    """The project's ``x[t]`` (about token t given tokens[:t]) in verl's layout ``y[t] = x[t + 1]``
+    (position t predicts token t + 1; the last position predicts nothing: 0)."""
+    return [torch.from_numpy(np.concatenate([x[1:], np.zeros(1, np.float32)]).astype(np.float32)) for x in per_sample]
+
+
+def _shift_from_verl(per_sample: torch.Tensor, offsets: torch.Tensor) -> List[np.ndarray]:
+    """Inverse of :func:`_shift_to_verl` on a flat ``[total]`` tensor with jagged ``offsets``."""
+    flat = per_sample.detach().to("cpu", torch.float32).numpy()
+    out = []
+    for i in range(len(offsets) - 1):
+        y = flat[offsets[i]:offsets[i + 1]]
+        out.append(np.concatenate([np.zeros(1, np.float32), y[:-1]]))
+    return out
+
+
+def _leaf(tensors: List[torch.Tensor], device, requires_grad: bool) -> torch.Tensor:
+    """The flat ``[total]`` values of a jagged output, a leaf that verl's loss is differentiated
+    against (a nested tensor's ``values()`` is a new view on every call, not the leaf)."""
+    values = torch.cat(tensors).to(device)
+    return values.requires_grad_(True) if requires_grad else values
+
+
+# ---------------------------------------------------------------------- the engine
+class _ModeCtx(BaseEngineCtx):
+    """verl's train / eval context: the model's mode (no offload to switch)."""
+
+    def __enter__(self):
+        super().__enter__()
+        self.engine.set_training(self.mode == "train")
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        super().__exit__(exc_type, exc_val, exc_tb)
+
+
+@EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "cpu"])
+class PsrlEngine(BaseEngine):
+    """verl's ``BaseEngine`` over :class:`~megatron_psrl.rl.actor.PolicyActor` (see the module
+    docstring). Built by verl's ``TrainingWorker`` as ``EngineRegistry.new(...)``."""
+
+    def __init__(self, model_config: Any, engine_config: PsrlEngineConfig, optimizer_config: Any = None,
+                 checkpoint_config: Any = None):
+        super().__init__()
+        if not isinstance(engine_config, PsrlEngineConfig):
+            raise ConfigurationError("the psrl engine needs a PsrlEngineConfig (actor_rollout_ref.actor.engine."
+                                     "_target_=megatron_psrl.integrations.verl.PsrlEngineConfig)")
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.optimizer_config = optimizer_config
+        self.checkpoint_config = checkpoint_config
+        self.mode = None
+        self.actor = None
+
+    # ------------------------------------------------------------------ set-up
+    def initialize(self) -> None:
+        from megatron_psrl.rl.actor import PolicyActor
+
+        path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path", None)
+        if path is None:
+            raise ConfigurationError("verl's model config names no model path (model.path)")
+        if getattr(self.model_config, "lora_rank", 0):
+            raise ConfigurationError("the psrl engine does not train LoRA adapters yet (model.lora_rank must be 0)")
+        config = actor_config(self.engine_config, self.optimizer_config)
+        self.actor = PolicyActor(os.fspath(path), config, for_training=not self.engine_config.forward_only)
+
+    @property
+    def engine(self):
+        """The project's engine under the actor."""
+        return self.actor.engine
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return False
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return False
+
+    def set_training(self, training: bool) -> None:
+        for chunk in self.engine.stage_chunks():
+            chunk[1].train(training)
+
+    def train_mode(self, **kwargs):
+        return _ModeCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs):
+        return _ModeCtx(self, "eval", **kwargs)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        if model or optimizer:  # verl asks only with offload on, which the config refuses
+            raise ConfigurationError("the psrl engine keeps parameters and optimizer state where they are "
+                                     "(no offload)")
+
+    # ------------------------------------------------------------------ process groups
+    def get_data_parallel_rank(self) -> int:
+        return self.actor.layout.dp_rank
+
+    def get_data_parallel_size(self) -> int:
+        return self.actor.layout.data_parallel_size
+
+    def get_data_parallel_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group() if self.get_data_parallel_size() > 1 else None
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        layout = self.actor.layout
+        return layout.tp_rank == 0 and layout.pp_rank == layout.pipeline_parallel_size - 1 and layout.cp_rank == 0
+
+    # ------------------------------------------------------------------ optimizer
+    def optimizer_zero_grad(self) -> None:
+        self.actor.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """One optimizer step; the gradient norm before clipping. A non-finite norm skips the
+        step on every rank (as Megatron does) and is returned as is."""
+        outcome = self.actor.optimizer_step()
+        if not outcome.skipped:
+            # verl advances the learning-rate schedule itself (lr_scheduler_step, once per
+            # update); the project's optimizer advances it per step: undo that one.
+            self.actor.optimizer.scheduler.step(-1)
+        return float(outcome.grad_norm)
+
+    def lr_scheduler_step(self) -> float:
+        self.actor.optimizer.scheduler.step(1)
+        return float(self.actor.optimizer.lr)
+
+    # ------------------------------------------------------------------ the update
+    def forward_backward_batch(self, data: TensorDict, loss_function: Optional[Callable], forward_only: bool = False):
+        """verl's call (see the module docstring): ``{"model_output": {"log_probs", ["entropy"]},
+        "loss": [loss], "metrics": {name: [value]}}`` for this rank's samples."""
+        _check_temperature(data)
+        seqs = sequences_of(data)
+        engine, layout = self.engine, self.actor.layout
+        device = layout.device
+        dp_group, dp = self.get_data_parallel_group(), self.get_data_parallel_size()
+
+        # verl's global normalisers, as its engines set them before the loss
+        loss_mask = data["loss_mask"]
+        local_tokens = (loss_mask.values() if loss_mask.is_nested else loss_mask).sum().to(torch.float64)
+        num_tokens = local_tokens.reshape(1).to(device)
+        if dp_group is not None:
+            dist.all_reduce(num_tokens, group=dp_group)
+        tu.assign_non_tensor(data, batch_num_tokens=int(num_tokens.item()), dp_size=dp)
+
+        # the whole mini-batch on every rank: the planner shares prefixes across verl's DP split
+        everyone = [(seqs.tokens, seqs.prompt_lengths)]
+        if dp_group is not None:
+            everyone = [None] * dp
+            dist.all_gather_object(everyone, (seqs.tokens, seqs.prompt_lengths), group=dp_group)
+        first = sum(len(t) for t, _ in everyone[:self.get_data_parallel_rank()]) if dp_group is not None else 0
+        tokens = [t for part, _ in everyone for t in part]
+        prompts = np.concatenate([p for _, p in everyone])
+        mine = slice(first, first + seqs.num_samples)
+
+        entropy_wanted = bool(tu.get_non_tensor_data(data, key="calculate_entropy", default=False))
+        if entropy_wanted and layout.pipeline_parallel_size > 1:
+            raise ConfigurationError("calculate_entropy with pipeline parallelism is not supported by the psrl "
+                                     "engine yet")
+        batch = self.actor.as_batch(self._samples(tokens, prompts), training=False)
+        result = engine.compute_logprobs(batch, with_entropy=entropy_wanted)
+        logprobs, entropies = result if entropy_wanted else (result, None)
+
+        trains = not forward_only and loss_function is not None
+        leaves = {"log_probs": _leaf(_shift_to_verl(logprobs[mine]), device, trains)}
+        if entropies is not None:
+            leaves["entropy"] = _leaf(_shift_to_verl(entropies[mine]), device, trains)
+        offsets = seqs.offsets.to(device)
+        model_output = {k: torch.nested.nested_tensor_from_jagged(v, offsets=offsets) for k, v in leaves.items()}
+        loss_value, metrics = 0.0, {}
+        if loss_function is not None:
+            loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+            loss_value = float(loss.detach())
+            if trains:
+                self._backward(loss, leaves, seqs, tokens, prompts, dp, dp_group)
+        detached = {k: torch.nested.nested_tensor_from_jagged(v.detach(), offsets=offsets) for k, v in leaves.items()}
+        return {"model_output": detached, "loss": [loss_value], "metrics": {k: [v] for k, v in metrics.items()}}
+
+    def _samples(self, tokens: List[np.ndarray], prompts: np.ndarray,
+                 coefficients: Optional[List[np.ndarray]] = None,
+                 entropy_coefficients: Optional[List[np.ndarray]] = None) -> List[Dict[str, Any]]:
+        """Sample dicts with every response token claimed (verl reads log-probs at all of them;
+        its loss masks tool tokens itself). ``coefficients``: the per-token dL/dlogp carried as
+        the per-token ``advantage``; ``entropy_coefficients``: dL/dentropy, carried in the
+        per-token ``ref_logprobs`` field (both read by :func:`_surrogate`, nothing else)."""
+        out = []
+        for i, (t, p) in enumerate(zip(tokens, prompts)):
+            mask = np.zeros(len(t), dtype=np.int64)
+            mask[int(p):] = 1
+            sample: Dict[str, Any] = {"id": i, "tokens": t.tolist(), "loss_mask": mask.tolist()}
+            if coefficients is not None:
+                sample["advantage"] = coefficients[i].tolist()
+            if entropy_coefficients is not None:
+                sample["ref_logprobs"] = entropy_coefficients[i].tolist()
+            out.append(sample)
+        return out
+
+    def _backward(self, loss: torch.Tensor, leaves: Dict[str, torch.Tensor], seqs: VerlSequences,
+                  tokens: List[np.ndarray], prompts: np.ndarray, dp: int, dp_group) -> None:
+        """The gradient of verl's loss through the engine (the module docstring's step 3)."""
+        keys = list(leaves)
+        grads = torch.autograd.grad(loss, [leaves[k] for k in keys], allow_unused=True)
+        per_key = {}
+        for key, leaf, grad in zip(keys, leaves.values(), grads):
+            grad = torch.zeros_like(leaf) if grad is None else grad
+            # verl's engines average gradients over data-parallel ranks; the engine sums them
+            per_key[key] = _shift_from_verl(grad / dp, seqs.offsets)
+        gathered = [per_key]
+        if dp_group is not None:
+            gathered = [None] * dp
+            dist.all_gather_object(gathered, per_key, group=dp_group)
+        logp_coef = [c for part in gathered for c in part["log_probs"]]
+        ent_coef = [c for part in gathered for c in part["entropy"]] if "entropy" in per_key else None
+        batch = self._samples(tokens, prompts, logp_coef, ent_coef)
+        self.actor.forward_backward(batch, loss_fn=_surrogate(ent_coef is not None), return_logprobs=False)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def get_per_tensor_param(self, **kwargs):
+        """``(generator of (Hugging Face name, tensor), None)``: the weights for the rollout engine."""
+        actor = self.actor
+        if hasattr(actor, "iter_hf_weights"):
+            return actor.iter_hf_weights(), None
+        return iter(actor.state_dict_hf().items()), None
+
+    def save_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, global_step: int = 0,
+                        max_ckpt_to_keep: Optional[int] = None, **kwargs) -> None:
+        """A torch_dist (or legacy) checkpoint of model, optimizer and schedule in ``local_path``
+        (atomic, checksummed). ``hdfs_path`` and ``max_ckpt_to_keep`` are verl's own business."""
+        if hdfs_path:
+            raise ConfigurationError("the psrl engine writes local checkpoints only (hdfs_path must be empty)")
+        self.actor.save(local_path)
+
+    def load_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, del_local_after_load: bool = True,
+                        **kwargs) -> None:
+        self.actor.load(local_path)
+
+
+def _surrogate(with_entropy: bool) -> PerClaimLoss:
+    """The per-token loss whose parameter gradient is verl's: ``sum g * logp (+ g_ent * entropy)``
+    with the coefficients that :meth:`PsrlEngine._samples` put into the batch."""
+
+    def per_claim(view):
+        terms = view.advantage * view.logp
+        if with_entropy:
+            terms = terms + view.ref_logprob * view.entropy
+        return terms
+
+    return PerClaimLoss(per_claim, needs_entropy=with_entropy, needs_ref=with_entropy, needs_advantage=True)
+
+
+__all__ = ["BACKEND", "PsrlEngine", "PsrlEngineConfig", "VerlSequences", "actor_config", "sequences_of"]

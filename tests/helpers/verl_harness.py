@@ -1,0 +1,126 @@
+"""verl-format batches and the per-sample reference through verl's own loss, for the verl
+engine's tests (single process and the torchrun script).
+
+The reference is Hugging Face transformers, one sample at a time, no sharing: its log-probs (and
+entropies) in verl's nested layout go through verl's ``ppo_loss`` exactly as verl's own engines
+hand them over; its parameter gradients are the ground truth for the engine's.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import ActorConfig as VerlActorConfig
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
+
+VOCAB = 96
+
+
+def multi_turn_samples(seed: int = 0) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``(prompt, response, response_mask)`` per sample: two GRPO groups of three responses to
+    one prompt each; the responses of the first group share their first turn (a tool call
+    whose output, mask 0, is part of the response), as an agent loop's multi-turn rollouts do."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for group in range(2):
+        prompt = rng.integers(1, VOCAB, size=20 + 3 * group)
+        turn = rng.integers(1, VOCAB, size=6)      # the model's first turn (shared in group 0)
+        tool = rng.integers(1, VOCAB, size=5)      # the tool's output (not trained)
+        for _ in range(3):
+            if group == 0:
+                tail = rng.integers(1, VOCAB, size=int(rng.integers(4, 9)))
+                response = np.concatenate([turn, tool, tail])
+                mask = np.concatenate([np.ones(6), np.zeros(5), np.ones(len(tail))])
+            else:
+                response = rng.integers(1, VOCAB, size=int(rng.integers(8, 14)))
+                mask = np.ones(len(response))
+            out.append((prompt, response, mask.astype(np.int64)))
+    return out
+
+
+def verl_batch(samples, *, global_batch_size: int, calculate_entropy: bool = False, seed: int = 0) -> TensorDict:
+    """The TensorDict verl's trainer hands a training engine: left-padded prompts, right-padded
+    responses, old log-probs and (GRPO, per sample) advantages, made jagged by verl's own
+    ``left_right_2_no_padding``, with the settings its trainer adds."""
+    rng = np.random.default_rng(seed + 1)
+    b = len(samples)
+    p_max = max(len(p) for p, _, _ in samples)
+    r_max = max(len(r) for _, r, _ in samples)
+    prompts = torch.zeros(b, p_max, dtype=torch.int64)
+    responses = torch.zeros(b, r_max, dtype=torch.int64)
+    response_mask = torch.zeros(b, r_max, dtype=torch.int64)
+    attention = torch.zeros(b, p_max + r_max, dtype=torch.int64)
+    for i, (p, r, m) in enumerate(samples):
+        prompts[i, p_max - len(p):] = torch.from_numpy(p)
+        responses[i, :len(r)] = torch.from_numpy(r)
+        response_mask[i, :len(r)] = torch.from_numpy(m)
+        attention[i, p_max - len(p):p_max + len(r)] = 1
+    input_ids = torch.cat([prompts, responses], dim=1)
+    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
+    advantages = torch.from_numpy(rng.normal(size=(b, 1)).astype(np.float32)) * response_mask
+    old = torch.from_numpy(rng.normal(-2.5, 0.3, size=(b, r_max)).astype(np.float32)) * response_mask
+    td = TensorDict({"prompts": prompts, "responses": responses, "response_mask": response_mask,
+                     "input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids,
+                     "old_log_probs": old, "advantages": advantages.float()}, batch_size=[b])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, calculate_entropy=calculate_entropy, global_batch_size=global_batch_size,
+                         temperature=1.0)
+    return td
+
+
+def verl_loss_config(loss_agg_mode: str = "token-mean", entropy_coeff: float = 0.0) -> VerlActorConfig:
+    """verl's actor config as its PPO trainer builds it (clip 0.2, the given aggregation)."""
+    return VerlActorConfig(strategy="megatron", rollout_n=3, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
+                           use_dynamic_bsz=False, loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
+                           clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2)
+
+
+def reference(model, shards: List[TensorDict], config, entropy: bool) -> Dict[str, object]:
+    """verl's loss of every data-parallel shard from per-sample HF log-probs, and the gradient of
+    their mean (verl's engines average over data-parallel ranks): ``{"losses", "grads",
+    "log_probs", "entropy"}`` (the last two per shard, verl's nested layout, as flat tensors)."""
+    model.zero_grad(set_to_none=True)
+    dp = len(shards)
+    num_tokens = sum(int(s["loss_mask"].sum()) for s in shards)
+    losses, log_probs, entropies = [], [], []
+    total = 0.0
+    for data in shards:
+        data = data.clone()
+        tu.assign_non_tensor(data, batch_num_tokens=num_tokens, dp_size=dp)
+        ids, offsets = data["input_ids"].values(), data["input_ids"].offsets()
+        lps, ents = [], []
+        for i in range(len(offsets) - 1):
+            toks = ids[offsets[i]:offsets[i + 1]]
+            logits = model(toks[None]).logits[0].float()
+            logp = torch.log_softmax(logits, -1)
+            label = torch.roll(toks, -1)
+            lps.append(logp.gather(1, label[:, None])[:, 0])
+            ents.append(-(logp.exp() * logp).sum(-1))
+        out = {"log_probs": torch.nested.nested_tensor_from_jagged(torch.cat(lps), offsets=offsets)}
+        if entropy:
+            out["entropy"] = torch.nested.nested_tensor_from_jagged(torch.cat(ents), offsets=offsets)
+        loss, _ = ppo_loss(config, out, data)
+        total = total + loss / dp
+        losses.append(float(loss.detach()))
+        log_probs.append(torch.cat(lps).detach())
+        entropies.append(torch.cat(ents).detach())
+    total.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {"losses": losses, "grads": grads, "log_probs": log_probs, "entropy": entropies}
+
+
+def response_positions(data: TensorDict) -> torch.Tensor:
+    """Bool over the flat jagged layout: positions whose log-prob verl's loss reads (the
+    response's tokens are predicted from the position before each)."""
+    offsets = data["input_ids"].offsets()
+    keep = torch.zeros(int(offsets[-1]), dtype=torch.bool)
+    response_lens = data["attention_mask"][:, data["prompts"].shape[1]:].sum(1)
+    for i in range(len(offsets) - 1):
+        end = int(offsets[i + 1])
+        keep[end - int(response_lens[i]) - 1:end - 1] = True
+    return keep
