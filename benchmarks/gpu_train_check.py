@@ -3,7 +3,8 @@
 
     python benchmarks/gpu_train_check.py [--device cuda] [--backends torch flash te] [--steps 3]
 
-For every attention backend (``flash`` / ``te`` skipped when their package is missing), a
+For every attention backend (``flash`` / ``te`` skipped, with the reason, where the engine's
+start-up check refuses them: a missing package, or no thd kernel for Transformer Engine), a
 bf16 ``PolicyActor`` on the tiny Llama trains ``--steps`` SGD steps on a step-wise workload
 whose trajectories exceed the micro-batch budget (mechanism 2: cached prefix K/V, injected
 dK/dV), with the log-likelihood loss of the trained tokens (every log-prob moves it), and an fp32 actor with the torch backend trains the same steps from the same
@@ -25,6 +26,7 @@ GRAD_NORM_TOLERANCE = 5e-2
 """Relative difference of the gradient norm, per step."""
 
 PACKAGES = {"flash": "flash_attn", "te": "transformer_engine.pytorch", "torch": None}
+"""The backends and the packages their kernels come from."""
 
 
 def run(backend: str, dtype: str, device: str, steps: int, weights=None):
@@ -62,14 +64,15 @@ def main() -> int:
     bf16.close()
     _, reference = run("torch", "float32", args.device, args.steps, weights)
     failed = False
+    from megatron_psrl.attention.backends import attention_backend_problem, kernel_facts
+
+    facts = kernel_facts(args.device, torch.bfloat16)
     for backend in args.backends:
-        package = PACKAGES[backend]
-        if package is not None:
-            try:
-                __import__(package)
-            except ImportError:
-                print(f"SKIP train-bf16 {backend}: {package.split('.')[0]} is not installed")
-                continue
+        # the engine's start-up check: a missing package, or (te) no thd bottom-right kernel
+        problem = attention_backend_problem(backend, facts)
+        if problem is not None:
+            print(f"SKIP train-bf16 {backend}: {problem}", flush=True)
+            continue
         _, got = run(backend, "bfloat16", args.device, args.steps, weights)
         worst_loss = max(abs(g[0] - r[0]) / max(abs(r[0]), 1e-6) for g, r in zip(got, reference))
         worst_norm = max(abs(g[1] - r[1]) / max(abs(r[1]), 1e-6) for g, r in zip(got, reference))

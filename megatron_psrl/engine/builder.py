@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from megatron_psrl.attention.backends import default_backend
+from megatron_psrl.attention.backends import check_attention_backend, default_backend
 from megatron_psrl.checkpoint.dist_format import load_training_state
 from megatron_psrl.checkpoint.layout import checkpoint_format, read_checkpoint_info
 from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture
@@ -247,6 +247,7 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
     device = layout.device
     backend = None if config.attention_backend == "auto" else config.attention_backend
     backend_name = backend or default_backend(device.type, config.torch_dtype)
+    check_attention_backend(backend_name, device.type, config.torch_dtype)  # its kernel exists here, or fail now
     if device.type == "cuda" and backend is None and backend_name == "torch":
         log("warning: flash-attn is not installed, so tree attention runs the torch backend's reference "
             "math on CUDA (correct, slow): pip install flash-attn, or --attention-backend te with "

@@ -22,8 +22,10 @@ Two executors, chosen per step from the plan:
   message it waits for is sent by a neighbour that needs nothing from it first: no deadlock.
   Consecutive forwards overlap across stages; a backward waits for the stages after it.
 
-Either way, the bubble is measured: the time each stage spends waiting in p2p receives over
-the step's time (``pipeline_bubble``).
+Either way, the bubble is measured: the time each stage spends waiting in p2p transfers over
+the step's time (``pipeline_bubble``). On CUDA kernels run asynchronously and megatron's p2p
+calls synchronise the device, so a timer around a transfer would also count the stage's own
+queued compute; the device is drained before the timer starts (see :class:`_TimedP2P`).
 """
 
 from __future__ import annotations
@@ -49,17 +51,34 @@ from megatron_psrl.tree.plan import StepPlan
 Tensor = torch.Tensor
 
 
+_clock = time.perf_counter  # the bubble's clock (a test replaces it with a fake one)
+
+
+def _settle(device: Optional[torch.device]) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs it asynchronously; CPU: nothing)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _TimedP2P(P2PCommunicator):
-    """megatron's P2PCommunicator, adding up the time spent in its transfers (waits included)."""
+    """megatron's P2PCommunicator, adding up the time spent in its transfers (waits included).
+
+    megatron's ``_communicate`` calls ``torch.cuda.synchronize()`` (around batched isend/irecv
+    and the shape exchange of variable-length micro-batches): timed as is, a transfer would
+    include every kernel this stage had queued before it, its own compute, and the bubble would
+    be far too large. The device is drained first, outside the timer, so what is timed is the
+    wait for the neighbour and the transfer itself."""
 
     wait_s = 0.0
+    device: Optional[torch.device] = None
 
     def _communicate(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        _settle(self.device)  # this stage's own queued compute: not a wait
+        t0 = _clock()
         try:
             return super()._communicate(*args, **kwargs)
         finally:
-            self.wait_s += time.perf_counter() - t0
+            self.wait_s += _clock() - t0
 
 
 class PipelineStepRunner(StepRunner):
@@ -83,6 +102,7 @@ class PipelineStepRunner(StepRunner):
         self.last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.last_rank = dist.get_global_rank(self.pp_group, self.pp_size - 1)
         self.p2p = _TimedP2P(pp_group=self.pp_group, config=self.config)
+        self.p2p.device = device
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         self.groups = ProcessGroupCollection()
@@ -166,9 +186,11 @@ class PipelineStepRunner(StepRunner):
     def _measure(self, run):
         """Run one step's executor and set :attr:`last_bubble` from its p2p waits."""
         self.p2p.wait_s = 0.0
-        t0 = time.perf_counter()
+        _settle(self.device)  # the step's time is its device time, from drained to drained
+        t0 = _clock()
         out = run()
-        wall = time.perf_counter() - t0
+        _settle(self.device)
+        wall = _clock() - t0
         t = torch.tensor([self.p2p.wait_s / max(wall, 1e-9)], dtype=torch.float64)
         dist.all_reduce(t, group=self.pp_group)
         self.last_bubble = float(t) / self.pp_size

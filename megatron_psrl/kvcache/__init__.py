@@ -12,11 +12,13 @@ from megatron_psrl.kvcache.memory_plan import (
     ALLOCATOR_MARGIN,
     MemoryPlan,
     activation_bytes_per_token,
+    attention_saved_bytes_per_token,
     plan_forward_memory,
     plan_memory,
     plan_memory_group,
     saved_activation_bytes_per_token,
     simulated_peak_bytes,
+    step_peak_bytes,
 )
 
 __all__ = [
@@ -28,10 +30,12 @@ __all__ = [
     "KVGeometry",
     "MemoryPlan",
     "activation_bytes_per_token",
+    "attention_saved_bytes_per_token",
     "choose_block_size",
     "plan_forward_memory",
     "plan_memory",
     "plan_memory_group",
     "saved_activation_bytes_per_token",
     "simulated_peak_bytes",
+    "step_peak_bytes",
 ]

@@ -53,7 +53,37 @@ _FP32_BYTES = 4
 ALLOCATOR_MARGIN = 1.1
 
 
-def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int) -> int:
+MODELLED_BACKENDS = ("torch", "flash", "te")
+"""Attention backends whose saved tensors the plan counts (``dense``, the O(t^2) reference,
+keeps its t x t mask and probabilities: not a training backend, not modelled)."""
+
+
+def attention_saved_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int,
+                                    backend: str = "torch") -> int:
+    """Bytes per token that one layer's core attention keeps for backward beyond the fused QKV
+    output (the value is a view of it): the query and key after RoPE, the output, and the fp32
+    log-sum-exp.
+
+    The same for every modelled backend. ``torch`` saves its inputs and merges in place;
+    ``flash`` and ``te`` save their per-segment *gathered* K/V, which would cost every segment
+    its whole ancestor chain (a GRPO group of 16 responses on one prompt: 16 copies of the
+    prompt's K/V per layer), but :func:`~megatron_psrl.attention.backends.varlen.varlen_tree_attention`
+    saves them as a recipe over the pack's K/V and gathers again in backward, so what stays is
+    the pack's key and value (a test measures it, ``tests/kvcache/test_varlen_saved_bytes.py``).
+    Cached prefixes read by the attention are charged per micro-batch, not here (``held_reads``:
+    flash and te keep their materialised copies; torch reads them again in backward). Not
+    counted: Transformer Engine's cuDNN softmax statistics padded to segments x longest
+    segment on cuDNN before 9.6 (fp32 per head and padded row, well inside the allocator margin
+    beside the layer's other 100+ KB per token at 1.5B size)."""
+    if backend not in MODELLED_BACKENDS:
+        raise ValueError(f"the memory plan models the attention backends {MODELLED_BACKENDS}, not {backend!r}")
+    hd, tp = arch.head_dim, tensor_parallel_size
+    q, kv = arch.num_attention_heads * hd // tp, arch.num_kv_heads * hd // tp
+    return (2 * q + kv) * dtype_bytes + _FP32_BYTES * (q // hd)
+
+
+def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int,
+                                     backend: str = "torch") -> int:
     """Bytes of the tensors autograd saves for backward per token (all layers), exactly.
 
     Counted from megatron's local layer with the project's core attention (a test compares it
@@ -73,26 +103,28 @@ def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_si
     - fp32 statistics: the norms' reciprocal RMS (2, plus np + ng per-head ones with q/k
       norms) and the attention's log-sum-exp (np / tp).
 
-    Plus the final norm (2h fp32 and its statistic) and the input ids (int64).
+    Plus the final norm (2h fp32 and its statistic) and the input ids (int64). The attention's
+    share is :func:`attention_saved_bytes_per_token` (the same for ``torch``, ``flash``, ``te``).
     """
     h, f, hd, tp, b = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim, tensor_parallel_size, dtype_bytes
     q, kv = arch.num_attention_heads * hd // tp, arch.num_kv_heads * hd // tp
     fp32 = _FP32_BYTES
     norms = 2 * (2 * h * fp32 + h * b)
-    attention = (q + 2 * kv) * b + (2 * q + kv) * b + 4 * hd * b
+    attention = (q + 2 * kv) * b + 4 * hd * b + attention_saved_bytes_per_token(arch, tp, b, backend)
     qk_norms = 2 * q * fp32 + (1 if b == fp32 else 2) * kv * fp32 if arch.qk_norm else 0
     mlp = 5 * f // tp * b
-    stats = fp32 * (2 + q // hd + ((q + kv) // hd if arch.qk_norm else 0))
+    stats = fp32 * (2 + ((q + kv) // hd if arch.qk_norm else 0))
     per_layer = norms + attention + qk_norms + mlp + stats
     return arch.num_layers * per_layer + 2 * h * fp32 + fp32 + 8
 
 
-def activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int) -> int:
+def activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int,
+                               backend: str = "torch") -> int:
     """Upper bound of the memory one token's part of a kept autograd graph holds (all layers):
     the saved tensors (:func:`saved_activation_bytes_per_token`) and the graph's output hidden
     state (the loss head keeps it), times :data:`ALLOCATOR_MARGIN` for allocator rounding.
     The memory plan charges this per token of every graph it keeps."""
-    saved = saved_activation_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+    saved = saved_activation_bytes_per_token(arch, tensor_parallel_size, dtype_bytes, backend)
     return int(ALLOCATOR_MARGIN * (saved + arch.hidden_size * dtype_bytes))
 
 
@@ -311,6 +343,22 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     return memories
 
 
+def step_peak_bytes(plan: RankPlan, memory: Optional[MemoryPlan], act_bytes_per_token: int,
+                    head_bytes: int = 0) -> int:
+    """Predicted peak of one training step above the weights and their gradients: the memory
+    plan's timeline (KV blocks, kept graphs, gathered K/V copies, the loss head) plus, at every
+    schedule step, the graph of the micro-batch running then when the plan does not hold it
+    already (a forward+backward, or the recomputed forward of a producer that dropped its
+    graph). ``memory`` None: a step without cached prefixes (every step a forward+backward)."""
+    keep = memory.keep_graph if memory is not None else {}
+    timeline = memory.timeline_bytes if memory is not None else [head_bytes] * len(plan.schedule)
+    peak = 0
+    for t, (op, i) in enumerate(plan.schedule):
+        running = op == "forward_backward" or (op == "backward" and not keep.get(i, True))
+        peak = max(peak, timeline[t] + (plan.micro_batches[i].num_tokens * act_bytes_per_token if running else 0))
+    return int(peak)
+
+
 def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int) -> MemoryPlan:
     """The forward-only (log-prob) variant: micro-batches in order, K and V blocks only, freed
     after their last reader; no gradient blocks, no retained graphs."""
@@ -339,10 +387,13 @@ __all__ = [
     "KINDS",
     "MemoryPlan",
     "ALLOCATOR_MARGIN",
+    "MODELLED_BACKENDS",
     "activation_bytes_per_token",
+    "attention_saved_bytes_per_token",
     "plan_forward_memory",
     "plan_memory",
     "plan_memory_group",
     "saved_activation_bytes_per_token",
     "simulated_peak_bytes",
+    "step_peak_bytes",
 ]

@@ -42,10 +42,32 @@ TINY_CONFIGS: Dict[str, Dict[str, Any]] = {
 }
 assert tuple(sorted(TINY_CONFIGS)) == TINY_MODEL_NAMES, "megatron_psrl.options.TINY_MODEL_NAMES lists them"
 
+MOE_CONFIGS: Dict[str, Dict[str, Any]] = {
+    # Qwen3-MoE at debug size: 2 layers of 8 experts, top-2, renormalised routing weights
+    # (norm_topk_prob, as the published Qwen3-MoE models). Kept apart from TINY_CONFIGS (the
+    # --model choices) until the KV memory plan's activation estimate counts routed experts.
+    "debug-qwen3-moe": dict(_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=256,
+                            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, router_aux_loss_coef=0.0),
+}
+
+SHAPE_CONFIGS: Dict[str, Dict[str, Any]] = {
+    # Qwen2.5-1.5B's architecture (its published config.json), randomly initialised: the GPU
+    # benchmarks' realistic size (benchmarks/gpu_acceptance.py). Not a tiny config: the CPU
+    # test suite iterates TINY_CONFIGS, and this one is far too large for it.
+    "qwen2.5-1.5b-shape": dict(_BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936,
+                               hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                               num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                               rope_theta=1000000.0, tie_word_embeddings=True, torch_dtype="bfloat16"),
+}
+
 
 def tiny_config(name: str) -> Dict[str, Any]:
-    """A copy of the named config; raises with the list of names when unknown."""
-    try:
-        return copy.deepcopy(TINY_CONFIGS[name])
-    except KeyError:
-        raise ConfigurationError(f"unknown tiny model {name!r}; choose from {', '.join(sorted(TINY_CONFIGS))}") from None
+    """A copy of the named config (a tiny one, an MoE one of :data:`MOE_CONFIGS`, or a full-size
+    shape of :data:`SHAPE_CONFIGS`, all randomly initialised); raises with the list of names when unknown."""
+    config = TINY_CONFIGS.get(name, MOE_CONFIGS.get(name, SHAPE_CONFIGS.get(name)))
+    if config is None:
+        names = ", ".join(sorted(TINY_CONFIGS) + sorted(MOE_CONFIGS) + sorted(SHAPE_CONFIGS))
+        raise ConfigurationError(f"unknown tiny model {name!r}; choose from {names}")
+    return copy.deepcopy(config)

@@ -220,15 +220,28 @@ def _gpu_backend_available(backend):
     return True
 
 
+GPU_FORESTS = {
+    # small segments, two roots under one cached prefix, a one-token leaf
+    "mixed": dict(lengths=[37, 12, 5, 20, 9, 1], parents=[-1, 0, 1, 0, -1, 4], ext_lengths=[16],
+                  root_sources={0: [0], 4: [0]}),
+    # a GRPO group: a 1000-token prompt under a cached system prompt, 8 responses
+    "grpo": dict(lengths=[1000, 64, 200, 17, 128, 333, 90, 64, 1], parents=[-1] + [0] * 8, ext_lengths=[256],
+                 root_sources={0: [0]}),
+    # a step-wise chain of turns (observations and actions), the cached prefix its first turns
+    "stepwise": dict(lengths=[300, 40, 250, 31, 500, 60], parents=[-1, 0, 1, 2, 3, 4], ext_lengths=[700],
+                     root_sources={0: [0]}),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["flash", "te"])
+@pytest.mark.parametrize("workload", sorted(GPU_FORESTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_backend_matches_torch_backend(backend, dtype):
+def test_gpu_backend_matches_torch_backend(backend, dtype, workload):
     if not _gpu_backend_available(backend):
         pytest.skip(f"{backend} kernel package not installed")
-    forest = Forest(lengths=[37, 12, 5, 20, 9, 1], parents=[-1, 0, 1, 0, -1, 4], ext_lengths=[16],
-                    root_sources={0: [0], 4: [0]})
+    forest = Forest(**GPU_FORESTS[workload])
     q, k, v, external = make_qkv(forest, 8, 2, 64, torch.float32, seed=1)
     dev = torch.device("cuda")
     leaves = [x.detach().to(dev, dtype).requires_grad_(True) for x in (q, k, v, *external[0])]

@@ -7,12 +7,21 @@ sees every ancestor key and the earlier tokens of its own segment. Ancestor keys
 gathered (copied) per segment; autograd's index_select backward sums their gradients back
 onto the single copy of every shared prefix token (and onto cached external K/V).
 
+The kernels save their inputs for the backward pass, the gathered copies included: every
+segment its whole ancestor chain (a GRPO group of 16 responses on one prompt: 16 copies of the
+prompt's K/V per layer, kept from the forward to the backward). :func:`varlen_tree_attention`
+saves a recipe instead (the pack's K/V, the external K/V and the index, all kept anyway) and
+gathers again when the backward pass asks for them, so a kept graph holds no copies and the
+memory plan's count of saved tensors is the same as for the ``torch`` backend. The gather is
+plain torch and runs on any device (the tests run it on CPU with a reference kernel).
+
 Both import their kernel lazily and fail with a clear message without CUDA or the package.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Sequence, Tuple
 
 import torch
 
@@ -21,10 +30,15 @@ from megatron_psrl.errors import MissingRequirementError
 
 Tensor = torch.Tensor
 
+VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
+"""``kernel(q, k_gathered, v_gathered, cu_seqlens_q, cu_seqlens_k, max_q, max_k) -> out``:
+causal attention aligned to the bottom right of every segment's (queries, keys)."""
 
-def _gather_inputs(k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence[Tuple[Tensor, Tensor]]):
+
+def gather_index(plan: AttentionPlan, device: torch.device):
+    """``(key_index, cu_q, cu_k, max_q, max_k)`` of ``plan`` on ``device`` (int64 index, int32
+    offsets), computed once per micro-batch and device and shared by all layers."""
     key_index, cu_q, cu_k = plan.gathered_keys()
-    device = k.device
     cache: Dict = plan.__dict__.setdefault("_device_cache", {})
     if device not in cache:
         cache[device] = (
@@ -34,10 +48,60 @@ def _gather_inputs(k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence
             int((cu_q[1:] - cu_q[:-1]).max()) if len(cu_q) > 1 else 0,
             int((cu_k[1:] - cu_k[:-1]).max()) if len(cu_k) > 1 else 0,
         )
-    idx, cu_q_t, cu_k_t, max_q, max_k = cache[device]
-    keys = torch.cat([k] + [e[0] for e in external], dim=0) if external else k
-    values = torch.cat([v] + [e[1] for e in external], dim=0) if external else v
-    return keys.index_select(0, idx), values.index_select(0, idx), cu_q_t, cu_k_t, max_q, max_k
+    return cache[device]
+
+
+def _gather(parts: Sequence[Tensor], idx: Tensor) -> Tensor:
+    """Rows ``idx`` of the concatenation of ``parts`` (the pack's K or V, then external sources)."""
+    return (torch.cat(list(parts), dim=0) if len(parts) > 1 else parts[0]).index_select(0, idx)
+
+
+_REGATHER = object()  # marks a saved tensor packed as a recipe
+
+
+@contextmanager
+def _regather_in_backward(gathered: Sequence[Tensor], sources: Sequence[Sequence[Tensor]], idx: Tensor):
+    """While the kernel runs: a tensor it saves for backward that lives in the storage of
+    ``gathered[j]`` (the tensor itself or a view of it) is saved as a recipe, and rebuilt from
+    ``sources[j]`` and ``idx`` when the backward pass unpacks it (the same values: the sources
+    are not modified in between). Every other saved tensor is saved as usual."""
+    storages = {g.untyped_storage().data_ptr(): j for j, g in enumerate(gathered) if g.numel()}
+    device = gathered[0].device
+
+    def pack(t: Tensor):
+        try:
+            j = storages.get(t.untyped_storage().data_ptr()) if t.device == device and t.numel() else None
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
+            j = None
+        if j is None:
+            return t
+        return (_REGATHER, j, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def unpack(saved):
+        if not (isinstance(saved, tuple) and saved and saved[0] is _REGATHER):
+            return saved
+        _, j, size, stride, offset = saved
+        # a fresh gather is contiguous with offset 0, the layout of the forward's copy
+        return _gather(sources[j], idx).as_strided(size, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def varlen_tree_attention(
+    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence[Tuple[Tensor, Tensor]],
+    kernel: VarlenKernel,
+) -> Tensor:
+    """Tree attention through a varlen ``kernel`` over per-segment gathered keys; the gathered
+    copies the kernel saves for backward are gathered again in the backward pass instead of
+    kept (see the module docstring)."""
+    idx, cu_q, cu_k, max_q, max_k = gather_index(plan, k.device)
+    sources = ([k] + [e[0] for e in external], [v] + [e[1] for e in external])
+    kg, vg = _gather(sources[0], idx), _gather(sources[1], idx)
+    if not torch.is_grad_enabled() or not (kg.requires_grad or vg.requires_grad or q.requires_grad):
+        return kernel(q, kg, vg, cu_q, cu_k, max_q, max_k)
+    with _regather_in_backward((kg, vg), sources, idx):
+        return kernel(q, kg, vg, cu_q, cu_k, max_q, max_k)
 
 
 def require_cuda(name: str, q: Tensor) -> None:
@@ -59,11 +123,14 @@ def flash_tree_attention(
         from flash_attn import flash_attn_varlen_func
     except ImportError as exc:  # pragma: no cover - GPU extra
         raise MissingRequirementError("attention backend 'flash' needs flash-attn: pip install 'megatron_psrl[gpu]'") from exc
-    kg, vg, cu_q, cu_k, max_q, max_k = _gather_inputs(k, v, plan, external)
-    # flash-attn >= 2.1 aligns the causal mask to the bottom right when seqlen_q < seqlen_k.
-    return flash_attn_varlen_func(
-        q, kg, vg, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=True
-    )
+
+    def kernel(q, kg, vg, cu_q, cu_k, max_q, max_k):
+        # flash-attn >= 2.1 aligns the causal mask to the bottom right when seqlen_q < seqlen_k
+        # (the start-up check, check_attention_backend, refuses older versions).
+        return flash_attn_varlen_func(q, kg, vg, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+                                      causal=True)
+
+    return varlen_tree_attention(q, k, v, plan, external, kernel)
 
 
 class TETreeAttention(torch.nn.Module):
@@ -91,9 +158,11 @@ class TETreeAttention(torch.nn.Module):
 
     def forward(self, q, k, v, plan: AttentionPlan, external=(), scale: float = None) -> Tensor:
         require_cuda("te", q)
-        kg, vg, cu_q, cu_k, max_q, max_k = _gather_inputs(k, v, plan, external)
-        out = self.attention(
-            q, kg, vg, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k,
-            attn_mask_type="padding_causal_bottom_right",
-        )
-        return out.view(q.shape)
+
+        def kernel(q, kg, vg, cu_q, cu_k, max_q, max_k):
+            return self.attention(
+                q, kg, vg, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k,
+                attn_mask_type="padding_causal_bottom_right",
+            )
+
+        return varlen_tree_attention(q, k, v, plan, external, kernel).view(q.shape)
