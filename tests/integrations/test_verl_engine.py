@@ -15,8 +15,7 @@ os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")  # verl assumes CUDA unless t
 
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint  # noqa: E402
 from helpers.torchrun import REPO_ROOT, run_torchrun  # noqa: E402
-from helpers.verl_harness import (VOCAB, multi_turn_samples, reference, response_positions, verl_batch,  # noqa: E402
-                                  verl_loss_config)
+from helpers.verl_harness import VOCAB, multi_turn_samples, reference, response_positions, verl_batch, verl_loss_config  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import HFModelConfig, McoreOptimizerConfig  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402

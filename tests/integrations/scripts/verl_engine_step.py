@@ -13,13 +13,12 @@ os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from helpers.hf_reference import load_hf_model  # noqa: E402
+from helpers.verl_harness import multi_turn_samples, reference, response_positions, verl_batch, verl_loss_config  # noqa: E402
 from verl.workers.config import HFModelConfig, McoreOptimizerConfig  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from helpers.hf_reference import load_hf_model  # noqa: E402
-from helpers.verl_harness import (multi_turn_samples, reference, response_positions, verl_batch,  # noqa: E402
-                                       verl_loss_config)
 from megatron_psrl.integrations.verl import BACKEND, PsrlEngineConfig  # noqa: E402
 
 parser = argparse.ArgumentParser()
