@@ -17,8 +17,9 @@ as the update engine:
    of a weak agent (well-formed, right half of the time) give a base policy that can sometimes
    do the task; its weights come back as an HF state dict;
 2. RL: a new ``PolicyActor`` is built from that (config, state dict) in memory; every
-   iteration its weights go to a transformers model (``state_dict_hf()``, as an RL framework
-   syncs its inference engine), which samples G episodes per task with ``generate``;
+   iteration its weights stream to a transformers model (``iter_hf_weights()``, tensor by
+   tensor, as an RL framework syncs its inference engine), which samples G episodes per task
+   with ``generate``;
 3. every turn becomes a step-wise sample whose context is the whole history before it, with
    the group-normalised reward as its advantage (GRPO) and the rollout's log-probs as
    ``old_logprobs``; ``train_step`` takes one optimizer step and returns the log-probs it
@@ -38,7 +39,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -113,8 +114,18 @@ class Sampler:
 
         self.model = LlamaForCausalLM(template.config).eval()
 
-    def sync(self, hf_state_dict: Dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(hf_state_dict)
+    @torch.no_grad()
+    def sync(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Copy streamed ``(HF name, tensor)`` pairs into the model one at a time, as vLLM and
+        SGLang load weights: the actor never builds the whole state dict. Every parameter must
+        arrive (a name the stream skipped would leave stale weights behind)."""
+        params = self.model.state_dict()  # the live tensors, by name
+        missing = set(params)
+        for name, tensor in weights:
+            params[name].copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise RuntimeError(f"the weight stream did not send {sorted(missing)}")
 
     @torch.no_grad()
     def act(self, contexts: torch.Tensor, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +211,7 @@ def run(prefix_sharing: str, base, system: List[int], args, log=print) -> Dict[s
     history: Dict[str, list] = {"reward": [], "loss": [], "grad_norm": [], "update_s": [], "mismatch": [],
                                 "tokens": [], "unique_tokens": []}
     for it in range(args.iterations):
-        sampler.sync(actor.state_dict_hf())
+        sampler.sync(actor.iter_hf_weights())  # streamed, tensor by tensor
         episodes = [Episode.sample(rng) for _ in range(args.tasks)]
         samples, rewards = rollout(sampler, system, episodes, args.group_size, seed=args.seed * 1000 + 2 * it)
         t0 = time.perf_counter()

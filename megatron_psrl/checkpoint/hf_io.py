@@ -129,14 +129,12 @@ def write_hf_checkpoint(
     """
     shard: Dict[str, Tensor] = {}
     shard_bytes = 0
-    shards: List[Dict[str, Tensor]] = []
-    files: List[str] = []
+    files: List[str] = []  # written shards are dropped: a streamed export holds one shard at most
 
     def flush() -> None:
         nonlocal shard, shard_bytes
         if shard:
-            shards.append(shard)
-            name = f"model-{len(shards):05d}.safetensors"
+            name = f"model-{len(files) + 1:05d}.safetensors"
             _save_safetensors({k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name))
             files.append(name)
             shard, shard_bytes = {}, 0
@@ -150,7 +148,7 @@ def write_hf_checkpoint(
         shard[name] = tensor
         shard_bytes += nbytes
         total += nbytes
-        weight_map[name] = f"model-{len(shards) + 1:05d}.safetensors"
+        weight_map[name] = f"model-{len(files) + 1:05d}.safetensors"
         if progress is not None:
             progress(name)
     flush()

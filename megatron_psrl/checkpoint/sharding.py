@@ -28,11 +28,15 @@ from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.stages import PipelineSplit, stage_counts
 
 Tensor = torch.Tensor
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+"""A megatron decoder-layer parameter name: group 1 the layer number, group 2 the rest."""
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _kind(name: str) -> str:
+def shard_kind(name: str) -> str:
+    """How tensor parallelism splits the megatron parameter ``name``: ``vocab`` (rows, padded
+    vocabulary), ``qkv`` (per query group), ``fc1`` (gate and up halves separately), ``row``
+    (columns) or ``replicated``."""
     if name in _VOCAB:
         return "vocab"
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
@@ -45,7 +49,7 @@ def _kind(name: str) -> str:
 
 
 def _tp_split(name: str, t: Tensor, arch: ModelArchitecture, tp: int) -> List[Tensor]:
-    kind = _kind(name)
+    kind = shard_kind(name)
     if kind == "replicated" or (tp == 1 and kind != "vocab"):
         return [t] * tp
     if kind == "vocab":
@@ -63,8 +67,9 @@ def _tp_split(name: str, t: Tensor, arch: ModelArchitecture, tp: int) -> List[Te
     return [c.clone() for c in torch.chunk(t, tp, dim=1)]  # row parallel
 
 
-def _tp_merge(name: str, shards: List[Tensor], arch: ModelArchitecture) -> Tensor:
-    kind = _kind(name)
+def tp_merge(name: str, shards: List[Tensor], arch: ModelArchitecture) -> Tensor:
+    """The full tensor of ``name`` from its tensor-parallel shards (inverse of the split)."""
+    kind = shard_kind(name)
     if kind == "replicated":
         return shards[0]
     if kind == "vocab":
@@ -100,7 +105,7 @@ def shard_state_dict(
     shards: Dict[tuple, Dict[str, Tensor]] = {(r, p): {} for r in range(tp) for p in range(n)}
     for name, tensor in full.items():
         pieces = _tp_split(name, tensor, arch, tp)
-        m = _LAYER.match(name)
+        m = LAYER_NAME.match(name)
         if m:
             layer = int(m.group(1))
             p = stage_of[layer]
@@ -130,9 +135,9 @@ def merge_state_dicts(
                 continue
             if arch.tie_word_embeddings and name == "output_layer.weight":
                 continue
-            m = _LAYER.match(name)
+            m = LAYER_NAME.match(name)
             global_name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
-            full[global_name] = _tp_merge(name, [shards[(r, p)][name] for r in range(tp)], arch)
+            full[global_name] = tp_merge(name, [shards[(r, p)][name] for r in range(tp)], arch)
     return full
 
 

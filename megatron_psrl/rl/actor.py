@@ -11,6 +11,8 @@ rank builds the same actor and passes the same batch)::
     old = actor.compute_logprobs(batch)                 # list of per-sample float32 arrays
     metrics = actor.train_step(batch)                   # one optimizer step; metrics["logprobs"] too
     weights = actor.state_dict_hf()                     # HF names, to sync an inference engine
+    for name, tensor in actor.iter_hf_weights():        # or streamed, one tensor at a time
+        inference_engine.load_weights([(name, tensor)])
 
 A batch is a list of samples, each a dict with the fields of docs/data-format.md (``tokens``,
 ``loss_mask``, ``advantage``, ``old_logprobs``, ``ref_logprobs``, ``weight``, ``id``) as Python
@@ -29,17 +31,16 @@ import contextlib
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_psrl.checkpoint.layout import has_checkpoint, read_checkpoint_info
 from megatron_psrl.checkpoint.loading import ModelSource, hf_memory_state_dict
-from megatron_psrl.checkpoint.sharding import merge_state_dicts, shard_state_dict
-from megatron_psrl.checkpoint.state_dict import canonical_state_dict, load_state_into
+from megatron_psrl.checkpoint.sharding import shard_state_dict
+from megatron_psrl.checkpoint.state_dict import load_state_into
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
@@ -49,8 +50,8 @@ from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, StepResult
 from megatron_psrl.engine.memory import PeakMemory
 from megatron_psrl.engine.optimizer import StepOutcome
+from megatron_psrl.engine.weights import DEFAULT_BUCKET_BYTES, iter_hf_weights, iter_mcore_weights
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
-from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.rl.loss import ClaimLoss, PerClaimLoss, SequenceLoss
 
@@ -267,34 +268,43 @@ class PolicyActor:
     # ------------------------------------------------------------------ weights
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model in megatron names (tensor-parallel shards gathered): a snapshot on
-        CPU, never a view of the live parameters (a later step does not change it)."""
-        self.engine.params_ready()
-        own = {(self.layout.tp_rank, stage): {k: v.detach().to("cpu", copy=True)
-                                              for k, v in canonical_state_dict(chunk).items()}
-               for stage, chunk in self.engine.stage_chunks()}
-        tp, pp = self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
-        if tp * pp == 1:
-            return own[(0, 0)]
-        gathered = [None] * (tp * pp)
-        with self.layout.monitor.phase("weight gather over tensor- and pipeline-parallel ranks"):
-            dist.all_gather_object(gathered, own, group=parallel_state.get_model_parallel_group())
-        shards = {key: shard for part in gathered for key, shard in part.items()}
-        return merge_state_dicts(shards, self.arch, tp, self.pipeline_split)
+        CPU, never a view of the live parameters (a later step does not change it). Built
+        from :func:`~megatron_psrl.engine.weights.iter_mcore_weights`, one tensor at a time;
+        every rank of the model-parallel group calls it and gets all of it."""
+        return dict(iter_mcore_weights(self.engine))
+
+    def iter_hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        device: Optional[Union[str, torch.device]] = "cpu") -> Iterator[Tuple[str, torch.Tensor]]:
+        """Stream the weights as ``(Hugging Face name, tensor)`` pairs, gathered over the
+        tensor- and pipeline-parallel ranks about ``bucket_bytes`` at a time, e.g. to update an
+        inference engine tensor by tensor without the whole model in host memory. Every rank
+        of the model-parallel group receives every tensor and must consume the whole stream;
+        ``device=None`` keeps the tensors on the engine's device. See
+        :mod:`megatron_psrl.engine.weights`."""
+        return iter_hf_weights(self.engine, bucket_bytes, device)
 
     def state_dict_hf(self) -> Dict[str, torch.Tensor]:
         """The model's weights with Hugging Face names and layouts (every rank gets all of them,
-        on CPU, as a snapshot), e.g. to load into an inference engine after a step."""
-        return dict(get_adapter(self.arch).mcore_to_hf(self.full_state_dict()))
+        on CPU, as a snapshot), e.g. to load into an inference engine after a step. Holds the
+        whole model: :meth:`iter_hf_weights` streams it instead."""
+        return dict(self.iter_hf_weights())
 
     def export_hf(self, out_dir: str, template_dir: Optional[str] = None, overwrite: bool = True) -> str:
-        """Write a Hugging Face ``save_pretrained`` folder (safetensors + config.json), atomically."""
+        """Write a Hugging Face ``save_pretrained`` folder (safetensors + config.json), atomically,
+        from the weight stream: safetensors shards are written as the tensors arrive. Every rank
+        calls it; rank 0 writes."""
         from megatron_psrl.checkpoint.atomic import atomic_directory
         from megatron_psrl.checkpoint.hf_io import write_hf_checkpoint
 
-        tensors = self.state_dict_hf()
-        if self.layout.rank == 0:
-            with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-                write_hf_checkpoint(tmp, tensors.items(), self.arch.hf_config, template_dir=template_dir)
+        layout = self.layout
+        if layout.dp_rank == 0 and layout.cp_rank == 0:  # one replica streams: the others hold the same weights
+            if layout.rank == 0:
+                with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+                    write_hf_checkpoint(tmp, self.iter_hf_weights(), self.arch.hf_config, template_dir=template_dir)
+            else:
+                # the writer's collectives need this rank's part; its own copies are dropped
+                for _ in self.iter_hf_weights(device=None):
+                    pass
         if dist.get_world_size() > 1:
             dist.barrier()
         return out_dir
