@@ -89,16 +89,22 @@ def _free_port() -> int:
 def _restart_scoped_store(timeout) -> dist.Store:
     """torchrun's store, with keys scoped to this restart of the worker group.
 
-    torchrun (``--max-restarts``) keeps the same store address across restarts, and the
-    ``env://`` rendezvous does not scope its keys by attempt, so a restarted group reads the
-    dead group's connection keys (gloo: "connectFullMesh failed ... Connection refused"; NCCL
-    would read a stale unique id). A prefix per ``TORCHELASTIC_RESTART_COUNT`` fixes that.
+    torchrun (``--max-restarts``) keeps the same store across restarts, so a restarted group
+    would read the dead group's connection keys (gloo: "connectFullMesh failed ... Connection
+    refused"; NCCL would read a stale unique id). Keys are scoped by the group's generation.
+    ``TORCHELASTIC_RESTART_COUNT`` cannot be the generation with several agents (nodes): an
+    agent whose own workers failed counts a restart, an agent that restarts its healthy workers
+    because another node rejoined does not, so the nodes would disagree. Instead every worker
+    of a (re)started group joins once through the store's atomic counter, and the n-th join
+    belongs to generation ``(n - 1) // world_size``: a group starts only after every worker of
+    the previous one has stopped, and each of those had joined at its start.
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_hosts_store and rank == 0, timeout=timeout, multi_tenant=True)
-    return dist.PrefixStore(f"/megatron_psrl/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    generation = (store.add("/megatron_psrl/joined", 1) - 1) // world
+    return dist.PrefixStore(f"/megatron_psrl/generation_{generation}", store)
 
 
 def pick_device(requested: str = "auto") -> torch.device:
