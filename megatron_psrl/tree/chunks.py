@@ -9,6 +9,7 @@ that later chunks read.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -65,23 +66,33 @@ def chunk_dependencies(index: TreeIndex, chunks: List[np.ndarray]) -> ChunkDepen
     pred, tree = index.pred, index.tree
     first = np.array([int(c[0]) for c in chunks], dtype=np.int64)
     last = np.array([int(c[-1]) for c in chunks], dtype=np.int64)
+    first_list, last_list = first.tolist(), last.tolist()
     chunk_of = lambda tok: np.searchsorted(first, tok, side="right") - 1  # noqa: E731
     deepest: Dict[int, set] = {}
     attach: Dict[int, List[np.ndarray]] = {}
     remote: Dict[int, List[np.ndarray]] = {}
+    # Nodes whose whole token range an earlier walk recorded: the walk from such a node up is
+    # the same for every chunk, so a later walk stops there (linear work for a long chain).
+    walked = set()
+    node_offset, node_parent, token_node = tree.node_offset, tree.node_parent, index.token_node
     for tokens in chunks:
         a = int(tokens[0])
         if pred[a] < 0:
             continue
         hi = int(pred[a])  # walk the path up, one node piece [lo, hi] at a time
-        m = int(index.token_node[hi])
+        m = int(token_node[hi])
         while m >= 0:
-            lo = int(tree.node_offset[m])
-            for c in range(int(chunk_of(hi)), int(chunk_of(lo)) - 1, -1):
-                deepest.setdefault(c, set()).add(min(hi, int(last[c])))
-            m = int(tree.node_parent[m])
+            full = hi == int(node_offset[m + 1]) - 1
+            if full:
+                if m in walked:
+                    break
+                walked.add(m)
+            lo = int(node_offset[m])
+            for c in range(bisect_right(first_list, hi) - 1, bisect_right(first_list, lo) - 2, -1):
+                deepest.setdefault(c, set()).add(min(hi, last_list[c]))
+            m = int(node_parent[m])
             if m >= 0:
-                hi = int(tree.node_offset[m + 1]) - 1
+                hi = int(node_offset[m + 1]) - 1
         roots = tokens[(pred[tokens] >= 0) & (pred[tokens] < a)]
         preds = pred[roots]
         pj = chunk_of(preds)
@@ -99,6 +110,13 @@ def chunk_dependencies(index: TreeIndex, chunks: List[np.ndarray]) -> ChunkDepen
 def split_chains(index: TreeIndex, tokens: np.ndarray, attach_points: np.ndarray) -> List[np.ndarray]:
     """Split a set of path tokens (a union of root paths, ascending) into chains that end at
     attach points or branch points, so every reader sees whole chains."""
-    _, cont = chain_structure(index, tokens, break_after=np.isin(tokens, attach_points))
+    attach_points = np.asarray(attach_points)
+    if len(attach_points):  # membership in the sorted attach points (as np.isin, faster)
+        ordered = attach_points if bool((attach_points[1:] >= attach_points[:-1]).all()) else np.sort(attach_points)
+        pos = np.minimum(np.searchsorted(ordered, tokens), len(ordered) - 1)
+        is_attach = ordered[pos] == tokens
+    else:
+        is_attach = np.zeros(len(tokens), bool)
+    _, cont = chain_structure(index, tokens, break_after=is_attach)
     starts = np.flatnonzero(~cont)
     return [tokens[a:b] for a, b in zip(starts, np.append(starts[1:], len(tokens)))]

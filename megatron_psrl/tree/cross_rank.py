@@ -181,9 +181,9 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
     schedule = build_schedule(mbs[0], pseudo)
     fragment_cost = np.array([cost[bounds[f]:bounds[f + 1]].sum() for f in range(num)])
     plans = []
+    forward = [any(exchanges[x][m].send for x in range(g)) for m in range(steps)]
+    backward = [any(exchanges[x][m].grad_send for x in range(g)) for m in range(steps)]
     for r in range(g):
-        forward = [any(exchanges[x][m].send for x in range(g)) for m in range(steps)]
-        backward = [any(exchanges[x][m].grad_send for x in range(g)) for m in range(steps)]
         for m in range(steps):
             ex = exchanges[r][m]
             ex.forward_collective, ex.backward_collective = forward[m], backward[m]

@@ -31,6 +31,7 @@ communication).
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -143,17 +144,20 @@ def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
     group_of = _assign_lpt(unit_cost, num_groups)
     plan = StepPlan(config=config, tree=tree, index=index, ranks=[])
     token_cost = _token_cost(index, config.cost_model)
+    by_group = np.argsort(group_of, kind="stable")  # every group's units, in ascending order
+    group_bounds = np.searchsorted(group_of[by_group], np.arange(num_groups + 1))
     for group in range(num_groups):
-        units, costs = roots[group_of == group], unit_cost[group_of == group]
-        whole = _plan_whole_trees(index, units, costs, g, config)
-        whole_span = max(r.planned_cost for r in whole)
+        members = by_group[group_bounds[group]:group_bounds[group + 1]]
+        units, costs = roots[members], unit_cost[members]
+        whole_layouts, whole_costs = _layout_whole_trees(index, units, costs, g, config)
+        whole_span = max(whole_costs)
         cross = None
         if g > 1 and config.sharing == "tree" and config.placement != "whole-tree":
             cross = plan_group_cross_rank(index, units, config.micro_batch_tokens, g, token_cost,
                                           micro_batch_cost=config.cost_per_micro_batch)
         cross_span = _cross_rank_makespan(cross, token_cost, config) if cross is not None else math.inf
         use_cross = cross is not None and (config.placement == "cross-rank" or cross_span < 0.97 * whole_span)
-        ranks = cross if use_cross else whole
+        ranks = cross if use_cross else _materialize_whole_trees(index, whole_layouts, whole_costs)
         plan.groups += [[group * g + r] for r in range(g)] if not use_cross else [list(range(group * g, group * g + g))]
         plan.placements.append("cross-rank" if use_cross else "whole-tree")
         plan.predicted_makespan.append(cross_span if use_cross else whole_span)
@@ -206,15 +210,24 @@ def _token_cost(index: TreeIndex, cost_model: Optional[CostModel]):
     return cost
 
 
-def _plan_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, g: int,
-                      config: PlannerConfig) -> List[RankPlan]:
-    """Every tree on one rank of the group: LPT by cost, then each rank's micro-batches."""
+def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, g: int,
+                        config: PlannerConfig) -> Tuple[list, List[float]]:
+    """Every tree on one rank of the group, LPT by cost: the layout of every rank's
+    micro-batches (:func:`_layout_rank`) and its planned cost,
+    without building the rank plans (planning keeps them only when the group uses them)."""
     assignment = _assign_lpt(costs, g)
-    ranks = []
+    layouts, planned = [], []
     for r in range(g):
-        ranks.append(_plan_rank(index, units[assignment == r], config))
-        ranks[-1].planned_cost = float(costs[assignment == r].sum()
-                                       + config.cost_per_micro_batch * len(ranks[-1].micro_batches))
+        layouts.append(_layout_rank(index, units[assignment == r], config))
+        planned.append(float(costs[assignment == r].sum() + config.cost_per_micro_batch * len(layouts[-1][0])))
+    return layouts, planned
+
+
+def _materialize_whole_trees(index: TreeIndex, layouts: list, planned: List[float]) -> List[RankPlan]:
+    ranks = []
+    for layout, cost in zip(layouts, planned):
+        ranks.append(_materialize_rank(index, layout))
+        ranks[-1].planned_cost = cost
     return ranks
 
 
@@ -244,11 +257,14 @@ def _unit_costs(tree: PrefixTree, roots: np.ndarray, cost_model: Optional[CostMo
 def _assign_lpt(costs: np.ndarray, num_ranks: int) -> np.ndarray:
     """Longest-processing-time-first assignment of units to ranks; deterministic."""
     assignment = np.zeros(len(costs), dtype=np.int64)
-    load = np.zeros(num_ranks)
-    for u in np.argsort(-costs, kind="stable"):
-        r = int(np.argmin(load))
+    # (load, rank) min-heap: the least-loaded rank, the lowest index among equal loads (as
+    # ``np.argmin`` over the loads would pick), in O(log ranks) per unit.
+    heap = [(0.0, r) for r in range(num_ranks)]
+    values = costs.tolist()
+    for u in np.argsort(-costs, kind="stable").tolist():
+        load, r = heap[0]
         assignment[u] = r
-        load[r] += costs[u]
+        heapq.heapreplace(heap, (load + values[u], r))
     return assignment
 
 
@@ -263,7 +279,9 @@ class _Bin:
     small_trees: int = 0  # whole small trees packed in
 
 
-def _plan_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig) -> RankPlan:
+def _layout_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig):
+    """The micro-batches of one rank as token ranges (bins) and its mechanism-2 streams: all
+    the whole-tree placement's predicted cost needs (the number of micro-batches)."""
     tree = index.tree
     budget = config.micro_batch_tokens
     unit_start = tree.node_offset[units]
@@ -298,6 +316,12 @@ def _plan_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig) -> Ra
         target.ranges.append((int(unit_start[u]), int(unit_end[u])))
         target.size += size
         target.small_trees += 1
+    return bins, streams, stream_bins
+
+
+def _materialize_rank(index: TreeIndex, layout) -> RankPlan:
+    """The rank plan of a layout (:func:`_layout_rank`): specs, cached sources, order, schedule."""
+    bins, streams, stream_bins = layout
     micro_batches = [_bin_to_spec(i, b) for i, b in enumerate(bins)]
     sources: Dict[int, CachedSource] = {}
     for bounds, ids in zip(streams, stream_bins):
@@ -323,8 +347,9 @@ def _bin_to_spec(i: int, b: _Bin) -> MicroBatchSpec:
 def _path_length_max(index: TreeIndex, root: int) -> int:
     """Longest sample through the tree of ``root`` (= deepest position + 1)."""
     tree = index.tree
-    nodes = np.arange(root, tree.node_subtree_end[root])
-    return int((tree.node_depth[nodes] + tree.node_len[nodes]).max())
+    end = int(tree.node_subtree_end[root])
+    offset = tree.node_offset
+    return int((tree.node_depth[root:end] + offset[root + 1:end + 1] - offset[root:end]).max())
 
 
 def _choose_mechanism(index: TreeIndex, root: int, config: PlannerConfig) -> str:
