@@ -1,48 +1,75 @@
 #!/usr/bin/env python
-"""The project's update step against other prefix-sharing trainers and the floor (issue 13).
+"""The project's update step against other prefix-sharing trainers and the floor, built to
+survive a noisy machine (issues 13 and 23).
 
-    python benchmarks/bench_peers.py [--workloads grpo-512x8x512,stepwise-8x256] [--repeats 5]
-                                     [--out-dir runs/bench_peers] [--profile all|none|NAME,...]
-    python benchmarks/bench_peers.py --quick          # tiny sizes, 1 repeat (the smoke test)
+    python benchmarks/bench_peers.py [--workloads grpo-512x8x512,stepwise-8x256] [--repeats 7]
+                                     [--out-dir runs/bench_peers] [--profile none|all|NAME,...]
+                                     [--guard all|none|NAME,...] [--baseline-profile NAME]
+    python benchmarks/bench_peers.py --quick          # tiny sizes, 3 repeats (the smoke test)
 
 Every contender runs in this one process on the same weights (one random Hugging Face Llama,
 h256 / i512 / 4 layers / 8 heads / 4 KV heads / vocab 2048, fp32, loaded into megatron_psrl
-from the same state dict), with the same threads, on the same batch, repeats interleaved; the
-reported time is the median of ``--repeats`` after one warm-up (which is also the gradient
-check). Timed: packing + forward + backward of the whole batch (no optimizer). The loss of
+from the same state dict), with the same threads, on the same batch. Per workload: one warm-up
+per contender (its gradient check), one untimed run per contender under the same peak-memory
+measure (``megatron_psrl.engine.memory.PeakMemory``, ``ops`` mode: the C heap's bytes in use
+read after every torch operation, above the run's start), then ``--repeats`` timed rounds in
+which the contenders take turns (A B C ... A B C ...), so load from other processes hits them
+alike. Reported: the median, the min-max range and the IQR of the rounds, wall and process-CPU
+clocks. Timed: packing + forward + backward of the whole batch (no optimizer). The loss of
 every contender is the project's ``token-mean`` policy loss at ratio 1, i.e.
 ``-(1/N) * sum over trained tokens of weight * advantage * log p(token)`` (N = trained tokens),
 so all contenders compute the same gradient:
 
-- ``psrl``: megatron_psrl's step (tree build + plan + tree packing + blockwise tree attention);
-- ``psrl-no-sharing``: the same with ``--no-prefix-sharing`` (samples packed back to back);
-- ``floor``: the least computation that yields the gradient with stock Hugging Face code:
-  step-wise chains (every sample a prefix of the longest): one causal forward + backward over
-  the chain, every sample's log-probs read off it; GRPO groups (one prompt, equal-length
-  responses): the prompt once with ``use_cache=True`` and its K/V reused by one batched forward
-  over the responses, backward through both. Other shapes (trees, mixed): "n/a", and the
-  FLOP-ideal estimate (``psrl-no-sharing`` time / ideal speedup) is shown instead, marked ``est.``;
+- ``psrl``: ``PolicyActor.forward_backward`` at the defaults (micro-batch budget 4096 tokens,
+  KV budget 1 GiB): tree build + plan + tree packing + blockwise tree attention;
+- ``psrl-one-pack``: the same with a budget that holds the whole tree (one micro-batch);
+- ``psrl-no-sharing``: the same as ``psrl`` with ``prefix_sharing="none"`` (samples packed back
+  to back, every prefix recomputed);
+- ``floor-psrl``: the least work with the fastest layers available: the project's own layers
+  over the unique tokens in one causal pass (a step-wise chain = its longest sample, every
+  sample's trained tokens claimed on it; one segment, so one causal attention call per layer).
+  Other shapes have no single causal pass ("n/a"; on a GRPO group the least work with these
+  layers is ``psrl-one-pack``'s);
+- ``floor-hf``: the same least work with stock Hugging Face code: a chain in one causal pass;
+  a GRPO group (one prompt, equal-length responses) as the prompt once with ``use_cache=True``
+  and one batched forward over the responses on its K/V, backward through both;
+- the floor used for ``vs floor`` is the faster measured floor; on trees and mixed batches
+  (no floor) the FLOP-ideal estimate (``psrl-no-sharing`` time / ideal speedup), marked ``est.``;
 - ``hf-per-sample``: Hugging Face, one forward + backward per sample (the gradient reference);
 - ``prefix-grouper``: PyPI ``prefix-grouper`` (``PrefixGrouper`` + its transformers attention
   hook); one group per set of samples with a common prefix (the prefix is the group's longest
   common prefix), i.e. one shared prefix per group (nested sharing such as step-wise is beyond it);
 - ``trl-tree``: TRL's tree packing (``trl.experimental.async_grpo.packing.TreeRow``, the trie and
   its ``pack()`` layout, unchanged);
-- ``areal-dta``: AReaL-DTA's ``DTAEngine.backward`` with its ``TokenTrie`` order and its default
-  block size 2048, from the source folder named by ``AREAL_DTA_SRC`` (the ``feat/dta`` branch of
-  inclusionAI/AReaL; never vendored).
+- ``areal-dta-whole`` / ``areal-dta-mb``: AReaL-DTA's ``DTAEngine.backward`` with its
+  ``TokenTrie`` order, blocks of the whole sequence (``block_size=-1``) / of the project's
+  micro-batch budget (4096), from the source folder named by ``AREAL_DTA_SRC`` (the
+  ``feat/dta`` branch of inclusionAI/AReaL; never vendored). AReaL's default block (2048) is
+  ``--dta-blocks whole,4096,2048``.
 
-Attention kernels: Prefix Grouper's default kernel (flash-attn 2 with a padding mask) and TRL's
-(flash-attn 3 varlen over gathered K/V paths) need CUDA. On CPU they get a stand-in with the same
-contract (same inputs, same causal alignment, bottom-right) built on torch's CPU flash-attention
-kernel (``scaled_dot_product_attention`` with a boolean mask), the kernel Hugging Face's
-``sdpa`` uses on CPU too; the packing, layouts and index arithmetic are the packages' own.
+Every contender's kernel choices are printed beside it. Attention kernels: Prefix Grouper's
+default kernel (flash-attn 2 with a padding mask) and TRL's (flash-attn 3 varlen over gathered
+K/V paths) need CUDA. On CPU they get a stand-in with the same contract (same inputs, same
+causal alignment, bottom-right) built on torch's CPU flash-attention kernel
+(``scaled_dot_product_attention`` with a boolean mask), the kernel Hugging Face's ``sdpa`` uses
+on CPU too; the packing, layouts and index arithmetic are the packages' own.
 
 Gradient check: every contender's gradients of all parameters against ``hf-per-sample`` (fp32):
 per tensor, ``max|g - g_ref| <= rtol * max|g_ref|`` with ``rtol`` 1e-4 (``--grad-rtol``); a
 contender that fails is reported FAILED and not timed. A contender whose warm-up alone takes
-longer than ``--slow-seconds`` is timed by that run only (column ``runs`` = 1). A contender whose
-single forward would exceed ``--max-forward-tokens`` tokens (memory) is skipped with the reason.
+longer than ``--slow-seconds`` is timed by that run only (column ``runs`` = 1, no memory run).
+A contender whose single forward would exceed ``--max-forward-tokens`` tokens is skipped.
+
+Mechanism 2's guard (``--guard``): the tree split into k = 2, 4, 8 micro-batches with nothing
+recomputed (KV budget large, every cached prefix read back) against its one-pack step, the
+variants interleaved; the ratio of the medians, and the median of the per-round ratios, is
+printed against the target ``--guard-target`` (1.10).
+
+The baseline's per-token cost (``--baseline-profile NAME``): ``prefix_sharing="none"`` at the
+default budget, in one pack and with one sample per micro-batch (one causal pass per
+micro-batch), the shared step and Hugging Face's per-sample loop, interleaved; per variant the
+ms per computed token, the FLOPs, and one step under ``torch.profiler`` split into attention
+kernels, GEMMs and the rest.
 
 The per-phase breakdown of ``psrl`` (``--profile``): tree build, plan, pack, forward by layer part
 (timed with forward hooks on the project's modules: attention core, QKV / output projections,
@@ -57,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib
 import json
 import logging
@@ -85,26 +113,45 @@ from step_bench import Bench  # noqa: E402
 
 from megatron_psrl.checkpoint import ModelSource  # noqa: E402
 from megatron_psrl.checkpoint.state_dict import canonical_name  # noqa: E402
-from megatron_psrl.data import make_mixed, make_tree_rollouts  # noqa: E402
+from megatron_psrl.data import make_mixed, make_tree_rollouts, samples_from_dicts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
-from megatron_psrl.engine.optimizer import OptimizerSettings, build_optimizer  # noqa: E402
+from megatron_psrl.engine.config import ActorConfig  # noqa: E402
+from megatron_psrl.engine.memory import PeakMemory  # noqa: E402
 from megatron_psrl.engine.runners import make_runner  # noqa: E402
 from megatron_psrl.kvcache import plan_memory  # noqa: E402
 from megatron_psrl.model.adapters import get_adapter  # noqa: E402
 from megatron_psrl.model.tiny import tiny_config  # noqa: E402
+from megatron_psrl.rl.actor import PolicyActor  # noqa: E402
+from megatron_psrl.rl.loss import LossConfig  # noqa: E402
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
 from megatron_psrl.tree.planner import plan_step  # noqa: E402
 
 # The model of issue 13 (tiny-llama's h256 / i512 / 4 layers, with 8 heads of 32, 4 KV heads, vocab 2048).
 PEER_MODEL = dict(tiny_config("tiny-llama"), num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                   vocab_size=2048)
-CONTENDERS = ["psrl", "psrl-no-sharing", "floor", "hf-per-sample", "prefix-grouper", "trl-tree", "areal-dta"]
-PEERS = ["hf-per-sample", "prefix-grouper", "trl-tree", "areal-dta"]
-"""Other trainers' ways of computing the step (``psrl / best-peer`` is taken over these)."""
-DTA_BLOCK_SIZE = 2048  # AReaL's default ``dta_block_size``
+DEFAULTS = ActorConfig()
+DEFAULT_BUDGET = DEFAULTS.micro_batch_tokens  # the project's default micro-batch budget (4096)
+ONE_PACK = 1 << 22  # a micro-batch budget that holds any tree here
+LARGE_KV = 1 << 36  # a KV budget under which nothing is recomputed
+CONTENDERS = ["psrl", "psrl-one-pack", "psrl-no-sharing", "floor-psrl", "floor-hf", "hf-per-sample", "prefix-grouper",
+              "trl-tree", "areal-dta-whole", "areal-dta-mb"]
+PEER_FAMILIES = ("hf-per-sample", "prefix-grouper", "trl-tree", "areal-dta")
+"""Other trainers' ways of computing the step (``psrl / best peer`` is taken over these, every
+AReaL-DTA block size included)."""
+FLOORS = ("floor-psrl", "floor-hf")
+MEMORY_MODE = "ops"  # PeakMemory's CPU mode, the same for every contender
+
+
+def is_peer(name: str) -> bool:
+    return name.startswith(PEER_FAMILIES)
 
 
 # ---------------------------------------------------------------------- workloads
+DEFAULT_WORKLOADS = ["grpo-512x8x512", "stepwise-8x256", "tree", "mixed"]
+"""What a run without ``--workloads`` measures (about 10 minutes on 2 busy cores); the longer
+ones are named explicitly."""
+
+
 def workloads(vocab: int, quick: bool = False) -> Dict[str, Callable[[], SampleBatch]]:
     """Step-wise t x L: sample t = turns 1..t, trained on the last quarter of turn t (its action)."""
     if quick:
@@ -289,7 +336,8 @@ def register_standins() -> None:
 # ---------------------------------------------------------------------- contenders
 class Contender:
     name = ""
-    peer = False
+    kernels = ""
+    """The kernels this contender runs (printed beside its times)."""
 
     def unavailable(self) -> Optional[str]:
         """Why this contender cannot run at all (None when it can)."""
@@ -302,6 +350,9 @@ class Contender:
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
+    def before_memory_run(self) -> None:
+        """Drop what a previous run left allocated for reuse, so the memory run counts it."""
+
     def run(self, work: Work) -> None:
         raise NotImplementedError
 
@@ -312,19 +363,71 @@ class Contender:
 
 
 class PsrlContender(Contender):
-    def __init__(self, bench: "PeerBench", variant: str, name: str):
-        self.bench, self.variant, self.name = bench, variant, name
+    """``PolicyActor.forward_backward`` under one configuration (``overrides`` of the actor's)."""
+
+    def __init__(self, bench: "PeerBench", name: str, **overrides):
+        self.bench, self.name, self.overrides = bench, name, overrides
         self.model = bench.model
+        self.last: dict = {}
+        sharing = overrides.get("prefix_sharing", bench.actor.config.prefix_sharing)
+        budget = overrides.get("micro_batch_tokens", bench.actor.config.micro_batch_tokens)
+        self.kernels = (f"{bench.layers_desc}; {bench.attention_desc}; "
+                        f"{'one pack' if budget >= ONE_PACK else f'budget {budget} tokens'}, sharing {sharing}")
+
+    def zero_grad(self) -> None:
+        self.bench.actor.zero_grad()
+
+    def before_memory_run(self) -> None:
+        self.bench.actor.kv_cache.release_pool()  # kept between steps for reuse
 
     def run(self, work: Work) -> None:
-        self.bench.step(work.batch, self.variant)
+        self.last = self.bench.forward_backward(work.batch, **self.overrides)
 
     def grads(self) -> Dict[str, torch.Tensor]:
         return self.bench.grads_hf_named()
 
 
+def chain_batch(work: Work) -> Optional[SampleBatch]:
+    """A step-wise chain as one sample: the longest, trained wherever any sample is, each
+    trained token with its claiming sample's weight x advantage (token-mean over the same N).
+    None when the batch is not a chain or two samples train the same position."""
+    seqs = work.seqs
+    longest = max(range(len(seqs)), key=lambda i: len(seqs[i]))
+    if not all(_lcp(seqs[i], seqs[longest]) == len(seqs[i]) for i in range(len(seqs))):
+        return None
+    mask = np.zeros(len(seqs[longest]), dtype=np.int64)
+    adv = np.zeros(len(seqs[longest]), dtype=np.float64)
+    for j, c in work.claims:
+        if mask[j].any():
+            return None
+        mask[j] = 1
+        adv[j] = c.astype(np.float64) * max(work.num_claims, 1)  # c = weight * advantage / N
+    return samples_from_dicts([{"id": "chain", "tokens": seqs[longest].tolist(), "loss_mask": mask.tolist(),
+                                "advantage": adv.tolist()}], source="chain")
+
+
+class FloorPsrl(PsrlContender):
+    """The project's layers over the unique tokens of a chain in one causal pass."""
+
+    def __init__(self, bench: "PeerBench"):
+        super().__init__(bench, "floor-psrl", micro_batch_tokens=ONE_PACK, kv_cache_budget=LARGE_KV)
+        self.kernels = (f"{bench.layers_desc}; one segment: one causal CPU flash SDPA call per layer "
+                        "(_scaled_dot_product_flash_attention_for_cpu); one pack")
+
+    def prepare(self, work: Work) -> Optional[str]:
+        self.batch = chain_batch(work)
+        if self.batch is None:
+            return "no single causal pass covers this batch (not one chain); on a GRPO group the least work " \
+                   "with these layers is psrl-one-pack's"
+        return None
+
+    def run(self, work: Work) -> None:
+        self.last = self.bench.forward_backward(self.batch, **self.overrides)
+
+
 class HFContender(Contender):
     attn = "sdpa"
+    kernels = "HF Llama (separate q/k/v, gate/up linears), attn sdpa: CPU flash SDPA is_causal; head over trained rows"
 
     def __init__(self, hf_config: dict, state_dict: Dict[str, torch.Tensor], max_forward_tokens: int):
         self.hf_config, self.state_dict = hf_config, state_dict
@@ -345,7 +448,7 @@ class HFContender(Contender):
 
 
 class PerSample(HFContender):
-    name, peer = "hf-per-sample", True
+    name = "hf-per-sample"
 
     def run(self, work: Work) -> None:
         m = self.model
@@ -360,13 +463,14 @@ class PerSample(HFContender):
 
 
 class Floor(HFContender):
-    name = "floor"
+    name = "floor-hf"
 
     def prepare(self, work: Work) -> Optional[str]:
         seqs = work.seqs
         longest = max(range(len(seqs)), key=lambda i: len(seqs[i]))
         if all(_lcp(seqs[i], seqs[longest]) == len(seqs[i]) for i in range(len(seqs))):
             self.kind, self.chain = "chain", longest
+            self.kernels = "HF Llama sdpa: one causal pass over the chain (CPU flash SDPA is_causal)"
             return self._too_big(len(seqs[longest]))
         groups = prefix_groups(seqs)
         if len(groups) == 1:
@@ -374,6 +478,8 @@ class Floor(HFContender):
             lens = {len(seqs[i]) for i in members}
             if len(lens) == 1 and p > 0 and all(_lcp(seqs[members[0]], seqs[i]) >= p for i in members):
                 self.kind, self.prompt_len = "grpo", p
+                self.kernels = ("HF Llama sdpa: prompt causal with use_cache, responses batched over its expanded "
+                                "K/V (CPU flash SDPA with a bool mask)")
                 return self._too_big(p + len(members) * (lens.pop() - p))
         return "not one chain nor one prompt with equal-length responses"
 
@@ -405,8 +511,10 @@ class Floor(HFContender):
 
 
 class PrefixGrouperContender(HFContender):
-    name, peer = "prefix-grouper", True
+    name = "prefix-grouper"
     attn = "prefix_grouper_attention"
+    kernels = ("HF Llama + PrefixGrouper hook; its flash-attn 2 padding-mask kernel stood in by CPU flash SDPA "
+               "(bool mask) per group row")
 
     def unavailable(self) -> Optional[str]:
         try:
@@ -480,8 +588,10 @@ def load_trl_tree_row():
 
 
 class TrlTreeContender(HFContender):
-    name, peer = "trl-tree", True
+    name = "trl-tree"
     attn = TREE_STANDIN
+    kernels = ("HF Llama + TRL TreeRow pack; its flash-attn 3 varlen kernel stood in by CPU flash SDPA per segment "
+               "over the gathered root-path K/V")
 
     def unavailable(self) -> Optional[str]:
         try:
@@ -553,7 +663,14 @@ def load_areal_dta(src: str):
 
 
 class ArealDtaContender(HFContender):
-    name, peer = "areal-dta", True
+    """AReaL-DTA at one block size: -1 = whole sequences (no block limit), else tokens."""
+
+    def __init__(self, hf_config: dict, state_dict: Dict[str, torch.Tensor], max_forward_tokens: int,
+                 block_size: int = -1, name: str = "areal-dta-whole"):
+        super().__init__(hf_config, state_dict, max_forward_tokens)
+        self.block_size, self.name = block_size, name
+        self.kernels = (f"HF Llama sdpa (CPU flash SDPA) under DTAEngine: KV-cached pops in TokenTrie order, block "
+                        f"{'whole sequence' if block_size < 0 else block_size}")
 
     def unavailable(self) -> Optional[str]:
         src = os.environ.get("AREAL_DTA_SRC")
@@ -582,17 +699,61 @@ class ArealDtaContender(HFContender):
             j, c = claims[attachment["sample"]]
             return -(c * logprobs[j - 1]).sum()
 
-        self.engine.backward(model=self.model, token_trie=trie, loss_fn=loss_fn, block_size=DTA_BLOCK_SIZE)
+        self.engine.backward(model=self.model, token_trie=trie, loss_fn=loss_fn, block_size=self.block_size)
 
 
 # ---------------------------------------------------------------------- the project
 class PeerBench(Bench):
-    """step_bench's Bench on the in-memory model of ``hf_config`` / ``state_dict``."""
+    """The project's side: one ``PolicyActor`` on the in-memory model of ``hf_config`` /
+    ``state_dict`` (step_bench's Bench over its engine, for the profiles). Its configurations
+    (default budget, one pack, no sharing, the guard's splits) are the actor's ``ActorConfig``
+    with a few fields replaced between calls: one model, one set of weights, no rebuild."""
 
     def __init__(self, hf_config: dict, state_dict: Dict[str, torch.Tensor], micro_batch_tokens: int,
                  device: torch.device):
-        super().__init__(ModelSource(hf_config=hf_config, hf_state_dict=state_dict), micro_batch_tokens, device)
+        config = ActorConfig(device=device.type, seed=0, micro_batch_tokens=micro_batch_tokens,
+                             attention_backend="torch", loss=LossConfig(loss_agg="token-mean"))
+        # the cache's own limit is set at build: the largest budget any configuration here plans with
+        self.actor = PolicyActor(ModelSource(hf_config=hf_config, hf_state_dict=state_dict),
+                                 dataclasses.replace(config, kv_cache_budget=LARGE_KV), for_training=False)
+        self.base_config = config
+        self.engine = self.actor.engine
+        self.arch, self.model, self.cache = self.engine.arch, self.engine.model, self.engine.kv_cache
+        self.device = device
+        self.cost = self.engine.flop_model
+        self.loss = config.loss
+        self.budget = micro_batch_tokens
+        self.geometry = self.engine.geometry
+        self.runners = {"torch": self.engine.runner,
+                        "dense": make_runner(self.model, self.arch.vocab_size, device, "dense", self.cache)}
         self.hf_names = list(state_dict)
+        self.hf_config, self.state_dict = hf_config, state_dict
+        self.layers_desc = f"megatron-core {self.actor.transformer_impl} layers (fused QKV, fused gate/up)"
+        self.attention_desc = (f"attention backend {self.actor.backend_name}: blockwise tree attention, CPU flash SDPA "
+                               "(_scaled_dot_product_flash_attention_for_cpu) per segment (causal) and per ancestor "
+                               "block (unmasked), lse merge; head: trained rows, fused log-softmax")
+
+    def configure(self, **overrides) -> ActorConfig:
+        cfg = dataclasses.replace(self.base_config, **overrides)
+        self.actor.config = self.engine.config = cfg
+        return cfg
+
+    def forward_backward(self, batch: SampleBatch, **overrides) -> dict:
+        """One ``PolicyActor.forward_backward`` under ``overrides``; its metrics."""
+        self.configure(**overrides)
+        try:
+            return self.actor.forward_backward(batch, return_logprobs=False).metrics
+        finally:
+            self.configure()
+
+    def micro_batches(self, batch: SampleBatch, **overrides) -> int:
+        """How many micro-batches the actor plans for ``batch`` under ``overrides``."""
+        self.configure(**overrides)
+        try:
+            _, plan, _, _ = self.actor.plan(batch)
+            return len(plan.ranks[0].micro_batches)
+        finally:
+            self.configure()
 
     def grads_mcore(self) -> Dict[str, torch.Tensor]:
         out = {}
@@ -652,21 +813,18 @@ class PeerBench(Bench):
         phases["other (step bookkeeping, claim coefficients)"] = max(total - accounted, 0.0)
         forward_parts = parts.summary(phases.get("forward (model, to the final norm)", 0.0))
 
-        # one optimizer step, timed separately (second step: the first allocates its state); weights restored
-        saved = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        opt = build_optimizer(self.model, OptimizerSettings(), self.device)
-        try:
-            opt.step()
-            self.step(batch, "shared")
-            t = time.perf_counter()
-            opt.step()
-            opt_s = time.perf_counter() - t
-        finally:
-            with torch.no_grad():
-                for n, p in self.model.named_parameters():
-                    p.copy_(saved[n])
-            self.model.zero_grad(set_to_none=True)
-            del opt
+        # one optimizer step, timed separately (the second: the first allocates its state), on an actor of its
+        # own: building an optimizer wraps its model for gradient reduction (backward hooks that move every
+        # gradient into a main_grad buffer), which would change every later step of the bench's model
+        trainer = PolicyActor(ModelSource(hf_config=self.hf_config, hf_state_dict=self.state_dict),
+                              dataclasses.replace(self.base_config, kv_cache_budget=LARGE_KV))
+        trainer.forward_backward(batch, return_logprobs=False)
+        trainer.optimizer_step()
+        trainer.forward_backward(batch, return_logprobs=False)
+        t = time.perf_counter()
+        trainer.optimizer_step()
+        opt_s = time.perf_counter() - t
+        del trainer
 
         from torch.profiler import ProfilerActivity, profile
 
@@ -743,16 +901,28 @@ def grad_check(grads: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], rto
     return ok, worst, worst_name
 
 
+def spread(times: List[float]) -> Dict[str, Optional[float]]:
+    """Median, min, max, quartiles (``statistics.quantiles``, inclusive) and their relative widths."""
+    if not times:
+        return {"median": None, "min": None, "max": None, "q1": None, "q3": None, "range_pct": None, "iqr_pct": None}
+    med = statistics.median(times)
+    q1, q3 = (statistics.quantiles(times, n=4, method="inclusive")[::2] if len(times) > 1 else (times[0], times[0]))
+    return {"median": med, "min": min(times), "max": max(times), "q1": q1, "q3": q3,
+            "range_pct": 100 * (max(times) - min(times)) / med if med else None,
+            "iqr_pct": 100 * (q3 - q1) / med if med else None}
+
+
 @dataclass
 class Result:
     name: str
     status: str = "ok"            # ok | FAILED | skipped | error
     reason: str = ""
+    kernels: str = ""
     times: List[float] = field(default_factory=list)
     cpu_times: List[float] = field(default_factory=list)
     grad_rel_err: Optional[float] = None
     grad_worst: str = ""
-
+    peak_bytes: Optional[int] = None
     clock: str = "wall"
 
     @property
@@ -777,10 +947,22 @@ def _clock(c: Contender, work: Work) -> Tuple[float, float]:
     return time.perf_counter() - t, time.process_time() - cpu
 
 
-def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, args, log) -> Dict[str, Result]:
+def _peak(c: Contender, work: Work) -> int:
+    """Peak heap bytes of one untimed step of ``c`` above its start (the same measure for all)."""
+    c.zero_grad()
+    c.before_memory_run()
+    with PeakMemory(torch.device("cpu"), mode=MEMORY_MODE) as mem:
+        c.run(work)
+    return int(mem.peak_bytes - mem.start_bytes)
+
+
+def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, args, log
+                   ) -> Tuple[Dict[str, Result], List[str]]:
+    """Warm-up + gradient check, one memory run each, then ``args.repeats`` interleaved rounds;
+    returns the results and the order in which the timed steps ran."""
     results: Dict[str, Result] = {}
     ref = None
-    first: Dict[str, float] = {}
+    first: Dict[str, Tuple[float, float]] = {}
     for c in contenders:  # hf-per-sample first: the reference
         r = results[c.name] = Result(c.name, clock=args.clock)
         why = getattr(c, "_unavailable", None)
@@ -791,6 +973,7 @@ def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, ar
                 r.status, r.reason = "error", f"prepare: {type(e).__name__}: {e}"
                 log(f"  {c.name}: ERROR in prepare: {r.reason}")
                 continue
+        r.kernels = c.kernels
         if why:
             r.status, r.reason = "skipped", why
             log(f"  {c.name}: skipped: {why}")
@@ -813,7 +996,8 @@ def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, ar
         r.grad_rel_err, r.grad_worst = rel, worst
         if not ok:
             r.status, r.reason = "FAILED", f"gradient max rel err {rel:.2e} on {worst} (> {args.grad_rtol:g})"
-        log(f"  {c.name}: warm-up {first[c.name][0]:.3f}s (CPU {first[c.name][1]:.3f}s), grad rel err {rel:.1e} ({'ok' if ok else 'FAILED'})")
+        log(f"  {c.name}: warm-up {first[c.name][0]:.3f}s (CPU {first[c.name][1]:.3f}s), grad rel err {rel:.1e} "
+            f"({'ok' if ok else 'FAILED'})")
         del grads
         c.zero_grad()
     live = [c for c in contenders if results[c.name].status == "ok"]
@@ -821,61 +1005,223 @@ def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, ar
         if first[c.name][0] > args.slow_seconds:
             results[c.name].times.append(first[c.name][0])
             results[c.name].cpu_times.append(first[c.name][1])
-            results[c.name].reason = f"timed by its warm-up only (> {args.slow_seconds:g} s)"
+            results[c.name].reason = f"timed by its warm-up only (> {args.slow_seconds:g} s); memory not measured"
     timed = [c for c in live if not results[c.name].times]
-    for rep in range(args.repeats):  # interleaved, so drift hits every contender alike
+    for c in timed:  # untimed: the same peak-memory measure for every contender
+        results[c.name].peak_bytes = _peak(c, work)
+    order: List[str] = []
+    for rep in range(args.repeats):  # interleaved: A B C ... A B C ..., so drift hits every contender alike
         for c in timed:
             wall, cpu = _clock(c, work)
             results[c.name].times.append(wall)
             results[c.name].cpu_times.append(cpu)
+            order.append(c.name)
     for c in live:
         c.zero_grad()
-    return results
+    return results, order
 
 
-def summarise(work: Work, results: Dict[str, Result]) -> dict:
+def summarise(work: Work, results: Dict[str, Result], order: List[str]) -> dict:
     med = {n: r.median for n, r in results.items() if r.status == "ok" and r.median is not None}
-    peers = {n: t for n, t in med.items() if n in PEERS}
+    peers = {n: t for n, t in med.items() if is_peer(n)}
     best_peer = min(peers, key=peers.get) if peers else None
-    floor = med.get("floor")
+    floors = {n: med[n] for n in FLOORS if n in med}
+    floor_name = min(floors, key=floors.get) if floors else None
+    floor = floors.get(floor_name)
     floor_est = med["psrl-no-sharing"] / work.ideal_speedup if "psrl-no-sharing" in med else None
-    floor_used, floor_kind = (floor, "measured") if floor is not None else (floor_est, "est.")
+    floor_used, floor_kind = (floor, floor_name) if floor is not None else (floor_est, "est.")
     rows = []
     for n, r in results.items():
         t = med.get(n)
         rows.append({
-            "contender": n, "status": r.status, "reason": r.reason, "median_s": t, "runs": len(r.times),
-            "median_wall_s": r.median_wall, "median_cpu_s": r.median_cpu,
+            "contender": n, "status": r.status, "reason": r.reason, "kernels": r.kernels, "median_s": t,
+            "runs": len(r.times), "median_wall_s": r.median_wall, "median_cpu_s": r.median_cpu,
+            "spread_wall": spread(r.times), "spread_cpu": spread(r.cpu_times),
+            "peak_mb": None if r.peak_bytes is None else r.peak_bytes / 2**20,
             "vs_best_peer": t / peers[best_peer] if t is not None and best_peer else None,
             "vs_floor": t / floor_used if t is not None and floor_used else None,
             "grad_rel_err": r.grad_rel_err, "grad_worst_tensor": r.grad_worst, "times_s": r.times,
             "cpu_times_s": r.cpu_times,
         })
+    psrl = med.get("psrl")
     return {
         "workload": work.name, "samples": work.batch.num_samples, "tokens": int(work.batch.num_tokens),
         "tree_tokens": work.tree_tokens, "trained_tokens": work.num_claims, "ideal_speedup": work.ideal_speedup,
-        "best_peer": best_peer,
-        "psrl_over_best_peer": med["psrl"] / peers[best_peer] if "psrl" in med and best_peer else None,
-        "floor_s": floor, "floor_estimate_s": floor_est, "floor_kind": floor_kind,
-        "psrl_over_floor": med["psrl"] / floor_used if "psrl" in med and floor_used else None,
-        "rows": rows,
+        "best_peer": best_peer, "psrl_over_best_peer": psrl / peers[best_peer] if psrl and best_peer else None,
+        "floor_s": floor, "floor_name": floor_name, "floor_estimate_s": floor_est, "floor_kind": floor_kind,
+        "psrl_over_floor": psrl / floor_used if psrl and floor_used else None,
+        "timed_order": order, "rows": rows,
     }
 
 
+# ---------------------------------------------------------------------- mechanism 2's guard
+GUARD_SPLITS = (2, 4, 8)
+
+
+def split_budget(bench: PeerBench, batch: SampleBatch, tree_tokens: int, k: int) -> Tuple[int, int]:
+    """A micro-batch budget under which the actor plans ``k`` micro-batches for ``batch`` (or
+    the nearest count found), and that count."""
+    best = None
+    base = -(-tree_tokens // k)
+    for f in (1.0, 1.02, 1.05, 0.98, 0.95, 1.1, 0.9, 1.2, 0.85, 1.3, 0.8, 0.7, 0.6, 1.5):
+        budget = max(int(base * f), 16)
+        n = bench.micro_batches(batch, micro_batch_tokens=budget, kv_cache_budget=LARGE_KV)
+        if n == k:
+            return budget, n
+        if best is None or abs(n - k) < abs(best[1] - k):
+            best = (budget, n)
+    return best
+
+
+def guard(work: Work, bench: PeerBench, args, log) -> dict:
+    """The tree in one pack against it split into k micro-batches, nothing recomputed, interleaved."""
+    variants = {"one pack": dict(micro_batch_tokens=ONE_PACK, kv_cache_budget=LARGE_KV)}
+    for k in GUARD_SPLITS:
+        budget, n = split_budget(bench, work.batch, work.tree_tokens, k)
+        variants[f"k={k}"] = dict(micro_batch_tokens=budget, kv_cache_budget=LARGE_KV)
+    info, times = {}, {v: [] for v in variants}
+    for v, cfg in variants.items():  # warm-up: the plan's shape
+        m = bench.forward_backward(work.batch, **cfg)
+        info[v] = {"micro_batch_tokens": cfg["micro_batch_tokens"], "micro_batches": m["micro_batches"],
+                   "tokens_computed": m["tokens_computed"], "tokens_recomputed": m["tokens_recomputed"]}
+    for _ in range(args.repeats):
+        for v, cfg in variants.items():
+            bench.actor.zero_grad()
+            t = time.perf_counter()
+            bench.forward_backward(work.batch, **cfg)
+            times[v].append(time.perf_counter() - t)
+    bench.actor.zero_grad()
+    one = times["one pack"]
+    rows = []
+    for v in variants:
+        s = spread(times[v])
+        paired = [a / b for a, b in zip(times[v], one)]
+        rows.append({"variant": v, **info[v], "spread": s, "times_s": times[v],
+                     "ratio_of_medians": s["median"] / statistics.median(one),
+                     "median_paired_ratio": statistics.median(paired), "paired_ratios": paired})
+    worst = max((r["ratio_of_medians"] for r in rows[1:]), default=None)
+    worst_paired = max((r["median_paired_ratio"] for r in rows[1:]), default=None)
+    out = {"workload": work.name, "tree_tokens": work.tree_tokens, "target": args.guard_target, "rows": rows,
+           "worst_ratio": worst, "worst_paired_ratio": worst_paired,
+           "passed": worst_paired is not None and worst_paired <= args.guard_target}
+    log("  guard: " + ", ".join(f"{r['variant']} ({r['micro_batches']} mb, {r['tokens_recomputed']} recomputed) "
+                                f"{r['spread']['median']:.3f}s x{r['ratio_of_medians']:.2f} "
+                                f"(paired x{r['median_paired_ratio']:.2f})" for r in rows))
+    return out
+
+
+# ---------------------------------------------------------------------- the baseline's per-token cost
+BASELINE_VARIANTS = {
+    "none @ default budget": ("actor", dict(prefix_sharing="none")),
+    "none, one pack": ("actor", dict(prefix_sharing="none", micro_batch_tokens=ONE_PACK)),
+    "none, one sample per micro-batch": ("per-sample", {}),
+    "tree @ default budget (psrl)": ("actor", {}),
+    "hf-per-sample": ("hf", {}),
+}
+
+
+def _op_split(prof) -> Dict[str, float]:
+    """Self CPU seconds of one profiled step: attention kernels, GEMMs, the rest."""
+    out = {"attention kernels": 0.0, "GEMMs": 0.0, "rest": 0.0}
+    for e in prof.key_averages():
+        s = e.self_cpu_time_total / 1e6
+        k = e.key
+        if "flash_attention" in k or "scaled_dot_product" in k or "efficient_attention" in k:
+            out["attention kernels"] += s
+        elif k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"):
+            out["GEMMs"] += s
+        else:
+            out["rest"] += s
+    return out
+
+
+def baseline_profile(work: Work, bench: PeerBench, per_sample: Contender, args, log) -> dict:
+    """``prefix_sharing="none"`` three ways, the shared step and HF's per-sample loop: ms per
+    computed token, FLOPs and the attention / GEMM / rest split of one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_psrl.tree.cost import batch_key_pairs, tree_key_pairs
+
+    tree = build_prefix_tree(work.batch)
+    lens = np.diff(work.batch.offsets)
+    base_pairs = int(batch_key_pairs(work.batch))
+    tree_pairs = int(tree_key_pairs(tree))
+
+    def step(kind, cfg):
+        if kind == "actor":
+            return bench.forward_backward(work.batch, **cfg)
+        if kind == "per-sample":
+            r = bench.step(work.batch, "per-sample")
+            return {"tokens_computed": r["tokens_computed"], "tokens_recomputed": r["tokens_recomputed"],
+                    "micro_batches": r["micro_batches"]}
+        per_sample.run(work)
+        return {"tokens_computed": int(work.batch.num_tokens), "tokens_recomputed": 0, "micro_batches": len(lens)}
+
+    def zero():
+        bench.actor.zero_grad()
+        per_sample.zero_grad()
+
+    info, times = {}, {v: [] for v in BASELINE_VARIANTS}
+    for v, (kind, cfg) in BASELINE_VARIANTS.items():
+        zero()
+        info[v] = step(kind, cfg)
+    for _ in range(args.baseline_repeats):
+        for v, (kind, cfg) in BASELINE_VARIANTS.items():
+            zero()
+            t = time.perf_counter()
+            step(kind, cfg)
+            times[v].append(time.perf_counter() - t)
+    rows = []
+    for v, (kind, cfg) in BASELINE_VARIANTS.items():
+        zero()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            step(kind, cfg)
+            prof_s = time.perf_counter() - t
+        split = _op_split(prof)
+        shared = v.startswith("tree")
+        toks = int(info[v]["tokens_computed"])
+        pairs = tree_pairs if shared else base_pairs
+        flops = bench.cost.cost(toks, pairs, work.num_claims)
+        s = spread(times[v])
+        rows.append({"variant": v, **{k: int(info[v][k]) for k in ("tokens_computed", "tokens_recomputed",
+                                                                   "micro_batches")},
+                     "key_pairs": pairs, "flops": flops, "spread": s, "times_s": times[v],
+                     "ms_per_token": 1e3 * s["median"] / toks, "ms_per_gflop": 1e3 * s["median"] / (flops / 1e9),
+                     "profiled_step_s": prof_s, "op_split_s": split,
+                     "attention_ms_per_mpair": 1e3 * split["attention kernels"] / (pairs / 1e6),
+                     "gemm_ms_per_ktoken": 1e3 * split["GEMMs"] / (toks / 1e3),
+                     "rest_ms_per_ktoken": 1e3 * split["rest"] / (toks / 1e3)})
+        log(f"  {v}: {s['median']:.3f}s [{s['min']:.3f}-{s['max']:.3f}] {rows[-1]['ms_per_token']:.3f} ms/token, "
+            f"profile attention {split['attention kernels']:.2f}s GEMM {split['GEMMs']:.2f}s rest {split['rest']:.2f}s")
+    zero()
+    return {"workload": work.name, "tokens": int(work.batch.num_tokens), "tree_tokens": int(tree.num_tree_tokens),
+            "samples": int(work.batch.num_samples), "baseline_key_pairs": base_pairs, "tree_key_pairs": tree_pairs,
+            "ideal_speedup": work.ideal_speedup, "rows": rows}
+
+
+# ---------------------------------------------------------------------- report
 def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
-def markdown(summaries: List[dict], profiles: Dict[str, dict], meta: dict) -> str:
+def _range(s: dict) -> str:
+    return "-" if s["min"] is None else f"{s['min']:.3f}-{s['max']:.3f}"
+
+
+def markdown(out: dict) -> str:
+    summaries, profiles, meta = out["workloads"], out["profiles"], out["meta"]
     lines = [
         f"Model: Llama h{meta['hidden']} / i{meta['intermediate']} / {meta['layers']} layers / {meta['heads']} heads / "
         f"{meta['kv_heads']} KV heads / vocab {meta['vocab']}, fp32, {meta['threads']} threads, {meta['device']}; "
-        f"psrl micro-batch budget {meta['micro_batch_tokens']} tokens. Median of {meta['repeats']} interleaved steps "
-        "after one warm-up (packing + forward + backward, no optimizer); gradients of every parameter checked "
-        f"against hf-per-sample (per tensor max|g - g_ref| <= {meta['grad_rtol']:g} * max|g_ref|). "
-        "`vs best peer` = time / the fastest passing peer's (hf-per-sample, prefix-grouper, trl-tree, areal-dta); "
-        "`vs floor` = time / floor (measured, or the FLOP-ideal estimate marked est.). "
-        f"Ratios use the {meta['clock']} clock (`--clock`); wall and process-CPU medians both shown.",
+        f"load average {meta['load_average']} at the start. {meta['repeats']} timed rounds per workload after one "
+        "warm-up (packing + forward + backward, no optimizer), contenders interleaved within each round "
+        "(A B C ... A B C ...); median and min-max of the rounds (IQR in the JSON). Peak MB: heap bytes in use above "
+        f"the step's start, PeakMemory `{MEMORY_MODE}` mode, one separate untimed run per contender. Gradients of "
+        f"every parameter checked against hf-per-sample (per tensor max|g - g_ref| <= {meta['grad_rtol']:g} * "
+        "max|g_ref|). `vs best peer` = time / the fastest passing peer's (hf-per-sample, prefix-grouper, trl-tree, "
+        "areal-dta-*); `vs floor` = time / the faster measured floor (floor-psrl, floor-hf), or the FLOP-ideal "
+        f"estimate marked est. Ratios use the {meta['clock']} clock (`--clock`).",
         "",
     ]
     for c, why in meta["unavailable"].items():
@@ -883,8 +1229,10 @@ def markdown(summaries: List[dict], profiles: Dict[str, dict], meta: dict) -> st
     lines.append("")
     lines += summary_table(summaries, meta)
     for s in summaries:
-        floor = (f"floor {_f(s['floor_s'], '.3f')} s" if s["floor_s"] is not None
+        floor = (f"floor {_f(s['floor_s'], '.3f')} s ({s['floor_name']})" if s["floor_s"] is not None
                  else f"floor n/a, FLOP-ideal estimate {_f(s['floor_estimate_s'], '.3f')} s (est.)")
+        rounds = s["timed_order"]
+        k = len(set(rounds)) or 1
         lines += [
             f"### {s['workload']}",
             "",
@@ -893,32 +1241,77 @@ def markdown(summaries: List[dict], profiles: Dict[str, dict], meta: dict) -> st
             f"({s['best_peer'] or '-'}) = {_f(s['psrl_over_best_peer'], '.2f')}, psrl / floor = "
             f"{_f(s['psrl_over_floor'], '.2f')}{' (est.)' if s['floor_kind'] == 'est.' else ''}**",
             "",
-            "| contender | median wall s | median CPU s | runs | vs best peer | vs floor | gradient check | note |",
-            "|---|---|---|---|---|---|---|---|",
+            f"Timed order, round 1 of {len(rounds) // k}: {' '.join(rounds[:k])}",
+            "",
+            "| contender | median s | min-max s | spread | median CPU s | peak MB | runs | vs best peer | vs floor | "
+            "gradient check | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in s["rows"]:
-            if r["status"] in ("skipped",) and r["contender"] in meta["unavailable"]:
+            if r["status"] == "skipped" and r["contender"] in meta["unavailable"]:
                 continue
+            sp = r["spread_wall"] if meta["clock"] == "wall" else r["spread_cpu"]
             check = "-" if r["grad_rel_err"] is None else \
                 f"{'ok' if r['status'] != 'FAILED' else 'FAILED'} ({r['grad_rel_err']:.1e})"
-            lines.append(f"| {r['contender']} | {_f(r['median_wall_s'], '.3f')} | {_f(r['median_cpu_s'], '.3f')} | "
-                         f"{r['runs']} | "
-                         f"{_f(r['vs_best_peer'], '.2f')} | {_f(r['vs_floor'], '.2f')} | {check} | "
-                         f"{r['status'] if r['status'] != 'ok' else ''}{': ' if r['reason'] and r['status'] != 'ok' else ''}"
-                         f"{r['reason']} |")
+            note = (r["status"] if r["status"] != "ok" else "") + (": " if r["reason"] and r["status"] != "ok" else "") \
+                + r["reason"]
+            lines.append(f"| {r['contender']} | {_f(r['median_s'], '.3f')} | {_range(sp)} | "
+                         f"{_f(sp['range_pct'], '.0f')}{'%' if sp['range_pct'] is not None else ''} | "
+                         f"{_f(r['median_cpu_s'], '.3f')} | {_f(r['peak_mb'], '.0f')} | {r['runs']} | "
+                         f"{_f(r['vs_best_peer'], '.2f')} | {_f(r['vs_floor'], '.2f')} | {check} | {note} |")
+        lines += ["", "| contender | kernels |", "|---|---|"]
+        lines += [f"| {r['contender']} | {r['kernels'] or '-'} |" for r in s["rows"]
+                  if not (r["status"] == "skipped" and r["contender"] in meta["unavailable"])]
         lines.append("")
+        g = out["guards"].get(s["workload"])
+        if g:
+            lines += guard_md(g)
         p = profiles.get(s["workload"])
         if p:
             lines += _profile_md(p)
+    if out.get("baseline"):
+        lines += baseline_md(out["baseline"])
     return "\n".join(lines) + "\n"
 
 
+def guard_md(g: dict) -> List[str]:
+    out = [f"Mechanism 2's guard on {g['workload']} ({g['tree_tokens']} tree tokens; KV budget large, nothing "
+           f"recomputed; variants interleaved): worst ratio {_f(g['worst_ratio'], '.2f')} (medians), "
+           f"{_f(g['worst_paired_ratio'], '.2f')} (median of per-round ratios); target <= {g['target']:.2f}: "
+           f"**{'met' if g['passed'] else 'NOT met'}**", "",
+           "| split | budget | micro-batches | recomputed | median s | min-max s | / one pack (medians) | "
+           "/ one pack (median per round) |", "|---|---|---|---|---|---|---|---|"]
+    for r in g["rows"]:
+        budget = "one pack" if r["micro_batch_tokens"] >= ONE_PACK else str(r["micro_batch_tokens"])
+        out.append(f"| {r['variant']} | {budget} | {r['micro_batches']} | {r['tokens_recomputed']} | "
+                   f"{r['spread']['median']:.3f} | {_range(r['spread'])} | {r['ratio_of_medians']:.2f} | "
+                   f"{r['median_paired_ratio']:.2f} |")
+    return out + [""]
+
+
+def baseline_md(b: dict) -> List[str]:
+    out = [f"### The baseline's per-token cost on {b['workload']}", "",
+           f"{b['samples']} samples, {b['tokens']} tokens ({b['baseline_key_pairs']} key pairs without sharing), "
+           f"{b['tree_tokens']} tree tokens ({b['tree_key_pairs']} key pairs); ideal speedup "
+           f"{b['ideal_speedup']:.2f}x. Interleaved rounds; one more step of each under torch.profiler (self CPU).",
+           "", "| variant | micro-batches | tokens computed | median s | min-max s | ms / token | ms / GFLOP | "
+           "attention s | GEMM s | rest s | attention ms / M pairs | GEMM ms / k tokens | rest ms / k tokens |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in b["rows"]:
+        sp = r["op_split_s"]
+        out.append(f"| {r['variant']} | {r['micro_batches']} | {r['tokens_computed']} | {r['spread']['median']:.3f} | "
+                   f"{_range(r['spread'])} | {r['ms_per_token']:.3f} | {r['ms_per_gflop']:.2f} | "
+                   f"{sp['attention kernels']:.3f} | {sp['GEMMs']:.3f} | {sp['rest']:.3f} | "
+                   f"{r['attention_ms_per_mpair']:.2f} | {r['gemm_ms_per_ktoken']:.2f} | {r['rest_ms_per_ktoken']:.2f} |")
+    return out + [""]
+
+
 def summary_table(summaries: List[dict], meta: dict) -> List[str]:
-    """One row per workload: every contender's median ({clock} clock) and psrl's two ratios."""
+    """One row per workload: every contender's median [min-max] ({clock} clock) and psrl's two ratios."""
     names = [n for n in CONTENDERS if n not in meta["unavailable"]]
-    out = [f"Median step seconds ({meta['clock']} clock); FAILED = gradients differ from the reference; "
-           "skip = not applicable or over the memory cap (reason in the workload's table).", "",
-           "| workload | " + " | ".join(names) + " | psrl / best peer | psrl / floor |",
+    out = [f"Median step seconds ({meta['clock']} clock) [min-max of the rounds] and peak MB; FAILED = gradients "
+           "differ from the reference; skip = not applicable or over the memory cap (reason in the workload's table).",
+           "", "| workload | " + " | ".join(names) + " | psrl / best peer | psrl / floor |",
            "|---|" + "---|" * (len(names) + 2)]
     for s in summaries:
         rows = {r["contender"]: r for r in s["rows"]}
@@ -930,7 +1323,9 @@ def summary_table(summaries: List[dict], meta: dict) -> List[str]:
             elif r["status"] != "ok":
                 cells.append(r["status"])
             else:
-                cells.append(f"{r['median_s']:.3f}{'*' if r['runs'] == 1 and meta['repeats'] > 1 else ''}")
+                sp = r["spread_wall"] if meta["clock"] == "wall" else r["spread_cpu"]
+                star = "*" if r["runs"] == 1 and meta["repeats"] > 1 else ""
+                cells.append(f"{r['median_s']:.3f}{star} [{_range(sp)}], {_f(r['peak_mb'], '.0f')} MB")
         est = " (est.)" if s["floor_kind"] == "est." and s["psrl_over_floor"] is not None else ""
         out.append(f"| {s['workload']} | " + " | ".join(cells) + f" | {_f(s['psrl_over_best_peer'], '.2f')} "
                    f"({s['best_peer'] or '-'}) | {_f(s['psrl_over_floor'], '.2f')}{est} |")
@@ -963,21 +1358,44 @@ def _quiet() -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
+def _dta_blocks(spec: str) -> Dict[str, int]:
+    """``whole,4096`` -> {areal-dta-whole: -1, areal-dta-mb: 4096}; other sizes areal-dta-<n>."""
+    out = {}
+    for b in spec.split(","):
+        b = b.strip()
+        if b == "whole":
+            out["areal-dta-whole"] = -1
+        elif b:
+            out["areal-dta-mb" if int(b) == DEFAULT_BUDGET else f"areal-dta-{int(b)}"] = int(b)
+    return out
+
+
+def _select(spec: str, names: List[str]) -> List[str]:
+    return list(names) if spec == "all" else [] if spec == "none" else [n for n in spec.split(",") if n in names]
+
+
 def run(args, log=print) -> dict:
     _quiet()
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     hf_config = dict(PEER_MODEL)
     state = random_weights(hf_config, args.seed)
-    bench = PeerBench(hf_config, state, args.micro_batch_tokens, device)
+    bench = PeerBench(hf_config, state, DEFAULT_BUDGET, device)
     register_standins()
     hf = lambda cls: cls(hf_config, state, args.max_forward_tokens)  # noqa: E731
     all_c: Dict[str, Contender] = {
-        "hf-per-sample": hf(PerSample), "psrl": PsrlContender(bench, "shared", "psrl"),
-        "psrl-no-sharing": PsrlContender(bench, "baseline", "psrl-no-sharing"), "floor": hf(Floor),
-        "prefix-grouper": hf(PrefixGrouperContender), "trl-tree": hf(TrlTreeContender), "areal-dta": hf(ArealDtaContender),
+        "psrl": PsrlContender(bench, "psrl"),
+        "psrl-one-pack": PsrlContender(bench, "psrl-one-pack", micro_batch_tokens=ONE_PACK),
+        "psrl-no-sharing": PsrlContender(bench, "psrl-no-sharing", prefix_sharing="none"),
+        "floor-psrl": FloorPsrl(bench), "floor-hf": hf(Floor), "hf-per-sample": hf(PerSample),
+        "prefix-grouper": hf(PrefixGrouperContender), "trl-tree": hf(TrlTreeContender),
     }
+    for name, block in _dta_blocks(args.dta_blocks).items():
+        all_c[name] = ArealDtaContender(hf_config, state, args.max_forward_tokens, block, name)
     chosen = [n for n in (args.contenders.split(",") if args.contenders else all_c)]
+    unknown = [n for n in chosen if n not in all_c]
+    if unknown:
+        raise SystemExit(f"unknown contenders {unknown}; choose from {', '.join(all_c)}")
     if "hf-per-sample" not in chosen:
         chosen.insert(0, "hf-per-sample")  # the gradient reference always runs
     chosen.sort(key=lambda n: n != "hf-per-sample")
@@ -991,39 +1409,54 @@ def run(args, log=print) -> dict:
             log(f"{n}: not run: {c._unavailable}")
         contenders.append(c)
     names = workloads(bench.arch.vocab_size, args.quick)
-    selected = args.workloads.split(",") if args.workloads else list(names)
+    selected = args.workloads.split(",") if args.workloads else (list(names) if args.quick else DEFAULT_WORKLOADS)
     unknown = [w for w in selected if w not in names]
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(names)}")
-    want_profile = set(names) if args.profile == "all" else set() if args.profile == "none" else \
-        set(args.profile.split(","))
-    summaries, profiles = [], {}
+    want_profile = set(_select(args.profile, selected))
+    want_guard = set(_select(args.guard, selected))
+    summaries, profiles, guards = [], {}, {}
+    CONTENDERS[:] = [n for n in CONTENDERS if n in all_c] + [n for n in all_c if n not in CONTENDERS]
     meta = {"hidden": hf_config["hidden_size"], "intermediate": hf_config["intermediate_size"],
             "layers": hf_config["num_hidden_layers"], "heads": hf_config["num_attention_heads"],
             "kv_heads": hf_config["num_key_value_heads"], "vocab": hf_config["vocab_size"],
-            "threads": torch.get_num_threads(), "device": "cpu", "micro_batch_tokens": args.micro_batch_tokens,
-            "repeats": args.repeats, "clock": args.clock, "grad_rtol": args.grad_rtol, "slow_seconds": args.slow_seconds,
+            "threads": torch.get_num_threads(), "device": "cpu", "micro_batch_tokens": DEFAULT_BUDGET,
+            "kv_cache_budget": DEFAULTS.kv_cache_budget, "repeats": args.repeats, "clock": args.clock,
+            "grad_rtol": args.grad_rtol, "slow_seconds": args.slow_seconds, "memory_mode": MEMORY_MODE,
             "max_forward_tokens": args.max_forward_tokens, "quick": args.quick, "unavailable": unavailable,
+            "load_average": " / ".join(f"{x:.1f}" for x in os.getloadavg()), "psrl_kernels": bench.actor.describe_kernels(),
             "torch": torch.__version__, "platform": platform.platform(), "versions": _versions()}
-    out = {"meta": meta, "workloads": summaries, "profiles": profiles}
+    log(bench.actor.describe_kernels())
+    out = {"meta": meta, "workloads": summaries, "profiles": profiles, "guards": guards, "baseline": None}
     for name in selected:
         work = Work.of(name, names[name]())
         tree = build_prefix_tree(work.batch)
         work.tree_tokens, work.ideal_speedup = int(tree.num_tree_tokens), float(bench.cost.ideal_speedup(tree))
         log(f"{name}: {work.batch.num_samples} samples, {work.batch.num_tokens} tokens, {work.tree_tokens} tree "
             f"tokens, ideal {work.ideal_speedup:.2f}x")
-        results = bench_workload(work, contenders, bench, args, log)
-        s = summarise(work, results)
+        results, order = bench_workload(work, contenders, bench, args, log)
+        s = summarise(work, results, order)
         summaries.append(s)
         for r in s["rows"]:
             if r["median_s"] is not None:
-                log(f"  {r['contender']:>16}: {r['median_s']:.3f} s  vs best peer {_f(r['vs_best_peer'], '.2f')}  "
-                    f"vs floor {_f(r['vs_floor'], '.2f')}")
+                sp = r["spread_wall"]
+                log(f"  {r['contender']:>16}: {r['median_s']:.3f} s [{_range(sp)}]  peak {_f(r['peak_mb'], '.0f')} MB  "
+                    f"vs best peer {_f(r['vs_best_peer'], '.2f')}  vs floor {_f(r['vs_floor'], '.2f')}")
+        if name in want_guard:
+            guards[name] = guard(work, bench, args, log)
         if name in want_profile:
             profiles[name] = bench.profile(work.batch)
             log("  psrl profile: " + ", ".join(f"{k} {v:.3f}s" for k, v in profiles[name]["phases"].items())
                 + f", optimizer step {profiles[name]['optimizer_step_s']:.3f}s")
         write(args.out_dir, out)  # after every workload: a long run that is stopped keeps what it measured
+    if args.baseline_profile:
+        if args.baseline_profile not in names:
+            raise SystemExit(f"unknown workload {args.baseline_profile}; choose from {', '.join(names)}")
+        work = Work.of(args.baseline_profile, names[args.baseline_profile]())
+        work.ideal_speedup = float(bench.cost.ideal_speedup(build_prefix_tree(work.batch)))
+        log(f"baseline profile on {work.name}")
+        out["baseline"] = baseline_profile(work, bench, all_c["hf-per-sample"], args, log)
+        write(args.out_dir, out)
     return out
 
 
@@ -1031,7 +1464,7 @@ def write(out_dir: str, out: dict) -> str:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_peers.json"), "w") as f:
         json.dump(out, f, indent=2)
-    md = markdown(out["workloads"], out["profiles"], out["meta"])
+    md = markdown(out)
     with open(os.path.join(out_dir, "bench_peers.md"), "w") as f:
         f.write(md)
     return md
@@ -1065,26 +1498,41 @@ def main_result(argv=None) -> dict:
 
 def _main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--workloads", default=None,
+                   help=f"comma-separated subset (default: {','.join(DEFAULT_WORKLOADS)}; --quick: all quick ones)")
     p.add_argument("--contenders", default=None, help=f"comma-separated subset of {','.join(CONTENDERS)}")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per contender (default 5; --quick 1)")
-    p.add_argument("--quick", action="store_true", help="tiny workloads, 1 repeat (smoke test)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; --quick 3)")
+    p.add_argument("--quick", action="store_true", help="tiny workloads, 3 rounds, no profile (smoke test)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--micro-batch-tokens", type=int, default=32768)
+    p.add_argument("--dta-blocks", default=f"whole,{DEFAULT_BUDGET}",
+                   help="AReaL-DTA block sizes, one contender each: 'whole' (block_size=-1) or tokens")
     p.add_argument("--grad-rtol", type=float, default=1e-4)
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="which median the ratios use (process CPU time is steadier on a shared machine)")
-    p.add_argument("--slow-seconds", type=float, default=30.0,
-                   help="a contender whose warm-up takes longer is timed by that run only")
+    p.add_argument("--slow-seconds", type=float, default=None,
+                   help="a contender whose warm-up takes longer is timed by that run only (default 30; --quick: never)")
     p.add_argument("--max-forward-tokens", type=int, default=65536,
                    help="skip a Hugging Face contender whose single forward holds more tokens")
-    p.add_argument("--profile", default="all", help="psrl per-phase breakdown: all, none, or workload names")
+    p.add_argument("--profile", default=None, help="psrl per-phase breakdown: all, none (default), or workload names")
+    p.add_argument("--guard", default=None,
+                   help="mechanism 2's guard (k = 2, 4, 8 vs one pack): all, none, or workload names "
+                        "(default: tree, or every quick workload with --quick)")
+    p.add_argument("--guard-target", type=float, default=1.10)
+    p.add_argument("--baseline-profile", default=None, metavar="WORKLOAD",
+                   help="the no-sharing baseline's per-token cost, profiled on this workload")
+    p.add_argument("--baseline-repeats", type=int, default=3)
     p.add_argument("--out-dir", default="runs/bench_peers")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 5
+        args.repeats = 3 if args.quick else 7
+    if args.slow_seconds is None:
+        args.slow_seconds = float("inf") if args.quick else 30.0
+    if args.profile is None:
+        args.profile = "none"
+    if args.guard is None:
+        args.guard = "all" if args.quick else "tree"
     out = run(args)
     md = write(args.out_dir, out)
     print()
