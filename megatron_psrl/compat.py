@@ -12,10 +12,24 @@ are, why, and what dropping each one would take:
    ``fork()`` is a no-op) and seed torch's CPU generator; dropout is disallowed anyway
    (prefix sharing is exact only without it). Dropping it needs a device-agnostic tracker
    upstream.
-3. ``cpu_gradient_sync`` / ``use_megatron_ddp``: megatron's DistributedDataParallel and its
-   optimizers allocate buffers with ``torch.cuda.current_stream()`` / ``device='cuda'``. On
-   CPU, gradients are all-reduced by ``megatron_psrl.distributed.grad_sync`` (gloo) and
-   stepped with ``torch.optim``. Dropping it needs a device-agnostic param-and-grad buffer.
+3. ``install_cpu_optimizer_shims`` / ``megatron_optimizer_calls``: megatron's
+   DistributedDataParallel and its optimizers (``distributed/param_and_grad_buffer.py``,
+   ``optimizer/optimizer.py``, ``optimizer/distrib_optimizer.py``, ``optimizer/clip_grads.py``,
+   ``optimizer/grad_scaler.py``, ``utils.local_multi_tensor_l2_norm``) allocate their gradient
+   buffers and scalars with ``device=torch.cuda.current_device()`` / ``device='cuda'``, check
+   parameter types by their CUDA names (``param.type() == 'torch.cuda.FloatTensor'`` in
+   Float16OptimizerWithFloat16Params.__init__, DistributedOptimizer's
+   ``_build_model_and_main_param_groups`` and ``clip_grad_by_total_norm_fp32``), and move the
+   distributed optimizer's gathered checkpoint state to CUDA (``send_tensor.cuda()`` in
+   ``get_parameter_state_dp_zero``). Their collectives are plain ``torch.distributed``
+   (all-reduce, reduce-scatter and all-gather into one tensor all run over gloo). On CPU those
+   modules see the ``torch`` of item 4, and while megatron's DDP / optimizer code runs
+   (:func:`megatron_optimizer_calls`) a CPU tensor's ``type()`` answers with the CUDA name of
+   its dtype and its ``cuda()`` leaves it where it is. So the same DDP (with
+   ``--overlap-grad-reduce``), the same optimizers (fp32; bf16 and fp16 with fp32 main params;
+   the distributed optimizer with ``--overlap-param-gather``) and the same checkpoint state run
+   on CPU as on CUDA. Nothing changes on CUDA. Dropping it needs device-agnostic buffers, type
+   checks by ``dtype`` and a device-agnostic state gather upstream.
 4. ``install_cpu_pipeline_shims``: megatron's pipeline schedules and p2p communication
    (``pipeline_parallel/schedules.py``, ``p2p_communication.py``) allocate their small shape
    and token-count tensors with ``device='cuda'`` / ``torch.cuda.current_device()`` and call
@@ -50,6 +64,18 @@ are, why, and what dropping each one would take:
    loading needs no workaround. Nothing changes on CUDA (megatron's writer as it is). Dropping
    it needs an in-process, device-agnostic writer upstream.
 
+8. ``install_cpu_moe_shims``: megatron's mixture-of-experts layer (``transformer/moe/router.py``,
+   ``experts.py``, ``token_dispatcher.py``, ``moe_utils.py``, ``shared_experts.py``,
+   ``moe_layer.py``) and ``tensor_parallel/mappings.py`` allocate on
+   ``torch.cuda.current_device()`` (the router even moves its weight there in every forward), and
+   the all-to-all dispatcher copies its split sizes to the host on a side ``torch.cuda.Stream``.
+   On CPU those modules see the ``torch`` of item 4 with do-nothing streams and events;
+   ``moe_utils.te_general_gemm`` (unbound without Transformer Engine) is None, as in later
+   megatron-core; and the dispatcher's split sizes become host integers, which megatron's
+   ``maybe_move_tensor_to_cpu`` does only for CUDA tensors. The routing, permutation, expert
+   and all-to-all code is megatron's own. Nothing changes on CUDA. Dropping it needs
+   device-agnostic allocations and streams upstream.
+
 Design choices that are *not* workarounds (they hold on GPU too): RoPE frequencies come from
 explicit per-token position ids (megatron's RotaryEmbedding knows only 0..S-1) and the core
 attention is our PrefixSharingAttention (megatron's local DotProductAttention also uses a
@@ -58,6 +84,7 @@ CUDA global memory buffer, but we replace it for tree attention anyway).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict
 
 import torch
@@ -100,11 +127,6 @@ def seed_model_parallel_rng(seed: int, device: torch.device) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
 
-def use_megatron_ddp(device: torch.device) -> bool:
-    """Megatron's DDP and optimizers need CUDA; on CPU our gloo gradient sync is used."""
-    return on_cuda(device)
-
-
 # ---------------------------------------------------------------------- 4: pipeline schedules
 class _CpuCuda:
     """``torch.cuda`` as megatron's pipeline modules use it, answered for a CPU model."""
@@ -132,11 +154,13 @@ def _on_cpu(factory):
 
 
 class _CpuTorch:
-    """The ``torch`` module seen by megatron's pipeline modules on CPU (see item 4)."""
+    """The ``torch`` module seen by megatron's pipeline, DDP and optimizer modules on CPU
+    (items 3, 4 and 7)."""
 
     cuda = _CpuCuda()
     zeros = staticmethod(_on_cpu(torch.zeros))
     empty = staticmethod(_on_cpu(torch.empty))
+    tensor = staticmethod(_on_cpu(torch.tensor))  # (item 3: the optimizers' scalars)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -161,6 +185,62 @@ def _give_cpu_torch(module_names) -> None:
         module = importlib.import_module(name)
         if not isinstance(module.torch, _CpuTorch):
             module.torch = _CpuTorch()
+
+
+# ---------------------------------------------------------------------- 3: DDP and optimizers
+_OPTIMIZER_MODULES = ("megatron.core.distributed.param_and_grad_buffer", "megatron.core.optimizer.optimizer",
+                      "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads",
+                      "megatron.core.optimizer.grad_scaler", "megatron.core.utils")
+
+
+def install_cpu_optimizer_shims(device: torch.device) -> None:
+    """Let megatron's DistributedDataParallel and optimizers allocate on the CPU (item 3);
+    nothing on CUDA. Idempotent."""
+    if on_cuda(device):
+        return
+    _give_cpu_torch(_OPTIMIZER_MODULES)
+
+
+_TENSOR_TYPE = torch._C.TensorBase.type
+_cpu_calls_depth = 0
+
+
+def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+    """``Tensor.type``; without arguments a CPU tensor answers with its CUDA type name."""
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+def _already_there(self, device=None, non_blocking=False, memory_format=None):
+    """``Tensor.cuda`` for a CPU run: the tensor is on the run's device already (as ``.cuda()``
+    on a CUDA tensor, it is returned as it is)."""
+    return self
+
+
+@contextlib.contextmanager
+def megatron_optimizer_calls(device: torch.device):
+    """Around calls into megatron's DDP and optimizer code: on CPU, ``Tensor.type()`` answers
+    with the CUDA type name its checks expect and ``Tensor.cuda()`` leaves a tensor where it is
+    (the distributed optimizer's checkpoint gather, ``distrib_optimizer.py``
+    ``get_parameter_state_dp_zero``; the fp16 loss scale's ``load_state_dict``) (item 3);
+    nothing on CUDA. Re-entrant. The patch is process-wide while active (megatron's calls read
+    it from the tensor, not from a module), and on a CPU run either call would fail otherwise."""
+    global _cpu_calls_depth
+    if on_cuda(device):
+        yield
+        return
+    if _cpu_calls_depth == 0:
+        torch.Tensor.type = _cuda_named_type
+        torch.Tensor.cuda = _already_there
+    _cpu_calls_depth += 1
+    try:
+        yield
+    finally:
+        _cpu_calls_depth -= 1
+        if _cpu_calls_depth == 0:
+            del torch.Tensor.type  # back to TensorBase's
+            del torch.Tensor.cuda
 
 
 # ---------------------------------------------------------------------- 5: tied embeddings under PP
@@ -295,3 +375,81 @@ def _in_process_save_strategy():
                                 preload_fn=partial(FileSystemWriterAsync.preload_tensors, writer.write_buckets, False))
 
     return InProcessTorchDistSave("torch_dist", 1, thread_count=1)
+
+
+# ---------------------------------------------------------------------- 8: mixture-of-experts on CPU
+class _CpuStream:
+    """A CUDA stream or event as megatron's MoE code uses them, for CPU tensors: nothing to order."""
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        return None
+
+    def record_event(self, *args, **kwargs) -> "_CpuStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait_event(self, *args, **kwargs) -> None:
+        return None
+
+
+class _CpuCudaStreams(_CpuCuda):
+    """``torch.cuda`` for megatron's MoE modules on CPU: item 4's, plus streams and events."""
+
+    _current = _CpuStream()
+
+    @staticmethod
+    def Stream(*args, **kwargs) -> _CpuStream:  # noqa: N802 (torch's name)
+        return _CpuStream()
+
+    @staticmethod
+    def Event(*args, **kwargs) -> _CpuStream:  # noqa: N802 (torch's name)
+        return _CpuStream()
+
+    @classmethod
+    def current_stream(cls, *args, **kwargs) -> _CpuStream:
+        return cls._current
+
+    @staticmethod
+    def stream(*args, **kwargs):
+        return contextlib.nullcontext()
+
+
+class _CpuTorchStreams(_CpuTorch):
+    """The ``torch`` megatron's MoE modules see on CPU (item 8)."""
+
+    cuda = _CpuCudaStreams()
+
+
+_MOE_MODULES = ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.experts",
+                "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.moe.moe_utils",
+                "megatron.core.transformer.moe.shared_experts", "megatron.core.transformer.moe.moe_layer",
+                "megatron.core.tensor_parallel.mappings")
+
+
+def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: split sizes
+    (``as_numpy``) become host integers, as megatron's CUDA path makes them."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def install_cpu_moe_shims(device: torch.device) -> None:
+    """Let megatron's MoE layer (router, experts, both token dispatchers) run on the CPU over
+    gloo (item 8); nothing on CUDA. Idempotent."""
+    if on_cuda(device):
+        return
+    import importlib
+
+    for name in _MOE_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuTorchStreams):
+            module.torch = _CpuTorchStreams()
+    _give_cpu_torch(("megatron.core.utils",))  # GlobalMemoryBuffer
+    utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(utils, "te_general_gemm"):  # unbound without Transformer Engine
+        utils.te_general_gemm = None
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes

@@ -29,6 +29,9 @@ WORKLOAD_NAMES = ("grpo", "stepwise", "tree", "mixed")
 TINY_MODEL_NAMES = ("debug-llama", "tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
 """Debug-size model configs with random weights (``megatron_psrl.model.tiny``)."""
 
+MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
+"""megatron's MoE token dispatchers (``--moe-token-dispatcher-type``; ``megatron_psrl.model.moe``)."""
+
 DEFAULT_TIMEOUT_MINUTES = 10.0
 """Megatron-LM's default for ``--distributed-timeout-minutes``."""
 

@@ -18,10 +18,11 @@ from megatron_psrl.checkpoint.layout import CheckpointInfo, checkpoint_format, i
 from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.checkpoint.state_dict import load_state_into
 from megatron_psrl.errors import CheckpointError, ConfigurationError
-from megatron_psrl.model.adapters import get_adapter
+from megatron_psrl.model.adapters import get_adapter, unfuse_experts
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.model.builder import build_model, parallel_layout
+from megatron_psrl.model.builder import build_model, expert_parallel_layout, parallel_layout
 from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.moe import local_experts
 from megatron_psrl.model.stages import PipelineSplit, stage_counts, virtual_stages
 from megatron_psrl.model.tiny import tiny_config
 
@@ -111,7 +112,7 @@ def check_finite(tensor: Tensor, path: str, name: str, refuse: bool = True) -> N
 
 
 def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: int, stage: int,
-                       split: PipelineSplit) -> Dict[str, Tensor]:
+                       split: PipelineSplit, ep_rank: int = 0, ep: int = 1) -> Dict[str, Tensor]:
     """One rank's shard of a HF folder (tensor-parallel rank ``tp_rank``, (virtual) pipeline
     stage ``stage`` of ``split``), reading only that rank's slices of the files: its layers,
     and of each tensor the rows or columns it holds (safetensors ``get_slice``). Host memory
@@ -122,7 +123,8 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
     groups, FFN width and layers) with a reader that returns the matching slices; megatron's
     layouts (grouped QKV, [gate; up]) are per group / per row block, so the local result is
     exactly the TP shard. Tensors this stage does not hold come back as meta tensors (no
-    memory) and are dropped."""
+    memory) and are dropped. MoE models: only the experts of expert-parallel rank ``ep_rank``
+    of ``ep`` are read, renumbered from 0 (:func:`~megatron_psrl.model.moe.local_experts`)."""
     reader = HFCheckpointReader(hf_dir)
     shapes = get_adapter(arch).hf_shapes()
     missing = [k for k in shapes if k not in reader.weight_map]
@@ -162,6 +164,9 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
             return reader.get(name, shapes[name]) if last else torch.empty(shapes[name], device="meta")
         full_name = f"model.layers.{int(m.group(1)) + offset}.{m.group(2)}"
         suffix, shape = m.group(2), shapes[full_name]
+        expert = re.match(r"^mlp\.experts\.(\d+)\.", suffix)
+        if expert is not None and int(expert.group(1)) // (arch.num_experts // ep) != ep_rank:
+            return torch.empty(shape, device="meta")  # another expert-parallel rank's expert
         if suffix.startswith("self_attn.q_proj."):
             return reader.get_slice(full_name, 0, *heads, shape)
         if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
@@ -175,6 +180,8 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
         return reader.get(full_name, shape)  # norms (replicated)
 
     shard = {name: t for name, t in get_adapter(local).hf_to_mcore(get) if not t.is_meta}
+    if arch.is_moe:
+        shard = local_experts(shard, arch, ep_rank, ep)
     if last and arch.tie_word_embeddings and len(counts) > 1:  # megatron's copy of the tied embeddings
         shard["output_layer.weight"] = shard["embedding.word_embeddings.weight"] if first else \
             shard.pop("embedding.word_embeddings.weight")
@@ -188,6 +195,8 @@ def hf_memory_state_dict(state_dict: Dict[str, Tensor], arch: ModelArchitecture,
     buffers, as a transformers ``state_dict()`` holds them)."""
     adapter = get_adapter(arch)
     shapes = adapter.hf_shapes()
+    if arch.is_moe:  # transformers keeps the experts fused in memory
+        state_dict = unfuse_experts(state_dict)
     missing = [k for k in shapes if k not in state_dict]
     if missing:
         raise ConfigurationError(f"the state dict lacks tensors of a {arch.model_type} model: {missing[:5]}")
@@ -232,6 +241,7 @@ def load_model(
     of an even split into PP x V); ``config_overrides``: TransformerConfig fields (activation
     recomputation)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
+    ep_rank, ep = expert_parallel_layout()
     vpp = virtual_pipeline_size
     split = tuple(pipeline_layers) if pipeline_layers else pp * vpp
     stages = virtual_stages(pp_rank, pp, vpp)
@@ -241,11 +251,12 @@ def load_model(
         return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides), None
     if source.hf_dir:  # only this rank's slices are read
         arch = ModelArchitecture.from_hf_dir(source.hf_dir)
-        shards = [hf_rank_state_dict(source.hf_dir, arch, tp_rank, tp, s, split) for s in stages]
+        shards = [hf_rank_state_dict(source.hf_dir, arch, tp_rank, tp, s, split, ep_rank, ep) for s in stages]
     elif source.hf_config is not None:
         arch = ModelArchitecture.from_hf_config(source.hf_config)
         sharded = shard_state_dict(hf_memory_state_dict(source.hf_state_dict, arch), arch, tp, split)
-        shards = [sharded[(tp_rank, s)] for s in stages]
+        shards = [local_experts(sharded[(tp_rank, s)], arch, ep_rank, ep) if arch.is_moe else sharded[(tp_rank, s)]
+                  for s in stages]
     elif checkpoint_format(source.checkpoint) == "torch_dist":  # megatron reads this rank's slices
         it_dir, info = read_checkpoint_info(source.checkpoint)
         model = build_model(info.architecture, dtype, device, transformer_impl, pipeline_layers, vpp,

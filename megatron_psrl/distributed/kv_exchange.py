@@ -17,7 +17,15 @@ waits for a message that is never sent):
   accumulated in their replicas of a prefix, summed into the owner's gradient blocks before
   the owner's backward injects them.
 
-NCCL on CUDA, gloo on CPU: ``all_to_all_single`` with uneven splits works on both.
+NCCL on CUDA, gloo on CPU: ``all_to_all_single`` with uneven splits works on both, but not
+with empty ones on NCCL: a split of zero rows, or a rank that sends or receives nothing, is a
+known hang class of NCCL's all-to-all (pytorch/pytorch#146468, NVIDIA/nccl#1593), here all the
+more likely as the backward exchange runs on the autograd thread. A cross-rank plan leaves
+empty splits everywhere (a fragment reads from one peer, not all), so every empty split
+carries one padding row instead (sender and receiver agree: one's send count is the other's
+receive count), and no split and no tensor of the collective is ever empty. A step where no
+rank of the group sends anything issues no collective at all (the plan's
+``forward_collective`` / ``backward_collective``, the same on every rank).
 """
 
 from __future__ import annotations
@@ -31,10 +39,30 @@ Tensor = torch.Tensor
 
 
 def _all_to_all(send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group) -> Tensor:
-    """Rows ``send`` split by ``send_counts`` per destination -> rows received per source."""
-    out = send.new_empty((int(sum(recv_counts)),) + tuple(send.shape[1:]))
-    dist.all_to_all_single(out, send.contiguous(), list(map(int, recv_counts)), list(map(int, send_counts)), group=group)
-    return out
+    """Rows ``send`` split by ``send_counts`` per destination -> rows received per source (see
+    the module docstring: an empty split travels as one padding row, dropped on arrival)."""
+    send_counts, recv_counts = list(map(int, send_counts)), list(map(int, recv_counts))
+    row_shape = tuple(send.shape[1:])
+    send = send.contiguous()
+    if all(send_counts) and all(recv_counts):
+        out = send.new_empty((sum(recv_counts),) + row_shape)
+        dist.all_to_all_single(out, send, recv_counts, send_counts, group=group)
+        return out
+    pad = send.new_zeros((1,) + row_shape)
+    pieces, offset = [], 0
+    for count in send_counts:
+        pieces.append(send[offset:offset + count] if count else pad)
+        offset += count
+    padded_recv = [max(count, 1) for count in recv_counts]
+    out = send.new_empty((sum(padded_recv),) + row_shape)
+    dist.all_to_all_single(out, torch.cat(pieces), padded_recv, [max(count, 1) for count in send_counts],
+                           group=group)
+    kept, offset = [], 0
+    for count, padded in zip(recv_counts, padded_recv):
+        if count:
+            kept.append(out[offset:offset + count])
+        offset += padded
+    return torch.cat(kept) if kept else out[:0]
 
 
 class ExchangeKV(torch.autograd.Function):

@@ -126,12 +126,14 @@ def initialize_parallel(
     device: str = "auto",
     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> ParallelLayout:
     """Initialise torch.distributed (if needed), megatron's parallel_state, and RNG seeds.
 
     ``timeout_minutes`` (``--distributed-timeout-minutes``) bounds every collective: a rank
     that waits longer on a stopped or dead peer raises an error naming the operation and the
-    peer (see :mod:`megatron_psrl.distributed.monitor`)."""
+    peer (see :mod:`megatron_psrl.distributed.monitor`). ``expert_model_parallel_size``: MoE
+    experts split over that many data-parallel ranks (megatron's expert-parallel groups)."""
     dev = pick_device(device)
     if not dist.is_initialized():
         # On CUDA: NCCL for tensors on the GPU and gloo for CPU tensors (object collectives,
@@ -156,17 +158,23 @@ def initialize_parallel(
                 f"{layout} needs {model_ranks} processes, this is one: launch with "
                 f"`torchrun --nproc_per_node {model_ranks} ...` (or a multiple of {model_ranks} for data parallelism)")
         raise ConfigurationError(f"world size {world} is not a multiple of {layout}")
+    if expert_model_parallel_size < 1 or (world // (tensor_parallel_size * pipeline_parallel_size)) % expert_model_parallel_size:
+        raise ConfigurationError(f"--expert-model-parallel-size {expert_model_parallel_size} must divide the "
+                                 f"{world // (tensor_parallel_size * pipeline_parallel_size)} data x context "
+                                 "parallel ranks (experts are split over data-parallel ranks)")
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size
             or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel_size
             or parallel_state.get_context_parallel_world_size() != context_parallel_size
+            or parallel_state.get_expert_model_parallel_world_size() != expert_model_parallel_size
         ):
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         # Its sub-groups get the same timeout (megatron takes minutes; fractions work).
         parallel_state.initialize_model_parallel(
             tensor_parallel_size, pipeline_parallel_size, context_parallel_size=context_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
             distributed_timeout_minutes=timeout_delta(timeout_minutes).total_seconds() / 60.0,
         )
     seed_model_parallel_rng(seed, dev)

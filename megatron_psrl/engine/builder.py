@@ -20,7 +20,6 @@ function of the config and what the steps before it made; read them top to botto
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -58,7 +57,7 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     ``layout``: process groups the caller opened already with ``config``'s sizes (the command
     line opens them before its start-up checks); their RNG is seeded again here, as opening
     them would. ``for_training=False``: no optimizer (a log-prob-only engine). ``log``: where
-    notes and warnings go (None: warnings through :mod:`warnings`, notes dropped)."""
+    notes and warnings go (None: dropped)."""
     say = log or (lambda msg: None)
     layout = process_groups(config, layout)
     impl = layer_spec(config, layout.device)
@@ -66,7 +65,7 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     resume = resume_point(source, layout, vpp, split, load_optimizer and for_training)
     overrides = recompute_overrides(config, layout)
     arch, model, optimizer = model_and_optimizer(source, config, layout, impl, vpp, split, overrides, resume,
-                                                 load_optimizer, for_training, say, warn_to_log=log is not None)
+                                                 load_optimizer, for_training, say)
     geometry, plan_geometry = kv_geometry(arch, config, layout, vpp, split)
     placement, flop_model, measured = placement_and_costs(config, layout, arch, model, geometry,
                                                           recompute=bool(overrides), log=say)
@@ -91,11 +90,16 @@ def process_groups(config: ActorConfig, layout: Optional[ParallelLayout]) -> Par
     if layout is None:
         return initialize_parallel(
             config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed, config.device,
-            timeout_minutes=config.distributed_timeout_minutes, context_parallel_size=config.context_parallel_size)
-    sizes = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.context_parallel_size)
-    wanted = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size)
+            timeout_minutes=config.distributed_timeout_minutes, context_parallel_size=config.context_parallel_size,
+            expert_model_parallel_size=config.expert_model_parallel_size)
+    from megatron.core import parallel_state
+
+    sizes = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.context_parallel_size,
+             parallel_state.get_expert_model_parallel_world_size())
+    wanted = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size,
+              config.expert_model_parallel_size)
     if sizes != wanted:
-        raise ConfigurationError(f"the process groups opened have TP/PP/CP {sizes}, the config asks for {wanted}")
+        raise ConfigurationError(f"the process groups opened have TP/PP/CP/EP {sizes}, the config asks for {wanted}")
     seed_model_parallel_rng(config.seed, layout.device)
     return layout
 
@@ -176,11 +180,12 @@ def recompute_overrides(config: ActorConfig, layout: ParallelLayout) -> Dict[str
 
 def model_and_optimizer(source: ModelSource, config: ActorConfig, layout: ParallelLayout, impl: str, vpp: int,
                         split, overrides: Dict[str, object], resume: ResumePoint, load_optimizer: bool,
-                        for_training: bool, log: Log, warn_to_log: bool):
+                        for_training: bool, log: Log):
     """``(architecture, model, optimizer)``: the rank's chunks with the source's weights, and
     (for training) the optimizer with the checkpoint's state when it has one."""
     device, dtype = layout.device, config.torch_dtype
     uneven = not isinstance(split, int)
+    overrides = dict(overrides, **moe_overrides(config, source_architecture(source)))
     arch, model, optimizer_state = load_model(
         source, dtype=dtype, device=device, transformer_impl=impl, pipeline_layers=split if uneven else None,
         virtual_pipeline_size=vpp, config_overrides=overrides)
@@ -190,21 +195,23 @@ def model_and_optimizer(source: ModelSource, config: ActorConfig, layout: Parall
     if not for_training:  # a log-prob-only engine holds no optimizer (no fp32 master copies)
         return arch, model, None
     optimizer = build_optimizer(model, config.optimizer, device)
-    overlaps = [flag for flag, on in (("--overlap-grad-reduce", config.optimizer.overlap_grad_reduce),
-                                      ("--overlap-param-gather", config.optimizer.overlap_param_gather)) if on]
-    if overlaps and device.type != "cuda":
-        note = (f"{' and '.join(overlaps)} {'has' if len(overlaps) == 1 else 'have'} no effect on CPU "
-                "(megatron's DDP needs CUDA; gradients are all-reduced over gloo after the backward pass)")
-        if warn_to_log:
-            log(f"warning: {note}")
-        elif layout.rank == 0:
-            warnings.warn(note, stacklevel=4)
     if optimizer_state and load_optimizer:
         optimizer.load_state_dict(optimizer_state)
     if resume.dist_checkpoint is not None:
         with layout.monitor.phase("optimizer state load"):
             load_training_state(resume.dist_checkpoint, model, optimizer, resume.same_layout)
     return arch, model, optimizer
+
+
+def moe_overrides(config: ActorConfig, arch) -> Dict[str, object]:
+    """megatron's TransformerConfig fields of the MoE flags (an MoE model), or a refusal of MoE
+    flags for a dense model."""
+    if arch.is_moe:
+        return config.moe_overrides()
+    if config.expert_model_parallel_size > 1 or config.moe_grouped_gemm:
+        raise ConfigurationError(f"--expert-model-parallel-size / --moe-grouped-gemm apply to mixture-of-experts "
+                                 f"models; this is a dense {arch.model_type} model")
+    return {}
 
 
 def kv_geometry(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, split) -> Tuple[KVGeometry, KVGeometry]:
@@ -224,6 +231,8 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     an exchange group, the planner weighs compute against transfers measured on this model at
     start-up."""
     whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute)
+    if config.expert_model_parallel_size > 1:  # the MoE lockstep does not order K/V exchanges
+        whole_tree_only = list(whole_tree_only) + ["expert parallelism"]
     placement = "whole-tree" if whole_tree_only else config.placement
     if whole_tree_only and config.placement == "cross-rank":
         log(f"note: --placement cross-rank is not available with {' and '.join(whole_tree_only)} yet; "

@@ -10,7 +10,9 @@ run that may place tree fragments across ranks measures, on its own model:
 - seconds per byte and per exchange of the prefix K/V all-to-all over the exchange group.
 
 The measurements are averaged over all ranks, so every rank plans with the same numbers (the
-plans, and so the collectives, must be identical everywhere). ``--cost-profile FILE`` stores
+plans, and so the collectives, must be identical everywhere). The measuring passes leave no
+gradient behind (:func:`discard_gradients`): the optimizer exists already, and its first step
+must see only its own batch's gradients. ``--cost-profile FILE`` stores
 them and reuses them on later runs of the same model, dtype, device and parallel layout.
 """
 
@@ -87,6 +89,18 @@ def median_seconds(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
+def discard_gradients(model) -> None:
+    """Drop every gradient a backward pass left in ``model``: ``.grad``, and megatron DDP's fp32
+    ``main_grad`` buffer its hooks moved it into (the optimizer's main-parameter gradients are
+    only filled from that buffer by its step). DDP's ``--overlap-grad-reduce`` bookkeeping
+    counts nothing outside a step (``TrainingOptimizer`` holds its buckets)."""
+    for p in model.parameters():
+        p.grad = None
+        main_grad = getattr(p, "main_grad", None)
+        if main_grad is not None:
+            main_grad.zero_()
+
+
 def pack_step(model, vocab_size: int, device, segments: List[int], rows: int):
     """Forward + backward of one synthetic pack: ``segments`` causal chains, ``rows`` logits."""
     n = int(sum(segments))
@@ -103,7 +117,7 @@ def pack_step(model, vocab_size: int, device, segments: List[int], rows: int):
             logp, _ = vocab_parallel_logprobs(logits, ids[:rows], vocab_size)
             loss = loss + logp.sum()
         loss.backward()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # (megatron's DDP hooks moved it to main_grad already)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -121,11 +135,15 @@ def measure_compute(model, vocab_size: int, device, max_tokens: int, repeats: in
         ([n], n // 2),
     ]
     rows_a, times = [], []
-    for segments, rows in configs:
-        tokens = sum(segments)
-        keys = sum(s * (s + 1) // 2 for s in segments)
-        rows_a.append([tokens, keys, rows, 1.0])
-        times.append(median_seconds(pack_step(model, vocab_size, device, segments, rows), repeats))
+    try:
+        for segments, rows in configs:
+            tokens = sum(segments)
+            keys = sum(s * (s + 1) // 2 for s in segments)
+            rows_a.append([tokens, keys, rows, 1.0])
+            times.append(median_seconds(pack_step(model, vocab_size, device, segments, rows), repeats))
+    finally:
+        # Once, not per pass: zeroing a large model's fp32 buffer would count as per-pass cost.
+        discard_gradients(model)
     coef, *_ = np.linalg.lstsq(np.asarray(rows_a, dtype=np.float64), np.asarray(times), rcond=None)
     floor = np.array([1e-12, 1e-15, 1e-12, 0.0])
     return np.maximum(coef, floor)

@@ -16,7 +16,7 @@ from megatron_psrl.checkpoint.layout import check_ckpt_format
 from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES
 from megatron_psrl.engine.optimizer import OptimizerSettings
 from megatron_psrl.errors import ConfigurationError
-from megatron_psrl.options import DEFAULT_CKPT_FORMAT, PLACEMENTS, SHARING_MODES
+from megatron_psrl.options import DEFAULT_CKPT_FORMAT, MOE_TOKEN_DISPATCHERS, PLACEMENTS, SHARING_MODES
 from megatron_psrl.rl.loss import LossConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,11 +64,28 @@ class ActorConfig:
     context_parallel_size: int = 1
     """CP size: a CP group shares the fragments of the same trees (``--context-parallel-size``)."""
 
+    expert_model_parallel_size: int = 1
+    """MoE models: EP size, the experts split over that many data-parallel ranks
+    (``--expert-model-parallel-size``; docs/moe.md)."""
+
+    moe_token_dispatcher_type: str = "allgather"
+    """MoE models: megatron's token dispatcher, ``allgather`` or ``alltoall``
+    (``--moe-token-dispatcher-type``)."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models: the load-balancing loss's coefficient (``--moe-aux-loss-coeff``). Only 0 is
+    supported yet: with prefix sharing a shared token is routed once, so the loss's statistics
+    would differ from the per-sample batch's."""
+
+    moe_grouped_gemm: bool = False
+    """MoE models: megatron's grouped-GEMM experts (``--moe-grouped-gemm``; CUDA only)."""
+
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
 
     dtype: str = "float32"
-    """Parameter and compute dtype: ``float32``, ``bfloat16`` or ``float16`` (CUDA only)."""
+    """Parameter and compute dtype: ``float32``, ``bfloat16`` or ``float16`` (megatron's dynamic loss
+    scaling; runs on CPU too, slowly: use it there to check numerics)."""
 
     transformer_impl: str = "auto"
     """megatron layer spec: ``local``, ``transformer_engine`` or ``auto``."""
@@ -116,7 +133,7 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "micro_batch_tokens"):
+                     "expert_model_parallel_size", "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.recompute_granularity not in (None, "full", "selective"):
@@ -137,6 +154,43 @@ class ActorConfig:
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         check_ckpt_format(self.ckpt_format)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
+            raise ConfigurationError(f"moe_token_dispatcher_type must be one of {MOE_TOKEN_DISPATCHERS}, "
+                                     f"got {self.moe_token_dispatcher_type!r}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigurationError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_aux_loss_coeff > 0:
+            if self.prefix_sharing != "none":
+                raise ConfigurationError("--moe-aux-loss-coeff > 0 is not supported with prefix sharing: a shared "
+                                         "token is routed once, so the load-balancing loss's statistics would differ "
+                                         "from the per-sample batch's")
+            raise ConfigurationError("--moe-aux-loss-coeff > 0 is not supported yet: megatron computes it per "
+                                     "micro-batch, whose tokens follow the packing, not the batch")
+        if self.moe_grouped_gemm and self.device == "cpu":
+            raise ConfigurationError("--moe-grouped-gemm needs CUDA (its kernels are GPU-only); on CPU the experts "
+                                     "run one by one (megatron's SequentialMLP)")
+        if self.expert_model_parallel_size > 1:
+            unsupported = [what for what, on in (
+                ("--tensor-model-parallel-size > 1", self.tensor_model_parallel_size > 1),
+                ("--pipeline-model-parallel-size > 1", self.pipeline_model_parallel_size > 1),
+                ("--context-parallel-size > 1", self.context_parallel_size > 1),
+                ("activation recomputation", self.recompute_granularity is not None),
+                ("--placement cross-rank", self.placement == "cross-rank")) if on]
+            if unsupported:
+                raise ConfigurationError(f"--expert-model-parallel-size > 1 with {', '.join(unsupported)} is not "
+                                         "supported yet (expert parallelism runs with data parallelism only)")
+            if self.moe_token_dispatcher_type != "alltoall":
+                raise ConfigurationError("--expert-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall: "
+                                         "the allgather dispatcher needs the same token count on every expert-parallel "
+                                         "rank, and tree-packed micro-batches differ")
+
+    def moe_overrides(self) -> dict:
+        """megatron TransformerConfig fields of the MoE flags (used for MoE models only)."""
+        return dict(moe_token_dispatcher_type=self.moe_token_dispatcher_type, moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+                    moe_grouped_gemm=self.moe_grouped_gemm)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -249,6 +249,18 @@ class ComputedLogprobs:
         return torch.cat([e.float() for e in self._entropy]).cpu().numpy()
 
 
+def _expert_parallel_group(model):
+    """The expert-parallel group of an MoE model with EP > 1, else None."""
+    from megatron.core import parallel_state
+
+    config = model_chunks(model)[0].config
+    if not getattr(config, "num_moe_experts", None) or not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_expert_model_parallel_group()
+
+
 class StepRunner:
     """Runs micro-batches of a plan through a model on this rank."""
 
@@ -278,6 +290,12 @@ class StepRunner:
         """Process group of the ranks that exchange prefix K/V (cross-rank plans)."""
         self._gather_in_backward = False
         """This step's memory plan has readers gather cached K/V again in backward."""
+        self.expert_group = _expert_parallel_group(model)
+        """MoE models with expert parallelism: the ranks whose MoE layers exchange tokens in every
+        forward and backward pass (their passes run in lockstep, :class:`ExpertLockstep`)."""
+        self._lockstep = None
+        self.last_empty_expert_passes = 0
+        """Empty MoE passes this rank ran in its last call to keep its expert-parallel group in step."""
 
     # ------------------------------------------------------------------ one forward
     def _forward(
@@ -316,7 +334,9 @@ class StepRunner:
             # (a collective), even a rank whose fragment claims nothing: a zero "anchor" loss.
             # Injected prefix gradients (recomputation) need a root that reaches every layer too.
             injecting = hook is not None and hook.injects
-            anchor = (hidden.sum() * 0.0) if ((exchanging or injecting) and grad) else None
+            # Expert parallelism: every forward with a graph has its backward (the lockstep's plan).
+            anchor = (hidden.sum() * 0.0) if ((exchanging or injecting or self.expert_group is not None)
+                                              and grad) else None
             if len(rows) == 0:
                 return anchor, {}, None, hook
             loss, metrics, logp = self._loss_head(plan, pack, hidden, rows, loss_cfg, coefficients, record)
@@ -407,6 +427,42 @@ class StepRunner:
                 for j, layer in enumerate(layers):
                     cache.accumulate_grad(s, layer, chunk[:, j, 0], chunk[:, j, 1])
 
+    # ------------------------------------------------------------------ expert parallelism
+    @staticmethod
+    def _train_passes(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Tuple[str, int]]:
+        """This rank's passes of a training step in order (:data:`megatron_psrl.model.moe.Pass`):
+        ``P`` forward + backward, ``K`` a kept graph's forward and ``B`` its backward, ``N`` a
+        forward whose graph is dropped (recomputed by a ``P`` at its backward)."""
+        passes = []
+        for op, i in rank_plan.schedule:
+            keep = memory.keep_graph.get(i, True) if memory is not None else True
+            if op == "forward_backward":
+                passes.append(("P", i))
+            elif op == "forward":
+                passes.append(("K" if keep else "N", i))
+            else:
+                passes.append(("B" if keep else "P", i))
+        return passes
+
+    def _start_lockstep(self, passes: List[Tuple[str, int]]):
+        """``lock(kind)``, called before each pass: without expert parallelism it does nothing;
+        with it, it first runs the empty passes the group's common schedule puts before it."""
+        if self.expert_group is None:
+            return lambda symbol: None
+        from megatron_psrl.model.moe import ExpertLockstep, moe_layers
+
+        layers = [layer for chunk in model_chunks(self.model) for layer in moe_layers(chunk)]
+        config = model_chunks(self.model)[0].config
+        self._lockstep = ExpertLockstep(layers, self.expert_group, passes, config.hidden_size, config.params_dtype,
+                                        self.device)
+        return self._lockstep.own
+
+    def _finish_lockstep(self) -> None:
+        if self._lockstep is not None:
+            self._lockstep.finish()
+            self.last_empty_expert_passes = self._lockstep.empty_passes
+            self._lockstep = None
+
     def _claimed_rows(self, plan: StepPlan, pack: PackedMicroBatch) -> np.ndarray:
         t = pack.logit_targets
         return np.flatnonzero(plan.tree.claim_offsets[t + 1] > plan.tree.claim_offsets[t])
@@ -449,6 +505,7 @@ class StepRunner:
             for k, v in metrics.items():
                 sums.add(k, v)
 
+        lock = self._start_lockstep(self._train_passes(rank_plan, memory))
         for step_idx, (op, i) in enumerate(rank_plan.schedule):
             mb = rank_plan.micro_batches[i]
             if op in ("forward", "forward_backward"):
@@ -457,6 +514,7 @@ class StepRunner:
                 out.key_pairs += pack.key_pairs()
                 rows = self._claimed_rows(plan, pack)
             if op == "forward_backward":
+                lock("P")
                 loss, metrics, _, _ = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=loss_cfg,
                                                     coefficients=coefficients, grad=True, store=False, capture=False,
                                                     record=out.logprobs)
@@ -466,6 +524,7 @@ class StepRunner:
                 for s in mb.produces:
                     cache.allocate(s, rank_plan.sources[s].length, kinds=rank_plan.sources[s].kinds)
                 keep = memory.keep_graph.get(i, True) if memory is not None else True
+                lock("K" if keep else "N")
                 # A dropped graph computes no loss now: the recomputation at backward does.
                 loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows if keep else rows[:0], loss_cfg=loss_cfg,
                                                        coefficients=coefficients, grad=keep, store=True, capture=keep,
@@ -478,6 +537,7 @@ class StepRunner:
             else:  # backward of a producer
                 self._return_replica_grads(rank_plan, i)
                 loss, captured, pack = pending.pop(i)
+                lock("P" if captured is None else "B")  # (a recomputation's backward is part of its P pass)
                 if captured is None:  # graph was dropped: rebuild it
                     rows = self._claimed_rows(plan, pack)
                     loss, metrics, _, hook = self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=loss_cfg,
@@ -497,6 +557,7 @@ class StepRunner:
                     cache.free(s, ("gk", "gv", "k", "v"))
             for s in release_kv_after.get(step_idx, ()):
                 cache.free(s, ("k", "v"))
+        self._finish_lockstep()
         if rank_plan.sources:
             cache.end_step()
         totals = sums.read()
@@ -544,8 +605,10 @@ class StepRunner:
                 raise RuntimeError("a plan with cached prefixes needs a memory plan (plan_forward_memory)")
             cache.begin_step(memory.block_size, memory.pool_blocks)
         last_reader = memory.kv_release_step if rank_plan.sources else {}
+        lock = self._start_lockstep([("N", i) for i in range(len(rank_plan.micro_batches))])
         for i in range(len(rank_plan.micro_batches)):
             mb = rank_plan.micro_batches[i]
+            lock("N")
             for s in mb.produces:
                 if s in last_reader:  # read on this rank later (an owner read only elsewhere holds nothing)
                     cache.allocate(s, rank_plan.sources[s].length, kinds=("k", "v"))
@@ -557,6 +620,7 @@ class StepRunner:
             for s in mb.reads:
                 if last_reader[s] == i:
                     cache.free(s, ("k", "v"))
+        self._finish_lockstep()
         if rank_plan.sources:
             cache.end_step()
         return self._finish(out)

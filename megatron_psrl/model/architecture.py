@@ -1,9 +1,11 @@
 """Model architecture parsed from a Hugging Face config, and its megatron TransformerConfig.
 
 Supported: the Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 families (dense decoder-only, GQA,
-RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm).
-Anything else (MoE, LayerNorm models, unknown RoPE scaling, sliding-window layers) is refused
-with a message naming what is unsupported, before any weight is read.
+RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm),
+and Qwen3-MoE (Qwen3 attention, every layer a top-k mixture of SwiGLU experts without a shared
+expert; docs/moe.md). Anything else (other MoE families, LayerNorm models, unknown RoPE
+scaling, sliding-window layers) is refused with a message naming what is unsupported, before
+any weight is read.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from megatron_psrl.errors import CheckpointError, PsrlError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 _REQUIRED = object()
@@ -166,7 +169,7 @@ class ModelArchitecture:
     """A dense decoder-only transformer of a supported Hugging Face family."""
 
     model_type: str
-    """Hugging Face ``model_type``: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``."""
+    """Hugging Face ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``qwen3_moe``."""
 
     vocab_size: int
     """Vocabulary size (unpadded)."""
@@ -187,7 +190,7 @@ class ModelArchitecture:
     """Per-head width (may differ from hidden_size / num_attention_heads, e.g. Qwen3)."""
 
     ffn_hidden_size: int
-    """SwiGLU intermediate size."""
+    """SwiGLU intermediate size (of the dense MLP; MoE models: see ``moe_ffn_hidden_size``)."""
 
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
@@ -216,6 +219,21 @@ class ModelArchitecture:
     torch_dtype: str = "float32"
     """Parameter dtype of the HF checkpoint (``bfloat16``, ``float16``, ``float32``)."""
 
+    num_experts: Optional[int] = None
+    """Routed experts per MoE layer (None: a dense model)."""
+
+    moe_ffn_hidden_size: Optional[int] = None
+    """SwiGLU intermediate size of one expert (``moe_intermediate_size``)."""
+
+    moe_router_topk: int = 0
+    """Experts each token is routed to (``num_experts_per_tok``)."""
+
+    moe_norm_topk_prob: bool = True
+    """The top-k routing weights are renormalised to sum to one (``norm_topk_prob``): softmax
+    over all experts, top-k, renormalise (megatron: softmax over the top-k logits,
+    ``moe_router_pre_softmax=False``); without it the top-k of the full softmax are used as
+    they are (``moe_router_pre_softmax=True``)."""
+
     hf_config: Dict[str, Any] = field(default_factory=dict)
     """The original config.json content, written back unchanged by mcore-to-hf."""
 
@@ -231,6 +249,14 @@ class ModelArchitecture:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "head_dim", "ffn_hidden_size"):
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
+        if (self.num_experts is not None) != (self.model_type in MOE_MODEL_TYPES):
+            raise UnsupportedModelError(f"model type {self.model_type!r} with num_experts={self.num_experts}")
+        if self.is_moe:
+            if not self.moe_ffn_hidden_size or self.moe_ffn_hidden_size <= 0:
+                raise UnsupportedModelError(f"moe_intermediate_size must be positive, got {self.moe_ffn_hidden_size}")
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise UnsupportedModelError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                            f"got {self.moe_router_topk}")
 
     # ------------------------------------------------------------------ HF parsing
     @classmethod
@@ -238,10 +264,10 @@ class ModelArchitecture:
         """Parse (and check) a Hugging Face config.json dict."""
         model_type = hf.get("model_type", "<missing>")
         moe = [k for k in _MOE_KEYS if hf.get(k)]
-        if moe or "moe" in str(model_type) or model_type == "mixtral":
+        if model_type not in MOE_MODEL_TYPES and (moe or "moe" in str(model_type) or model_type == "mixtral"):
             raise UnsupportedModelError(
-                f"mixture-of-experts models are not supported (model_type {model_type!r}"
-                + (f", config keys {moe}" if moe else "") + ")"
+                f"mixture-of-experts models other than {', '.join(MOE_MODEL_TYPES)} are not supported "
+                f"(model_type {model_type!r}" + (f", config keys {moe}" if moe else "") + ")"
             )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -253,10 +279,10 @@ class ModelArchitecture:
             raise UnsupportedModelError(f"unsupported activation {act!r}: only SwiGLU (silu) MLPs are supported")
         if model_type in ("llama", "mistral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
             raise UnsupportedModelError("attention_bias / mlp_bias on Llama-style models is not supported")
-        if model_type == "qwen3" and hf.get("attention_bias"):
+        if model_type in ("qwen3", "qwen3_moe") and hf.get("attention_bias"):
             raise UnsupportedModelError("attention_bias on Qwen3 models is not supported")
         sliding = None
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
             if hf.get("use_sliding_window"):
                 raise UnsupportedModelError("sliding-window attention (use_sliding_window) is not supported")
         elif hf.get("sliding_window") is not None:
@@ -278,7 +304,11 @@ class ModelArchitecture:
         if heads < 1:
             raise UnsupportedModelError(f"num_attention_heads must be positive, got {heads}")
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        moe_fields: Dict[str, Any] = {}
+        if model_type in MOE_MODEL_TYPES:
+            moe_fields = _qwen3_moe_fields(hf, number)
         return cls(
+            **moe_fields,
             model_type=model_type,
             vocab_size=number("vocab_size"),
             hidden_size=hidden,
@@ -291,7 +321,7 @@ class ModelArchitecture:
             max_position_embeddings=number("max_position_embeddings", default=4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=RopeConfig.from_hf(hf),
             initializer_range=number("initializer_range", float, 0.02),
             sliding_window=sliding,
@@ -346,13 +376,66 @@ class ModelArchitecture:
         """1/sqrt(head_dim), times yarn's cos/sin scaling squared (it scales both q and k)."""
         return self.rope.attention_scaling() ** 2 / math.sqrt(self.head_dim)
 
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP is a mixture of experts."""
+        return self.num_experts is not None
+
+    def mlp_parameters(self) -> int:
+        """Parameters of one layer's MLP: SwiGLU, or the experts and the router of an MoE layer."""
+        h = self.hidden_size
+        if self.is_moe:
+            return self.num_experts * (3 * h * self.moe_ffn_hidden_size + h)
+        return 3 * h * self.ffn_hidden_size
+
+    def active_mlp_parameters(self) -> int:
+        """Parameters one token multiplies with in a layer's MLP (MoE: its top-k experts and the
+        router), which its FLOPs are proportional to."""
+        h = self.hidden_size
+        if self.is_moe:
+            return self.moe_router_topk * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+        return 3 * h * self.ffn_hidden_size
+
+    def active_ffn_hidden_size(self) -> int:
+        """The SwiGLU width of a dense MLP with the FLOPs per token of this model's MLP: the
+        intermediate size of a dense model; for MoE, its top-k experts' widths plus the router
+        (the cost model counts the experts a token is routed to, not all of them)."""
+        return max(1, round(self.active_mlp_parameters() / (3 * self.hidden_size)))
+
     def num_parameters(self) -> int:
-        h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        h, hd = self.hidden_size, self.head_dim
         attn = h * hd * (self.num_attention_heads + 2 * self.num_kv_heads) + self.num_attention_heads * hd * h
-        per_layer = attn + 3 * h * f + 2 * h
+        per_layer = attn + self.mlp_parameters() + 2 * h
         if self.qkv_bias:
             per_layer += hd * (self.num_attention_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             per_layer += 2 * hd
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
+
+
+def _qwen3_moe_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.json; refuses the variants not implemented."""
+    num_layers = number("num_hidden_layers")
+    dense = sorted(set(hf.get("mlp_only_layers") or []))
+    step = number("decoder_sparse_step", default=1)
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
+    dense += [i for i in range(num_layers) if (i + 1) % step and i not in dense]
+    if dense:
+        raise UnsupportedModelError(f"Qwen3-MoE with dense MLP layers {sorted(dense)[:8]} (mlp_only_layers / "
+                                    "decoder_sparse_step) is not supported: every layer must be an MoE layer")
+    if hf.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported")
+    # transformers >= 5 saves num_experts as num_local_experts (its attribute map)
+    experts = hf.get("num_experts") if hf.get("num_experts") is not None else hf.get("num_local_experts")
+    if experts is None:
+        raise KeyError("num_experts")
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise UnsupportedModelError(f"field 'num_experts' must be a positive integer, got {experts!r}")
+    return dict(
+        num_experts=experts,
+        moe_ffn_hidden_size=number("moe_intermediate_size"),
+        moe_router_topk=number("num_experts_per_tok"),
+        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )

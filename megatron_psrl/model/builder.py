@@ -32,6 +32,11 @@ def parallel_layout() -> Tuple[int, int, int, int]:
     )
 
 
+def expert_parallel_layout() -> Tuple[int, int]:
+    """``(expert-parallel rank, expert-parallel size)`` of this rank (``(0, 1)`` without EP)."""
+    return (parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size())
+
+
 def build_model(
     arch: ModelArchitecture,
     dtype: torch.dtype = torch.float32,
@@ -46,8 +51,15 @@ def build_model(
     ``virtual_pipeline_size`` V > 1: V chunks of interleaved virtual stages
     (:class:`PsrlModelChunks`)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
+    overrides = dict(config_overrides or {})
+    if arch.is_moe:  # the expert-parallel size megatron's parallel state was opened with
+        from megatron_psrl.model.moe import check_moe_settings, install_moe_runtime
+
+        overrides.setdefault("expert_model_parallel_size", expert_parallel_layout()[1])
+        check_moe_settings(arch, overrides, device, tensor_parallel_size=tp)
+        install_moe_runtime(device)
     config = build_transformer_config(arch, tp, pp, params_dtype=dtype, device=device, pipeline_layers=pipeline_layers,
-                                      virtual_pipeline_size=virtual_pipeline_size, **(config_overrides or {}))
+                                      virtual_pipeline_size=virtual_pipeline_size, **overrides)
     chunks = []
     for v in range(virtual_pipeline_size):
         chunk = PsrlGPTModel(

@@ -95,6 +95,7 @@ def build_transformer_config(
         calculate_per_token_loss=True,
     )
     kwargs.update(transformer_config_overrides(device))
+    kwargs.update(moe_config_fields(arch))
     kwargs.update(overrides)
     with warnings.catch_warnings():
         # selective recompute of core attention: megatron warns that TE's fused attention would
@@ -103,14 +104,40 @@ def build_transformer_config(
         return TransformerConfig(**kwargs)
 
 
-def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local") -> ModuleSpec:
-    """megatron's GPT layer spec with PrefixSharingAttention in the core-attention slot."""
+def moe_config_fields(arch: ModelArchitecture) -> dict:
+    """TransformerConfig fields of an MoE architecture (none for a dense one): Qwen3-MoE's
+    router is megatron's softmax top-k router, renormalised over the top k (``norm_topk_prob``)
+    = softmax over the top-k logits (``moe_router_pre_softmax=False``), else the top k of the
+    softmax over all experts (``moe_router_pre_softmax=True``). Routing is dropless (no capacity
+    factor); the load-balancing loss is off unless ``moe_aux_loss_coeff`` overrides it."""
+    if not arch.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.0,
+        moe_expert_capacity_factor=None,
+    )
+
+
+def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """megatron's GPT layer spec with PrefixSharingAttention in the core-attention slot (MoE
+    architectures: megatron's MoELayer as the MLP; ``moe_grouped_gemm``: its grouped-GEMM experts,
+    GPU only)."""
+    experts = arch.num_experts if arch.is_moe else None
+    grouped = bool(moe_grouped_gemm and experts)
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=grouped,
+                                                          qk_layernorm=arch.qk_norm)
     elif transformer_impl == "local":
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped, normalization="RMSNorm",
+                                        qk_layernorm=arch.qk_norm)
     else:
         raise ConfigurationError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
     spec.submodules.self_attention.submodules.core_attention = PrefixSharingAttention
@@ -149,7 +176,8 @@ class PsrlGPTModel(GPTModel):
     ):
         super().__init__(
             config=config,
-            transformer_layer_spec=build_layer_spec(arch, transformer_impl),
+            transformer_layer_spec=build_layer_spec(arch, transformer_impl,
+                                                    moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False)),
             vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,

@@ -200,7 +200,8 @@ class PolicyActor:
     def forward_backward(self, batch: Batch, loss_fn=None, return_logprobs: bool = True,
                          **loss_overrides) -> StepResult:
         """Forward and backward of the whole global batch; gradients accumulate in the model
-        (call :meth:`optimizer_step`, or let the caller's optimizer use them).
+        (call :meth:`optimizer_step`; with an optimizer, megatron's DDP keeps them in each parameter's
+        ``main_grad``, ``actor.optimizer.main_grad(p)``, not in ``p.grad``).
 
         ``loss_fn``: None for the configured PPO / GRPO loss (``loss_overrides`` change its
         fields for this call: ``clip_eps``, ``kl_coef``, ``entropy_coef``, ``loss_agg``); a

@@ -14,6 +14,7 @@ from megatron_psrl.options import (
     DEFAULT_TIMEOUT_MINUTES,
     LOSS_AGGREGATIONS,
     MEMORY_TRACKING,
+    MOE_TOKEN_DISPATCHERS,
     OPTIMIZERS,
     PLACEMENTS,
     SHARING_MODES,
@@ -82,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="ranks of one CP group share the fragments of the same trees (a sample longer than a "
                         "micro-batch runs on all of them at once), exchanging prefix K/V; gradients sum over DP x CP")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="mixture-of-experts models: experts split over this many data-parallel ranks (docs/moe.md)")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=list(MOE_TOKEN_DISPATCHERS),
+                   help="mixture-of-experts models: megatron's token dispatcher")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="mixture-of-experts models: load-balancing loss coefficient (only 0 yet: with prefix sharing "
+                        "a shared token is routed once, so its statistics would differ from the per-sample batch's)")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="mixture-of-experts models: megatron's grouped-GEMM experts (CUDA only)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")
     g.add_argument("--fp16", action="store_true", help="float16 parameters and compute")
     g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
@@ -139,14 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
     g.add_argument("--sgd-momentum", type=float, default=0.0, help="SGD momentum")
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip; 0 disables")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (CUDA)")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (optimizer state sharded over data-parallel ranks)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="megatron DDP's asynchronous bucketed gradient reduce (CUDA; no effect on CPU). With prefix "
+                   help="megatron DDP's asynchronous bucketed gradient reduce. With prefix "
                         "sharing it starts after the step's last backward pass: the backward pattern follows the "
                         "trees, which megatron's in-backward trigger assumes fixed")
     g.add_argument("--overlap-param-gather", action="store_true",
-                   help="with --use-distributed-optimizer: overlap the parameter all-gather with the next forward "
-                        "pass (CUDA; no effect on CPU)")
+                   help="with --use-distributed-optimizer: overlap the parameter all-gather, launched after the "
+                        "optimizer step, with what follows it (each module waits for its parameters)")
     g.add_argument("--max-skipped-iters", type=int, default=3,
                    help="a step whose loss or gradient norm is not finite is skipped (no change at all); this many "
                         "consecutive skipped steps stop the run with an error")
@@ -195,7 +205,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.bf16 and args.fp16:
         parser.error("--bf16 and --fp16 are exclusive")
     for name in ("train_iters", "micro_batch_tokens", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "context_parallel_size", "log_interval", "max_skipped_iters"):
+                 "context_parallel_size", "expert_model_parallel_size", "log_interval", "max_skipped_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.micro_batch_tokens < MIN_MICRO_BATCH_TOKENS:

@@ -135,6 +135,7 @@ class Trainer:
         self.layout: ParallelLayout = initialize_parallel(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed, args.device,
             timeout_minutes=args.distributed_timeout_minutes, context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
         )
         if args.use_distributed_optimizer and _legacy_checkpoint_with_optimizer(args):
             raise UnsupportedFeatureError(
@@ -321,7 +322,9 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         loss_head_chunk_mb=args.loss_head_chunk_mb, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        context_parallel_size=args.context_parallel_size, device=args.device, dtype=dtype,
+        context_parallel_size=args.context_parallel_size, expert_model_parallel_size=args.expert_model_parallel_size,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_grouped_gemm=args.moe_grouped_gemm, device=args.device, dtype=dtype,
         transformer_impl=args.transformer_impl, attention_backend=args.attention_backend,
         micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,
         prefix_sharing=args.prefix_sharing, placement=args.placement, cost_profile=args.cost_profile,

@@ -97,6 +97,7 @@ def _held_bytes(run):
 
 
 @pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
+@pytest.mark.fresh_process  # heap figures: other tests' threads and garbage must not free or allocate meanwhile
 def test_graph_keeps_what_the_plan_counts_not_the_gathered_copies():
     plan = grpo_plan()
     t = plan.num_tokens

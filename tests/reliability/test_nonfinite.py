@@ -12,7 +12,7 @@ from megatron_psrl.checkpoint.loading import load_full_state_dict
 from megatron_psrl.data import samples_from_dicts
 from megatron_psrl.distributed.setup import initialize_parallel
 from megatron_psrl.engine.checkpointing import save_training_checkpoint
-from megatron_psrl.engine.optimizer import CPUTrainingOptimizer, OptimizerSettings
+from megatron_psrl.engine.optimizer import OptimizerSettings, TrainingOptimizer
 from megatron_psrl.errors import CheckpointWriteError
 from megatron_psrl.model import tiny_config
 from megatron_psrl.model.architecture import ModelArchitecture
@@ -116,24 +116,33 @@ def _tiny_model():
 def test_optimizer_skip_changes_nothing():
     """A NaN gradient: parameters, optimizer state and the learning-rate schedule stay as they were."""
     _, model = _tiny_model()
-    opt = CPUTrainingOptimizer(model, OptimizerSettings(optimizer="adam", lr=1e-3, lr_warmup_iters=4))
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
+    opt = TrainingOptimizer(model, OptimizerSettings(optimizer="adam", lr=1e-3, lr_warmup_iters=4))
+
+    def backward(nan=False):  # gradients of ones (a NaN in the first one), through DDP's main_grad
+        opt.zero_grad()
+        sum(p.sum() for p in model.parameters()).backward()
+        if nan:
+            next(model.parameters()).main_grad.view(-1)[0] = float("nan")
+
+    def adam_state():
+        (inner,) = opt.optimizer.chained_optimizers
+        return {(i, k): v.clone() for i, st in enumerate(inner.optimizer.state.values()) for k, v in st.items()}
+
+    backward()
     assert not opt.step().skipped  # one real step: Adam state exists, lr warmed up once
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = {k: v.clone() for k, v in opt.optimizer.state[opt.masters[0]].items()}
+    state = adam_state()
     lr = opt.lr
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    next(model.parameters()).grad[0] = float("nan")
+    assert state
+    backward(nan=True)
     outcome = opt.step()
     assert outcome.skipped and not np.isfinite(outcome.grad_norm)
     assert all(torch.equal(params[n], p) for n, p in model.named_parameters())
-    assert all(torch.equal(state[k], v) for k, v in opt.optimizer.state[opt.masters[0]].items())
-    assert opt.lr == lr and all(p.grad is None for p in model.parameters())
+    after = adam_state()
+    assert after.keys() == state.keys() and all(torch.equal(state[k], v) for k, v in after.items())
+    assert opt.lr == lr and all(not p.main_grad.any() for p in model.parameters())
     # a caller-side skip (non-finite loss) is the same
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
+    backward()
     assert opt.step(skip=True).skipped and opt.lr == lr
 
 

@@ -58,7 +58,8 @@ def reference_logprobs(hf_model, batch):
 
 
 def _grads(actor):
-    return {n: p.grad.detach().clone() for n, p in actor.model.named_parameters()}
+    """The accumulated gradients: megatron DDP's fp32 main_grad (on CPU as on CUDA)."""
+    return {n: actor.optimizer.main_grad(p).detach().clone() for n, p in actor.model.named_parameters()}
 
 
 def _trained(batch, s):

@@ -30,10 +30,10 @@ def _grad_error(hf, records, micro_batch_tokens):
     fp32 = PolicyActor(hf, ActorConfig(dtype="float32", **cfg))
     fp32.load_hf_state_dict({k: v.float() for k, v in bf16.state_dict_hf().items()})  # the same weights
     results = [actor.forward_backward(records) for actor in (bf16, fp32)]
-    grads = [{n: actor.optimizer.main_grad(p).grad.double() for n, p in actor.model.named_parameters()}
+    grads = [{n: actor.optimizer.main_grad(p).double() for n, p in actor.model.named_parameters()}
              for actor in (bf16, fp32)]
-    for n, p in bf16.model.named_parameters():  # bf16 gradients live in the fp32 main copies
-        assert p.grad is None and bf16.optimizer.main_grad(p).grad.dtype == torch.float32, n
+    for n, p in bf16.model.named_parameters():  # bf16 gradients live in DDP's fp32 main_grad
+        assert p.grad is None and bf16.optimizer.main_grad(p).dtype == torch.float32, n
     diff = sum(float((grads[0][n] - g).norm()) ** 2 for n, g in grads[1].items()) ** 0.5
     total = sum(float(g.norm()) ** 2 for g in grads[1].values()) ** 0.5
     worst = max(float((grads[0][n] - g).norm() / g.norm()) for n, g in grads[1].items() if g.norm() > 0)

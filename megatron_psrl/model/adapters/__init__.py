@@ -2,9 +2,10 @@
 
 from megatron_psrl.model.adapters.base import LlamaStyleAdapter
 from megatron_psrl.model.adapters.qwen import Qwen2Adapter, Qwen3Adapter
+from megatron_psrl.model.adapters.qwen3_moe import Qwen3MoeAdapter, unfuse_experts
 from megatron_psrl.model.architecture import ModelArchitecture, UnsupportedModelError
 
-_ADAPTERS = {t: cls for cls in (LlamaStyleAdapter, Qwen2Adapter, Qwen3Adapter) for t in cls.model_types}
+_ADAPTERS = {t: cls for cls in (LlamaStyleAdapter, Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter) for t in cls.model_types}
 
 
 def get_adapter(arch: ModelArchitecture) -> LlamaStyleAdapter:
@@ -15,4 +16,4 @@ def get_adapter(arch: ModelArchitecture) -> LlamaStyleAdapter:
         raise UnsupportedModelError(f"no state-dict adapter for model type {arch.model_type!r}") from None
 
 
-__all__ = ["LlamaStyleAdapter", "Qwen2Adapter", "Qwen3Adapter", "get_adapter"]
+__all__ = ["LlamaStyleAdapter", "Qwen2Adapter", "Qwen3Adapter", "Qwen3MoeAdapter", "get_adapter", "unfuse_experts"]

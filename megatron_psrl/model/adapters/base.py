@@ -34,7 +34,7 @@ class LlamaStyleAdapter:
     def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """Shapes of one layer's HF tensors, by name suffix after ``model.layers.{i}.``."""
         a = self.arch
-        h, f = a.hidden_size, a.ffn_hidden_size
+        h = a.hidden_size
         q, kv = a.num_attention_heads * a.head_dim, a.num_kv_heads * a.head_dim
         return {
             "input_layernorm.weight": (h,),
@@ -43,10 +43,13 @@ class LlamaStyleAdapter:
             "self_attn.v_proj.weight": (kv, h),
             "self_attn.o_proj.weight": (h, q),
             "post_attention_layernorm.weight": (h,),
-            "mlp.gate_proj.weight": (f, h),
-            "mlp.up_proj.weight": (f, h),
-            "mlp.down_proj.weight": (h, f),
+            **self.hf_mlp_shapes(),
         }
+
+    def hf_mlp_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Shapes of one layer's MLP tensors, by name suffix after ``model.layers.{i}.``."""
+        h, f = self.arch.hidden_size, self.arch.ffn_hidden_size
+        return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
 
     def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """Every tensor the HF checkpoint must contain, with the shape config.json implies."""
@@ -90,6 +93,16 @@ class LlamaStyleAdapter:
     def _attention_extras_to_hf(self, mcore: Dict[str, Tensor], hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
         return iter(())
 
+    def _mlp_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        yield mc + "mlp.linear_fc1.weight", torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], 0)
+        yield mc + "mlp.linear_fc2.weight", get(hf + "mlp.down_proj.weight")
+
+    def _mlp_to_hf(self, mcore: Dict[str, Tensor], hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        gate, up = torch.chunk(mcore[mc + "mlp.linear_fc1.weight"], 2, dim=0)
+        yield hf + "mlp.gate_proj.weight", gate.clone()
+        yield hf + "mlp.up_proj.weight", up.clone()
+        yield hf + "mlp.down_proj.weight", mcore[mc + "mlp.linear_fc2.weight"]
+
     # ------------------------------------------------------------------ conversion
     def hf_to_mcore(self, get: GetTensor) -> Iterator[Tuple[str, Tensor]]:
         """Yield full megatron tensors, reading HF tensors lazily through ``get(name)``."""
@@ -103,8 +116,7 @@ class LlamaStyleAdapter:
             yield from self._attention_extras_to_mcore(get, hf, mc)
             yield mc + "self_attention.linear_proj.weight", get(hf + "self_attn.o_proj.weight")
             yield mc + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
-            yield mc + "mlp.linear_fc1.weight", torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], 0)
-            yield mc + "mlp.linear_fc2.weight", get(hf + "mlp.down_proj.weight")
+            yield from self._mlp_to_mcore(get, hf, mc)
         yield "decoder.final_layernorm.weight", get("model.norm.weight")
         if not self.arch.tie_word_embeddings:
             yield "output_layer.weight", get("lm_head.weight")
@@ -122,10 +134,7 @@ class LlamaStyleAdapter:
             yield from self._attention_extras_to_hf(mcore, hf, mc)
             yield hf + "self_attn.o_proj.weight", mcore[mc + "self_attention.linear_proj.weight"]
             yield hf + "post_attention_layernorm.weight", mcore[mc + "pre_mlp_layernorm.weight"]
-            gate, up = torch.chunk(mcore[mc + "mlp.linear_fc1.weight"], 2, dim=0)
-            yield hf + "mlp.gate_proj.weight", gate.clone()
-            yield hf + "mlp.up_proj.weight", up.clone()
-            yield hf + "mlp.down_proj.weight", mcore[mc + "mlp.linear_fc2.weight"]
+            yield from self._mlp_to_hf(mcore, hf, mc)
         yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
         if not self.arch.tie_word_embeddings:
             yield "lm_head.weight", mcore["output_layer.weight"]

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from megatron_psrl.attention import TreeAttentionMetadata, tree_plan
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.checkpoint.sharding import merge_state_dicts
-from megatron_psrl.distributed.grad_sync import allreduce_tensor_parallel_partial_gradients
 from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel
+from megatron_psrl.engine.optimizer import OptimizerSettings, TrainingOptimizer
 from megatron_psrl.model import vocab_parallel_logprobs
 
 
@@ -45,13 +45,16 @@ def main():
     results = {}
     for case in spec["cases"]:
         arch, model, _ = load_model(ModelSource(hf_dir=case["hf_dir"]))
+        # megatron's DDP before the backward: its hooks accumulate the gradients in main_grad.
+        optimizer = TrainingOptimizer(model, OptimizerSettings(lr=0.0))
         out = forward(model, arch, pack)
         loss = sum(lp.sum() + pack["entropy_coef"] * ent.sum() for lp, ent in out.values())
         loss.backward()
-        raw = {n: prm.grad.detach().clone() for n, prm in model.named_parameters()}
-        # What the optimizer does before stepping: sum the TP-partial (q/k norm) gradients.
-        allreduce_tensor_parallel_partial_gradients(model)
-        grads = {n: prm.grad.detach().clone() for n, prm in model.named_parameters()}
+        raw = {n: prm.main_grad.detach().clone() for n, prm in model.named_parameters()}
+        # What the optimizer does before stepping (megatron's finalize_model_grads): sum the
+        # TP-partial (q/k norm) gradients.
+        optimizer.reduce_gradients()
+        grads = {n: prm.main_grad.detach().clone() for n, prm in model.named_parameters()}
         gathered = [None, None]
         dist.all_gather_object(gathered, grads)
         merged = merge_state_dicts({(r, 0): gathered[r] for r in range(2)}, arch, 2, 1)

@@ -19,7 +19,7 @@ from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.checkpoint.sharding import merge_state_dicts
 from megatron_psrl.distributed.setup import exchange_group_of, initialize_parallel, shutdown_parallel
 from megatron_psrl.engine.logprobs import compute_logprobs
-from megatron_psrl.engine.optimizer import CPUTrainingOptimizer, OptimizerSettings
+from megatron_psrl.engine.optimizer import OptimizerSettings, TrainingOptimizer
 from megatron_psrl.engine.planning import plan_with_memory
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory_group
@@ -52,12 +52,13 @@ plan, memories, mode = plan_with_memory(build_prefix_tree(batch), config,
 me = layout.placement_rank
 cache = BlockKVCache(geom, args.kv_budget)
 runner = StepRunner(model, arch.vocab_size, torch.device("cpu"), kv_cache=cache, exchange_group=group)
+# megatron's DDP before the backward: its hooks accumulate the gradients in main_grad
+optimizer = TrainingOptimizer(model, OptimizerSettings(lr=0.0))
 out = runner.train(plan, me, cfg, memories[me])
-optimizer = CPUTrainingOptimizer(model, OptimizerSettings(lr=0.0))
 optimizer.reduce_gradients()  # the real reduction: data x context parallel sum, TP-partial sums
 loss = torch.tensor([out.loss, float(out.tokens_recomputed)], dtype=torch.float64)
 dist.all_reduce(loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
 shards = [None] * args.tp
 dist.all_gather_object(shards, grads, group=parallel_state.get_tensor_model_parallel_group())
 logprobs = compute_logprobs(model, arch, batch, micro_batch_tokens=args.budget, exchange_group=group,

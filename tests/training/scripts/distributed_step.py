@@ -14,7 +14,7 @@ from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.checkpoint.sharding import merge_state_dicts
 from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parallel
 from megatron_psrl.engine.logprobs import compute_logprobs
-from megatron_psrl.engine.optimizer import CPUTrainingOptimizer, OptimizerSettings
+from megatron_psrl.engine.optimizer import OptimizerSettings, TrainingOptimizer
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
 from megatron_psrl.rl.loss import LossConfig
@@ -38,13 +38,14 @@ plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=args
 rank = plan.ranks[layout.dp_rank]
 geom = KVGeometry(arch.num_layers, arch.num_kv_heads // args.tp, arch.head_dim, torch.float32, torch.device("cpu"))
 memory = plan_memory(rank, geom, 1 << 30, activation_bytes_per_token(arch, args.tp, 4)) if rank.sources else None
+# megatron's DDP before the backward: its hooks accumulate the gradients in main_grad
+optimizer = TrainingOptimizer(model, OptimizerSettings(lr=0.0))
 out = StepRunner(model, arch.vocab_size, torch.device("cpu"), kv_cache=BlockKVCache(geom, 1 << 30)).train(
     plan, layout.dp_rank, cfg, memory)
-optimizer = CPUTrainingOptimizer(model, OptimizerSettings(lr=0.0))
 optimizer.reduce_gradients()  # the real data-parallel reduction
 loss = torch.tensor([out.loss], dtype=torch.float64)
 dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
 shards = [None] * args.tp
 dist.all_gather_object(shards, grads, group=parallel_state.get_tensor_model_parallel_group())
 logprobs = compute_logprobs(model, arch, batch, micro_batch_tokens=args.budget)

@@ -1,0 +1,229 @@
+"""Mixture-of-experts models on megatron-core's MoELayer: settings checks, the CPU runtime, and
+expert-parallel sharding of state dicts (docs/moe.md).
+
+An MoE layer is megatron's ``MoELayer``: a ``TopKRouter`` (``mlp.router.weight``, replicated)
+and the experts, ``SequentialMLP`` of megatron's ``MLP`` (``mlp.experts.local_experts.{j}.
+linear_fc1/linear_fc2``) on CPU and with the local spec, or the grouped-GEMM experts on GPU.
+With expert parallelism (EP) each rank of an expert-parallel group holds ``E / EP``
+consecutive experts, renumbered from 0 (``local_experts.{j}`` is global expert
+``ep_rank * E / EP + j``); a full state dict names experts by their global index.
+
+Dropless top-k routing is per token: a token's experts and weights depend on its hidden state
+only, so a prefix token computed once for every sample through it gets exactly its per-sample
+output, and the two prefix-sharing mechanisms stay exact. What depends on the batch's
+composition is refused with prefix sharing: capacity-factor token dropping (which tokens are
+dropped depends on the other tokens of the batch) and the load-balancing loss (its statistics
+count every token once; the per-sample batch counts a shared token once per sample).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+from megatron_psrl.compat import install_cpu_moe_shims
+from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.options import MOE_TOKEN_DISPATCHERS
+
+Tensor = torch.Tensor
+
+TOKEN_DISPATCHERS = MOE_TOKEN_DISPATCHERS
+"""megatron's token dispatchers supported (``--moe-token-dispatcher-type``); ``flex`` (DeepEP /
+HybridEP) is GPU-only and not wired in."""
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def check_moe_settings(arch: ModelArchitecture, overrides: Mapping[str, object], device: torch.device,
+                       tensor_parallel_size: int = 1) -> None:
+    """Refuse MoE settings that this device or megatron_psrl cannot run (one line each)."""
+    if tensor_parallel_size > 1:
+        raise ConfigurationError("tensor parallelism with mixture-of-experts models is not supported yet (expert "
+                                 "tensor parallelism is untested); use --expert-model-parallel-size and data "
+                                 "parallelism")
+    ep = int(overrides.get("expert_model_parallel_size", 1) or 1)
+    if arch.num_experts % ep:
+        raise ConfigurationError(f"--expert-model-parallel-size {ep} must divide the model's {arch.num_experts} experts")
+    dispatcher = overrides.get("moe_token_dispatcher_type", "allgather")
+    if dispatcher not in TOKEN_DISPATCHERS:
+        raise ConfigurationError(f"--moe-token-dispatcher-type must be one of {TOKEN_DISPATCHERS}, got {dispatcher!r}")
+    if overrides.get("moe_grouped_gemm") and torch.device(device).type != "cuda":
+        raise ConfigurationError("--moe-grouped-gemm needs CUDA (its kernels are GPU-only); on CPU the experts run "
+                                 "one by one (megatron's SequentialMLP)")
+    if overrides.get("moe_expert_capacity_factor") is not None:
+        raise ConfigurationError("capacity-factor token dropping is not supported: which tokens an expert drops "
+                                 "depends on the other tokens of the batch, so prefix sharing would change them")
+
+
+def install_moe_runtime(device: torch.device) -> None:
+    """What megatron's MoE layer needs on ``device`` (CPU: :func:`~megatron_psrl.compat.install_cpu_moe_shims`)."""
+    install_cpu_moe_shims(torch.device(device))
+
+
+def expert_index(name: str):
+    """``(prefix, expert index, suffix)`` of an expert parameter's name, or None."""
+    m = _EXPERT.match(name)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+def local_experts(shard: Dict[str, Tensor], arch: ModelArchitecture, ep_rank: int, ep: int) -> Dict[str, Tensor]:
+    """This expert-parallel rank's part of a shard whose experts carry global indices: its
+    ``E / ep`` experts renumbered from 0, every other tensor as it is."""
+    if ep == 1:
+        return shard
+    per_rank = arch.num_experts // ep
+    first = ep_rank * per_rank
+    out: Dict[str, Tensor] = {}
+    for name, tensor in shard.items():
+        parts = expert_index(name)
+        if parts is None:
+            out[name] = tensor
+        elif first <= parts[1] < first + per_rank:
+            out[f"{parts[0]}{parts[1] - first}{parts[2]}"] = tensor
+    return out
+
+
+def global_experts(shards: Mapping[int, Dict[str, Tensor]], arch: ModelArchitecture) -> Dict[str, Tensor]:
+    """Inverse of :func:`local_experts`: the shards of every expert-parallel rank (by EP rank)
+    merged into one state dict with global expert indices."""
+    ep = len(shards)
+    per_rank = arch.num_experts // ep
+    out: Dict[str, Tensor] = {}
+    for ep_rank in sorted(shards):
+        for name, tensor in shards[ep_rank].items():
+            parts = expert_index(name)
+            if parts is None:
+                out.setdefault(name, tensor)
+            else:
+                out[f"{parts[0]}{parts[1] + ep_rank * per_rank}{parts[2]}"] = tensor
+    return out
+
+
+def is_expert_parameter(name: str) -> bool:
+    """A parameter of one expert (megatron marks them ``allreduce = False``: their gradients are
+    summed over the expert-data-parallel group, not the data-parallel one)."""
+    return ".mlp.experts." in name
+
+
+# ---------------------------------------------------------------------- expert-parallel lockstep
+Pass = Tuple[str, int]
+"""A micro-batch pass of one rank: ``(kind, micro-batch)``. Kinds: ``N`` a forward without a
+graph; ``P`` a forward whose backward follows at once; ``K`` a forward whose graph is kept for a
+later backward; ``B`` that later backward (of the ``K`` of the same micro-batch)."""
+
+
+def lockstep_ticks(sequences: Sequence[Sequence[Pass]]) -> List[Tuple[str, List[bool], int]]:
+    """The common schedule of the MoE all-to-alls of an expert-parallel group.
+
+    ``sequences[r]``: rank r's passes in order. In a forward the MoE layers send tokens to the
+    ranks of their experts; in the backward the gradients of exactly those tokens go back, so
+    every rank must run the backward of the same forward tick at the same time. Returns ticks
+    ``(kind, [rank r runs its own pass], forward tick a B tick undoes)``; a rank without its own
+    pass in a tick runs an empty one (a forward of one zero token, whose backward, with a zero
+    gradient, runs at that forward's B tick). ``N`` and ``P`` passes of several ranks share a
+    tick; a ``K`` forward has a tick of its own (ranks back-propagate kept graphs in the order
+    their prefix sharing needs, which differs between ranks), and so has its ``B``.
+    Deterministic: every rank computes the same ticks from the same sequences."""
+    n = len(sequences)
+    pos = [0] * n
+    kept: Dict[Tuple[int, int], int] = {}  # (rank, micro-batch) -> tick of its K forward
+    ticks: List[Tuple[str, List[bool], int]] = []
+    while any(pos[r] < len(sequences[r]) for r in range(n)):
+        nxt = [tuple(sequences[r][pos[r]]) if pos[r] < len(sequences[r]) else None for r in range(n)]
+        kinds = {x[0] for x in nxt if x is not None}
+        if "B" in kinds:  # the first rank's pending backward, alone
+            r = next(r for r, x in enumerate(nxt) if x is not None and x[0] == "B")
+            own = [q == r for q in range(n)]
+            ticks.append(("B", own, kept.pop((r, nxt[r][1]))))
+        elif kinds & {"P", "N"}:  # every rank with such a pass next, together
+            kind = "P" if "P" in kinds else "N"
+            own = [x is not None and x[0] == kind for x in nxt]
+            ticks.append((kind, own, -1))
+        else:  # a kept forward, alone
+            r = next(r for r, x in enumerate(nxt) if x is not None)
+            own = [q == r for q in range(n)]
+            kept[(r, nxt[r][1])] = len(ticks)
+            ticks.append(("K", own, -1))
+        for r in range(n):
+            pos[r] += own[r]
+    return ticks
+
+
+def moe_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """megatron MoE layers of ``model`` in forward order."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+class ExpertLockstep:
+    """Runs this rank's passes of a step in the common schedule of its expert-parallel group
+    (:func:`lockstep_ticks`), with empty passes where other ranks run theirs.
+
+    With expert parallelism every MoE layer exchanges tokens with the other ranks of its group
+    (all-to-all) in its forward and its backward, while prefix sharing gives ranks different
+    numbers of micro-batches and different orders of forward and backward passes. The runner
+    calls :meth:`own` before each of its passes (for a ``P`` pass before its forward) and
+    :meth:`finish` at the end of the step."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], group, mine: Sequence[Pass], hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        import torch.distributed as dist
+
+        self.layers, self.hidden_size, self.dtype, self.device = list(layers), hidden_size, dtype, device
+        everyone: List[List[Pass]] = [[] for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(everyone, list(mine), group=group)  # one small collective per step
+        me = dist.get_rank(group)
+        self.ticks = [(kind, own[me], ref) for kind, own, ref in lockstep_ticks(everyone)]
+        self.next = 0
+        self.held: Dict[int, Tensor] = {}
+        self.empty_passes = 0
+        """Empty forward passes run so far."""
+
+    def own(self, kind: str) -> None:
+        """Run the empty passes due before this rank's next own pass (of ``kind``)."""
+        while True:
+            if self.next >= len(self.ticks):
+                raise RuntimeError(f"expert-parallel lockstep: an unplanned {kind} pass")
+            tick, own, ref = self.ticks[self.next]
+            self.next += 1
+            if own:
+                if tick != kind:
+                    raise RuntimeError(f"expert-parallel lockstep: planned {tick}, ran {kind}")
+                return
+            self._empty(tick, self.next - 1, ref)
+
+    def finish(self) -> None:
+        """The empty passes after this rank's last own pass."""
+        while self.next < len(self.ticks):
+            tick, own, ref = self.ticks[self.next]
+            self.next += 1
+            if own:
+                raise RuntimeError("expert-parallel lockstep: a planned pass was not run")
+            self._empty(tick, self.next - 1, ref)
+        assert not self.held, "expert-parallel lockstep: an empty graph was not back-propagated"
+
+    def _empty(self, kind: str, tick: int, ref: int) -> None:
+        if kind == "B":
+            out = self.held.pop(ref)
+            torch.autograd.backward(out, torch.zeros_like(out))
+            return
+        self.empty_passes += 1
+        # One zero token (megatron's router cannot reshape zero tokens): whichever experts it
+        # reaches, its output and every gradient it contributes (the backward's incoming
+        # gradient is zero) are exactly zero.
+        with torch.set_grad_enabled(kind != "N"):
+            x = torch.zeros(1, 1, self.hidden_size, dtype=self.dtype, device=self.device, requires_grad=kind != "N")
+            for layer in self.layers:
+                x = layer(x)[0]
+        if kind == "P":
+            torch.autograd.backward(x, torch.zeros_like(x))
+        elif kind == "K":
+            self.held[tick] = x
+
+
+__all__ = ["TOKEN_DISPATCHERS", "ExpertLockstep", "Pass", "lockstep_ticks", "moe_layers", "check_moe_settings", "expert_index", "global_experts", "install_moe_runtime",
+           "is_expert_parameter", "local_experts"]

@@ -1,0 +1,49 @@
+"""megatron's DistributedDataParallel and optimizer, the one optimizer path on CPU and GPU, with
+2 data-parallel ranks over gloo (torchrun; see the scripts for what each case checks).
+
+- calibration (R1, R5): start-up calibration leaves no gradient in ``.grad`` or DDP's
+  ``main_grad`` and records no ``--overlap-grad-reduce`` gradient counts; the steps after it
+  equal a run without it. Before the fix: ``finish_grad_sync``'s "Communication call has not
+  been issued for this bucket" assertion, and calibration's gradients in ``main_grad``.
+- param-gather (R4): ``--overlap-param-gather`` with a rank that has no micro-batch in a step,
+  an extra forward on one rank and a weight read on one rank: equal to the synchronous
+  all-gather bit for bit. Before the fix: mismatched collectives (a gloo timeout).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from helpers.torchrun import run_torchrun
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "megatron_optimizer_steps.py")
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("calibration", ["OK calibration overlap_grad_reduce=True distributed=False",
+                     "OK calibration overlap_grad_reduce=True distributed=True",
+                     "OK calibration overlap_grad_reduce=False distributed=False"]),
+    ("param-gather", ["OK param-gather"]),
+])
+def test_megatron_optimizer_over_gloo(case, expected):
+    out = run_torchrun(SCRIPT, ["--case", case], nproc=2, timeout=400)
+    for line in expected:
+        assert out.count(line) == 2, out[-3000:]  # both ranks
+
+
+def test_cpu_calls_patch_only_while_megatron_runs():
+    """compat item 3: inside megatron's optimizer calls a CPU tensor answers with its CUDA type
+    name and ``cuda()`` keeps it on the CPU; nested calls restore torch only at the outermost."""
+    import torch
+
+    from megatron_psrl.compat import megatron_optimizer_calls
+
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    with megatron_optimizer_calls(torch.device("cpu")):
+        with megatron_optimizer_calls(torch.device("cpu")):
+            assert x.type() == "torch.cuda.BFloat16Tensor" and x.cuda() is x
+        assert x.type() == "torch.cuda.BFloat16Tensor"
+        assert x.type(torch.float32).dtype == torch.float32  # a conversion is still one
+    assert x.type() == "torch.BFloat16Tensor"
+    assert "type" not in vars(torch.Tensor) and "cuda" not in vars(torch.Tensor)
