@@ -7,7 +7,7 @@ import logging
 import os
 
 import pytest
-from helpers.faults import SMALL, error_line, train
+from helpers.faults import SMALL, empty_file, error_line, flip_bytes, train, truncate_half
 
 from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
 from megatron_psrl.checkpoint.checksums import MANIFEST, VERIFY_ENV, verify_folder
@@ -55,25 +55,8 @@ def test_every_file_is_listed_with_its_sha256(saved):
     assert verify_folder(it_dir)
 
 
-def _flip(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        data = f.read(64)
-        f.seek(os.path.getsize(path) // 2)
-        f.write(bytes(b ^ 0xFF for b in data))
-
-
-def _truncate(path):
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
-
-
-def _empty(path):
-    open(path, "wb").close()
-
-
-DAMAGE = {"flipped": (_flip, "checksum mismatch"), "truncated": (_truncate, "checksum mismatch"),
-          "empty": (_empty, "checksum mismatch"), "deleted": (os.remove, "missing")}
+DAMAGE = {"flipped": (flip_bytes, "checksum mismatch"), "truncated": (truncate_half, "checksum mismatch"),
+          "empty": (empty_file, "checksum mismatch"), "deleted": (os.remove, "missing")}
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -97,7 +80,7 @@ def test_a_flipped_shard_stops_load_and_the_converter_in_one_line(saved, tmp_pat
     fmt, ckpt = saved
     ckpt = _copy(ckpt, tmp_path / "ckpt")
     shard = _shard(resolve_iteration_dir(ckpt), fmt)
-    _flip(shard)
+    flip_bytes(shard)
     from helpers.faults import tool
 
     out = tmp_path / "hf"
@@ -138,6 +121,6 @@ def test_verification_can_be_skipped(saved, tmp_path, monkeypatch):
     """For checkpoints too large to read twice (``--no-verify-checksums``): nothing is read."""
     fmt, ckpt = saved
     ckpt = _copy(ckpt, tmp_path / "ckpt")
-    _flip(_shard(resolve_iteration_dir(ckpt), fmt))
+    flip_bytes(_shard(resolve_iteration_dir(ckpt), fmt))
     monkeypatch.setenv(VERIFY_ENV, "0")
     assert read_checkpoint_info(ckpt)[1].iteration == 1

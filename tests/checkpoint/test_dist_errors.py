@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.faults import SMALL, error_line, tool, train, without_checksums
+from helpers.faults import SMALL, empty_file, error_line, flip_bytes, tool, train, truncate_half, without_checksums
 
 from megatron_psrl import ActorConfig, PolicyActor
 from megatron_psrl.checkpoint import dist_checks
@@ -42,23 +42,6 @@ def _shard(ckpt: str) -> str:
     return os.path.join(resolve_iteration_dir(ckpt), "__0_0.distcp")
 
 
-def _flip(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        data = f.read(64)
-        f.seek(os.path.getsize(path) // 2)
-        f.write(bytes(b ^ 0xFF for b in data))
-
-
-def _truncate(path):
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
-
-
-def _empty(path):
-    open(path, "wb").close()
-
-
 def _wider_model(path):
     """psrl_model.json says hidden size 96 while the shards hold 64."""
     model_json = os.path.join(os.path.dirname(path), "psrl_model.json")
@@ -68,9 +51,9 @@ def _wider_model(path):
 
 
 FAULTS = {  # what is done to the shard, and words the line must hold
-    "flipped": (_flip, ["CRC-32", "corrupt", "tensor '"]),
-    "truncated": (_truncate, ["truncated", ".metadata"]),
-    "empty": (_empty, ["empty file (0 bytes)"]),
+    "flipped": (flip_bytes, ["CRC-32", "corrupt", "tensor '"]),
+    "truncated": (truncate_half, ["truncated", ".metadata"]),
+    "empty": (empty_file, ["empty file (0 bytes)"]),
     "deleted": (os.remove, ["missing"]),
     "wider-model": (_wider_model, ["shape", "(2, 64)", "(2, 96)", "tensor 'decoder."]),
 }
@@ -127,13 +110,13 @@ def test_with_verification_off_only_the_index_checks_run(converted, tmp_path, mo
     checksums or the CRC pass, and load as they are (the documented cost of turning it off)."""
     monkeypatch.setenv(VERIFY_ENV, "0")
     ckpt = _copy(converted[0], tmp_path / "short")
-    _truncate(_shard(ckpt))
+    truncate_half(_shard(ckpt))
     with pytest.raises(CheckpointError, match="truncated") as err:
         load_full_state_dict(ckpt)
     assert err.value.path == _shard(ckpt)
 
     ckpt = _copy(converted[0], tmp_path / "flipped")
-    _flip(_shard(ckpt))
+    flip_bytes(_shard(ckpt))
     loaded = load_full_state_dict(ckpt)[1]
     changed = [k for k in loaded if not torch.equal(loaded[k], converted[1][k])]
     assert changed, "the flip did not land in tensor data"
@@ -144,7 +127,7 @@ def test_a_damaged_index_is_named(converted, tmp_path):
     it_dir = resolve_iteration_dir(ckpt)
     without_checksums(it_dir)
     index = os.path.join(it_dir, ".metadata")
-    _truncate(index)
+    truncate_half(index)
     with pytest.raises(CheckpointError, match="truncated or corrupt") as err:
         load_full_state_dict(ckpt)
     assert err.value.path == index and "\n" not in str(err.value)
@@ -195,7 +178,7 @@ def test_the_command_lines_exit_2_with_one_line(converted, tmp_path):
     folder whose model description disagrees with its shards names the tensor and "shape"."""
     ckpt = _copy(converted[0], tmp_path / "ckpt")
     shard = _shard(ckpt)
-    _truncate(shard)
+    truncate_half(shard)
     out = tmp_path / "hf"
     line = error_line(tool("convert_hf_checkpoint.py", ["mcore-to-hf", "--load", ckpt, "--out-dir", str(out),
                                                         "--no-progress", "--no-verify-checksums"], tmp_path))

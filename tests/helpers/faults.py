@@ -48,3 +48,23 @@ def without_checksums(it_dir) -> None:
     checksums were recorded: the readers' own checks of a file's content then run (with the
     list in place, any edit is a checksum mismatch first)."""
     os.remove(os.path.join(str(it_dir), "checksums.sha256"))
+
+
+def flip_bytes(path) -> None:
+    """Invert 64 bytes in the middle of a file (silent corruption: size and name unchanged)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        data = f.read(64)
+        f.seek(os.path.getsize(path) // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def truncate_half(path) -> None:
+    """Cut a file to half its size (an interrupted copy)."""
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def empty_file(path) -> None:
+    """Leave a file with 0 bytes."""
+    open(path, "wb").close()
