@@ -180,12 +180,25 @@ def save_training_state(it_dir: str, iteration: int, model, optimizer, device: t
     save_state(it_dir, state, device)
 
 
+def _check_optimizer_kind(it_dir: str, saved_state: Any, current: str) -> None:
+    """Refuse, in one line, optimizer state of another optimizer (megatron would fail on a
+    missing ``exp_avg`` key deep inside the load)."""
+    from megatron_psrl.engine.optimizer import saved_optimizer_kind
+
+    saved = saved_optimizer_kind(saved_state)
+    if saved is not None and saved != current:
+        raise CheckpointError(it_dir, f"holds {saved} optimizer state and this run uses --optimizer {current}: "
+                                      f"pass --optimizer {saved} to train on, or --no-load-optim to start a fresh "
+                                      f"{current} state from the checkpoint's weights")
+
+
 def load_training_state(it_dir: str, model, optimizer, same_layout: bool) -> None:
     """Every rank: the optimizer state (resharded to this layout), the scheduler, and, when
     the TP/PP layout is the saved one, the RNG states. The weights are loaded already."""
     common = load_common(it_dir)
     if "optimizer" not in common and "opt_param_scheduler" not in common:
         raise CheckpointError(it_dir, "holds no optimizer state (saved without an optimizer)")
+    _check_optimizer_kind(it_dir, common["optimizer"], optimizer.settings.optimizer)
     request: Dict[str, Any] = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(model),
                                                                          is_loading=True, saved=common["optimizer"])}
     if same_layout:

@@ -199,6 +199,7 @@ class TrainingOptimizer:
                 ),
                 self.ddps,
             )
+        self._give_sgd_a_state_initializer()
         self.scheduler = _scheduler(self.optimizer, settings)
         self._hold_grad_reduce()
         self._start_param_gather()
@@ -336,6 +337,17 @@ class TrainingOptimizer:
             return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
                                                      metadata=metadata)
 
+    def _give_sgd_a_state_initializer(self) -> None:
+        """megatron builds SGD with ``init_state_fn=None`` but calls it unconditionally when a
+        torch_dist checkpoint is loaded (``optimizer.py`` ``sharded_state_dict(is_loading=True)``:
+        TypeError ``'NoneType' object is not callable``). SGD's state is its momentum buffer
+        (none without momentum): the initializer creates zero buffers, which the load then
+        overwrites, so the request names the same keys the checkpoint stores."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if getattr(opt, "init_state_fn", False) is None and isinstance(getattr(opt, "optimizer", None),
+                                                                            torch.optim.SGD):
+                opt.init_state_fn = _init_sgd_state
+
     def _torch_adam_distributed_optimizers(self):
         """``(megatron DistributedOptimizer, its torch Adam)`` pairs: the distributed optimizer
         where neither apex nor Transformer Engine provides the Adam (always on CPU)."""
@@ -395,6 +407,30 @@ class TrainingOptimizer:
         with megatron_optimizer_calls(self.device):
             self.optimizer.load_state_dict(loaded)
         self._unshare_steps()
+
+
+def _init_sgd_state(opt: torch.optim.SGD, config=None) -> None:
+    """Zero momentum buffers for the parameters of ``opt`` that have none (with momentum)."""
+    for group in opt.param_groups:
+        if group.get("momentum", 0):
+            for p in group["params"]:
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
+
+
+def saved_optimizer_kind(common_optimizer_state: Any) -> Optional[str]:
+    """``adam`` or ``sgd``: the optimizer whose state a checkpoint's common optimizer state
+    (its param groups' hyper-parameters) describes; None when it cannot be told."""
+    states = common_optimizer_state if isinstance(common_optimizer_state, (list, tuple)) else [common_optimizer_state]
+    for state in states:
+        groups = state.get("param_groups") if isinstance(state, dict) else None
+        if not groups and isinstance(state, dict) and isinstance(state.get("optimizer"), dict):
+            groups = state["optimizer"].get("param_groups")
+        for group in groups or []:
+            if "betas" in group:
+                return "adam"
+            if "momentum" in group:
+                return "sgd"
+    return None
 
 
 def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings, device: torch.device) -> TrainingOptimizer:

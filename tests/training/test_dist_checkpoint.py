@@ -62,6 +62,29 @@ def test_two_plus_two_iterations_equal_four(tmp_path, dtype):
     assert common[0]["iteration"] == common[1]["iteration"] == 4
 
 
+
+def test_sgd_with_momentum_resumes_bit_for_bit_and_adam_refuses_its_state(tmp_path):
+    """SGD's state (momentum buffers) round-trips a torch_dist checkpoint: 1 + 1 iterations
+    equal 2 straight ones; an Adam run refuses the SGD state in one line naming both
+    optimizers, and starts fresh from the weights with --no-load-optim."""
+    base = ["--model", "debug-llama"] + DATA[:-2] + ["--optimizer", "sgd", "--sgd-momentum", "0.9",
+                                                     "--lr-decay-iters", "2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    main(base + ["--train-iters", "2", "--save", str(straight), "--log-json", str(tmp_path / "a.jsonl")])
+    main(base + ["--train-iters", "1", "--save", str(split), "--log-json", str(tmp_path / "b.jsonl")])
+    main(base + ["--train-iters", "2", "--load", str(split), "--save", str(split), "--log-json",
+                 str(tmp_path / "b.jsonl")])
+    a, b = _records(tmp_path / "a.jsonl"), _records(tmp_path / "b.jsonl")
+    assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
+    x, y = plain_tensors(str(straight / "iter_0000002")), plain_tensors(str(split / "iter_0000002"))
+    assert any(k.startswith("optimizer.state.momentum_buffer.") for k in x) and set(x) == set(y)
+    for key in x:
+        assert torch.equal(x[key], y[key]) if torch.is_tensor(x[key]) else x[key] == y[key], key
+    with pytest.raises(CheckpointError, match="holds sgd optimizer state and this run uses --optimizer adam"):
+        main(DATA + ["--train-iters", "3", "--load", str(split)])
+    main(DATA + ["--train-iters", "3", "--load", str(split), "--no-load-optim", "--log-json", str(tmp_path / "c.jsonl")])
+    assert [r["iter"] for r in _records(tmp_path / "c.jsonl")] == [3]
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,dtype", [(["--tensor-model-parallel-size", "2"], "float32"),
                                           (["--bf16"], "bfloat16")], ids=["tp2", "dp2-bf16"])
