@@ -164,11 +164,14 @@ class _Forest:
         claim_offsets = np.concatenate([[0], np.cumsum(claimed)]).astype(np.int64)
         children = np.bincount(parent[has], minlength=m)
         leaves = np.flatnonzero(children == 0)
+        # one sample per leaf; a claim belongs to the first sample through its node
+        claim_node = np.repeat(np.arange(m), lens)[claim_token]
+        claim_sample = np.searchsorted(leaves, claim_node).astype(np.int32)
         return PrefixTree(
             batch=None, tokens=np.zeros(t, np.int32), node_offset=offset, node_parent=parent.astype(np.int32),
             node_depth=depth, node_subtree_end=subtree_end, node_num_samples=np.ones(m, np.int64),
             sample_node=leaves.astype(np.int32), sample_token_index=np.zeros(0, np.int64),
-            claim_token=claim_token, claim_sample=np.zeros(len(claim_token), np.int32),
+            claim_token=claim_token, claim_sample=claim_sample,
             claim_flat=claim_token.copy(), claim_offsets=claim_offsets)
 
 
@@ -269,6 +272,7 @@ class ScaleResult:
     exchanged_max: float
     exchange_s: float  # the busiest rank's bytes at the group's link bandwidth
     plan_s: float
+    recomputed: float  # tokens computed again (trees split across groups) / unique tokens
     plan: Optional[StepPlan] = None
 
     @property
@@ -305,7 +309,8 @@ def simulate(tree: PrefixTree, workload: str, trajectories: int, model: SimModel
         cost_model=cost, exchange_group_size=group, placement=args.placement, kv_bytes_per_token=kvb,
         cost_per_exchanged_byte=flops / (link_gbps * 1e9),
         cost_per_exchange=flops * 2 * model.dims.num_layers * args.exchange_latency_us * 1e-6,
-        cost_per_micro_batch=flops * args.micro_batch_overhead_ms * 1e-3)
+        cost_per_micro_batch=flops * args.micro_batch_overhead_ms * 1e-3,
+        split_trees_across_groups=not args.no_split_trees_across_groups)
     t0 = time.process_time()  # CPU seconds: wall time on a shared machine includes others' work
     plan = plan_step(tree, config)
     plan_s = time.process_time() - t0
@@ -318,12 +323,13 @@ def simulate(tree: PrefixTree, workload: str, trajectories: int, model: SimModel
         cross_groups=plan.placements.count("cross-rank"), groups=len(plan.placements),
         makespan_s=float(max(plan.predicted_makespan)) / flops, perfect_s=total / ranks / flops,
         exchanged_mean=float(sent.mean()), exchanged_max=float(sent.max()),
-        exchange_s=float(sent.max()) / (link_gbps * 1e9), plan_s=plan_s, plan=plan if keep_plan else None)
+        exchange_s=float(sent.max()) / (link_gbps * 1e9), plan_s=plan_s,
+        recomputed=plan.tree.num_tree_tokens / tree.num_tree_tokens - 1.0, plan=plan if keep_plan else None)
 
 
 HEADER = ("| model | workload | ranks | trajectories | unique tokens / rank | micro-batches / rank | "
           "cross-rank groups | planned makespan s | perfect s | imbalance | exchanged GiB / rank (mean, max) | "
-          "exchange s (max rank) | plan CPU s |")
+          "exchange s (max rank) | recomputed | plan CPU s |")
 
 
 def format_row(r: ScaleResult) -> str:
@@ -331,7 +337,7 @@ def format_row(r: ScaleResult) -> str:
     return (f"| {r.model} | {r.workload} | {r.ranks} | {r.trajectories} | {r.tree_tokens / r.ranks / 1e3:.1f}k | "
             f"{r.micro_batches_per_rank:.2f} | {r.cross_groups}/{r.groups} | {r.makespan_s:.2f} | "
             f"{r.perfect_s:.2f} | {r.imbalance:.3f} | {r.exchanged_mean / gib:.2f}, {r.exchanged_max / gib:.2f} | "
-            f"{r.exchange_s:.3f} | {r.plan_s:.2f} |")
+            f"{r.exchange_s:.3f} | {100 * r.recomputed:.2f}% | {r.plan_s:.2f} |")
 
 
 def run_scale(args: argparse.Namespace) -> None:
@@ -399,6 +405,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exchange-latency-us", type=float, default=20.0, help="per layer and direction")
     p.add_argument("--micro-batch-overhead-ms", type=float, default=0.0)
     p.add_argument("--placement", choices=("auto", "whole-tree", "cross-rank"), default="auto")
+    p.add_argument("--no-split-trees-across-groups", action="store_true",
+                   help="keep every tree inside one exchange group (the planner before hierarchical placement)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="check every plan (check_plan)")
     p.add_argument("--quick", action="store_true",

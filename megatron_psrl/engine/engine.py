@@ -356,6 +356,7 @@ def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[Measur
         "plan_rank_cost": [round(float(c), 6) for c in plan.rank_costs()],
         "exchanged_bytes": plan.exchanged_bytes(2 * geometry.bytes_per_token),
         "tokens_duplicated": plan.mechanism_counts()["duplicated_tokens"],
+        "tokens_recomputed_across_groups": plan.split_tokens_recomputed,
     }
     if measured is not None:
         out["predicted_step_s"] = float(max(plan.predicted_makespan))

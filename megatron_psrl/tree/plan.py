@@ -229,6 +229,10 @@ class StepPlan:
 
     alternative_makespan: List[float] = field(default_factory=list)
 
+    split_tokens_recomputed: int = 0
+    """Tree tokens computed more than once because trees were split between exchange groups
+    (:mod:`megatron_psrl.tree.hierarchical`): each part's shared prefix, once per extra part."""
+
     def tokens_computed(self, rank: Optional[int] = None) -> int:
         ranks = self.ranks if rank is None else [self.ranks[rank]]
         return int(sum(mb.num_tokens for r in ranks for mb in r.micro_batches))

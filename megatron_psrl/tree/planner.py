@@ -8,7 +8,10 @@ communication).
 
 1. **Placement over ranks.** The independent trees of the forest (top-level subtrees) are
    assigned to data-parallel ranks largest-cost-first to the least-loaded rank (LPT), with
-   the cost model ``linear * tokens + attention * key_pairs`` (docs/prefix-tree.md).
+   the cost model ``linear * tokens + attention * key_pairs`` (docs/prefix-tree.md). A tree
+   larger than one exchange group's fair share is first split between groups, each part
+   recomputing the prefix it shares with the others (:mod:`megatron_psrl.tree.hierarchical`),
+   when the cost model predicts a shorter step.
 2. **Micro-batches within a rank.** A tree that fits the token budget is packed whole
    (mechanism 1). A larger tree is handled by one of two mechanisms, chosen per tree by cost:
 
@@ -44,6 +47,7 @@ from megatron_psrl.options import PLACEMENTS, SHARING_MODES
 from megatron_psrl.tree.chunks import chunk_dependencies, split_chains
 from megatron_psrl.tree.cost import CostModel, claimed_tokens
 from megatron_psrl.tree.cross_rank import plan_group_cross_rank
+from megatron_psrl.tree.hierarchical import split_across_groups
 from megatron_psrl.tree.packing import TreeIndex
 from megatron_psrl.tree.plan import (
     CachedSource,
@@ -114,6 +118,11 @@ class PlannerConfig:
     cost_per_micro_batch: float = 0.0
     """Cost-model units of the fixed overhead of one micro-batch (or cross-rank step)."""
 
+    split_trees_across_groups: bool = True
+    """A tree larger than one exchange group's fair share of the step is split between
+    groups, each recomputing the shared prefix of its part, when the cost model predicts a
+    shorter step (:mod:`megatron_psrl.tree.hierarchical`); False keeps every tree in one group."""
+
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
             raise ConfigurationError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
@@ -136,13 +145,28 @@ def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
     when ``PSRL_CHECK_PLANS=1``."""
     if config.sharing == "none":
         tree = build_unshared_tree(tree.batch)
-    index = TreeIndex(tree)
-    roots = np.flatnonzero(tree.node_parent < 0)
-    unit_cost = _unit_costs(tree, roots, config.cost_model)
     g = config.exchange_group_size
     num_groups = config.data_parallel_size // g
-    group_of = _assign_lpt(unit_cost, num_groups)
-    plan = StepPlan(config=config, tree=tree, index=index, ranks=[])
+    roots = np.flatnonzero(tree.node_parent < 0)
+    unit_cost = _unit_costs(tree, roots, config.cost_model)
+    group_of, recomputed = None, 0
+    # Trees too big for one group are split between groups (or, where a group places trees
+    # whole on its ranks, between ranks), recomputing the prefix each part shares.
+    bins_per_group = 1 if (config.sharing == "tree" and config.placement != "whole-tree") else g
+    if config.split_trees_across_groups and config.sharing != "none" and num_groups * bins_per_group > 1:
+        split = split_across_groups(tree, *_node_and_subtree_costs(tree, config.cost_model),
+                                    num_groups * bins_per_group, _assign_lpt)
+        if split is not None:
+            unique_tokens = tree.num_tree_tokens
+            tree, bin_of = split
+            recomputed = tree.num_tree_tokens - unique_tokens
+            group_of = bin_of // bins_per_group
+            roots = np.flatnonzero(tree.node_parent < 0)
+            unit_cost = _unit_costs(tree, roots, config.cost_model)
+    if group_of is None:
+        group_of = _assign_lpt(unit_cost, num_groups)
+    index = TreeIndex(tree)
+    plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=recomputed)
     token_cost = _token_cost(index, config.cost_model)
     by_group = np.argsort(group_of, kind="stable")  # every group's units, in ascending order
     group_bounds = np.searchsorted(group_of[by_group], np.arange(num_groups + 1))
@@ -246,6 +270,12 @@ def _cross_rank_makespan(ranks: List[RankPlan], token_cost, config: PlannerConfi
         if moved or (ex is not None and ex.forward_collective):
             span += 2 * (moved * config.kv_bytes_per_token * config.cost_per_exchanged_byte) + config.cost_per_exchange
     return span
+
+
+def _node_and_subtree_costs(tree: PrefixTree, cost_model: Optional[CostModel]) -> Tuple[np.ndarray, np.ndarray]:
+    if cost_model is None:
+        return tree.node_len.astype(np.float64), tree.subtree_tokens().astype(np.float64)
+    return cost_model.node_costs(tree), cost_model.subtree_costs(tree)
 
 
 def _unit_costs(tree: PrefixTree, roots: np.ndarray, cost_model: Optional[CostModel]) -> np.ndarray:

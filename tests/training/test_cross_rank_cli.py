@@ -45,8 +45,8 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,nproc,cp", [("one-tree", 2, 1), ("chain", 2, 2), ("mixed", 4, 2)],
-                         ids=["dp2-one-tree", "cp2-chain", "cp2xdp2-mixed"])
+@pytest.mark.parametrize("kind,nproc,cp", [("one-tree", 2, 1), ("chain", 2, 2), ("mixed", 4, 2), ("one-tree", 4, 2)],
+                         ids=["dp2-one-tree", "cp2-chain", "cp2xdp2-mixed", "cp2xdp2-one-tree-split"])
 def test_one_sgd_step_and_logprobs_match_reference(hf_dir, tmp_path, kind, nproc, cp):
     batch = cross_rank_batch(kind)
     data = write_samples(batch, tmp_path / "batch.jsonl")
@@ -61,6 +61,8 @@ def test_one_sgd_step_and_logprobs_match_reference(hf_dir, tmp_path, kind, nproc
         "--save", str(ckpt), "--log-json", str(log), *LOSS])
     rec = json.loads(log.read_text().splitlines()[0])
     assert rec["placement"] == "cross-rank" and rec["exchanged_bytes"] > 0
+    # one tree, two exchange groups (the CP groups): split between them, the shared prefix computed in both
+    assert (rec["tokens_recomputed_across_groups"] > 0) == (kind == "one-tree" and 1 < cp < nproc)
     assert rec["loss"] == pytest.approx(ref_loss, rel=1e-5)
     before = hf_full_state_dict(hf_dir, arch)
     _, after = load_full_state_dict(str(ckpt))

@@ -106,3 +106,20 @@ def test_pipeline_step_equals_per_sample_reference(data, tmp_path, layout):
     for name in families:
         for mode in MODES:
             _check(results[(name, mode)], refs[name], batch, mode, m1_schedule)
+
+
+@pytest.mark.slow
+def test_one_tree_is_split_between_pipelines_exactly(tmp_path):
+    """PP=2 x DP=2 with a batch that is one tree: the planner splits it between the two
+    pipelines (each recomputing the prefix its part shares) instead of leaving one idle; the
+    step and the log-probs still equal the per-sample reference."""
+    records = random_tree_records(seed=5, num_roots=1, vocab_size=251, max_len=80)
+    (tmp_path / "records.json").write_text(json.dumps(records))
+    batch = samples_from_dicts(records, source="records")
+    ref = _reference((tmp_path, batch, {}), "llama", 4)
+    out = tmp_path / "result.pt"
+    run_torchrun(SCRIPT, ["--records", str(tmp_path / "records.json"), "--pp", "2", "--out", str(out), "--modes", "m2",
+                          "--hf-dir", f"llama={ref['hf_dir']}"], nproc=4)
+    res = torch.load(out, weights_only=False)[("llama", "m2")]
+    assert res["tokens_recomputed_across_groups"] > 0
+    _check(res, ref, batch, "m2", "1f1b")

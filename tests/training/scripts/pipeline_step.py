@@ -60,6 +60,7 @@ for spec in args.hf_dir:
         results[(name, mode)] = dict(res, **{
             "micro_batches": metrics["micro_batches"], "tokens_recomputed": metrics["tokens_recomputed"],
             "tokens_computed": metrics["tokens_computed"], "tokens_total": metrics["tokens_total"],
+            "tokens_recomputed_across_groups": metrics["tokens_recomputed_across_groups"],
             "bubble": metrics.get("pipeline_bubble"), "schedule": metrics.get("pipeline_schedule"), "longest": longest})
 if dist.get_rank() == 0:
     torch.save(results, args.out)
