@@ -272,6 +272,7 @@ class ScaleResult:
     exchanged_max: float
     exchange_s: float  # the busiest rank's bytes at the group's link bandwidth
     plan_s: float
+    local_s: float  # planning one rank's group only (PlannerConfig.local_rank), the slowest of three
     recomputed: float  # tokens computed again (trees split across groups) / unique tokens
     plan: Optional[StepPlan] = None
 
@@ -314,6 +315,13 @@ def simulate(tree: PrefixTree, workload: str, trajectories: int, model: SimModel
     t0 = time.process_time()  # CPU seconds: wall time on a shared machine includes others' work
     plan = plan_step(tree, config)
     plan_s = time.process_time() - t0
+    # What a rank of a real job pays: its own group planned (local_rank), the others assigned
+    # only; the slowest of the first, middle and last rank's groups.
+    local_s = 0.0
+    for rank in sorted({0, ranks // 2, ranks - 1}):
+        t0 = time.process_time()
+        plan_step(tree, dataclasses.replace(config, local_rank=rank))
+        local_s = max(local_s, time.process_time() - t0)
     total = float(cost.tree_cost(tree))
     sent = rank_exchanged_bytes(plan, kvb)
     return ScaleResult(
@@ -323,13 +331,13 @@ def simulate(tree: PrefixTree, workload: str, trajectories: int, model: SimModel
         cross_groups=plan.placements.count("cross-rank"), groups=len(plan.placements),
         makespan_s=float(max(plan.predicted_makespan)) / flops, perfect_s=total / ranks / flops,
         exchanged_mean=float(sent.mean()), exchanged_max=float(sent.max()),
-        exchange_s=float(sent.max()) / (link_gbps * 1e9), plan_s=plan_s,
+        exchange_s=float(sent.max()) / (link_gbps * 1e9), plan_s=plan_s, local_s=local_s,
         recomputed=plan.tree.num_tree_tokens / tree.num_tree_tokens - 1.0, plan=plan if keep_plan else None)
 
 
 HEADER = ("| model | workload | ranks | trajectories | unique tokens / rank | micro-batches / rank | "
           "cross-rank groups | planned makespan s | perfect s | imbalance | exchanged GiB / rank (mean, max) | "
-          "exchange s (max rank) | recomputed | plan CPU s |")
+          "exchange s (max rank) | recomputed | plan CPU s (all groups) | plan CPU s (one rank) |")
 
 
 def format_row(r: ScaleResult) -> str:
@@ -337,7 +345,7 @@ def format_row(r: ScaleResult) -> str:
     return (f"| {r.model} | {r.workload} | {r.ranks} | {r.trajectories} | {r.tree_tokens / r.ranks / 1e3:.1f}k | "
             f"{r.micro_batches_per_rank:.2f} | {r.cross_groups}/{r.groups} | {r.makespan_s:.2f} | "
             f"{r.perfect_s:.2f} | {r.imbalance:.3f} | {r.exchanged_mean / gib:.2f}, {r.exchanged_max / gib:.2f} | "
-            f"{r.exchange_s:.3f} | {100 * r.recomputed:.2f}% | {r.plan_s:.2f} |")
+            f"{r.exchange_s:.3f} | {100 * r.recomputed:.2f}% | {r.plan_s:.2f} | {r.local_s:.2f} |")
 
 
 def run_scale(args: argparse.Namespace) -> None:

@@ -157,7 +157,7 @@ class Engine:
                  if self.measured else dict(cost_model=self.cost_model))
         return PlannerConfig(micro_batch_tokens=c.micro_batch_tokens, data_parallel_size=self.layout.placement_size,
                              sharing=prefix_sharing or c.prefix_sharing, exchange_group_size=self.exchange_group_size,
-                             placement=self.placement, **costs)
+                             placement=self.placement, local_rank=self.layout.placement_rank, **costs)
 
     def plan(self, batch: SampleBatch, times: Optional[Dict[str, float]] = None
              ) -> Tuple[PrefixTree, StepPlan, Optional[MemoryPlan], str]:
@@ -351,7 +351,7 @@ def cost_model_for(arch: ModelArchitecture) -> CostModel:
 def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[MeasuredCosts]) -> Dict[str, object]:
     """What the planner decided, for the iteration line and --log-json."""
     out: Dict[str, object] = {
-        "placement": "+".join(sorted(set(plan.placements))),
+        "placement": "+".join(sorted(set(plan.placements) - {"unplanned"})),
         "plan_imbalance": plan.imbalance(),
         "plan_rank_cost": [round(float(c), 6) for c in plan.rank_costs()],
         "exchanged_bytes": plan.exchanged_bytes(2 * geometry.bytes_per_token),
@@ -359,8 +359,9 @@ def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[Measur
         "tokens_recomputed_across_groups": plan.split_tokens_recomputed,
     }
     if measured is not None:
-        out["predicted_step_s"] = float(max(plan.predicted_makespan))
-        other = max(plan.alternative_makespan)
+        planned = plan.planned_groups if plan.planned_groups is not None else range(len(plan.placements))
+        out["predicted_step_s"] = float(max(plan.predicted_makespan[g] for g in planned))
+        other = max(plan.alternative_makespan[g] for g in planned)
         if np.isfinite(other):
             out["predicted_other_placement_s"] = float(other)
     return out

@@ -85,7 +85,7 @@ def compute_logprobs(
         placement = "whole-tree"
     config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,
-                           placement=placement, **(planner_settings or dict(cost_model=cost_model)))
+                           placement=placement, local_rank=me, **(planner_settings or dict(cost_model=cost_model)))
     runner = make_runner(model, arch.vocab_size, device, attention_backend, BlockKVCache(geometry, kv_cache_budget),
                          exchange_group=exchange_group, loss_head_chunk_bytes=loss_head_chunk_bytes)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True) if ranks > 1 else None

@@ -7,7 +7,7 @@ from typing import Callable, List, Optional, Tuple
 
 from megatron_psrl.kvcache import CacheBudgetError, MemoryPlan
 from megatron_psrl.tree.plan import PlanningError, RankPlan, StepPlan
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
+from megatron_psrl.tree.planner import PlannerConfig, assign_groups, plan_step
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]
@@ -40,14 +40,18 @@ def plan_with_memory(
 ) -> Tuple[StepPlan, List[Optional[MemoryPlan]], str]:
     """The step plan, every rank's memory plan, and the sharing mode finally used.
 
-    Every rank plans every rank, so the decision (and any error) is the same everywhere and
-    collectives stay matched. When the cached prefixes do not fit the KV budget, the step is
-    planned again: with every tree on one rank (cross-rank replicas hold more), then also with
+    Every rank of an exchange group plans the group's ranks alike (other groups, with
+    ``config.local_rank``, only as placeholders), so the decision (and any error) is the same
+    on every rank of the group and its collectives stay matched. When the cached prefixes do
+    not fit the KV budget, the step is planned again: with every tree on one rank (cross-rank replicas hold more), then also with
     micro-batches cut at branch switches (one chain's prefixes alive at a time), then with
     prefix duplication (no cache); if that cannot split the trees either (a sample longer than
     a micro-batch), the error names both reasons.
     """
-    plan = plan_step(tree, config)
+    # One assignment of trees to groups for every retry: with local planning each group
+    # retries on its own, and every tree must still be computed by exactly one group.
+    assignment = assign_groups(tree, config)
+    plan = plan_step(tree, config, assignment)
     try:
         return plan, memory_plans(plan, group_memory), config.sharing
     except CacheBudgetError as exc:
@@ -59,12 +63,12 @@ def plan_with_memory(
                                                cut_at_branch_switches=True))
         for retry in retries:
             try:
-                plan = plan_step(tree, retry)
+                plan = plan_step(tree, retry, assignment)
                 return plan, memory_plans(plan, group_memory), config.sharing
             except CacheBudgetError:
                 pass
         try:
-            plan = plan_step(tree, dataclasses.replace(config, sharing="tree-dup", placement="whole-tree"))
+            plan = plan_step(tree, dataclasses.replace(config, sharing="tree-dup", placement="whole-tree"), assignment)
         except PlanningError as dup_exc:
             raise CacheBudgetError(f"{exc}; and without caching: {dup_exc}") from None
         return plan, [None] * len(plan.ranks), "tree-dup"

@@ -4,7 +4,8 @@ Input: the global prefix tree of the update batch. Output: a :class:`StepPlan`
 (:mod:`megatron_psrl.tree.plan`), for every data-parallel rank an ordered list of micro-batches
 (sets of tree tokens), the cached prefix sources between them, and a forward/backward schedule.
 The plan is deterministic, so every rank computes the same plan from the same tree (no
-communication).
+communication); with ``local_rank`` a rank plans only its own exchange group in full (the
+same group plan, in time independent of the number of groups).
 
 1. **Placement over ranks.** The independent trees of the forest (top-level subtrees) are
    assigned to data-parallel ranks largest-cost-first to the least-loaded rank (LPT), with
@@ -118,6 +119,13 @@ class PlannerConfig:
     cost_per_micro_batch: float = 0.0
     """Cost-model units of the fixed overhead of one micro-batch (or cross-rank step)."""
 
+    local_rank: Optional[int] = None
+    """Plan in full only the exchange group that holds this placement rank (what the rank
+    runs); every other group gets empty rank plans carrying its cost from the assignment of
+    trees to groups. Planning time then stays that of one group at any cluster size. Each
+    group's plan is exactly the one full planning makes (groups are planned independently
+    once trees are assigned to them). None: every group (simulations, checks)."""
+
     split_trees_across_groups: bool = True
     """A tree larger than one exchange group's fair share of the step is split between
     groups, each recomputing the shared prefix of its part, when the cost model predicts a
@@ -135,21 +143,36 @@ class PlannerConfig:
         if self.exchange_group_size < 1 or self.data_parallel_size % self.exchange_group_size:
             raise ConfigurationError(f"exchange_group_size {self.exchange_group_size} must divide the "
                                      f"{self.data_parallel_size} ranks that share the batch")
+        if self.local_rank is not None and not 0 <= self.local_rank < self.data_parallel_size:
+            raise ConfigurationError(f"local_rank {self.local_rank} is not one of the {self.data_parallel_size} ranks")
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
 
 # ====================================================================== entry point
-def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
-    """Plan an update step (see the module docstring); checked (:func:`~megatron_psrl.tree.plan.check_plan`)
-    when ``PSRL_CHECK_PLANS=1``."""
+@dataclass
+class GroupAssignment:
+    """Which exchange group computes which tree (step 1 of the module docstring)."""
+
+    tree: PrefixTree
+    """The tree planned: the input tree, the unshared one (``none``), or the input with trees
+    split between groups (:mod:`megatron_psrl.tree.hierarchical`)."""
+
+    group_of: np.ndarray
+    """int64 ``[top-level nodes of tree]``: the group of every tree."""
+
+    recomputed: int = 0
+    """Tree tokens added by splitting trees between groups."""
+
+
+def assign_groups(tree: PrefixTree, config: PlannerConfig) -> GroupAssignment:
+    """Trees to exchange groups. Plans made again with another placement or sharing mode (the
+    KV-budget fallbacks, decided per group) keep this assignment, so groups deciding
+    differently still compute every tree exactly once between them."""
     if config.sharing == "none":
         tree = build_unshared_tree(tree.batch)
     g = config.exchange_group_size
     num_groups = config.data_parallel_size // g
-    roots = np.flatnonzero(tree.node_parent < 0)
-    unit_cost = _unit_costs(tree, roots, config.cost_model)
-    group_of, recomputed = None, 0
     # Trees too big for one group are split between groups (or, where a group places trees
     # whole on its ranks, between ranks), recomputing the prefix each part shares.
     bins_per_group = 1 if (config.sharing == "tree" and config.placement != "whole-tree") else g
@@ -157,22 +180,35 @@ def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
         split = split_across_groups(tree, *_node_and_subtree_costs(tree, config.cost_model),
                                     num_groups * bins_per_group, _assign_lpt)
         if split is not None:
-            unique_tokens = tree.num_tree_tokens
-            tree, bin_of = split
-            recomputed = tree.num_tree_tokens - unique_tokens
-            group_of = bin_of // bins_per_group
-            roots = np.flatnonzero(tree.node_parent < 0)
-            unit_cost = _unit_costs(tree, roots, config.cost_model)
-    if group_of is None:
-        group_of = _assign_lpt(unit_cost, num_groups)
+            regrouped, bin_of = split
+            return GroupAssignment(regrouped, bin_of // bins_per_group, regrouped.num_tree_tokens - tree.num_tree_tokens)
+    roots = np.flatnonzero(tree.node_parent < 0)
+    return GroupAssignment(tree, _assign_lpt(_unit_costs(tree, roots, config.cost_model), num_groups))
+
+
+def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[GroupAssignment] = None) -> StepPlan:
+    """Plan an update step (see the module docstring); checked (:func:`~megatron_psrl.tree.plan.check_plan`)
+    when ``PSRL_CHECK_PLANS=1``. ``assignment``: trees already assigned to groups
+    (:func:`assign_groups`, default: made from ``config``)."""
+    assignment = assignment or assign_groups(tree, config)
+    tree, group_of, recomputed = assignment.tree, assignment.group_of, assignment.recomputed
+    g = config.exchange_group_size
+    num_groups = config.data_parallel_size // g
+    roots = np.flatnonzero(tree.node_parent < 0)
+    unit_cost = _unit_costs(tree, roots, config.cost_model)
     index = TreeIndex(tree)
-    plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=recomputed)
+    local_group = None if config.local_rank is None else config.local_rank // g
+    plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=recomputed,
+                    planned_groups=None if local_group is None else [local_group])
     token_cost = _token_cost(index, config.cost_model)
     by_group = np.argsort(group_of, kind="stable")  # every group's units, in ascending order
     group_bounds = np.searchsorted(group_of[by_group], np.arange(num_groups + 1))
     for group in range(num_groups):
         members = by_group[group_bounds[group]:group_bounds[group + 1]]
         units, costs = roots[members], unit_cost[members]
+        if local_group is not None and group != local_group:
+            _add_unplanned_group(plan, group, g, float(costs.sum()))
+            continue
         whole_layouts, whole_costs = _layout_whole_trees(index, units, costs, g, config)
         whole_span = max(whole_costs)
         cross = None
@@ -190,6 +226,16 @@ def plan_step(tree: PrefixTree, config: PlannerConfig) -> StepPlan:
             rank_plan.group_rank = r
         plan.ranks += ranks
     return maybe_check_plan(plan)
+
+
+def _add_unplanned_group(plan: StepPlan, group: int, g: int, cost: float) -> None:
+    """Another rank's group in a local plan: an empty rank plan with an even share of its cost,
+    one object for the group's ranks (thousands of groups: nothing runs or reads them)."""
+    plan.groups += [[group * g + r] for r in range(g)]
+    plan.placements.append("unplanned")
+    plan.predicted_makespan.append(cost / g)
+    plan.alternative_makespan.append(math.inf)
+    plan.ranks += [RankPlan(micro_batches=[], sources={}, schedule=[], planned_cost=cost / g)] * g
 
 
 def compare_placements(tree, cost_model, ranks: int, micro_batch_tokens: int, group_size: Optional[int] = None,

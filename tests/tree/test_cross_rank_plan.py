@@ -130,8 +130,11 @@ def test_plan_step_chooses_cross_rank_for_one_big_tree_and_whole_trees_for_many(
                   cost_per_exchange=100 * COST.linear_flops_per_token)
     one = plan_step(big, PlannerConfig(**config))
     assert one.placements == ["cross-rank"] and one.imbalance() < 1.15
-    whole = plan_step(big, PlannerConfig(placement="whole-tree", **config))
+    whole = plan_step(big, PlannerConfig(placement="whole-tree", split_trees_across_groups=False, **config))
     assert whole.imbalance() > 1.5  # the tree on one rank, the others idle
+    # whole trees but split between the ranks, each part recomputing its shared prefix
+    split = plan_step(big, PlannerConfig(placement="whole-tree", **config))
+    assert split.imbalance() < 1.5 and split.split_tokens_recomputed > 0 and split.exchanged_tokens() == 0
     spread = plan_step(many, PlannerConfig(**config))
     assert spread.placements == ["whole-tree"] and spread.exchanged_tokens() == 0
 
