@@ -164,7 +164,7 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
             return reader.get(name, shapes[name]) if last else torch.empty(shapes[name], device="meta")
         full_name = f"model.layers.{int(m.group(1)) + offset}.{m.group(2)}"
         suffix, shape = m.group(2), shapes[full_name]
-        expert = re.match(r"^mlp\.experts\.(\d+)\.", suffix)
+        expert = re.match(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.", suffix)
         if expert is not None and int(expert.group(1)) // (arch.num_experts // ep) != ep_rank:
             return torch.empty(shape, device="meta")  # another expert-parallel rank's expert
         if suffix.startswith("self_attn.q_proj."):
@@ -196,7 +196,7 @@ def hf_memory_state_dict(state_dict: Dict[str, Tensor], arch: ModelArchitecture,
     adapter = get_adapter(arch)
     shapes = adapter.hf_shapes()
     if arch.is_moe:  # transformers keeps the experts fused in memory
-        state_dict = unfuse_experts(state_dict)
+        state_dict = unfuse_experts(state_dict, arch.model_type)
     missing = [k for k in shapes if k not in state_dict]
     if missing:
         raise ConfigurationError(f"the state dict lacks tensors of a {arch.model_type} model: {missing[:5]}")

@@ -2,9 +2,10 @@
 
 Supported: the Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 families (dense decoder-only, GQA,
 RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm),
-and Qwen3-MoE (Qwen3 attention, every layer a top-k mixture of SwiGLU experts without a shared
-expert; docs/moe.md). Anything else (other MoE families, LayerNorm models, unknown RoPE
-scaling, sliding-window layers) is refused with a message naming what is unsupported, before
+and the mixture-of-experts families Qwen3-MoE (Qwen3 attention, every layer a top-k mixture of
+SwiGLU experts), Qwen2-MoE (Qwen2 attention, routed experts plus a sigmoid-gated shared expert)
+and Mixtral (Mistral attention, top-k of softmax renormalised; docs/moe.md). Anything else
+(other MoE families, LayerNorm models, unknown RoPE scaling, sliding-window layers) is refused with a message naming what is unsupported, before
 any weight is read.
 """
 
@@ -20,8 +21,8 @@ import torch
 
 from megatron_psrl.errors import CheckpointError, PsrlError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-MOE_MODEL_TYPES = ("qwen3_moe",)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 _REQUIRED = object()
@@ -169,7 +170,8 @@ class ModelArchitecture:
     """A dense decoder-only transformer of a supported Hugging Face family."""
 
     model_type: str
-    """Hugging Face ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``qwen3_moe``."""
+    """Hugging Face ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``,
+    ``qwen2_moe`` or ``mixtral``."""
 
     vocab_size: int
     """Vocabulary size (unpadded)."""
@@ -223,7 +225,8 @@ class ModelArchitecture:
     """Routed experts per MoE layer (None: a dense model)."""
 
     moe_ffn_hidden_size: Optional[int] = None
-    """SwiGLU intermediate size of one expert (``moe_intermediate_size``)."""
+    """SwiGLU intermediate size of one expert (``moe_intermediate_size``; Mixtral:
+    ``intermediate_size``)."""
 
     moe_router_topk: int = 0
     """Experts each token is routed to (``num_experts_per_tok``)."""
@@ -233,6 +236,14 @@ class ModelArchitecture:
     over all experts, top-k, renormalise (megatron: softmax over the top-k logits,
     ``moe_router_pre_softmax=False``); without it the top-k of the full softmax are used as
     they are (``moe_router_pre_softmax=True``)."""
+
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    """SwiGLU intermediate size of the shared expert every token goes through besides its routed
+    ones (Qwen2-MoE ``shared_expert_intermediate_size``; None: no shared expert)."""
+
+    moe_shared_expert_gate: bool = False
+    """The shared expert's output is scaled by ``sigmoid(x . w)``, ``w`` a ``[1, h]`` weight
+    (Qwen2-MoE ``mlp.shared_expert_gate``; megatron ``moe_shared_expert_gate``)."""
 
     hf_config: Dict[str, Any] = field(default_factory=dict)
     """The original config.json content, written back unchanged by mcore-to-hf."""
@@ -257,6 +268,11 @@ class ModelArchitecture:
             if not 1 <= self.moe_router_topk <= self.num_experts:
                 raise UnsupportedModelError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                                             f"got {self.moe_router_topk}")
+            shared = self.moe_shared_expert_ffn_hidden_size
+            if shared is not None and shared <= 0:
+                raise UnsupportedModelError(f"shared_expert_intermediate_size must be positive, got {shared}")
+            if self.moe_shared_expert_gate and shared is None:
+                raise UnsupportedModelError("a shared-expert gate without a shared expert (shared_expert_intermediate_size)")
 
     # ------------------------------------------------------------------ HF parsing
     @classmethod
@@ -277,12 +293,12 @@ class ModelArchitecture:
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported activation {act!r}: only SwiGLU (silu) MLPs are supported")
-        if model_type in ("llama", "mistral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        if model_type in ("llama", "mistral", "mixtral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
             raise UnsupportedModelError("attention_bias / mlp_bias on Llama-style models is not supported")
         if model_type in ("qwen3", "qwen3_moe") and hf.get("attention_bias"):
             raise UnsupportedModelError("attention_bias on Qwen3 models is not supported")
         sliding = None
-        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
             if hf.get("use_sliding_window"):
                 raise UnsupportedModelError("sliding-window attention (use_sliding_window) is not supported")
         elif hf.get("sliding_window") is not None:
@@ -306,7 +322,11 @@ class ModelArchitecture:
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         moe_fields: Dict[str, Any] = {}
         if model_type in MOE_MODEL_TYPES:
-            moe_fields = _qwen3_moe_fields(hf, number)
+            try:
+                moe_fields = _MOE_FIELDS[model_type](hf, number)
+            except KeyError as exc:  # a field transformers would default: refused, as for dense models
+                raise UnsupportedModelError(f"mixture-of-experts model type {model_type!r}: missing field "
+                                            f"{exc.args[0]!r}") from None
         return cls(
             **moe_fields,
             model_type=model_type,
@@ -320,7 +340,7 @@ class ModelArchitecture:
             rms_norm_eps=number("rms_norm_eps", float, 1e-6),
             max_position_embeddings=number("max_position_embeddings", default=4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=RopeConfig.from_hf(hf),
             initializer_range=number("initializer_range", float, 0.02),
@@ -382,19 +402,28 @@ class ModelArchitecture:
         return self.num_experts is not None
 
     def mlp_parameters(self) -> int:
-        """Parameters of one layer's MLP: SwiGLU, or the experts and the router of an MoE layer."""
+        """Parameters of one layer's MLP: SwiGLU, or the experts, the router and the shared
+        expert (with its gate) of an MoE layer."""
         h = self.hidden_size
         if self.is_moe:
-            return self.num_experts * (3 * h * self.moe_ffn_hidden_size + h)
+            return self.num_experts * (3 * h * self.moe_ffn_hidden_size + h) + self._shared_expert_parameters()
         return 3 * h * self.ffn_hidden_size
 
     def active_mlp_parameters(self) -> int:
-        """Parameters one token multiplies with in a layer's MLP (MoE: its top-k experts and the
-        router), which its FLOPs are proportional to."""
+        """Parameters one token multiplies with in a layer's MLP (MoE: its top-k experts, the
+        router and the shared expert), which its FLOPs are proportional to."""
         h = self.hidden_size
         if self.is_moe:
-            return self.moe_router_topk * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+            return (self.moe_router_topk * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+                    + self._shared_expert_parameters())
         return 3 * h * self.ffn_hidden_size
+
+    def _shared_expert_parameters(self) -> int:
+        """Parameters of one layer's shared expert and its gate (0 without one)."""
+        if self.moe_shared_expert_ffn_hidden_size is None:
+            return 0
+        h = self.hidden_size
+        return 3 * h * self.moe_shared_expert_ffn_hidden_size + (h if self.moe_shared_expert_gate else 0)
 
     def active_ffn_hidden_size(self) -> int:
         """The SwiGLU width of a dense MLP with the FLOPs per token of this model's MLP: the
@@ -414,8 +443,9 @@ class ModelArchitecture:
         return self.num_layers * per_layer + emb + h
 
 
-def _qwen3_moe_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
-    """The MoE fields of a Qwen3-MoE config.json; refuses the variants not implemented."""
+def _refuse_dense_layers(hf: Dict[str, Any], number, family: str) -> None:
+    """Qwen-MoE configs may make some layers dense (``mlp_only_layers``, ``decoder_sparse_step``
+    > 1); refused: every layer must be an MoE layer."""
     num_layers = number("num_hidden_layers")
     dense = sorted(set(hf.get("mlp_only_layers") or []))
     step = number("decoder_sparse_step", default=1)
@@ -423,19 +453,64 @@ def _qwen3_moe_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
         raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
     dense += [i for i in range(num_layers) if (i + 1) % step and i not in dense]
     if dense:
-        raise UnsupportedModelError(f"Qwen3-MoE with dense MLP layers {sorted(dense)[:8]} (mlp_only_layers / "
+        raise UnsupportedModelError(f"{family} with dense MLP layers {sorted(dense)[:8]} (mlp_only_layers / "
                                     "decoder_sparse_step) is not supported: every layer must be an MoE layer")
-    if hf.get("shared_expert_intermediate_size"):
-        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported")
-    # transformers >= 5 saves num_experts as num_local_experts (its attribute map)
-    experts = hf.get("num_experts") if hf.get("num_experts") is not None else hf.get("num_local_experts")
+
+
+def _num_experts(hf: Dict[str, Any], key: str) -> int:
+    """The routed-expert count, under ``key`` or the other of ``num_experts`` /
+    ``num_local_experts`` (transformers >= 5 maps one onto the other for some families)."""
+    other = "num_local_experts" if key == "num_experts" else "num_experts"
+    experts = hf.get(key) if hf.get(key) is not None else hf.get(other)
     if experts is None:
-        raise KeyError("num_experts")
+        raise KeyError(key)
     if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise UnsupportedModelError(f"field 'num_experts' must be a positive integer, got {experts!r}")
+        raise UnsupportedModelError(f"field {key!r} must be a positive integer, got {experts!r}")
+    return experts
+
+
+def _qwen3_moe_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.json; refuses the variants not implemented."""
+    _refuse_dense_layers(hf, number, "Qwen3-MoE")
+    if hf.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported for Qwen3-MoE")
     return dict(
-        num_experts=experts,
+        num_experts=_num_experts(hf, "num_experts"),  # transformers >= 5 saves it as num_local_experts
         moe_ffn_hidden_size=number("moe_intermediate_size"),
         moe_router_topk=number("num_experts_per_tok"),
         moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     )
+
+
+def _qwen2_moe_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
+    """The MoE fields of a Qwen2-MoE config.json: routed experts and a shared expert of width
+    ``shared_expert_intermediate_size`` gated by ``sigmoid(mlp.shared_expert_gate(x))``;
+    ``norm_topk_prob`` defaults to false (transformers' default, and the published models')."""
+    _refuse_dense_layers(hf, number, "Qwen2-MoE")
+    return dict(
+        num_experts=_num_experts(hf, "num_experts"),
+        moe_ffn_hidden_size=number("moe_intermediate_size"),
+        moe_router_topk=number("num_experts_per_tok"),
+        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe_shared_expert_ffn_hidden_size=number("shared_expert_intermediate_size"),
+        moe_shared_expert_gate=True,
+    )
+
+
+def _mixtral_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
+    """The MoE fields of a Mixtral config.json: ``num_local_experts`` experts of width
+    ``intermediate_size``, softmax over all experts, top k, renormalised (always)."""
+    jitter = number("router_jitter_noise", float, 0.0)
+    if jitter:
+        raise UnsupportedModelError(f"router_jitter_noise {jitter} is not supported (random training-time "
+                                    "scaling of the MoE input)")
+    return dict(
+        num_experts=_num_experts(hf, "num_local_experts"),
+        moe_ffn_hidden_size=number("intermediate_size"),
+        moe_router_topk=number("num_experts_per_tok"),
+        moe_norm_topk_prob=True,
+    )
+
+
+_MOE_FIELDS = {"qwen3_moe": _qwen3_moe_fields, "qwen2_moe": _qwen2_moe_fields, "mixtral": _mixtral_fields}
+"""``model_type`` -> the parser of its MoE fields (raises KeyError naming a missing field)."""

@@ -50,6 +50,21 @@ MOE_CONFIGS: Dict[str, Dict[str, Any]] = {
                             hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, router_aux_loss_coef=0.0),
+    # Qwen2-MoE at debug size: q/k/v bias, 8 routed experts top-2 without renormalisation
+    # (norm_topk_prob false, as the published Qwen1.5-MoE / Qwen2-57B-A14B), a shared expert of
+    # width 48 gated by sigmoid(mlp.shared_expert_gate(x)).
+    "debug-qwen2-moe": dict(_BASE, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=256,
+                            hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True,
+                            use_sliding_window=False, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            router_aux_loss_coef=0.0),
+    # Mixtral at debug size: Mistral attention, 8 experts of width intermediate_size, top-2 of
+    # the softmax renormalised, no sliding window (as Mixtral-8x7B).
+    "debug-mixtral": dict(_BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=256,
+                          hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                          sliding_window=None, router_jitter_noise=0.0, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, router_aux_loss_coef=0.0),
 }
 
 SHAPE_CONFIGS: Dict[str, Dict[str, Any]] = {

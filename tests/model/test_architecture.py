@@ -105,9 +105,11 @@ def test_padded_vocab_size(vocab, tp, padded):
 
 # ------------------------------------------------------------------------------- refusals
 MOE = [
-    ("qwen2_moe", dict(model_type="qwen2_moe", num_experts=60, moe_intermediate_size=1408), ["qwen2_moe", "mixture-of-experts"]),
-    ("mixtral", dict(model_type="mixtral", num_local_experts=8), ["mixtral", "mixture-of-experts"]),
-    ("mixtral-no-key", dict(model_type="mixtral"), ["mixtral"]),
+    ("qwen2_moe-incomplete", dict(model_type="qwen2_moe", num_experts=60, moe_intermediate_size=1408,
+                                  num_experts_per_tok=4),
+     ["qwen2_moe", "shared_expert_intermediate_size"]),
+    ("mixtral-no-key", dict(model_type="mixtral"), ["mixtral", "missing field 'num_local_experts'"]),
+    ("dbrx", dict(model_type="dbrx", num_experts=16), ["dbrx", "mixture-of-experts"]),
     ("llama-with-experts", dict(model_type="llama", num_experts=4), ["num_experts"]),
     ("deepseek", dict(model_type="deepseek_v3", n_routed_experts=256), ["n_routed_experts"]),
 ]
