@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from megatron_psrl.data.samples import SampleBatch
-from megatron_psrl.data.validation import KNOWN_FIELDS, SampleAccumulator, SampleValidationError
+from megatron_psrl.data.validation import KNOWN_FIELDS, RoutingShape, SampleAccumulator, SampleValidationError
 
 PathLike = Union[str, os.PathLike]
 
@@ -52,6 +52,7 @@ def load_samples(
     kl_required: bool = False,
     progress: bool = False,
     allow_unknown_fields: bool = False,
+    routing: Optional[RoutingShape] = None,
 ) -> SampleBatch:
     """Read and validate a JSONL or Parquet file of samples (format chosen by suffix).
 
@@ -63,6 +64,8 @@ def load_samples(
         progress: show a tqdm bar (bytes for JSONL, rows for Parquet).
         allow_unknown_fields: accept a field that looks like a typo of a known one
             (``lossmask``); unrelated extra fields are always accepted (with a warning).
+        routing: the model's routing geometry for ``routed_experts`` (router replay); None
+            checks routes for consistency only.
 
     Raises:
         SampleValidationError: on the first problem, naming file, line/row, sample id, field.
@@ -70,7 +73,8 @@ def load_samples(
     path = Path(path)
     fmt = _format_of(path)
     row_label = "line" if fmt == "jsonl" else "row"
-    acc = SampleAccumulator(str(path), row_label, vocab_size, require_advantage, kl_required, allow_unknown_fields)
+    acc = SampleAccumulator(str(path), row_label, vocab_size, require_advantage, kl_required, allow_unknown_fields,
+                            routing)
     records = _read_jsonl(path, acc, progress) if fmt == "jsonl" else _read_parquet(
         path, acc, progress
     )
@@ -87,11 +91,12 @@ def samples_from_dicts(
     kl_required: bool = False,
     metadata: Optional[dict] = None,
     allow_unknown_fields: bool = False,
+    routing: Optional[RoutingShape] = None,
 ) -> SampleBatch:
     """Validate in-memory records (same fields and rules as the files; values may be lists,
     numpy arrays or torch tensors) into a :class:`SampleBatch`. Messages name ``source row k``
     (0-based)."""
-    acc = SampleAccumulator(source, "row", vocab_size, require_advantage, kl_required, allow_unknown_fields)
+    acc = SampleAccumulator(source, "row", vocab_size, require_advantage, kl_required, allow_unknown_fields, routing)
     for row, record in enumerate(records):
         if isinstance(record, Mapping):
             record = {k: _plain(v) for k, v in record.items()}
@@ -196,6 +201,11 @@ class _ParquetColumn:
         import pyarrow as pa
 
         self.is_list = pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
+        self.routes = None
+        if self.is_list and _is_list_type(array.type.value_type):
+            # ``routed_experts``: list<list<list<int>>> (tokens x layers x top-k), flattened once
+            self.routes = _NestedRoutes(array)
+            return
         if self.is_list:
             self.cell_null = array.is_null().to_numpy(zero_copy_only=False)
             # ``offsets`` index ``values`` (the whole child, also for sliced arrays).
@@ -214,11 +224,55 @@ class _ParquetColumn:
             self.cells = array.to_pylist()
 
     def get(self, i: int) -> Any:
+        if self.routes is not None:
+            return self.routes.get(i)
         if not self.is_list:
             return self.cells[i]
         if self.cell_null[i]:
             return None
         return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+
+def _is_list_type(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+class _NestedRoutes:
+    """Per-row ``[tokens, layers, top-k]`` arrays of a list<list<list<int>>> column, without a
+    Python object per id: a cell whose inner lists all have one length is a reshaped numpy
+    view; anything else (ragged, nulls) comes out as nested Python lists for the validator to
+    name the bad token and layer."""
+
+    def __init__(self, array) -> None:
+        import pyarrow as pa
+
+        self.array = array
+        self.cell_null = array.is_null().to_numpy(zero_copy_only=False)
+        self.outer = array.offsets.to_numpy(zero_copy_only=False).astype(np.int64)  # -> tokens
+        tokens = array.values
+        self.middle = tokens.offsets.to_numpy(zero_copy_only=False).astype(np.int64) \
+            if not pa.types.is_fixed_size_list(tokens.type) else None
+        layers = tokens.values
+        self.inner = layers.offsets.to_numpy(zero_copy_only=False).astype(np.int64) \
+            if not pa.types.is_fixed_size_list(layers.type) else None
+        self.clean = tokens.null_count == 0 and layers.null_count == 0 and layers.values.null_count == 0 \
+            and self.middle is not None and self.inner is not None
+        self.ids = layers.values.to_numpy(zero_copy_only=False) if self.clean else None
+
+    def get(self, i: int) -> Any:
+        if self.cell_null[i]:
+            return None
+        a, b = int(self.outer[i]), int(self.outer[i + 1])
+        if self.clean and b > a:
+            layer_counts = np.diff(self.middle[a:b + 1])
+            la, lb = int(self.middle[a]), int(self.middle[b])
+            id_counts = np.diff(self.inner[la:lb + 1])
+            if (layer_counts == layer_counts[0]).all() and id_counts.size and (id_counts == id_counts[0]).all():
+                start, stop = int(self.inner[la]), int(self.inner[lb])
+                return self.ids[start:stop].reshape(b - a, int(layer_counts[0]), int(id_counts[0]))
+        return self.array[i].as_py()
 
 
 def _progress_bar(enabled: bool, total: int, unit: str, desc: str):
@@ -250,6 +304,11 @@ def _sample_records(batch: SampleBatch) -> Iterator[dict]:
         if batch.has_ref_logprobs is not None and batch.has_ref_logprobs[s]:
             record["ref_logprobs"] = batch.ref_logprobs[sl].tolist()
         record["weight"] = float(batch.weights[s])
+        if batch.routed_experts is not None:
+            routes = batch.routed_experts[sl]
+            if (routes[-1] < 0).all():  # no route for the final token: written one route short
+                routes = routes[:-1]
+            record["routed_experts"] = routes.tolist()
         yield record
 
 
@@ -326,4 +385,27 @@ def _write_parquet(batch: SampleBatch, path: str) -> None:
         if values is not None:
             columns[name] = token_list(values, mask=~flags)
     columns["weight"] = pa.array(batch.weights)
+    if batch.routed_experts is not None:
+        columns["routed_experts"] = _routes_column(batch)
     pq.write_table(pa.table(columns), path, row_group_size=4096)
+
+
+def _routes_column(batch: SampleBatch):
+    """list<list<list<int16>>> (tokens x layers x top-k); a sample without a final route is one
+    token shorter, as rollout engines return it."""
+    import pyarrow as pa
+
+    def lists(offsets: np.ndarray, values):
+        large = offsets[-1] >= np.iinfo(np.int32).max  # 64-bit offsets only where needed
+        kind = pa.LargeListArray if large else pa.ListArray
+        return kind.from_arrays(pa.array(offsets if large else offsets.astype(np.int32)), values)
+
+    routes = batch.routed_experts  # [N, L, k]
+    _, layers, topk = routes.shape
+    keep = ~(routes < 0).all(axis=(1, 2))  # rows of -1 (missing final routes) are not written
+    kept = routes[keep]
+    token_offsets = np.zeros(batch.num_samples + 1, dtype=np.int64)
+    np.cumsum(np.add.reduceat(keep.astype(np.int64), batch.offsets[:-1]), out=token_offsets[1:])
+    inner = lists(np.arange(0, kept.size + 1, topk, dtype=np.int64), pa.array(kept.reshape(-1)))
+    middle = lists(np.arange(0, kept.shape[0] * layers + 1, layers, dtype=np.int64), inner)
+    return lists(token_offsets, middle)

@@ -70,6 +70,13 @@ class SampleBatch:
     metadata: dict = field(default_factory=dict)
     """Free-form provenance (e.g. the synthetic workload's parameters)."""
 
+    routed_experts: Optional[np.ndarray] = None
+    """int16 ``[N, L, k]``: the experts the rollout engine routed every token to (router
+    replay, docs/moe.md): per MoE layer (``L``, in layer order) the top-k expert ids. A row of
+    -1 is a token without a route (the final token of a sample whose rollout engine returned
+    one route less than tokens: no log-prob depends on it). None when the samples carry no
+    routes (every MoE layer routes by its own top-k)."""
+
     def __post_init__(self) -> None:
         self.offsets = np.asarray(self.offsets, dtype=np.int64)
         self.tokens = np.asarray(self.tokens, dtype=np.int32)
@@ -103,6 +110,11 @@ class SampleBatch:
         ):
             if (values is None) != (flags is None):
                 raise ValueError(f"{name} and has_{name} must be given together")
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts, dtype=np.int16)
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != num_tokens:
+                raise ValueError(f"routed_experts must have shape ({num_tokens}, layers, top-k), "
+                                 f"got {self.routed_experts.shape}")
         if self.row_label not in ("line", "row"):
             raise ValueError(f"row_label must be 'line' or 'row', got {self.row_label!r}")
 
@@ -173,6 +185,7 @@ class SampleBatch:
             source_rows=self.source_rows,
             row_label=self.row_label,
             metadata=dict(self.metadata, truncated_to=int(max_len)),
+            routed_experts=take(self.routed_experts),
         )
 
     def select(self, indices: Sequence[int]) -> "SampleBatch":
@@ -205,4 +218,5 @@ class SampleBatch:
             source_rows=take(self.source_rows, True),
             row_label=self.row_label,
             metadata=dict(self.metadata),
+            routed_experts=take(self.routed_experts, False),
         )

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
@@ -27,7 +29,8 @@ import numpy as np
 from megatron_psrl.data.samples import SampleBatch, SampleId
 from megatron_psrl.errors import ConfigurationError, PsrlError
 
-KNOWN_FIELDS = ("id", "tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight")
+KNOWN_FIELDS = ("id", "tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight",
+                "routed_experts")
 """The fields of the data contract (docs/data-format.md); anything else is ignored with an
 :class:`UnknownFieldWarning`."""
 
@@ -37,6 +40,9 @@ MAX_TOKEN_ID = np.iinfo(np.int32).max
 FLUSH_TOKENS = 1 << 20
 """Per-sample arrays are concatenated into one chunk every this many tokens, which keeps the
 number of live Python objects bounded by the chunk, not by the file."""
+
+MAX_EXPERT_ID = np.iinfo(np.int16).max
+"""Expert ids are stored as int16 (as verl passes them), so without a model they must be <= this."""
 
 _INT_TYPES = (int, np.integer)
 _FLOAT_TYPES = (int, float, np.integer, np.floating)
@@ -82,6 +88,26 @@ class SampleValidationError(PsrlError, ValueError):
         if field is not None:
             where += f": field '{field}'"
         super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    """What ``routed_experts`` must look like for a model: ``[tokens, num_layers, topk]`` expert
+    ids in ``[0, num_experts)``. ``num_experts == 0``: the model has no mixture-of-experts layer
+    (routes are refused). Built from a model by :func:`megatron_psrl.model.moe.routing_shape`."""
+
+    num_layers: int
+    """MoE layers of the model (the routes' second dimension), in layer order."""
+    topk: int
+    """Experts per token (``num_experts_per_tok``)."""
+    num_experts: int
+    """Experts per MoE layer; 0 for a dense model."""
+    model: str = "model"
+    """How messages name the model (e.g. ``dense llama model``)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 class UnknownFieldWarning(UserWarning):
@@ -141,6 +167,7 @@ class SampleAccumulator:
         require_advantage: bool = False,
         kl_required: bool = False,
         allow_unknown_fields: bool = False,
+        routing: Optional[RoutingShape] = None,
     ) -> None:
         if vocab_size is not None and not (0 < int(vocab_size) <= MAX_TOKEN_ID + 1):
             raise ConfigurationError(f"vocab_size must be in [1, {MAX_TOKEN_ID + 1}], got {vocab_size}")
@@ -150,6 +177,8 @@ class SampleAccumulator:
         self.require_advantage = require_advantage
         self.kl_required = kl_required
         self.allow_unknown_fields = allow_unknown_fields
+        self.routing = routing
+        """The model's routing geometry (None: routes are checked for consistency only)."""
 
         # Per-sample columns (Python lists: one entry per sample is fine).
         self.ids: List[SampleId] = []
@@ -161,6 +190,9 @@ class SampleAccumulator:
         self._first_row_of_id: Dict[SampleId, int] = {}
         # Whether samples carry an advantage: decided by the first sample, then enforced.
         self._advantage_present: Optional[bool] = None
+        # Whether samples carry routes, and their (layers, top-k): decided by the first sample.
+        self._routes_present: Optional[bool] = None
+        self._routes_shape: Optional[tuple] = None
         self._unknown_fields: set = set()
         self._unknown_first_row: Optional[int] = None
 
@@ -170,6 +202,7 @@ class SampleAccumulator:
         self.advantages = _ChunkedColumn(np.float32)
         self.old_logprobs = _ChunkedColumn(np.float32)
         self.ref_logprobs = _ChunkedColumn(np.float32)
+        self.routed_experts = _ChunkedColumn(np.int16)  # [n, L, k] per sample (all or none)
 
     # ------------------------------------------------------------------ errors
     def error(
@@ -307,6 +340,9 @@ class SampleAccumulator:
             if weight < 0:
                 raise fail("weight", f"must be >= 0, got {weight}")
 
+        # ---- routed_experts (router replay; all or none, like advantage)
+        routes = self._routes(record.get("routed_experts"), n, row, fail)
+
         # ---- append (only now: a rejected record leaves no trace)
         self._first_row_of_id[sample_id] = row
         self.ids.append(sample_id)
@@ -320,6 +356,60 @@ class SampleAccumulator:
         self.has_ref.append(logprobs["ref_logprobs"] is not None)
         self.old_logprobs.append(logprobs["old_logprobs"], n)
         self.ref_logprobs.append(logprobs["ref_logprobs"], n)
+        if routes is not None:
+            self.routed_experts.append(routes, n)
+
+    def _routes(self, raw: Any, n: int, row: int, fail) -> Optional[np.ndarray]:
+        """int16 ``[n, L, k]`` routes of a sample (a missing final route as a row of -1), or None."""
+        def bad(reason: str) -> SampleValidationError:
+            return fail("routed_experts", reason)
+
+        present = raw is not None
+        if self._routes_present is None:
+            self._routes_present = present
+        elif present != self._routes_present:
+            state = "carries them" if self._routes_present else "has none"
+            raise bad(f"{'missing' if not present else 'given'}, but the first sample ({self.row_label} "
+                      f"{self.rows[0]}) {state}; either every sample carries routes or none does")
+        if not present:
+            return None
+        shape = self.routing
+        if shape is not None and not shape.is_moe:
+            raise bad(f"routes given, but the {shape.model} has no mixture-of-experts layer to replay them in")
+        routes = _routes_array(raw, bad)
+        m, layers, topk = routes.shape
+        if m not in (n, n - 1):
+            raise bad(f"{m} routes for len(tokens) {n} tokens; expected one per token (or one less: "
+                      "no route for the final token)")
+        if shape is not None:
+            expected, what = (shape.num_layers, shape.topk), f"the {shape.model}'s"
+        elif self._routes_shape is not None:
+            expected, what = self._routes_shape, f"the first sample's ({self.row_label} {self.rows[0]})"
+        else:
+            expected, what = (layers, topk), ""
+        if (layers, topk) != expected:
+            raise bad(f"shape [{m}, {layers}, {topk}] (tokens x MoE layers x top-k), but {what} routes are "
+                      f"[tokens, {expected[0]}, {expected[1]}]")
+        if topk < 1 or layers < 1:
+            raise bad(f"shape [{m}, {layers}, {topk}] (tokens x MoE layers x top-k) has no expert ids")
+        self._routes_shape = (layers, topk)
+        limit = shape.num_experts if shape is not None else MAX_EXPERT_ID + 1
+        outside = (routes < 0) | (routes >= limit)
+        if outside.any():
+            t, layer, j = (int(x) for x in np.argwhere(outside)[0])
+            bound = f"num_experts {limit}" if shape is not None else "int16"
+            raise bad(f"expert id {int(routes[t, layer, j])} at token {t}, layer {layer} is outside "
+                      f"[0, {limit}) ({bound})")
+        if topk > 1:
+            ordered = np.sort(routes, axis=2)
+            dup = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)  # [m, L]
+            if dup.any():
+                t, layer = (int(x) for x in np.argwhere(dup)[0])
+                raise bad(f"duplicate expert id in the top-k {routes[t, layer].tolist()} of token {t}, layer {layer}")
+        routes = routes.astype(np.int16)
+        if m == n - 1:  # the final token's route: none (no log-prob depends on it)
+            routes = np.concatenate([routes, np.full((1, layers, topk), -1, dtype=np.int16)])
+        return routes
 
     # ------------------------------------------------------------------ result
     def finish(self, metadata: Optional[dict] = None) -> SampleBatch:
@@ -353,6 +443,7 @@ class SampleAccumulator:
             source_rows=np.asarray(self.rows, dtype=np.int64),
             row_label=self.row_label,
             metadata=dict(metadata or {}),
+            routed_experts=self.routed_experts.result() if self._routes_present else None,
         )
 
 
@@ -456,6 +547,51 @@ def _int_array(value: Any, fail) -> np.ndarray:
         raise fail(f"token id {value[i]} at position {i} is out of range") from None
 
 
+def _routes_array(value: Any, fail) -> np.ndarray:
+    """An int64 ``[m, L, k]`` array from a nested list (tokens x layers x top-k) of integers or
+    an integer numpy array; naming the token (and layer) of the first malformed entry."""
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        value = value.tolist()  # e.g. a Parquet cell of nested lists
+    if isinstance(value, np.ndarray):
+        if value.ndim != 3:
+            raise fail(f"must be a [tokens][MoE layers][top-k] nested list of expert ids, got an array of shape "
+                       f"{value.shape}")
+        if value.dtype.kind not in "iu":
+            raise fail(f"must hold integer expert ids, got an array of dtype {value.dtype}")
+        return value.astype(np.int64, copy=False)
+    if not isinstance(value, (list, tuple)) or not value:
+        raise fail(f"must be a [tokens][MoE layers][top-k] nested list of expert ids, got {_describe(value)}")
+    try:
+        array = np.array(value)
+        ok = array.ndim == 3 and array.dtype.kind in "iu"
+    except (ValueError, OverflowError):  # ragged lists, or ids beyond int64
+        ok = False
+    # numpy turns booleans into ints: the element types (iterated at C speed) tell them apart
+    if ok and array.dtype.kind == "i" and _types_ok(set(map(type, chain.from_iterable(chain.from_iterable(value)))),
+                                                    _INT_TYPES):
+        return array.astype(np.int64, copy=False)
+    # The error path: find the first malformed token / layer / element.
+    layers = topk = None
+    for t, token in enumerate(value):
+        if not isinstance(token, (list, tuple, np.ndarray)):
+            raise fail(f"token {t}: expected a list of MoE layers, got {_describe(token)}")
+        if layers is not None and len(token) != layers:
+            raise fail(f"token {t} has routes for {len(token)} MoE layers, token 0 for {layers}")
+        layers = len(token)
+        for layer, ids in enumerate(token):
+            if not isinstance(ids, (list, tuple, np.ndarray)):
+                raise fail(f"token {t}, layer {layer}: expected a list of expert ids, got {_describe(ids)}")
+            if topk is not None and len(ids) != topk:
+                raise fail(f"token {t}, layer {layer} has {len(ids)} expert ids, token 0 layer 0 has {topk}")
+            topk = len(ids)
+            for x in ids:
+                if not _is_int(x):
+                    raise fail(f"token {t}, layer {layer}: element {_describe(x)}; expert ids must be integers")
+                if not -(2**63) <= x < 2**63:
+                    raise fail(f"expert id {x} at token {t}, layer {layer} is out of range")
+    raise fail("must be a [tokens][MoE layers][top-k] nested list of expert ids, with at least one id")
+
+
 def _mask_array(value: Any, fail) -> np.ndarray:
     """A 1-D bool array from a list of 0/1 integers or booleans (or such a numpy array)."""
     if isinstance(value, np.ndarray):
@@ -541,3 +677,33 @@ def check_max_sample_length(batch, max_length: int, why: str, hint: Optional[str
             source=batch.source, row_label=batch.row_label, row=int(batch.source_rows[s]),
             sample_id=batch.ids[s], has_sample_id=True, field="tokens",
         )
+
+
+def check_routed_experts(batch: SampleBatch, routing: RoutingShape) -> None:
+    """Refuse a batch's ``routed_experts`` that do not fit the model (``routing``): routes for a
+    dense model, another number of MoE layers or experts per token, an expert id outside
+    ``[0, E)``. For batches built without the model's shape (records are checked as they are
+    read, :class:`SampleAccumulator`); names the sample, token and layer."""
+    routes = batch.routed_experts
+    if routes is None:
+        return
+
+    def fail(s: int, reason: str) -> SampleValidationError:
+        return SampleValidationError(reason, source=batch.source, row_label=batch.row_label,
+                                     row=int(batch.source_rows[s]), sample_id=batch.ids[s], has_sample_id=True,
+                                     field="routed_experts")
+
+    if not routing.is_moe:
+        raise fail(0, f"routes given, but the {routing.model} has no mixture-of-experts layer to replay them in")
+    _, layers, topk = routes.shape
+    if (layers, topk) != (routing.num_layers, routing.topk):
+        raise fail(0, f"routes are [tokens, {layers}, {topk}] (tokens x MoE layers x top-k), but the "
+                      f"{routing.model}'s are [tokens, {routing.num_layers}, {routing.topk}]")
+    missing = (routes < 0).all(axis=(1, 2))  # a final token without a route
+    bad = ((routes < 0) | (routes >= routing.num_experts)).any(axis=2) & ~missing[:, None]  # [N, L]
+    if bad.any():
+        flat, layer = (int(x) for x in np.argwhere(bad)[0])
+        s = int(np.searchsorted(batch.offsets, flat, side="right")) - 1
+        ids = routes[flat, layer].tolist()
+        raise fail(s, f"expert ids {ids} at token {flat - int(batch.offsets[s])}, layer {layer}: outside "
+                      f"[0, {routing.num_experts}) (num_experts {routing.num_experts})")

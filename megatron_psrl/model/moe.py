@@ -18,12 +18,15 @@ count every token once; the per-sample batch counts a shared token once per samp
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from megatron_psrl.compat import install_cpu_moe_shims
+from megatron_psrl.data.validation import RoutingShape
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.options import MOE_TOKEN_DISPATCHERS
@@ -212,6 +215,10 @@ class ExpertLockstep:
             torch.autograd.backward(out, torch.zeros_like(out))
             return
         self.empty_passes += 1
+        with native_routing(self.layers):  # the last own pass's routes are for its tokens
+            self._empty_forward(kind, tick)
+
+    def _empty_forward(self, kind: str, tick: int) -> None:
         # One zero token (megatron's router cannot reshape zero tokens): whichever experts it
         # reaches, its output and every gradient it contributes (the backward's incoming
         # gradient is zero) are exactly zero.
@@ -225,5 +232,145 @@ class ExpertLockstep:
             self.held[tick] = x
 
 
-__all__ = ["TOKEN_DISPATCHERS", "ExpertLockstep", "Pass", "lockstep_ticks", "moe_layers", "check_moe_settings", "expert_index", "global_experts", "install_moe_runtime",
+# ---------------------------------------------------------------------- router replay
+def routing_shape(arch: ModelArchitecture) -> RoutingShape:
+    """What the samples' ``routed_experts`` must look like for ``arch``: ``[tokens, MoE layers,
+    top-k]`` ids in ``[0, E)``; a dense model takes none. Every layer of a supported MoE model is
+    an MoE layer (dense layers are refused when the config is read)."""
+    if not arch.is_moe:
+        return RoutingShape(0, 0, 0, model=f"dense {arch.model_type} model")
+    return RoutingShape(arch.num_layers, arch.moe_router_topk, arch.num_experts, model=f"{arch.model_type} model")
+
+
+def tree_token_sources(tree) -> np.ndarray:
+    """int64 ``[T]``: a batch token of every tree token (any sample through it: with routes in
+    the tree's keys, every sample through a tree token has the same routes there)."""
+    source = np.empty(tree.num_tree_tokens, dtype=np.int64)
+    source[tree.sample_token_index] = np.arange(tree.batch.num_tokens, dtype=np.int64)
+    return source
+
+
+def _pack_replay_class():
+    """megatron's ``RouterReplay`` that also follows the last layer's row skip (defined lazily:
+    megatron is imported only when a model is built)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class PackRouterReplay(RouterReplay):
+        """``REPLAY_FORWARD`` of the routes of a pack's rows, where the router may see only the rows
+        ``rows`` of the pack: the model's last layer computes only the rows the loss head reads
+        (``TreeAttentionMetadata.output_rows``), so its router then routes those rows only."""
+
+        rows: Optional[Tensor] = None
+        """int64 ``[n]``: the pack rows this router sees when it sees fewer than all (ascending)."""
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            target = self.target_topk_idx
+            if (self.router_replay_action != RouterReplayAction.REPLAY_FORWARD or target is None
+                    or scores.shape[0] == target.shape[0]):
+                return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            if self.rows is None or scores.shape[0] != self.rows.shape[0]:
+                raise RuntimeError(f"router replay: routes for {target.shape[0]} tokens, the router sees "
+                                   f"{scores.shape[0]}")
+            top_indices = target.index_select(0, self.rows)  # [n, k]: the rows the layer computes
+            return scores.gather(1, top_indices), top_indices
+
+    return PackRouterReplay
+
+
+class RouterReplayer:
+    """Sets the rollout's routes into the routers of one model, micro-batch by micro-batch.
+
+    megatron-core's router replay (``TopKRouter.router_replay``, a ``RouterReplay``; action
+    ``REPLAY_FORWARD``): the router takes the given top-k ids instead of its own and gathers its
+    own scores at them (the logits, softmaxed over the k: Qwen3-MoE's renormalised top-k; or the
+    full softmax's probabilities without ``norm_topk_prob``), so gradients reach the router.
+
+    What is not used of it, and why: the process-wide instance list and its static setters
+    (every model built in the process registers there, and a layer's place in it is not its
+    layer number), and ``REPLAY_BACKWARD``'s queue of targets for recomputation (it pops them in
+    forward order; cached prefixes run backward passes out of that order). Instead the routers
+    of this model are found by walking it (its layer numbers index the routes), and a
+    recomputed backward gets its micro-batch's routes set again by the step runner
+    (:meth:`set`). The last layer may route only the rows the loss head reads
+    (``PackRouterReplay.rows``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        from megatron_psrl.model.gpt import model_chunks
+
+        replay_class = _pack_replay_class()
+        self.replays: List[Tuple[int, bool, object]] = []
+        """``(MoE layer index, the model's last layer, its router's replay)`` of every router."""
+        for chunk in model_chunks(model):
+            for module in chunk.modules():
+                if not isinstance(module, TopKRouter):
+                    continue
+                if module.config.moe_router_fusion:  # the fused kernel never consults router_replay
+                    raise ConfigurationError("router replay needs megatron's unfused router (moe_router_fusion off)")
+                if not isinstance(module.router_replay, replay_class):
+                    module.router_replay = replay_class()
+                    # This model's replays are reached through the model: the process-wide list
+                    # would also hold every other model's routers, and keep them alive.
+                    RouterReplay.global_router_replay_instances.remove(module.router_replay)
+                # Every layer is an MoE layer (dense layers are refused), so the MoE layer
+                # index is the layer's (layer numbers count from 1, over all pipeline stages).
+                last = module.layer_number == module.config.num_layers
+                self.replays.append((module.layer_number - 1, last, module.router_replay))
+        self._tree = None
+        self._sources: Optional[np.ndarray] = None
+
+    def pack_routes(self, tree, tree_tokens: np.ndarray, device: torch.device) -> Optional[Tensor]:
+        """int64 ``[t, L, k]`` routes of the pack rows ``tree_tokens``, gathered like their token
+        ids, or None when the tree's samples carry none. A token without a route (a sample's
+        final token, whose output no log-prob reads) takes experts ``0..k-1``."""
+        routes = tree.batch.routed_experts
+        if routes is None:
+            return None
+        if not self.replays:
+            raise ConfigurationError("the samples carry routed_experts, but the model has no router to replay them in")
+        if self._tree is not tree:  # one scatter per tree, not per micro-batch
+            self._tree, self._sources = tree, tree_token_sources(tree)
+        rows = routes[self._sources[tree_tokens]].astype(np.int64)  # [t, L, k]
+        missing = rows[:, 0, 0] < 0
+        if missing.any():
+            rows[missing] = np.arange(rows.shape[2], dtype=np.int64)
+        return torch.from_numpy(rows).to(device)
+
+    def set(self, routes: Optional[Tensor], output_rows: Optional[np.ndarray] = None) -> None:
+        """The routes ``[t, L, k]`` of the next forward's t tokens (``output_rows``: the rows the
+        last layer may compute alone), or None: every router takes its own top-k again."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        rows = None
+        if routes is not None and output_rows is not None:
+            rows = torch.from_numpy(np.asarray(output_rows, dtype=np.int64)).to(routes.device)
+        for layer, last, replay in self.replays:
+            replay.clear_indices()  # (also empties the REPLAY_BACKWARD queue, unused here)
+            replay.rows = rows if last else None
+            if routes is None:
+                replay.clear_router_replay_action()
+                continue
+            if layer >= routes.shape[1]:
+                raise ConfigurationError(f"routes for {routes.shape[1]} MoE layers, but the model has MoE layer "
+                                         f"{layer} (0-based)")
+            replay.set_target_indices(routes[:, layer].contiguous())  # [t, k]
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def native_routing(layers: Sequence[torch.nn.Module]):
+    """A context in which the MoE ``layers``' routers take their own top-k (replay suspended)."""
+    stack = contextlib.ExitStack()
+    for layer in layers:
+        replay = getattr(getattr(layer, "router", None), "router_replay", None)
+        if replay is not None and replay.router_replay_action is not None:
+            action = replay.router_replay_action
+            replay.clear_router_replay_action()
+            stack.callback(replay.set_router_replay_action, action)
+    return stack
+
+
+__all__ = ["TOKEN_DISPATCHERS", "ExpertLockstep", "RouterReplayer", "native_routing", "routing_shape",
+           "tree_token_sources", "Pass", "lockstep_ticks", "moe_layers", "check_moe_settings", "expert_index", "global_experts", "install_moe_runtime",
            "is_expert_parameter", "local_experts"]

@@ -4,7 +4,9 @@ The algorithm (docs/prefix-tree.md has the derivation):
 
 1. Sort the samples lexicographically by token ids (Python's sort on ``bytes`` keys of
    big-endian uint32 tokens: byte order equals token order, and a prefix sorts before its
-   extensions). Equal samples keep their input order.
+   extensions). Equal samples keep their input order. With router replay (samples carrying
+   ``routed_experts``) a position's key is ``(token id, route id)`` (:func:`token_keys`), so
+   samples share a prefix only where their tokens *and* their routes agree.
 2. Longest common prefix (LCP) of every pair of neighbours in that order, with numpy.
 3. One stack pass over the sorted samples builds the radix tree: the stack is the path of the
    previous sample; sample ``i`` pops the nodes deeper than ``lcp[i]``, splits the node that
@@ -46,9 +48,10 @@ def build_prefix_tree(batch: SampleBatch) -> PrefixTree:
     if batch.tokens.size and batch.tokens.min() < 0:
         raise ValueError("token ids must be non-negative to define the child order")
 
-    order = _sort_samples(batch)
+    keys = token_keys(batch)  # the tokens themselves without routes
+    order = _sort_samples(batch, keys)
     sorted_lengths = lengths[order]
-    lcp = _neighbour_lcp(batch, order, sorted_lengths)
+    lcp = _neighbour_lcp(batch, order, sorted_lengths, keys)
     rec_start, rec_end, rec_first, rec_last, rec_parent, end_record = _radix_records(
         lcp, sorted_lengths
     )
@@ -106,17 +109,58 @@ def build_prefix_tree(batch: SampleBatch) -> PrefixTree:
     )
 
 
+# ---------------------------------------------------------------------- keys
+def token_keys(batch: SampleBatch) -> np.ndarray:
+    """``[N]`` what the tree compares at every token: the token ids (int32, the array itself)
+    without routes; with ``routed_experts``, ``token id << 32 | route id`` (uint64), where equal
+    route ids mean equal routes in every MoE layer (:func:`route_ids`). Key order is token
+    order first, so siblings stay sorted by their first token."""
+    if batch.routed_experts is None:
+        return batch.tokens
+    return (batch.tokens.astype(np.uint64) << np.uint64(32)) | route_ids(batch.routed_experts).astype(np.uint64)
+
+
+def route_ids(routes: np.ndarray) -> np.ndarray:
+    """int64 ``[N]``: dense ids of the rows of ``routes`` ``[N, L, k]``, equal iff the rows are.
+
+    A 64-bit hash of each row's bytes (one vector pass per 8 bytes of a row), made exact by a
+    check that every row equals the first row of its hash; a hash collision (never seen; about
+    N^2 / 2^65) falls back to sorting the rows themselves."""
+    n = routes.shape[0]
+    rows = np.ascontiguousarray(routes.reshape(n, -1))
+    raw = rows.view(np.uint8).reshape(n, -1)
+    pad = (-raw.shape[1]) % 8
+    if pad:
+        raw = np.concatenate([raw, np.zeros((n, pad), dtype=np.uint8)], axis=1)
+    words = np.ascontiguousarray(raw).view(np.uint64)  # [N, W]
+    h = np.full(n, 0x9E3779B97F4A7C15, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for w in range(words.shape[1]):  # FNV-style mixing, wrapping in uint64
+            h = (h ^ words[:, w]) * np.uint64(0x100000001B3)
+            h ^= h >> np.uint64(29)
+    _, first, ids = np.unique(h, return_index=True, return_inverse=True)
+    ids = ids.reshape(-1).astype(np.int64)
+    for a in range(0, n, 1 << 16):  # chunks bound the [rows, W] comparison temporary
+        b = min(n, a + (1 << 16))
+        if not (words[a:b] == words[first[ids[a:b]]]).all():
+            _, ids = np.unique(rows, axis=0, return_inverse=True)
+            return ids.reshape(-1).astype(np.int64)
+    return ids
+
+
 # ---------------------------------------------------------------------- steps 1-3
-def _sort_samples(batch: SampleBatch) -> np.ndarray:
-    """Sample indices in lexicographic order of their tokens (stable for duplicates)."""
-    data = memoryview(batch.tokens.astype(">u4")).cast("B")
-    byte_offsets = (batch.offsets * 4).tolist()
+def _sort_samples(batch: SampleBatch, keys: np.ndarray) -> np.ndarray:
+    """Sample indices in lexicographic order of their token keys (stable for duplicates)."""
+    width = keys.dtype.itemsize  # 4 (token ids) or 8 (tokens with routes)
+    data = memoryview(keys.astype(">u4" if width == 4 else ">u8")).cast("B")
+    byte_offsets = (batch.offsets * width).tolist()
     keys = [data[a:b].tobytes() for a, b in zip(byte_offsets[:-1], byte_offsets[1:])]
     order = sorted(range(len(keys)), key=keys.__getitem__)
     return np.asarray(order, dtype=np.int64)
 
 
-def _neighbour_lcp(batch: SampleBatch, order: np.ndarray, sorted_lengths: np.ndarray) -> np.ndarray:
+def _neighbour_lcp(batch: SampleBatch, order: np.ndarray, sorted_lengths: np.ndarray,
+                   keys: np.ndarray) -> np.ndarray:
     """int64 ``[S]``: ``lcp[i]`` = longest common prefix of sorted samples i-1 and i
     (``lcp[0] = 0``).
 
@@ -133,7 +177,7 @@ def _neighbour_lcp(batch: SampleBatch, order: np.ndarray, sorted_lengths: np.nda
     left_all, right_all = starts[:-1], starts[1:]
     compare_len_all = np.minimum(sorted_lengths[:-1], sorted_lengths[1:])
     ends = np.cumsum(compare_len_all)
-    tokens = batch.tokens
+    tokens = keys
     pair = 0
     while pair < num_samples - 1:
         base = ends[pair - 1] if pair else 0

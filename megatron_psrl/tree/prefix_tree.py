@@ -3,7 +3,8 @@
 Every sample of the batch is a root-to-node path. A node is a maximal run of tokens shared by
 the same set of samples; nodes are split wherever two samples diverge and wherever a sample
 ends, so every sample ends exactly at the end of a node. Nodes are stored in depth-first
-preorder (children in ascending order of their first token), which makes every subtree a
+preorder (children in ascending order of their first token; with router replay, of their first
+(token, route) key: samples routed differently split where their routes differ), which makes every subtree a
 contiguous range of node indices and of tree tokens: the planner cuts subtrees with slices.
 
 All fields are flat numpy arrays (no Python object per node or token), see docs/architecture.md.
@@ -173,15 +174,25 @@ def check_tree(tree: PrefixTree) -> None:
     assert (tree.node_depth[end[inside]] <= tree.node_depth[inside]).all(), (
         "subtree_end is the first non-descendant"
     )
-    # Children: distinct first tokens, in ascending order, under every parent.
-    first_tok = tree.tokens[tree.node_offset[:-1]]
+    # Children: distinct first tokens (with routes: first (token, route) keys), in ascending
+    # order, under every parent.
+    sti = tree.sample_token_index
+    if b.routed_experts is None:
+        first_tok = tree.tokens[tree.node_offset[:-1]]
+    else:
+        from megatron_psrl.tree.build import token_keys
+
+        keys = token_keys(b)
+        source = np.empty(t, dtype=np.int64)  # a batch token of every tree token
+        source[sti] = np.arange(b.num_tokens)
+        assert (keys[source][sti] == keys).all(), "samples share tree tokens only where their routes agree"
+        first_tok = keys[source[tree.node_offset[:-1]]]
     order = np.lexsort((idx, parent))
     same = parent[order][1:] == parent[order][:-1]
     assert (first_tok[order][1:][same] > first_tok[order][:-1][same]).all(), (
         "siblings have strictly ascending first tokens"
     )
     # Samples: reconstructed exactly, ending at their node.
-    sti = tree.sample_token_index
     assert sti.shape == (b.num_tokens,), "sample_token_index shape"
     assert (tree.tokens[sti] == b.tokens).all(), "every sample is reconstructed from the tree"
     ends = b.offsets[1:] - 1
