@@ -116,13 +116,21 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray) -> Tuple[PrefixTree
     m = tree.num_nodes
     parent = tree.node_parent.astype(np.int64)
     # (group, node) keys every group needs: its samples' end nodes and all their ancestors.
-    keys = np.unique(sample_group.astype(np.int64) * m + tree.sample_node)
-    frontier = keys
-    while len(frontier):
-        up = parent[frontier % m]
-        frontier = (frontier // m * m + up)[up >= 0]
-        frontier = np.setdiff1d(np.unique(frontier), keys, assume_unique=True)
-        keys = np.union1d(keys, frontier)
+    # Level by level from the deepest: the pairs at a level are its end-node pairs and the
+    # parents of the pairs one level down, deduplicated there, so every pair is handled once.
+    level = node_level(tree)
+    ends = np.unique(sample_group.astype(np.int64) * m + tree.sample_node)
+    end_level = level[ends % m]
+    order = np.argsort(end_level, kind="stable")
+    ends, end_level = ends[order], end_level[order]
+    bounds = np.searchsorted(end_level, np.arange(int(level.max(initial=0)) + 2))
+    collected, lifted = [], np.zeros(0, np.int64)
+    for lvl in range(len(bounds) - 2, -1, -1):
+        here = np.unique(np.concatenate([ends[bounds[lvl]:bounds[lvl + 1]], lifted]))
+        collected.append(here)
+        if lvl:
+            lifted = here // m * m + parent[here % m]
+    keys = np.unique(np.concatenate(collected)) if collected else np.zeros(0, np.int64)
     node = keys % m  # old node of every new node
     group = keys // m
 
@@ -135,7 +143,7 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray) -> Tuple[PrefixTree
     np.cumsum(lens, out=offset[1:])
     sample_new = new_node(sample_group.astype(np.int64), tree.sample_node.astype(np.int64))
     # Subtree sizes and sample counts, accumulated from the deepest level up.
-    level = node_level(tree)[node]
+    level = level[node]
     size = np.ones(len(keys), dtype=np.int64)
     samples = np.bincount(sample_new, minlength=len(keys)).astype(np.int64)
     for lvl in range(int(level.max(initial=0)), 0, -1):
@@ -159,8 +167,7 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray) -> Tuple[PrefixTree
     order = np.lexsort((tree.claim_sample, claim_token))
     claim_offsets = np.zeros(int(offset[-1]) + 1, dtype=np.int64)
     np.cumsum(np.bincount(claim_token, minlength=int(offset[-1])), out=claim_offsets[1:])
-    old_tokens = np.concatenate([np.arange(tree.node_offset[n], tree.node_offset[n + 1]) for n in node]) \
-        if len(node) else np.zeros(0, np.int64)
+    old_tokens = np.repeat(tree.node_offset[node] - offset[:-1], lens) + np.arange(int(offset[-1]), dtype=np.int64)
     regrouped = PrefixTree(
         batch=batch,
         tokens=tree.tokens[old_tokens],
