@@ -4,7 +4,8 @@ It has the constructor and forward contract of megatron's ``TEDotProductAttentio
 in the ``core_attention`` slot of any GPT layer spec, local or Transformer Engine) and accepts:
 
 - ``packed_seq_params=TreeAttentionMetadata``: a tree-packed micro-batch, ``[t, 1, np, hn]``;
-  every token attends to its ancestors and the earlier tokens of its own segment;
+  every token attends to its ancestors and the earlier tokens of its own segment (with
+  ``query_rows``, the model's last layer: only those rows' outputs, ``[n, 1, np*hn]``);
 - ``packed_seq_params=PackedSeqParams(qkv_format="thd")``: megatron's packed sequences,
   ``[t, np, hn]``, causal within every ``cu_seqlens`` segment;
 - ``packed_seq_params=None``: plain causal attention over ``[s, b, np, hn]``.
@@ -127,8 +128,12 @@ class PrefixSharingAttention(MegatronModule):
                 if replaced is not None:  # cross-rank: the exchange's outputs (same values)
                     k, v = replaced
                 external = meta.kv_hook.external_kv(self.layer_number)
+            if meta.query_rows is not None:
+                # Only these rows' outputs are needed (the last layer): their queries over
+                # every row's keys, by their query-subset plan. [t, np, hn] -> [n, np, hn]
+                q = q.index_select(0, meta.query_rows)
             out = self._run(meta.backend or backend_default, q, k, v, meta.plan, external)
-            return out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hn]
+            return out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hn] ([n, 1, np*hn] with query_rows)
 
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # query [t, np, hn]; causal within every cu_seqlens segment.

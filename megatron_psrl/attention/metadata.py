@@ -10,9 +10,11 @@ positions at every ``cu_seqlens`` boundary as it does for ``"thd"``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -71,6 +73,16 @@ class TreeAttentionMetadata(PackedSeqParams):
     kv_hook: Optional[PrefixKVHook] = None
     """Mechanism 2: supplies cached prefix K/V and receives this pack's K/V. None for M1."""
 
+    output_rows: Optional[np.ndarray] = None
+    """int64, ascending: the pack rows whose final hidden states are read (the loss head's
+    rows). The model's last layer then computes only these rows past its K/V projection
+    (``PsrlTransformerLayer``) and the model returns ``[len(output_rows), 1, h]``; None: every row."""
+
+    query_rows: Optional[torch.Tensor] = None
+    """Set by the last layer on its own copy (:meth:`for_output_rows`): core attention computes
+    the outputs of these pack rows only (``[n]`` on the device), with ``plan`` their
+    query-subset plan; the keys and values are still every row's."""
+
     def __post_init__(self) -> None:
         if self.qkv_format is None:
             self.qkv_format = "sbhd"
@@ -80,3 +92,17 @@ class TreeAttentionMetadata(PackedSeqParams):
             raise ValueError("TreeAttentionMetadata needs an AttentionPlan")
         if self.plan.external_lengths and self.kv_hook is None:
             raise ValueError("a plan with external K/V sources needs a kv_hook to supply them")
+        if self.query_rows is not None and len(self.query_rows) != self.plan.num_tokens:
+            raise ValueError("query_rows needs the plan of those rows (AttentionPlan.select_queries)")
+
+    def for_output_rows(self, device: torch.device) -> "TreeAttentionMetadata":
+        """This metadata for the layer that computes ``output_rows`` only: their query-subset
+        plan and ``query_rows`` on ``device`` (built once per micro-batch: a recomputed layer
+        asks again)."""
+        cached = self.__dict__.get("_rows_view")
+        if cached is None or cached.query_rows.device != torch.device(device):
+            rows = np.ascontiguousarray(self.output_rows, dtype=np.int64)
+            cached = dataclasses.replace(self, plan=self.plan.select_queries(rows), output_rows=None,
+                                         query_rows=torch.from_numpy(rows).to(device))
+            self.__dict__["_rows_view"] = cached
+        return cached

@@ -58,9 +58,22 @@ class AttentionPlan:
     external_lengths: List[int] = field(default_factory=list)
     """Number of tokens of every external K/V source read by this micro-batch."""
 
+    seg_key_start: Optional[np.ndarray] = None
+    """int64 ``[G]``: first pack key of every segment's causal keys. None (a pack's plan): the
+    segment's own tokens, ``seg_start``. A query-subset plan (:meth:`select_queries`) numbers
+    its queries ``0..num_tokens`` (a subset of the pack's rows) apart from the pack's
+    ``num_keys`` keys: segment g's queries attend causally to pack keys
+    ``seg_key_start[g]:seg_key_start[g] + (seg_end[g] - seg_start[g])``."""
+
+    num_keys: Optional[int] = None
+    """Keys in the pack (None: ``num_tokens``, queries and keys are the same tokens)."""
+
     def __post_init__(self) -> None:
         as64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
         self.seg_start, self.seg_end = as64(self.seg_start), as64(self.seg_end)
+        if self.seg_key_start is not None:
+            self.seg_key_start = as64(self.seg_key_start)
+            self.num_keys = self.num_tokens if self.num_keys is None else int(self.num_keys)
         self.block_q_start, self.block_q_end = as64(self.block_q_start), as64(self.block_q_end)
         self.block_k_start, self.block_k_end = as64(self.block_k_start), as64(self.block_k_end)
         self.block_source = as64(self.block_source)
@@ -89,7 +102,10 @@ class AttentionPlan:
         if self.block_q_start.min() < 0 or self.block_q_end.max() > t:
             raise ValueError("ancestor block queries outside the pack")
         local = self.block_source < 0
-        if np.any(self.block_k_end[local] > self.block_q_start[local]):
+        if self.is_query_subset:  # queries and keys are numbered apart: keys within the pack
+            if np.any(self.block_k_end[local] > self.num_keys):
+                raise ValueError("a local ancestor block's keys are outside the pack")
+        elif np.any(self.block_k_end[local] > self.block_q_start[local]):
             raise ValueError("a local ancestor block's keys must precede its queries")
         ext = ~local
         if np.any(ext):
@@ -100,6 +116,21 @@ class AttentionPlan:
                 raise ValueError("ancestor block keys outside their external source")
 
     # ------------------------------------------------------------------ views
+    @property
+    def is_query_subset(self) -> bool:
+        """The queries are a subset of the pack's rows (:meth:`select_queries`)."""
+        return self.seg_key_start is not None
+
+    @property
+    def segment_key_start(self) -> np.ndarray:
+        """int64 ``[G]``: first pack key of every segment's causal keys (see ``seg_key_start``)."""
+        return self.seg_start if self.seg_key_start is None else self.seg_key_start
+
+    @property
+    def num_pack_keys(self) -> int:
+        """Keys in the pack (``num_tokens`` unless the queries are a subset)."""
+        return self.num_tokens if self.num_keys is None else self.num_keys
+
     @property
     def num_segments(self) -> int:
         return int(len(self.seg_start))
@@ -121,20 +152,20 @@ class AttentionPlan:
 
     def key_source_offsets(self) -> np.ndarray:
         """Offset of every key source in the concatenation [pack keys, external 0, 1, ...]."""
-        sizes = [self.num_tokens] + self.external_lengths
+        sizes = [self.num_pack_keys] + self.external_lengths
         return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
     def dense_mask(self) -> np.ndarray:
-        """bool ``[t, t + external]``: the full mask over [pack keys, external keys...].
+        """bool ``[t, keys + external]``: the full mask over [pack keys, external keys...].
 
         Used by the ``dense`` reference backend and by tests; O(t^2) memory.
         """
         t = self.num_tokens
         offsets = self.key_source_offsets()
         mask = np.zeros((t, int(offsets[-1])), dtype=bool)
-        for a, b in zip(self.seg_start, self.seg_end):
+        for a, b, ka in zip(self.seg_start, self.seg_end, self.segment_key_start):
             n = b - a
-            mask[a:b, a:b] = np.tril(np.ones((n, n), dtype=bool))
+            mask[a:b, ka:ka + n] = np.tril(np.ones((n, n), dtype=bool))
         for qa, qb, ka, kb, src in zip(
             self.block_q_start, self.block_q_end, self.block_k_start, self.block_k_end, self.block_source
         ):
@@ -149,7 +180,7 @@ class AttentionPlan:
         concatenation [pack keys, external keys...]; segment g's queries are pack tokens
         ``cu_seqlens_q[g]:cu_seqlens_q[g+1]`` and its keys are
         ``key_index[cu_seqlens_k[g]:cu_seqlens_k[g+1]]``: its ancestors' keys followed by its
-        own tokens, so a causal mask aligned to the bottom right is exact.
+        own tokens (its causal keys), so a causal mask aligned to the bottom right is exact.
         Computed once per micro-batch and shared by all layers.
         """
         if self._gather_cache is not None:
@@ -169,7 +200,7 @@ class AttentionPlan:
         # Softmax does not care about key order, only the own segment must come last so
         # that the bottom-right-aligned causal mask hits exactly its tokens.
         parts, lens = [], []
-        for a, b in zip(self.seg_start, self.seg_end):
+        for a, b, own in zip(self.seg_start, self.seg_end, self.segment_key_start):
             covering = np.flatnonzero((self.block_q_start <= a) & (self.block_q_end >= b))
             pieces = [
                 np.arange(offsets[s + 1] + ka, offsets[s + 1] + kb)
@@ -177,7 +208,7 @@ class AttentionPlan:
                     self.block_k_start[covering], self.block_k_end[covering], self.block_source[covering]
                 )
             ]
-            pieces.append(np.arange(a, b))
+            pieces.append(np.arange(own, own + (b - a)))
             idx = np.concatenate(pieces)
             parts.append(idx)
             lens.append(len(idx))
@@ -186,6 +217,48 @@ class AttentionPlan:
         cu_q = np.concatenate([self.seg_start, [self.num_tokens]]).astype(np.int64)
         self._gather_cache = (key_index.astype(np.int64), cu_q, cu_k)
         return self._gather_cache
+
+    def select_queries(self, rows: np.ndarray) -> "AttentionPlan":
+        """The plan of the pack's query rows ``rows`` only (ascending, unique), over all its keys.
+
+        Query ``j`` of the result is pack row ``rows[j]``, with exactly the keys it has here.
+        Its segments are the runs of consecutive selected rows inside one segment of this
+        plan: run ``[r0, r1]`` of segment ``[a, b)`` attends causally to keys ``r0..r1``
+        (``seg_key_start``) and, unmasked, to the segment's earlier keys ``a..r0 - 1`` (one
+        more block); every ancestor block keeps its keys, over the selected rows among its
+        queries. Every backend runs such a plan as it is: it is how the model's last layer
+        computes only the rows the loss reads, while every row's K/V stay keys.
+        """
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if self.is_query_subset:
+            raise ValueError("select_queries takes a pack's plan, not a query subset")
+        n = len(rows)
+        if n and (rows[0] < 0 or rows[-1] >= self.num_tokens or np.any(np.diff(rows) <= 0)):
+            raise ValueError("select_queries needs ascending, unique rows of the pack")
+        seg = np.searchsorted(self.seg_end, rows, side="right")  # segment of every selected row
+        breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(seg) != 0)) + 1
+        run_start = np.concatenate([[0], breaks]).astype(np.int64)
+        run_end = np.concatenate([breaks, [n]]).astype(np.int64) if n else np.zeros(0, np.int64)
+        run_start = run_start[:len(run_end)]
+        first_row = rows[run_start]
+        earlier = first_row > self.seg_start[seg[run_start]]  # the run starts inside its segment
+        # Ancestor blocks over the selected rows among their queries (empty ones dropped).
+        q0 = np.searchsorted(rows, self.block_q_start)
+        q1 = np.searchsorted(rows, self.block_q_end)
+        kept = q1 > q0
+        return AttentionPlan(
+            num_tokens=n,
+            seg_start=run_start,
+            seg_end=run_end,
+            block_q_start=np.concatenate([run_start[earlier], q0[kept]]),
+            block_q_end=np.concatenate([run_end[earlier], q1[kept]]),
+            block_k_start=np.concatenate([self.seg_start[seg[run_start]][earlier], self.block_k_start[kept]]),
+            block_k_end=np.concatenate([first_row[earlier], self.block_k_end[kept]]),
+            block_source=np.concatenate([np.full(int(earlier.sum()), -1, np.int64), self.block_source[kept]]),
+            external_lengths=list(self.external_lengths),
+            seg_key_start=first_row,
+            num_keys=self.num_tokens,
+        )
 
 
 def causal_plan(segment_lengths: Sequence[int]) -> AttentionPlan:

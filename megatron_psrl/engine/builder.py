@@ -265,6 +265,7 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
     group, _ = exchange_group_of(layout)
     runner = make_runner(model, arch.vocab_size, device, backend, kv_cache, exchange_group=group,
                          loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute)
+    runner.last_layer_row_skip = config.last_layer_row_skip
     return backend_name, kv_cache, runner
 
 

@@ -57,6 +57,12 @@ class ActorConfig:
     recompute_num_layers: Optional[int] = None
     """With ``full``: see ``recompute_method``."""
 
+    last_layer_row_skip: bool = True
+    """The model's last layer computes queries, attention output, output projection and MLP
+    only for the rows whose log-prob is computed (``--no-last-layer-row-skip`` turns it off):
+    every other row's output is read by nothing (its K/V, still computed, are). Exact; off by
+    itself where the layout cannot use it (docs/architecture.md)."""
+
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per virtual pipeline stage (megatron's interleaved schedule): each rank holds
     ``layers / (PP x this)`` chunks, the pipeline bubble shrinks by that factor."""

@@ -276,6 +276,9 @@ class StepRunner:
         inject_kv_grads: bool = False,
     ):
         self.model = model
+        self.last_layer_row_skip = True
+        """The model's last layer computes only the rows the loss head reads, past its K/V
+        projection (``ActorConfig.last_layer_row_skip``; ``TreeAttentionMetadata.output_rows``)."""
         self.inject_kv_grads = inject_kv_grads
         """Activation recomputation is on: cached-prefix gradients are injected inside the graph."""
         self.loss_head_chunk_bytes = loss_head_chunk_bytes
@@ -294,6 +297,10 @@ class StepRunner:
         """MoE models with expert parallelism: the ranks whose MoE layers exchange tokens in every
         forward and backward pass (their passes run in lockstep, :class:`ExpertLockstep`)."""
         self._lockstep = None
+        self._replayer = None
+        """Router replay (:class:`~megatron_psrl.model.moe.RouterReplayer`), made at the first batch with routes."""
+        self._held_routes: Dict[int, Tuple[Tensor, Optional[np.ndarray]]] = {}
+        """Routes of kept graphs whose backward recomputes their forward (activation recomputation)."""
         self.last_empty_expert_passes = 0
         """Empty MoE passes this rank ran in its last call to keep its expert-parallel group in step."""
 
@@ -323,13 +330,18 @@ class StepRunner:
             hook = _PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad,
                              group=self.exchange_group, group_size=group_size, inject=self.inject_kv_grads,
                              gather_in_backward=self._gather_in_backward)
-        meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook)
+        out_rows = self._output_rows(pack, rows)
+        meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook,
+                                     output_rows=out_rows)
         ids = host_to_device(pack.input_ids, self.device)
         pos = host_to_device(pack.position_ids, self.device)
+        self._replay_routes(plan, i, pack, meta.output_rows, keep=grad and capture)
         with torch.set_grad_enabled(grad):
             hidden = self._stage_forward(i, ids, pos, meta, grad)  # [t, h]; None before the last stage
             if hidden is None:
                 return None, {}, None, hook
+            if hidden.shape[0] == pack.num_tokens:  # the last layer ran in full (see PsrlTransformerLayer)
+                out_rows = None
             # In an exchange step every rank must run a backward through every layer's exchange
             # (a collective), even a rank whose fragment claims nothing: a zero "anchor" loss.
             # Injected prefix gradients (recomputation) need a root that reaches every layer too.
@@ -339,17 +351,34 @@ class StepRunner:
                                               and grad) else None
             if len(rows) == 0:
                 return anchor, {}, None, hook
-            loss, metrics, logp = self._loss_head(plan, pack, hidden, rows, loss_cfg, coefficients, record)
+            loss, metrics, logp = self._loss_head(plan, pack, hidden, rows, loss_cfg, coefficients, record,
+                                                  hidden_rows=out_rows)
             if loss is not None and anchor is not None:  # keep every layer's exchange in the graph
                 loss = loss + anchor
         return loss, metrics, logp, hook
 
+    def _output_rows(self, pack: PackedMicroBatch, rows: np.ndarray) -> Optional[np.ndarray]:
+        """The pack rows whose final hidden states the loss head reads (ascending), for the last
+        layer to compute only them; None: every row (the skip is off, or would skip nothing)."""
+        if not self.last_layer_row_skip:
+            return None
+        keep = np.unique(pack.logit_rows[rows])
+        if len(keep) == 0:
+            # One row still: its attention keeps the last layer's K/V (their hook, exchange and
+            # injected dK/dV) in the graph, and an MoE layer gets a token to route.
+            keep = np.array([pack.num_tokens - 1], dtype=np.int64)
+        return keep if len(keep) < pack.num_tokens else None
+
     def _loss_head(self, plan: StepPlan, pack: PackedMicroBatch, hidden: Tensor, rows: np.ndarray,
                    loss_cfg: Optional[ClaimLoss], coefficients: Optional[np.ndarray],
-                   record: Optional[ComputedLogprobs]):
+                   record: Optional[ComputedLogprobs], hidden_rows: Optional[np.ndarray] = None):
         """``(loss, metrics, logp)`` of the pack rows ``rows`` from final hidden states ``[t, h]``
-        (``loss`` None without a loss)."""
-        sel_rows = host_to_device(pack.logit_rows[rows], self.device)
+        (``hidden_rows``: ``hidden`` holds these pack rows only, ascending; ``loss`` None without
+        a loss)."""
+        sel = pack.logit_rows[rows]
+        if hidden_rows is not None:  # the last layer computed hidden_rows only: rows -> their index
+            sel = np.searchsorted(hidden_rows, sel)
+        sel_rows = host_to_device(sel, self.device)
         targets = pack.logit_targets[rows]
         target_ids = host_to_device(plan.tree.tokens[targets].astype(np.int64), self.device)
         want_entropy = ((loss_cfg is not None and loss_cfg.needs_entropy)
@@ -364,6 +393,29 @@ class StepRunner:
         claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
         loss, metrics = loss_cfg(logp, ent, claims)
         return loss, metrics, logp
+
+    def _replay_routes(self, plan: StepPlan, i: int, pack: PackedMicroBatch, output_rows: Optional[np.ndarray],
+                       keep: bool) -> None:
+        """Router replay (docs/moe.md): the rollout's routes of the pack's rows, gathered like their
+        token ids, into every MoE router before the forward (``output_rows``: the rows the last
+        layer may compute alone; ``keep``: a producer's graph, held for its backward if that
+        recomputes the forward); samples without routes: the routers' own top-k."""
+        if self._replayer is None and plan.tree.batch.routed_experts is None:
+            return  # the route-free path: nothing to set
+        if self._replayer is None:
+            from megatron_psrl.model.moe import RouterReplayer
+
+            self._replayer = RouterReplayer(self.model)
+        routes = self._replayer.pack_routes(plan.tree, pack.tree_tokens, self.device)  # [t, L, k]
+        self._replayer.set(routes, output_rows)
+        if routes is not None and keep and self.inject_kv_grads:
+            self._held_routes[i] = (routes, output_rows)
+
+    def _end_replay(self) -> None:
+        """The routers' own top-k again after a step (a later forward may carry no routes)."""
+        if self._replayer is not None:
+            self._replayer.set(None)
+        self._held_routes.clear()
 
     def _head_rows(self) -> int:
         """Claimed rows per loss-head chunk, from this rank's vocabulary slice."""
@@ -548,6 +600,8 @@ class StepRunner:
                     out.tokens_computed += pack.num_tokens
                     out.tokens_recomputed += pack.num_tokens
                     cache.metrics.tokens_recomputed += pack.num_tokens
+                if i in self._held_routes:  # a recomputing backward routes its tokens as their forward did
+                    self._replayer.set(*self._held_routes.pop(i))
                 kv_grads = []
                 for s, layer, k_rows, v_rows in captured:
                     gk, gv = cache.read_grad(s, layer)  # fp32 sums over every reader; rounded once here
@@ -558,6 +612,7 @@ class StepRunner:
             for s in release_kv_after.get(step_idx, ()):
                 cache.free(s, ("k", "v"))
         self._finish_lockstep()
+        self._end_replay()
         if rank_plan.sources:
             cache.end_step()
         totals = sums.read()
@@ -621,6 +676,7 @@ class StepRunner:
                 if last_reader[s] == i:
                     cache.free(s, ("k", "v"))
         self._finish_lockstep()
+        self._end_replay()
         if rank_plan.sources:
             cache.end_step()
         return self._finish(out)

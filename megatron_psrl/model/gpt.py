@@ -8,11 +8,15 @@ parallel layers) with three differences, all needed by tree packing:
 - RoPE frequencies are computed from explicit position ids (a tree token's position is its
   depth in its sample, not its offset in the pack) and handed to the decoder;
 - ``forward`` returns final hidden states ``[t, h]``; logits are computed only for the rows
-  that need them (``output_logits``), because most tokens of a pack carry no loss.
+  that need them (``output_logits``), because most tokens of a pack carry no loss;
+- the last layer (:class:`PsrlTransformerLayer`) goes past its K/V projection only for the
+  rows whose final hidden state is read (``TreeAttentionMetadata.output_rows``): every row's
+  K/V are keys of the rows kept, nothing reads the other rows' outputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Optional, Sequence
 
@@ -20,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_psrl.attention import PrefixSharingAttention, TreeAttentionMetadata
 from megatron_psrl.compat import keeps_cuda_embedding_sync, quiet_expected_import_warnings, transformer_config_overrides
@@ -105,11 +111,16 @@ def build_transformer_config(
 
 
 def moe_config_fields(arch: ModelArchitecture) -> dict:
-    """TransformerConfig fields of an MoE architecture (none for a dense one): Qwen3-MoE's
-    router is megatron's softmax top-k router, renormalised over the top k (``norm_topk_prob``)
-    = softmax over the top-k logits (``moe_router_pre_softmax=False``), else the top k of the
-    softmax over all experts (``moe_router_pre_softmax=True``). Routing is dropless (no capacity
-    factor); the load-balancing loss is off unless ``moe_aux_loss_coeff`` overrides it."""
+    """TransformerConfig fields of an MoE architecture (none for a dense one).
+
+    The router of every supported family (Qwen3-MoE, Qwen2-MoE, Mixtral) is megatron's softmax
+    top-k router: renormalised over the top k (``norm_topk_prob``; always for Mixtral) = softmax
+    over the top-k logits (``moe_router_pre_softmax=False``), else the top k of the softmax over
+    all experts (``moe_router_pre_softmax=True``). Qwen2-MoE's shared expert is megatron's
+    ``SharedExpertMLP`` of width ``moe_shared_expert_intermediate_size``, its sigmoid gate
+    ``moe_shared_expert_gate`` (no overlap with the dispatcher: that needs CUDA streams).
+    Routing is dropless (no capacity factor); the load-balancing loss is off unless
+    ``moe_aux_loss_coeff`` overrides it."""
     if not arch.is_moe:
         return {}
     return dict(
@@ -121,13 +132,17 @@ def moe_config_fields(arch: ModelArchitecture) -> dict:
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=0.0,
         moe_expert_capacity_factor=None,
+        moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=arch.moe_shared_expert_gate,
+        moe_shared_expert_overlap=False,
     )
 
 
 def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", moe_grouped_gemm: bool = False) -> ModuleSpec:
     """megatron's GPT layer spec with PrefixSharingAttention in the core-attention slot (MoE
     architectures: megatron's MoELayer as the MLP; ``moe_grouped_gemm``: its grouped-GEMM experts,
-    GPU only)."""
+    GPU only). megatron's MoE spec always carries a ``SharedExpertMLP`` submodule; the MoELayer
+    builds it only when the config sets ``moe_shared_expert_intermediate_size`` (Qwen2-MoE)."""
     experts = arch.num_experts if arch.is_moe else None
     grouped = bool(moe_grouped_gemm and experts)
     if transformer_impl == "transformer_engine":
@@ -162,6 +177,70 @@ class RotaryFrequencies(torch.nn.Module):
         return emb[:, None, None, :]
 
 
+class PsrlTransformerLayer(TransformerLayer):
+    """megatron's ``TransformerLayer``; as the model's last layer, given
+    ``TreeAttentionMetadata.output_rows``, it computes only those rows past the K/V projection.
+
+    Every row's input norm and QKV projection run (the kept rows attend to every row's K/V;
+    the K/V hook of mechanism 2 stores and exchanges them); the queries, core attention,
+    output projection, residuals, pre-MLP norm and MLP (an MoE layer's routing included) run
+    on the kept rows only. Same operations on the same rows, so the kept rows' outputs and
+    every gradient are those of the full layer (up to the rounding of a differently sized
+    GEMM). Any other layer, or a layout this does not cover (sequence parallelism: rows are
+    split over TP ranks; fp8 / fp4: their GEMMs want row counts in multiples; inference
+    contexts; megatron's norm recomputation and activation offloading; a cross-attention),
+    runs megatron's full layer: the model then returns every row."""
+
+    def forward(self, *args, **kwargs):
+        meta = kwargs.get("packed_seq_params")
+        if not self._computes_output_rows_only(meta, kwargs):
+            return super().forward(*args, **kwargs)
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return self._forward_output_rows(hidden_states, meta.for_output_rows(hidden_states.device),
+                                         attention_mask=kwargs.get("attention_mask"),
+                                         rotary_pos_emb=kwargs.get("rotary_pos_emb"),
+                                         attention_bias=kwargs.get("attention_bias"))
+
+    def _computes_output_rows_only(self, meta, kwargs) -> bool:
+        config = self.config
+        return (isinstance(meta, TreeAttentionMetadata) and meta.output_rows is not None
+                and meta.query_rows is None
+                and self.layer_number == config.num_layers  # global numbering: the model's last layer
+                and not config.sequence_parallel
+                and not getattr(config, "fp8", None) and not getattr(config, "fp4", None)  # GEMM row multiples
+                and kwargs.get("inference_context") is None and kwargs.get("context") is None
+                and not getattr(self, "recompute_input_layernorm", False)
+                and not getattr(self, "offload_attn_norm", False)
+                and not getattr(self, "offload_mlp_norm", False)
+                and not getattr(config, "inference_fuse_tp_communication", False)
+                and isinstance(self.cross_attention, IdentityOp))
+
+    def _forward_output_rows(self, hidden_states: Tensor, meta: TreeAttentionMetadata, attention_mask=None,
+                             rotary_pos_emb=None, attention_bias=None):
+        """megatron's ``_forward_attention`` + ``_forward_mlp`` for the rows ``meta.query_rows``:
+        ``[t, 1, h] -> ([n, 1, h], None)``."""
+        residual = hidden_states.index_select(0, meta.query_rows)  # [n, 1, h]
+        # Every row: its K/V are keys of the kept rows (core attention takes the queries it needs).
+        input_layernorm_output = self.input_layernorm(hidden_states)  # [t, 1, h]
+        attention_output_with_bias = self.self_attention(
+            input_layernorm_output, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias, packed_seq_params=meta,
+        )  # ([n, 1, h], bias): core attention returned the kept rows, linear_proj ran on them
+        with self.bias_dropout_add_exec_handler():
+            hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                attention_output_with_bias, residual, self.hidden_dropout)
+        # Pre-MLP norm, MLP (MoE: only the kept rows are routed) and its residual: megatron's own.
+        return self._forward_mlp(hidden_states), None
+
+
+def _with_row_skip(spec):
+    """``spec`` with :class:`PsrlTransformerLayer` for megatron's ``TransformerLayer`` (its
+    submodules as they are); any other spec as it is (its last layer then runs in full)."""
+    if isinstance(spec, ModuleSpec) and spec.module is TransformerLayer:
+        return dataclasses.replace(spec, module=PsrlTransformerLayer)
+    return spec
+
+
 class PsrlGPTModel(GPTModel):
     """megatron-core GPTModel for tree-packed micro-batches (see module docstring)."""
 
@@ -176,8 +255,8 @@ class PsrlGPTModel(GPTModel):
     ):
         super().__init__(
             config=config,
-            transformer_layer_spec=build_layer_spec(arch, transformer_impl,
-                                                    moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False)),
+            transformer_layer_spec=_with_row_skip(build_layer_spec(
+                arch, transformer_impl, moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False))),
             vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,
@@ -202,11 +281,15 @@ class PsrlGPTModel(GPTModel):
         Args:
             input_ids: ``[t]`` token ids (first pipeline stage).
             position_ids: ``[t]`` true position of every token in its sample.
-            attention_metadata: the micro-batch's tree plan (megatron packed_seq_params).
+            attention_metadata: the micro-batch's tree plan (megatron packed_seq_params); with
+                ``output_rows``, the last layer computes only those rows (see the returns).
             decoder_input: ``[t, 1, h]`` instead of embedding input_ids (later stages).
 
         Returns:
-            ``[t, 1, h]`` hidden states; final-normalised on the last pipeline stage.
+            ``[t, 1, h]`` hidden states; final-normalised on the last pipeline stage, where
+            they are ``[len(output_rows), 1, h]``, the rows ``output_rows`` in order, when the
+            metadata names them and the last layer could skip the others
+            (:class:`PsrlTransformerLayer`; the row count tells).
         """
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids[None, :], position_ids=None)  # [t, 1, h]

@@ -43,7 +43,7 @@ from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.checkpoint.state_dict import load_state_into
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.data.samples import SampleBatch
-from megatron_psrl.data.validation import check_max_sample_length
+from megatron_psrl.data.validation import check_max_sample_length, check_routed_experts
 from megatron_psrl.distributed.setup import ParallelLayout
 from megatron_psrl.engine.builder import build_engine
 from megatron_psrl.engine.config import ActorConfig
@@ -143,11 +143,19 @@ class PolicyActor:
     # ------------------------------------------------------------------ batches and calls
     def as_batch(self, batch: Batch, training: bool = True, needs_advantage: bool = True) -> SampleBatch:
         """Validate a batch (see the module docstring) against this model."""
+        from megatron_psrl.model.moe import routing_shape
+
+        routing = routing_shape(self.arch)  # what routed_experts (router replay) must look like
         if not isinstance(batch, SampleBatch):
             batch = samples_from_dicts(list(batch), vocab_size=self.arch.vocab_size,
-                                       require_advantage=training and needs_advantage, source="<batch>")
+                                       require_advantage=training and needs_advantage, source="<batch>",
+                                       routing=routing)
         elif training and needs_advantage and batch.advantages is None:
             raise ConfigurationError(f"{batch.source}: training needs an 'advantage' for every sample")
+        check_routed_experts(batch, routing)
+        if batch.routed_experts is not None and self.layout.pipeline_parallel_size > 1:
+            raise UnsupportedFeatureError("router replay (routed_experts) with pipeline parallelism is not supported "
+                                          "yet (--pipeline-model-parallel-size 1)")
         if self.arch.sliding_window is not None:
             check_max_sample_length(batch, self.arch.sliding_window, "the model's sliding window")
         if not self.config.allow_rope_extrapolation:

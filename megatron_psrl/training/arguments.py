@@ -23,6 +23,9 @@ from megatron_psrl.options import (
 )
 
 DEFAULT_MODEL = "tiny-llama"
+MOE_MODEL_NAMES = ("debug-mixtral", "debug-qwen2-moe", "debug-qwen3-moe")
+"""Debug-size mixture-of-experts configs that ``--model`` takes besides the dense tiny ones
+(``megatron_psrl.model.tiny.MOE_CONFIGS``; named here so that parsing imports no model code)."""
 DEFAULT_WORKLOAD = "mixed"
 MIN_MICRO_BATCH_TOKENS = 64
 """Smallest ``--micro-batch-tokens`` accepted: below it a step is thousands of tiny
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron_psrl checkpoint directory (any TP/PP layout) to resume from; together with "
                         "--hf-dir/--model (Megatron's convention, usually the same folder as --save): resume when "
                         "it holds a checkpoint, else start from --hf-dir/--model")
-    g.add_argument("--model", default=None, choices=TINY_MODEL_NAMES,
+    g.add_argument("--model", default=None, choices=TINY_MODEL_NAMES + MOE_MODEL_NAMES,
                    help=f"named tiny config with random weights (default {DEFAULT_MODEL} when no --hf-dir/--load)")
     g.add_argument("--finetune", action="store_true", help="with --load: start at iteration 0, no optimizer state")
     g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
@@ -77,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-head-chunk-mb", type=float, default=64.0,
                    help="claimed rows become fp32 logits / log-probs / entropies in chunks of at most this many MB "
                         "of logits, recomputed in backward: the loss head's peak is one chunk, not the batch")
+    g.add_argument("--no-last-layer-row-skip", dest="last_layer_row_skip", action="store_false",
+                   help="run the last layer in full for every row (by default it computes queries, attention "
+                        "output and MLP only for the rows whose log-prob is trained or asked for; exact either way)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved pipeline: each rank holds layers / (PP x this) model chunks (megatron's "
                         "interleaved 1F1B schedule), a smaller bubble")

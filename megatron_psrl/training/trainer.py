@@ -40,7 +40,7 @@ from megatron_psrl.errors import ConfigurationError, NonFiniteTrainingError, Uns
 from megatron_psrl.model.stages import stage_counts
 from megatron_psrl.rl.actor import PolicyActor
 from megatron_psrl.rl.loss import LossConfig
-from megatron_psrl.training.metrics_log import MetricsLog
+from megatron_psrl.training.metrics_log import MetricsLog, expert_load_ratios
 from megatron_psrl.training.preflight import checkpoint_bytes, prepare_outputs, warn_if_disk_short
 
 logger = logging.getLogger("megatron_psrl")
@@ -320,7 +320,8 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
-        loss_head_chunk_mb=args.loss_head_chunk_mb, recompute_granularity=args.recompute_granularity,
+        loss_head_chunk_mb=args.loss_head_chunk_mb, last_layer_row_skip=args.last_layer_row_skip,
+        recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         context_parallel_size=args.context_parallel_size, expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
@@ -371,6 +372,8 @@ def format_record(rec: IterationRecord, total_iters: int) -> str:
     if len(rec.extra.get("plan_rank_cost", ())) > 1:
         parts.append(f"plan {rec.extra['placement']} imbalance {rec.extra['plan_imbalance']:.2f}"
                      + (f" exchanged {_fmt_bytes(rec.extra['exchanged_bytes'])}" if rec.extra["exchanged_bytes"] else ""))
+    if rec.extra.get("moe_expert_load"):  # the most uneven MoE layer
+        parts.append(f"expert load max/mean {max(expert_load_ratios(rec.extra['moe_expert_load'])):.2f}")
     if rec.extra.get("ratio_clamped"):
         parts.append(f"ratio clamped {rec.extra['ratio_clamped']}")
     if rec.extra.get("skipped"):

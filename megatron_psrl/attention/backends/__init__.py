@@ -2,7 +2,9 @@
 
 Every backend computes ``out [t, np, hn]`` from ``q [t, np, hn]``, ``k, v [t, ng, hn]``, an
 :class:`~megatron_psrl.attention.plan.AttentionPlan` and optional external (cached prefix)
-K/V pairs, exactly (each query sees its ancestors and the earlier tokens of its segment).
+K/V pairs, exactly (each query sees its ancestors and the earlier tokens of its segment). A
+query-subset plan (``AttentionPlan.select_queries``: ``q [n, np, hn]`` for n of the pack's rows,
+keys still every row) runs through every backend unchanged: its segments name their causal keys.
 
 - ``torch``: blockwise tree attention with log-sum-exp merging; CPU flash kernels on CPU,
   plain math elsewhere. The default on CPU and the reference for the GPU kernels.

@@ -52,8 +52,8 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         acc = lse_dtype(q)
         out = torch.empty(t, np_, hn, dtype=acc, device=q.device)
         lse = torch.empty(t, np_, dtype=acc, device=q.device)
-        for a, b in zip(plan.seg_start.tolist(), plan.seg_end.tolist()):
-            o_s, lse_s = partial_attention_forward(q[a:b], k[a:b], v[a:b], True, scale, impl)
+        for a, b, c in _segments(plan):
+            o_s, lse_s = partial_attention_forward(q[a:b], k[c:c + b - a], v[c:c + b - a], True, scale, impl)
             out[a:b] = o_s
             lse[a:b] = lse_s
         for qa, qb, ka, kb, src in _blocks(plan):
@@ -74,18 +74,21 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         dout = dout.contiguous()
         # Every block adds into dQ (and into the keys' dK/dV): accumulate in fp32, round once.
         # The segments partition the pack (AttentionPlan checks it): their causal blocks write
-        # every row first, so the accumulators start uninitialised, not zeroed.
+        # every row first, so the accumulators start uninitialised, not zeroed. With a subset
+        # of the queries (select_queries) some keys are no segment's: dK/dV start at zero.
         acc = lse_dtype(q)
+        keys_new = torch.zeros if plan.is_query_subset else torch.empty
         dq = torch.empty(q.shape, dtype=acc, device=q.device)
-        dk = torch.empty(k.shape, dtype=acc, device=k.device)
-        dv = torch.empty(v.shape, dtype=acc, device=v.device)
+        dk = keys_new(k.shape, dtype=acc, device=k.device)
+        dv = keys_new(v.shape, dtype=acc, device=v.device)
         d_ext_k = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_k]
         d_ext_v = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_v]
-        for a, b in zip(plan.seg_start.tolist(), plan.seg_end.tolist()):
-            g = partial_attention_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[a:b], True, scale, impl)
+        for a, b, c in _segments(plan):
+            e = c + b - a  # the segment's causal keys c:e (c == a unless the queries are a subset)
+            g = partial_attention_backward(dout[a:b], q[a:b], k[c:e], v[c:e], out[a:b], lse[a:b], True, scale, impl)
             dq[a:b] = g[0]
-            dk[a:b] = g[1]
-            dv[a:b] = g[2]
+            dk[c:e] = g[1]
+            dv[c:e] = g[2]
         for qa, qb, ka, kb, src in _blocks(plan):
             kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
             g = partial_attention_backward(
@@ -112,6 +115,11 @@ def _external(readers: Sequence[Optional[CachedPrefixKV]], pairs: Sequence[Tenso
         ext_k.append(kk)
         ext_v.append(vv)
     return ext_k, ext_v
+
+
+def _segments(plan: AttentionPlan) -> List[Tuple[int, int, int]]:
+    """``(query start, query end, first causal key)`` of every segment."""
+    return list(zip(plan.seg_start.tolist(), plan.seg_end.tolist(), plan.segment_key_start.tolist()))
 
 
 def _blocks(plan: AttentionPlan) -> List[Tuple[int, int, int, int, int]]:
