@@ -81,6 +81,11 @@ class OptimizerSettings:
     each module waits for its bucket before its forward pass (megatron's forward pre-hooks).
     Needs ``use_distributed_optimizer``."""
 
+    scheduler_follows_steps: bool = True
+    """The learning-rate schedule advances with every optimizer step that is taken (Megatron-LM).
+    False: the caller advances it (``TrainingOptimizer.scheduler.step``), as verl does with
+    its own ``lr_scheduler_step``."""
+
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigurationError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
@@ -294,7 +299,8 @@ class TrainingOptimizer:
                     )
             self.optimizer.step_with_ready_grads()
             self._start_param_gather()
-        self.scheduler.step(1)
+        if self.settings.scheduler_follows_steps:
+            self.scheduler.step(1)
         return StepOutcome(norm, skipped=False)
 
     def sync_params(self) -> None:

@@ -152,7 +152,8 @@ def actor_config(engine_config: PsrlEngineConfig, optimizer_config: Any = None) 
         optimizer=name, lr=float(_get(o, "lr", 1e-6)), min_lr=float(_get(o, "min_lr", 0.0)),
         lr_warmup_iters=warmup, lr_decay_style=style, lr_decay_iters=int(decay_steps or 1),
         weight_decay=float(_get(o, "weight_decay", 0.0)),
-        adam_beta1=float(betas[0]), adam_beta2=float(betas[1]), clip_grad=float(clip))
+        adam_beta1=float(betas[0]), adam_beta2=float(betas[1]), clip_grad=float(clip),
+        scheduler_follows_steps=False)  # verl advances the schedule itself (lr_scheduler_step)
     e = engine_config
     return ActorConfig(
         tensor_model_parallel_size=e.tensor_model_parallel_size, pipeline_model_parallel_size=e.pipeline_model_parallel_size,
@@ -347,12 +348,7 @@ class PsrlEngine(BaseEngine):
     def optimizer_step(self) -> float:
         """One optimizer step; the gradient norm before clipping. A non-finite norm skips the
         step on every rank (as Megatron does) and is returned as is."""
-        outcome = self.actor.optimizer_step()
-        if not outcome.skipped:
-            # verl advances the learning-rate schedule itself (lr_scheduler_step, once per
-            # update); the project's optimizer advances it per step: undo that one.
-            self.actor.optimizer.scheduler.step(-1)
-        return float(outcome.grad_norm)
+        return float(self.actor.optimizer_step().grad_norm)
 
     def lr_scheduler_step(self) -> float:
         self.actor.optimizer.scheduler.step(1)

@@ -111,10 +111,12 @@ def test_the_learning_rate_schedule_advances_when_verl_says(hf_dir):
     engine = _engine(hf_dir)
     lr = engine.actor.optimizer.lr
     data = verl_batch(multi_turn_samples(), global_batch_size=6)
+    scheduler = engine.actor.optimizer.scheduler
+    before = scheduler.num_steps
     with engine.train_mode():
         engine.train_batch(data.clone(), partial(ppo_loss, verl_loss_config()))
-    scheduler = engine.actor.optimizer.scheduler
     steps = scheduler.num_steps
+    assert steps == before  # the optimizer step leaves the schedule to verl
     assert engine.lr_scheduler_step() == pytest.approx(lr)  # constant schedule
     assert scheduler.num_steps == steps + 1
 
