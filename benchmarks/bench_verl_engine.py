@@ -32,16 +32,14 @@ os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import ActorConfig as VerlActorConfig  # noqa: E402
 from verl.workers.config import HFModelConfig, McoreOptimizerConfig  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 from megatron_psrl.engine.calibration import median_seconds  # noqa: E402
 from megatron_psrl.engine.memory import PeakMemory  # noqa: E402
-from megatron_psrl.integrations.verl import BACKEND, PsrlEngineConfig  # noqa: E402
+from megatron_psrl.integrations.verl import BACKEND, PsrlEngineConfig, training_batch  # noqa: E402
 from megatron_psrl.model import tiny_config  # noqa: E402
 
 
@@ -58,25 +56,10 @@ def grpo_multi_turn(args, vocab: int, seed: int = 0) -> TensorDict:
             response = np.concatenate([turn, tool, tail])
             mask = np.concatenate([np.ones(len(turn)), np.zeros(len(tool)), np.ones(len(tail))])
             rows.append((prompt, response, mask))
-    b, p_max, r_max = len(rows), args.prompt_tokens, max(len(r) for _, r, _ in rows)
-    prompts = torch.zeros(b, p_max, dtype=torch.int64)
-    responses = torch.zeros(b, r_max, dtype=torch.int64)
-    response_mask = torch.zeros(b, r_max, dtype=torch.int64)
-    attention = torch.zeros(b, p_max + r_max, dtype=torch.int64)
-    for i, (p, r, m) in enumerate(rows):
-        prompts[i] = torch.from_numpy(p)
-        responses[i, :len(r)] = torch.from_numpy(r)
-        response_mask[i, :len(r)] = torch.from_numpy(m.astype(np.int64))
-        attention[i, :p_max + len(r)] = 1
-    advantages = torch.from_numpy(rng.normal(size=(b, 1)).astype(np.float32)) * response_mask
-    old = torch.from_numpy(rng.normal(-3.0, 0.3, size=(b, r_max)).astype(np.float32)) * response_mask
-    td = TensorDict({"prompts": prompts, "responses": responses, "response_mask": response_mask,
-                     "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention,
-                     "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "old_log_probs": old,
-                     "advantages": advantages}, batch_size=[b])
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=b, temperature=1.0)
-    return td
+    b, r_max = len(rows), max(len(r) for _, r, _ in rows)
+    advantages = torch.from_numpy(rng.normal(size=(b, 1)).astype(np.float32))
+    old = torch.from_numpy(rng.normal(-3.0, 0.3, size=(b, r_max)).astype(np.float32))
+    return training_batch(rows, advantages, old, global_batch_size=b)
 
 
 def main() -> None:

@@ -165,6 +165,39 @@ def actor_config(engine_config: PsrlEngineConfig, optimizer_config: Any = None) 
 
 
 # ---------------------------------------------------------------------- verl's batch layout
+def training_batch(samples, advantages: torch.Tensor, old_log_probs: torch.Tensor, *, global_batch_size: int,
+                   calculate_entropy: bool = False) -> "TensorDict":
+    """The TensorDict verl's PPO trainer hands a training engine, from token sequences (for
+    tests, benchmarks and trying a configuration without a rollout): ``samples`` are
+    ``(prompt, response, response_mask)`` integer arrays; prompts are left-padded, responses
+    right-padded, then made jagged by verl's own ``left_right_2_no_padding``, with the settings
+    its trainer adds. ``advantages`` ``[b, 1]`` (GRPO: one per sample) or ``[b, r_max]``, and
+    ``old_log_probs`` ``[b, r_max]``, are masked by the response mask."""
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    b = len(samples)
+    p_max = max(len(p) for p, _, _ in samples)
+    r_max = max(len(r) for _, r, _ in samples)
+    prompts = torch.zeros(b, p_max, dtype=torch.int64)
+    responses = torch.zeros(b, r_max, dtype=torch.int64)
+    response_mask = torch.zeros(b, r_max, dtype=torch.int64)
+    attention = torch.zeros(b, p_max + r_max, dtype=torch.int64)
+    for i, (p, r, m) in enumerate(samples):
+        prompts[i, p_max - len(p):] = torch.as_tensor(p, dtype=torch.int64)
+        responses[i, :len(r)] = torch.as_tensor(r, dtype=torch.int64)
+        response_mask[i, :len(r)] = torch.as_tensor(m, dtype=torch.int64)
+        attention[i, p_max - len(p):p_max + len(r)] = 1
+    td = TensorDict({"prompts": prompts, "responses": responses, "response_mask": response_mask,
+                     "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention,
+                     "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+                     "old_log_probs": old_log_probs.float() * response_mask,
+                     "advantages": advantages.float() * response_mask}, batch_size=[b])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, calculate_entropy=calculate_entropy, global_batch_size=global_batch_size,
+                         temperature=1.0)
+    return td
+
+
 @dataclass
 class VerlSequences:
     """One data-parallel rank's share of a verl mini-batch, as token sequences."""
@@ -477,4 +510,5 @@ def _surrogate(with_entropy: bool) -> PerClaimLoss:
     return PerClaimLoss(per_claim, needs_entropy=with_entropy, needs_ref=with_entropy, needs_advantage=True)
 
 
-__all__ = ["BACKEND", "PsrlEngine", "PsrlEngineConfig", "VerlSequences", "actor_config", "sequences_of"]
+__all__ = ["BACKEND", "PsrlEngine", "PsrlEngineConfig", "VerlSequences", "actor_config", "sequences_of",
+           "training_batch"]

@@ -16,7 +16,8 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import ActorConfig as VerlActorConfig
 from verl.workers.utils.losses import ppo_loss
-from verl.workers.utils.padding import left_right_2_no_padding
+
+from megatron_psrl.integrations.verl import training_batch
 
 VOCAB = 96
 
@@ -44,33 +45,14 @@ def multi_turn_samples(seed: int = 0) -> List[Tuple[np.ndarray, np.ndarray, np.n
 
 
 def verl_batch(samples, *, global_batch_size: int, calculate_entropy: bool = False, seed: int = 0) -> TensorDict:
-    """The TensorDict verl's trainer hands a training engine: left-padded prompts, right-padded
-    responses, old log-probs and (GRPO, per sample) advantages, made jagged by verl's own
-    ``left_right_2_no_padding``, with the settings its trainer adds."""
+    """verl's training batch of ``samples`` with random GRPO advantages (one per sample) and old
+    log-probs (``megatron_psrl.integrations.verl.training_batch``)."""
     rng = np.random.default_rng(seed + 1)
-    b = len(samples)
-    p_max = max(len(p) for p, _, _ in samples)
-    r_max = max(len(r) for _, r, _ in samples)
-    prompts = torch.zeros(b, p_max, dtype=torch.int64)
-    responses = torch.zeros(b, r_max, dtype=torch.int64)
-    response_mask = torch.zeros(b, r_max, dtype=torch.int64)
-    attention = torch.zeros(b, p_max + r_max, dtype=torch.int64)
-    for i, (p, r, m) in enumerate(samples):
-        prompts[i, p_max - len(p):] = torch.from_numpy(p)
-        responses[i, :len(r)] = torch.from_numpy(r)
-        response_mask[i, :len(r)] = torch.from_numpy(m)
-        attention[i, p_max - len(p):p_max + len(r)] = 1
-    input_ids = torch.cat([prompts, responses], dim=1)
-    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
-    advantages = torch.from_numpy(rng.normal(size=(b, 1)).astype(np.float32)) * response_mask
-    old = torch.from_numpy(rng.normal(-2.5, 0.3, size=(b, r_max)).astype(np.float32)) * response_mask
-    td = TensorDict({"prompts": prompts, "responses": responses, "response_mask": response_mask,
-                     "input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids,
-                     "old_log_probs": old, "advantages": advantages.float()}, batch_size=[b])
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, calculate_entropy=calculate_entropy, global_batch_size=global_batch_size,
-                         temperature=1.0)
-    return td
+    b, r_max = len(samples), max(len(r) for _, r, _ in samples)
+    advantages = torch.from_numpy(rng.normal(size=(b, 1)).astype(np.float32))
+    old = torch.from_numpy(rng.normal(-2.5, 0.3, size=(b, r_max)).astype(np.float32))
+    return training_batch(samples, advantages, old, global_batch_size=global_batch_size,
+                          calculate_entropy=calculate_entropy)
 
 
 def verl_loss_config(loss_agg_mode: str = "token-mean", entropy_coeff: float = 0.0) -> VerlActorConfig:
