@@ -18,13 +18,12 @@ import torch
 warnings.filterwarnings("ignore")
 
 from helpers.batches import random_tree_records  # noqa: E402
+from helpers.expert_parallel import assert_rank_grads_match, rank_reference  # noqa: E402
 from helpers.hf_reference import load_hf_model, per_sample_logprobs, per_sample_loss_and_grads  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor  # noqa: E402
 from megatron_psrl.data.loader import samples_from_dicts  # noqa: E402
-from megatron_psrl.model.adapters import get_adapter, unfuse_experts  # noqa: E402
-from megatron_psrl.model.moe import expert_index  # noqa: E402
 
 
 def main() -> None:
@@ -48,32 +47,20 @@ def main() -> None:
     assert lp_err <= 1e-5, lp_err
 
     ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
-    arch = actor.arch
-    full = dict(get_adapter(arch).hf_to_mcore(lambda n: unfuse_experts(ref_grads)[n]))
-    per_rank = arch.num_experts // 2
-
-    def reference(name):
-        parts = expert_index(name)  # this rank's local expert j is global expert ep_rank * E / EP + j
-        return full[name if parts is None else f"{parts[0]}{parts[1] + ep_rank * per_rank}{parts[2]}"]
 
     # the gradients, summed as megatron's DDP sums them (dense: over DP; experts: over expert-DP)
     result = actor.forward_backward(records)
     assert abs(result.loss - ref_loss) <= 1e-5 * abs(ref_loss), (result.loss, ref_loss)
     actor.engine.optimizer.reduce_gradients()
     empty = actor.engine.runner.last_empty_expert_passes
-    worst = 0.0
-    for name, p in actor.model.named_parameters():
-        expected = reference(name)
-        scale = float(expected.abs().max())
-        err = float((p.main_grad - expected).abs().max())
-        worst = max(worst, err / (scale + 1e-30))
-        assert err <= 1e-5 * scale + 1e-9, (name, err, scale)
+    worst = assert_rank_grads_match(actor, ref_grads, ep_rank, 2)
     actor.zero_grad()
 
     # one SGD step (lr 1) through megatron's optimizer: the update is minus those gradients
     before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
     metrics = actor.train_step(records)
     assert abs(metrics["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (metrics["loss"], ref_loss)
+    reference = rank_reference(actor, ref_grads, ep_rank, 2)
     for name, p in actor.model.named_parameters():
         expected = reference(name)
         err = float((before[name] - p.detach() - expected).abs().max())

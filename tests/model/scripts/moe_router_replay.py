@@ -17,14 +17,13 @@ import torch
 
 warnings.filterwarnings("ignore")
 
+from helpers.expert_parallel import assert_rank_grads_match  # noqa: E402
 from helpers.hf_reference import load_hf_model, per_sample_logprobs, per_sample_loss_and_grads  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from model.test_router_replay import LOSS, replayed, routed_records  # noqa: E402
 
 from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor  # noqa: E402
 from megatron_psrl.data.loader import samples_from_dicts  # noqa: E402
-from megatron_psrl.model.adapters import get_adapter, unfuse_experts  # noqa: E402
-from megatron_psrl.model.moe import expert_index  # noqa: E402
 
 
 def main() -> None:
@@ -46,24 +45,12 @@ def main() -> None:
 
     with replayed(hf, batch):
         ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
-    full = dict(get_adapter(actor.arch).hf_to_mcore(lambda n: unfuse_experts(ref_grads)[n]))
-    per_rank = actor.arch.num_experts // 2
-
-    def reference(name):
-        parts = expert_index(name)  # this rank's local expert j is global expert ep_rank * E / EP + j
-        return full[name if parts is None else f"{parts[0]}{parts[1] + ep_rank * per_rank}{parts[2]}"]
 
     result = actor.forward_backward(records)
     assert abs(result.loss - ref_loss) <= 1e-5 * abs(ref_loss), (result.loss, ref_loss)
     actor.engine.optimizer.reduce_gradients()
     empty = actor.engine.runner.last_empty_expert_passes
-    worst = 0.0
-    for name, p in actor.model.named_parameters():
-        expected = reference(name)
-        scale = float(expected.abs().max())
-        err = float((p.main_grad - expected).abs().max())
-        worst = max(worst, err / (scale + 1e-30))
-        assert err <= 1e-5 * scale + 1e-9, (name, err, scale)
+    worst = assert_rank_grads_match(actor, ref_grads, ep_rank, 2)
     print(f"rank {torch.distributed.get_rank()} replay ok: logprob err {lp_err:.2e}, loss {result.loss:.6f} "
           f"(ref {ref_loss:.6f}), worst grad rel err {worst:.2e}, micro-batches {result.metrics['micro_batches']}, "
           f"empty passes {empty}", flush=True)
