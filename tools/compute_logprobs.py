@@ -61,8 +61,8 @@ def main(argv=None) -> int:
     from megatron_psrl.checkpoint.loading import ModelSource, source_architecture
     from megatron_psrl.data.loader import load_samples
     from megatron_psrl.distributed.setup import initialize_parallel
+    from megatron_psrl.dtypes import parse_dtype
     from megatron_psrl.model.architecture import ModelArchitecture
-    from megatron_psrl.model.builder import parse_dtype
     from megatron_psrl.rl.actor import ActorConfig, PolicyActor
     from megatron_psrl.training.preflight import on_logging_rank
 

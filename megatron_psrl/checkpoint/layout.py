@@ -28,6 +28,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_psrl.checkpoint.checksums import verify_folder
+from megatron_psrl.dtypes import DTYPES
 from megatron_psrl.errors import CheckpointError, ConfigurationError, PsrlError, pid_alive
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.stages import PipelineSplit
@@ -38,7 +39,6 @@ MODEL_JSON = "psrl_model.json"
 MEGATRON_METADATA = "metadata.json"
 """megatron's file in a torch_dist iteration folder (``{"sharded_backend": "torch_dist", ...}``)."""
 FORMAT_VERSION = 1
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -87,7 +87,7 @@ class CheckpointInfo:
     @property
     def torch_dtype(self) -> torch.dtype:
         """:attr:`dtype` as a torch dtype."""
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def to_json(self) -> str:
         d = {

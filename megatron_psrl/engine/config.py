@@ -14,12 +14,12 @@ import torch
 
 from megatron_psrl.checkpoint.layout import check_ckpt_format
 from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES
+from megatron_psrl.dtypes import DTYPES
 from megatron_psrl.engine.optimizer import OptimizerSettings
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.options import DEFAULT_CKPT_FORMAT, MOE_TOKEN_DISPATCHERS, PLACEMENTS, SHARING_MODES
 from megatron_psrl.rl.loss import LossConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtypes a config names, and their torch dtypes."""
 
 

@@ -57,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("megatron_psrl.integrations.verl needs verl: pip install -e \".[verl]\" "
                       f"(verl 0.9.x; {exc})") from exc
 
+from megatron_psrl.dtypes import canonical_dtype_name
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.optimizer import OptimizerSettings
 from megatron_psrl.errors import ConfigurationError
@@ -119,10 +120,6 @@ class PsrlEngineConfig(EngineConfig):
                                      "(param_offload / optimizer_offload must be false)")
 
 
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "float32": "float32", "fp32": "float32"}
-
-
 def _get(config: Any, name: str, default: Any = None) -> Any:
     value = getattr(config, name, default) if config is not None else default
     return default if value is None else value
@@ -132,9 +129,10 @@ def actor_config(engine_config: PsrlEngineConfig, optimizer_config: Any = None) 
     """The project's :class:`ActorConfig` of a verl engine config and optimizer config (verl's
     ``OptimizerConfig`` or ``McoreOptimizerConfig``: lr, weight decay, betas, clipping, warmup,
     decay style; megatron's optimizer names ``adam`` / ``sgd``)."""
-    dtype = _DTYPES.get(str(engine_config.dtype))
-    if dtype is None:
-        raise ConfigurationError(f"engine.dtype must be one of {sorted(_DTYPES)}, got {engine_config.dtype!r}")
+    try:
+        dtype = canonical_dtype_name(engine_config.dtype)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"engine.dtype: {exc}") from None
     o = optimizer_config
     name = str(_get(o, "optimizer", "adam")).lower()
     name = {"adamw": "adam", "adam": "adam", "sgd": "sgd"}.get(name, name)

@@ -1,7 +1,8 @@
 """Megatron-core GPT models (Llama / Mistral / Qwen2 / Qwen3) with prefix-sharing attention."""
 
+from megatron_psrl.dtypes import parse_dtype
 from megatron_psrl.model.architecture import ModelArchitecture, RopeConfig, UnsupportedModelError
-from megatron_psrl.model.builder import build_model, parse_dtype
+from megatron_psrl.model.builder import build_model
 from megatron_psrl.model.gpt import PsrlGPTModel, build_transformer_config
 from megatron_psrl.model.logits import vocab_parallel_logprobs
 from megatron_psrl.model.tiny import TINY_CONFIGS, tiny_config

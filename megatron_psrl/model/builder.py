@@ -8,19 +8,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_psrl.compat import sync_tied_output_copy
-from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import PsrlGPTModel, PsrlModelChunks, build_transformer_config
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ConfigurationError(f"unknown dtype {name!r}; choose from {sorted(_DTYPES)}") from None
 
 
 def parallel_layout() -> Tuple[int, int, int, int]:

@@ -200,7 +200,7 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
     local_group = None if config.local_rank is None else config.local_rank // g
     plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=recomputed,
                     planned_groups=None if local_group is None else [local_group])
-    token_cost = _token_cost(index, config.cost_model)
+    token_cost = token_cost_function(index, config.cost_model)
     by_group = np.argsort(group_of, kind="stable")  # every group's units, in ascending order
     group_bounds = np.searchsorted(group_of[by_group], np.arange(num_groups + 1))
     for group in range(num_groups):
@@ -266,7 +266,7 @@ def compare_placements(tree, cost_model, ranks: int, micro_batch_tokens: int, gr
     return report
 
 
-def _token_cost(index: TreeIndex, cost_model: Optional[CostModel]):
+def token_cost_function(index: TreeIndex, cost_model: Optional[CostModel]):
     """Cost of computing given tree tokens once: linear + attention over their keys + the
     logits of claimed tokens (the same cost the whole-tree placement balances)."""
     position = index.position

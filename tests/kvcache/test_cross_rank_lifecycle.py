@@ -12,7 +12,7 @@ from megatron_psrl.kvcache import CacheBudgetError, plan_memory_group
 from megatron_psrl.tree import CostModel, build_prefix_tree
 from megatron_psrl.tree.cross_rank import plan_group_cross_rank
 from megatron_psrl.tree.packing import TreeIndex
-from megatron_psrl.tree.planner import _token_cost
+from megatron_psrl.tree.planner import token_cost_function
 
 
 class _Geometry:  # what the memory plan reads of a KVGeometry
@@ -99,7 +99,7 @@ def test_cache_lifecycle_on_every_rank(g, budget):
     for tree in _trees():
         index = TreeIndex(tree)
         plans = plan_group_cross_rank(index, np.flatnonzero(tree.node_parent < 0), budget, g,
-                                      _token_cost(index, CostModel.named("tiny")))
+                                      token_cost_function(index, CostModel.named("tiny")))
         peak = max(m.peak_bytes for m in plan_memory_group(plans, _Geometry(), 1 << 40, 100))
         for kv_budget in (1 << 40, int(0.8 * peak), int(0.6 * peak), int(0.4 * peak)):
             try:
