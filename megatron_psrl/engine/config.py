@@ -111,6 +111,12 @@ class ActorConfig:
     placement: str = "auto"
     """Trees over an exchange group: ``whole-tree``, ``cross-rank`` or ``auto``."""
 
+    split_trees_across_groups: bool = True
+    """A tree larger than one exchange group's share of the step is split between groups (or,
+    where a group places trees whole, between ranks), each part recomputing the prefix it
+    shares, when the planner predicts a shorter step (``--no-split-trees-across-groups``
+    keeps every tree in one group; docs/architecture.md)."""
+
     cost_profile: Optional[str] = None
     """File keeping the start-up cost measurement for later runs."""
 

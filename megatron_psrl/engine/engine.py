@@ -157,7 +157,8 @@ class Engine:
                  if self.measured else dict(cost_model=self.cost_model))
         return PlannerConfig(micro_batch_tokens=c.micro_batch_tokens, data_parallel_size=self.layout.placement_size,
                              sharing=prefix_sharing or c.prefix_sharing, exchange_group_size=self.exchange_group_size,
-                             placement=self.placement, local_rank=self.layout.placement_rank, **costs)
+                             placement=self.placement, local_rank=self.layout.placement_rank,
+                             split_trees_across_groups=c.split_trees_across_groups, **costs)
 
     def plan(self, batch: SampleBatch, times: Optional[Dict[str, float]] = None
              ) -> Tuple[PrefixTree, StepPlan, Optional[MemoryPlan], str]:

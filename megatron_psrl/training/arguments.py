@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trees over the ranks of an exchange group (the CP group, else the DP group): whole-tree "
                         "(each tree on one rank), cross-rank (equal-cost fragments exchanging prefix K/V) or auto "
                         "(the smaller predicted step time, from a start-up measurement)")
+    g.add_argument("--no-split-trees-across-groups", dest="split_trees_across_groups", action="store_false",
+                   help="keep every tree inside one exchange group (by default a tree larger than a group's share "
+                        "is split between groups, each part recomputing the prefix it shares)")
     g.add_argument("--cost-profile", default=None,
                    help="file keeping the start-up cost measurement of this model/device/layout for later runs")
 

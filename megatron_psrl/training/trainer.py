@@ -328,7 +328,8 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         moe_grouped_gemm=args.moe_grouped_gemm, device=args.device, dtype=dtype,
         transformer_impl=args.transformer_impl, attention_backend=args.attention_backend,
         micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,
-        prefix_sharing=args.prefix_sharing, placement=args.placement, cost_profile=args.cost_profile,
+        prefix_sharing=args.prefix_sharing, placement=args.placement,
+        split_trees_across_groups=args.split_trees_across_groups, cost_profile=args.cost_profile,
         optimizer=OptimizerSettings(
             optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
             lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,

@@ -89,3 +89,13 @@ def test_batches_that_balance_or_cannot_split_are_planned_as_before(kind):
     assert a.tree is tree and a.split_tokens_recomputed == 0
     assert [[mb.tokens.tolist() for mb in r.micro_batches] for r in a.ranks] == \
         [[mb.tokens.tolist() for mb in r.micro_batches] for r in b.ranks]
+
+
+def test_the_switch_reaches_the_actor_config():
+    from megatron_psrl.training.arguments import parse_args
+    from megatron_psrl.training.trainer import actor_config_from_args
+
+    base = ["--model", "debug-llama", "--data", "stepwise"]
+    assert actor_config_from_args(parse_args(base), "float32").split_trees_across_groups is True
+    off = actor_config_from_args(parse_args(base + ["--no-split-trees-across-groups"]), "float32")
+    assert off.split_trees_across_groups is False
