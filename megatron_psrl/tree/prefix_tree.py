@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_psrl.data.samples import SampleBatch
+from megatron_psrl.tree.keys import token_keys
 
 
 @dataclass
@@ -180,8 +181,6 @@ def check_tree(tree: PrefixTree) -> None:
     if b.routed_experts is None:
         first_tok = tree.tokens[tree.node_offset[:-1]]
     else:
-        from megatron_psrl.tree.build import token_keys
-
         keys = token_keys(b)
         source = np.empty(t, dtype=np.int64)  # a batch token of every tree token
         source[sti] = np.arange(b.num_tokens)
