@@ -6,7 +6,8 @@
 
 Reads (and validates) the trace, builds its global prefix tree, prints the statistics of
 megatron_psrl.tree.stats.TreeStats and the ideal speedup (docs/prefix-tree.md) for --model and
-for every other known model size, and writes:
+for every other known model size (the mixture-of-experts ones, ``qwen3-30b-a3b`` and
+``qwen3-235b-a22b``, count the FLOPs of the experts a token is routed to), and writes:
 
 - ``--out-json``: the statistics, the per-sample redundancy summary, the ideal speedup per
   model and the context-length curve below;
@@ -30,6 +31,7 @@ in bf16); ``placement.png`` plots every rank's cost under both.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_psrl.cli import HelpFormatter, call_cli  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
+from megatron_psrl.engine.engine import cost_model_for  # noqa: E402
 from megatron_psrl.tree import (  # noqa: E402
     NAMED_MODEL_DIMS,
     CostModel,
@@ -58,6 +61,51 @@ from megatron_psrl.tree.planner import compare_placements  # noqa: E402
 
 LARGE_INPUT_BYTES = 32 << 20
 """Inputs above this size get tqdm progress bars."""
+
+MOE_MODEL_CONFIGS = {
+    # The published config.json of each (Hugging Face Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B):
+    # every layer a top-8 mixture of 128 SwiGLU experts, no shared expert.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rope_theta=1000000.0, torch_dtype="bfloat16"),
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                            max_position_embeddings=40960, rope_theta=1000000.0, torch_dtype="bfloat16"),
+}
+"""Mixture-of-experts model sizes of ``--model``: their cost models count the FLOPs of the
+experts a token is routed to (and the router), as the trainer's planner does
+(:func:`~megatron_psrl.engine.engine.cost_model_for`), not of all experts."""
+
+MODEL_NAMES = tuple(NAMED_MODEL_DIMS) + tuple(MOE_MODEL_CONFIGS)
+"""Every ``--model`` choice: the dense sizes of the cost model, then the MoE ones."""
+
+
+def named_cost_model(name: str) -> CostModel:
+    """The FLOP cost model of a ``--model`` size (an MoE one from its architecture)."""
+    if name not in MOE_MODEL_CONFIGS:
+        return CostModel.named(name)
+    return dataclasses.replace(cost_model_for(_moe_architecture(name)), name=name)
+
+
+def kv_bytes_per_token(name: str) -> int:
+    """K and V of one token over all layers of a ``--model`` size, bf16."""
+    if name in MOE_MODEL_CONFIGS:
+        arch = _moe_architecture(name)
+        layers, kv_heads, head_dim = arch.num_layers, arch.num_kv_heads, arch.head_dim
+    else:
+        dims = NAMED_MODEL_DIMS[name]
+        layers, kv_heads, head_dim = dims.num_layers, dims.num_kv_heads, dims.head_dim
+    return 2 * layers * kv_heads * head_dim * 2
+
+
+def _moe_architecture(name: str):
+    from megatron_psrl.model.architecture import ModelArchitecture
+
+    return ModelArchitecture.from_hf_config(dict(MOE_MODEL_CONFIGS[name]))
 
 
 def context_lengths(max_len: int, smallest: int = 32) -> List[int]:
@@ -210,8 +258,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument("--data", required=True, help="trace (.jsonl or .parquet)")
-    parser.add_argument("--model", default="llama3-8b", choices=sorted(NAMED_MODEL_DIMS),
-                        help="model size of the cost model (default llama3-8b)")
+    parser.add_argument("--model", default="llama3-8b", choices=MODEL_NAMES,
+                        help="model size of the cost model (default llama3-8b; the MoE sizes count the FLOPs of "
+                             "the experts each token is routed to)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="also check token ids against this vocabulary")
     parser.add_argument("--ranks", type=int, default=None,
@@ -232,12 +281,12 @@ def _main(argv: Optional[List[str]]) -> int:
     args = parse_args(argv)
     large = os.path.exists(args.data) and os.path.getsize(args.data) > LARGE_INPUT_BYTES
     batch = load_samples(args.data, vocab_size=args.vocab_size, progress=large)
-    model = CostModel.named(args.model)
+    model = named_cost_model(args.model)
     start = time.perf_counter()
     tree = build_prefix_tree(batch)
     build_seconds = time.perf_counter() - start
     stats = tree_stats(tree, model)
-    by_model = {name: CostModel.named(name).ideal_speedup(tree) for name in NAMED_MODEL_DIMS}
+    by_model = {name: named_cost_model(name).ideal_speedup(tree) for name in MODEL_NAMES}
     shared_fraction = sample_shared_fraction(tree)
     curve = speedup_vs_context(batch, model, progress=large)
 
@@ -264,8 +313,7 @@ def _main(argv: Optional[List[str]]) -> int:
         "plots": [],
     }
     if args.ranks:
-        dims = NAMED_MODEL_DIMS[args.model]
-        kv_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 2  # K and V, bf16
+        kv_bytes = kv_bytes_per_token(args.model)
         summary["placement"] = compare_placements(tree, model, args.ranks, args.micro_batch_tokens,
                                                   args.exchange_group_size, kv_bytes)
         print(f"  placement over {args.ranks} ranks (micro-batch {args.micro_batch_tokens} tokens):")

@@ -38,6 +38,7 @@ from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory,
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.moe import ExpertLoad, expert_load_summary
 from megatron_psrl.model.stages import stage_counts, virtual_stages
 from megatron_psrl.rl.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.tree.build import build_prefix_tree
@@ -191,7 +192,7 @@ class Engine:
         if isinstance(loss, SequenceLoss):
             sequence_loss, loss = loss, self._sequence_surrogate(loss, plan, batch)
         t0 = time.perf_counter()
-        with monitor.phase(f"forward/backward of iteration {it}"):
+        with monitor.phase(f"forward/backward of iteration {it}"), ExpertLoad(self.model) as expert_load:
             out = self.runner.train(plan, self.layout.placement_rank, loss, memory,
                                     loss_scale=self.optimizer.loss_scale if self.optimizer is not None else 1.0)
         times["forward_backward"] = time.perf_counter() - t0
@@ -202,6 +203,10 @@ class Engine:
             metrics: Dict[str, Any] = {k: v for k, v in zip(keys, sums[4:]) if k in out.metrics or
                                        _reported(k, loss)}
             metrics.update(self._kv_metrics(bool(plan.ranks[self.layout.placement_rank].sources)))
+            if expert_load.layer_numbers:  # (an MoE model: the same layers on every rank of the group)
+                counts = expert_load.counts(self.layout.device).double()
+                dist.all_reduce(counts, group=gradient_group())  # the tokens of every data x context rank
+                metrics["moe_expert_load"] = expert_load_summary(counts)
         total = float(sums[0]) if sequence_loss is None else float(self._sequence_value)
         metrics.update(
             tokens_total=int(batch.num_tokens), tokens_computed=int(sums[1]), tokens_recomputed=int(sums[2]),

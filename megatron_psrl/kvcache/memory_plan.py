@@ -99,7 +99,7 @@ def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_si
       the key's normalised input, and its input where the cast to fp32 copies it (a view of
       the fused QKV output in fp32): (1 or 2) ng hd / tp;
     - SwiGLU: the fc1 output (2f / tp), its two halves' activation products and the fc2 input
-      (3f / tp);
+      (3f / tp); an MoE layer's instead: :func:`moe_saved_bytes_per_token`;
     - fp32 statistics: the norms' reciprocal RMS (2, plus np + ng per-head ones with q/k
       norms) and the attention's log-sum-exp (np / tp).
 
@@ -112,10 +112,41 @@ def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_si
     norms = 2 * (2 * h * fp32 + h * b)
     attention = (q + 2 * kv) * b + 4 * hd * b + attention_saved_bytes_per_token(arch, tp, b, backend)
     qk_norms = 2 * q * fp32 + (1 if b == fp32 else 2) * kv * fp32 if arch.qk_norm else 0
-    mlp = 5 * f // tp * b
+    mlp = moe_saved_bytes_per_token(arch, b) if arch.is_moe else 5 * f // tp * b
     stats = fp32 * (2 + ((q + kv) // hd if arch.qk_norm else 0))
     per_layer = norms + attention + qk_norms + mlp + stats
     return arch.num_layers * per_layer + 2 * h * fp32 + fp32 + 8
+
+
+def moe_saved_bytes_per_token(arch: ModelArchitecture, dtype_bytes: int) -> int:
+    """Bytes per token that one MoE layer's router, token dispatcher and experts save for backward
+    (megatron's ``MoELayer``; the pre-MLP norm is counted with the layer's norms: its output is
+    the router's and the shared expert's input), in place of a dense MLP's ``5 f``. Counted from
+    megatron-core 0.16's ``TopKRouter``, the ``allgather`` and ``alltoall`` dispatchers and the
+    ``SequentialMLP`` experts (a test compares it with what ``saved_tensors_hooks`` sees, every
+    MoE family, fp32 and bf16). Per token, with ``E`` experts, top ``k``, expert width ``f``:
+
+    - the router: its top-k ids (int64, ``8k``) and fp32 scores: the softmax over the top-k
+      logits (``4k``; renormalised routing, ``norm_topk_prob``) or over all experts (``4E``);
+    - the dispatcher: the permutation's source rows (int64, ``8k``) and the routing map and
+      weights as ``[E, tokens]`` (bool ``E``, model dtype ``E b``);
+    - the experts, per routed copy of the token (``k`` of them, dropless: exactly ``k`` per
+      token however they spread): the permuted hidden state (``h``, the first fc1's input),
+      its routing weight (``1``), SwiGLU as in a dense MLP (``5f``) and the weighted activation
+      (``f``; megatron scales each expert's activation by the routing weight before fc2);
+    - a shared expert of width ``S`` (Qwen2-MoE): a dense SwiGLU (``5S``), its output (``h``,
+      kept for the gate's product) and the sigmoid gate (``1``).
+
+    Expert parallelism: these are the bytes of this rank's tokens; the experts' part lives on
+    the ranks their experts are on (balanced routing: as many as this rank's experts receive).
+    """
+    b, h, k, e = dtype_bytes, arch.hidden_size, arch.moe_router_topk, arch.num_experts
+    router = 8 * k + _FP32_BYTES * (k if arch.moe_norm_topk_prob else e)
+    dispatcher = 8 * k + e + e * b
+    experts = k * (h + 1 + 6 * arch.moe_ffn_hidden_size) * b
+    shared = arch.moe_shared_expert_ffn_hidden_size
+    shared_bytes = (5 * shared + h + (1 if arch.moe_shared_expert_gate else 0)) * b if shared else 0
+    return router + dispatcher + experts + shared_bytes
 
 
 def activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int,
@@ -390,6 +421,7 @@ __all__ = [
     "MODELLED_BACKENDS",
     "activation_bytes_per_token",
     "attention_saved_bytes_per_token",
+    "moe_saved_bytes_per_token",
     "plan_forward_memory",
     "plan_memory",
     "plan_memory_group",

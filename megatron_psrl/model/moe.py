@@ -215,7 +215,8 @@ class ExpertLockstep:
             torch.autograd.backward(out, torch.zeros_like(out))
             return
         self.empty_passes += 1
-        with native_routing(self.layers):  # the last own pass's routes are for its tokens
+        # (the last own pass's routes are for its tokens; the zero token is no token of the step)
+        with native_routing(self.layers), ExpertLoad.uncounted():
             self._empty_forward(kind, tick)
 
     def _empty_forward(self, kind: str, tick: int) -> None:
@@ -230,6 +231,83 @@ class ExpertLockstep:
             torch.autograd.backward(x, torch.zeros_like(x))
         elif kind == "K":
             self.held[tick] = x
+
+
+# ---------------------------------------------------------------------- expert load
+class ExpertLoad:
+    """Tokens routed to each expert of every MoE layer of a model over one step (``--log-json``
+    ``moe_expert_load``), counted by forward hooks on the routers (megatron's ``TopKRouter``
+    returns ``(probs, routing_map)``; ``routing_map`` ``[tokens, E]`` marks each token's top k).
+
+    ``with ExpertLoad(model) as load: <the step>``, then :meth:`counts`. A token counts once
+    per layer however many passes compute it: only forwards with autograd on are counted, so a
+    graph-less forward that a backward recomputes (a dropped graph; megatron's activation
+    recomputation, whose first forward runs without autograd) counts at its recomputation,
+    and the expert-parallel lockstep's empty passes (one zero token each, no token of the step:
+    :meth:`uncounted`) not at all. The routers see this rank's tokens (with expert
+    parallelism too: they route before the dispatcher sends tokens away); the last layer routes
+    only the rows the loss head reads when it computes those alone."""
+
+    _uncounted_depth = 0
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from megatron_psrl.model.gpt import model_chunks
+
+        routers = [m for chunk in model_chunks(model) for m in chunk.modules() if isinstance(m, TopKRouter)]
+        self.layer_numbers = [r.layer_number for r in routers]
+        """The MoE layers counted (megatron's layer numbers, from 1), in the rows' order."""
+        self.num_experts = routers[0].config.num_moe_experts if routers else 0
+        self._counts: Optional[Tensor] = None  # [layers, E] int64 on the routers' device: no sync per pass
+        self._handles = [r.register_forward_hook(self._hook(row)) for row, r in enumerate(routers)]
+
+    def _hook(self, row: int):
+        def count(module, args, output) -> None:
+            if ExpertLoad._uncounted_depth or not torch.is_grad_enabled():
+                return
+            routing_map = output[1]
+            if self._counts is None:
+                self._counts = torch.zeros(len(self.layer_numbers), self.num_experts, dtype=torch.int64,
+                                           device=routing_map.device)
+            self._counts[row] += routing_map.sum(dim=0)
+
+        return count
+
+    @staticmethod
+    @contextlib.contextmanager
+    def uncounted():
+        """A context whose router passes no :class:`ExpertLoad` counts."""
+        ExpertLoad._uncounted_depth += 1
+        try:
+            yield
+        finally:
+            ExpertLoad._uncounted_depth -= 1
+
+    def counts(self, device: Optional[torch.device] = None) -> Tensor:
+        """int64 ``[MoE layers, E]``: tokens routed to each expert so far (zeros before any)."""
+        if self._counts is None:
+            return torch.zeros(len(self.layer_numbers), self.num_experts, dtype=torch.int64, device=device)
+        return self._counts if device is None else self._counts.to(device)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> "ExpertLoad":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def expert_load_summary(counts: Tensor) -> List[List[float]]:
+    """``[[max, mean], ...]`` tokens per expert of each MoE layer (rows of ``counts``, ``[layers,
+    E]``): the busiest expert's tokens and the average over all ``E`` (top-k routing: ``k`` x
+    the tokens routed / ``E``)."""
+    c = counts.double()
+    return [[int(m), round(float(a), 4)] for m, a in zip(c.max(dim=1).values.tolist(), c.mean(dim=1).tolist())]
 
 
 # ---------------------------------------------------------------------- router replay
@@ -371,6 +449,6 @@ def native_routing(layers: Sequence[torch.nn.Module]):
     return stack
 
 
-__all__ = ["TOKEN_DISPATCHERS", "ExpertLockstep", "RouterReplayer", "native_routing", "routing_shape",
+__all__ = ["TOKEN_DISPATCHERS", "ExpertLoad", "ExpertLockstep", "expert_load_summary", "RouterReplayer", "native_routing", "routing_shape",
            "tree_token_sources", "Pass", "lockstep_ticks", "moe_layers", "check_moe_settings", "expert_index", "global_experts", "install_moe_runtime",
            "is_expert_parameter", "local_experts"]

@@ -44,8 +44,9 @@ assert tuple(sorted(TINY_CONFIGS)) == TINY_MODEL_NAMES, "megatron_psrl.options.T
 
 MOE_CONFIGS: Dict[str, Dict[str, Any]] = {
     # Qwen3-MoE at debug size: 2 layers of 8 experts, top-2, renormalised routing weights
-    # (norm_topk_prob, as the published Qwen3-MoE models). Kept apart from TINY_CONFIGS (the
-    # --model choices) until the KV memory plan's activation estimate counts routed experts.
+    # (norm_topk_prob, as the published Qwen3-MoE models). --model choices like TINY_CONFIGS
+    # (megatron_psrl.training.arguments.MOE_MODEL_NAMES), kept apart from them because the
+    # dense tests iterate TINY_CONFIGS.
     "debug-qwen3-moe": dict(_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=256,
                             hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],

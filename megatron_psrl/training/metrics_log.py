@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from megatron_psrl.errors import MissingRequirementError
 
@@ -57,10 +57,13 @@ class MetricsLog:
             self.wandb.log(numeric, step=step)
 
     def record(self, rec) -> None:
-        """An ``IterationRecord``: every numeric field, at its iteration."""
+        """An ``IterationRecord``: every numeric field, at its iteration (an MoE model's
+        ``moe_expert_load`` as each layer's max / mean tokens per expert)."""
         values: Dict[str, Any] = dataclasses.asdict(rec)
         values.update(values.pop("extra"))
         values["skipped"] = int(bool(values.get("skipped")))
+        for layer, ratio in enumerate(expert_load_ratios(values.get("moe_expert_load") or [])):
+            values[f"moe_expert_load_max_over_mean/layer{layer}"] = ratio
         self.scalars(values, int(rec.iter))
 
     def close(self) -> None:
@@ -70,6 +73,12 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def expert_load_ratios(load: Sequence[Sequence[float]]) -> List[float]:
+    """Each MoE layer's busiest expert's tokens over the mean per expert (1.0: perfectly even),
+    from ``moe_expert_load``'s ``[max, mean]`` pairs; a layer that routed nothing: 0."""
+    return [float(m) / float(a) if a else 0.0 for m, a in load]
 
 
 def _plain(value: Any) -> bool:
