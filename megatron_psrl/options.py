@@ -32,6 +32,10 @@ TINY_MODEL_NAMES = ("debug-llama", "tiny-llama", "tiny-mistral", "tiny-qwen2", "
 MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
 """megatron's MoE token dispatchers (``--moe-token-dispatcher-type``; ``megatron_psrl.model.moe``)."""
 
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+"""megatron's load-balancing types accepted (``--moe-router-load-balancing-type``; its
+``sinkhorn`` is refused: it balances a batch's routes together)."""
+
 DEFAULT_TIMEOUT_MINUTES = 10.0
 """Megatron-LM's default for ``--distributed-timeout-minutes``."""
 

@@ -17,7 +17,13 @@ from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES
 from megatron_psrl.dtypes import DTYPES
 from megatron_psrl.engine.optimizer import OptimizerSettings
 from megatron_psrl.errors import ConfigurationError
-from megatron_psrl.options import DEFAULT_CKPT_FORMAT, MOE_TOKEN_DISPATCHERS, PLACEMENTS, SHARING_MODES
+from megatron_psrl.options import (
+    DEFAULT_CKPT_FORMAT,
+    MOE_LOAD_BALANCING_TYPES,
+    MOE_TOKEN_DISPATCHERS,
+    PLACEMENTS,
+    SHARING_MODES,
+)
 from megatron_psrl.rl.loss import LossConfig
 
 """The dtypes a config names, and their torch dtypes."""
@@ -82,6 +88,20 @@ class ActorConfig:
     """MoE models: the load-balancing loss's coefficient (``--moe-aux-loss-coeff``). Only 0 is
     supported yet: with prefix sharing a shared token is routed once, so the loss's statistics
     would differ from the per-sample batch's."""
+
+    moe_z_loss_coeff: float = 0.0
+    """MoE models: the router z-loss's coefficient (``--moe-z-loss-coeff``). Only 0 is supported
+    yet: it averages over routed tokens, and a shared token is routed once where the
+    per-sample batch routes it once per sample."""
+
+    moe_router_load_balancing_type: str = "aux_loss"
+    """MoE models: megatron's load-balancing type (``--moe-router-load-balancing-type``):
+    ``aux_loss``, ``seq_aux_loss``, ``global_aux_loss`` (losses: no effect while
+    ``moe_aux_loss_coeff`` is 0) or ``none``; ``sinkhorn`` is refused (it balances the routes
+    of the tokens of a batch together, so sharing would change every route)."""
+
+    expert_tensor_parallel_size: int = 1
+    """MoE models: TP size inside the experts (``--expert-tensor-parallel-size``); only 1 yet."""
 
     moe_grouped_gemm: bool = False
     """MoE models: megatron's grouped-GEMM experts (``--moe-grouped-gemm``; CUDA only)."""
@@ -181,6 +201,20 @@ class ActorConfig:
                                          "from the per-sample batch's")
             raise ConfigurationError("--moe-aux-loss-coeff > 0 is not supported yet: megatron computes it per "
                                      "micro-batch, whose tokens follow the packing, not the batch")
+        if self.moe_z_loss_coeff < 0:
+            raise ConfigurationError(f"moe_z_loss_coeff must be >= 0, got {self.moe_z_loss_coeff}")
+        if self.moe_z_loss_coeff > 0:
+            raise ConfigurationError("--moe-z-loss-coeff > 0 is not supported yet: the z-loss averages over routed "
+                                     "tokens, and with prefix sharing a shared token is routed once where the "
+                                     "per-sample batch routes it once per sample")
+        if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
+            why = (": it balances the routes of a batch's tokens together, so sharing (one token routed for many "
+                   "samples) would change every route" if self.moe_router_load_balancing_type == "sinkhorn" else "")
+            raise ConfigurationError(f"--moe-router-load-balancing-type must be one of {MOE_LOAD_BALANCING_TYPES}, "
+                                     f"got {self.moe_router_load_balancing_type!r}{why}")
+        if self.expert_tensor_parallel_size != 1:
+            raise ConfigurationError(f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not "
+                                     "supported yet (experts run whole on every rank that holds them: 1)")
         if self.moe_grouped_gemm and self.device == "cpu":
             raise ConfigurationError("--moe-grouped-gemm needs CUDA (its kernels are GPU-only); on CPU the experts "
                                      "run one by one (megatron's SequentialMLP)")
@@ -202,6 +236,7 @@ class ActorConfig:
     def moe_overrides(self) -> dict:
         """megatron TransformerConfig fields of the MoE flags (used for MoE models only)."""
         return dict(moe_token_dispatcher_type=self.moe_token_dispatcher_type, moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+                    moe_router_load_balancing_type=self.moe_router_load_balancing_type,
                     moe_grouped_gemm=self.moe_grouped_gemm)
 
     @property

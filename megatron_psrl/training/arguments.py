@@ -14,6 +14,7 @@ from megatron_psrl.options import (
     DEFAULT_TIMEOUT_MINUTES,
     LOSS_AGGREGATIONS,
     MEMORY_TRACKING,
+    MOE_LOAD_BALANCING_TYPES,
     MOE_TOKEN_DISPATCHERS,
     OPTIMIZERS,
     PLACEMENTS,
@@ -96,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="mixture-of-experts models: load-balancing loss coefficient (only 0 yet: with prefix sharing "
                         "a shared token is routed once, so its statistics would differ from the per-sample batch's)")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=0.0,
+                   help="mixture-of-experts models: router z-loss coefficient (only 0 yet: with prefix sharing a "
+                        "shared token is routed once)")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   help=f"mixture-of-experts models: megatron's load-balancing type, one of {MOE_LOAD_BALANCING_TYPES} "
+                        "(losses take effect with --moe-aux-loss-coeff > 0; sinkhorn is refused)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
+                   help="mixture-of-experts models: tensor parallelism inside the experts (only 1 yet)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="mixture-of-experts models: megatron's grouped-GEMM experts (CUDA only)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")

@@ -1,0 +1,41 @@
+"""The Megatron-LM MoE flags beyond EP: --moe-z-loss-coeff, --moe-router-load-balancing-type,
+--expert-tensor-parallel-size reach ActorConfig; what cannot be exact with prefix sharing (or
+is not built) is refused in one line saying why."""
+
+import pytest
+
+from megatron_psrl import ActorConfig
+from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.model import ModelArchitecture, build_transformer_config, tiny_config
+from megatron_psrl.model.gpt import moe_config_fields
+from megatron_psrl.training.arguments import parse_args
+from megatron_psrl.training.trainer import actor_config_from_args
+
+
+def test_the_flags_reach_the_config():
+    args = parse_args(["--model", "debug-qwen3-moe", "--data", "stepwise", "--moe-router-load-balancing-type",
+                       "seq_aux_loss", "--moe-z-loss-coeff", "0", "--expert-tensor-parallel-size", "1"])
+    config = actor_config_from_args(args, "float32")
+    assert config.moe_router_load_balancing_type == "seq_aux_loss"
+    assert config.moe_z_loss_coeff == 0.0 and config.expert_tensor_parallel_size == 1
+    assert config.moe_overrides()["moe_router_load_balancing_type"] == "seq_aux_loss"
+
+
+def test_the_load_balancing_type_reaches_megatron():
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-qwen3-moe"))
+    overrides = dict(moe_config_fields(arch), **ActorConfig(moe_router_load_balancing_type="none").moe_overrides())
+    assert build_transformer_config(arch, **overrides).moe_router_load_balancing_type == "none"
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(moe_z_loss_coeff=1e-3), ["--moe-z-loss-coeff", "routed once"]),
+    (dict(moe_z_loss_coeff=-1.0), ["moe_z_loss_coeff must be >= 0"]),
+    (dict(moe_router_load_balancing_type="sinkhorn"), ["sinkhorn", "change every route"]),
+    (dict(moe_router_load_balancing_type="balanced"), ["must be one of", "balanced"]),
+    (dict(expert_tensor_parallel_size=2), ["--expert-tensor-parallel-size 2", "not supported"]),
+], ids=["z-loss", "negative-z-loss", "sinkhorn", "unknown-type", "expert-tp"])
+def test_what_cannot_run_is_refused(fields, words):
+    with pytest.raises(ConfigurationError) as err:
+        ActorConfig(**fields)
+    for word in words:
+        assert word in str(err.value)
