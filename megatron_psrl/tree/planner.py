@@ -161,6 +161,10 @@ class GroupAssignment:
     group_of: np.ndarray
     """int64 ``[top-level nodes of tree]``: the group of every tree."""
 
+    unit_cost: np.ndarray
+    """float64 ``[top-level nodes of tree]``: every tree's cost (what the groups were balanced on;
+    the retries plan with the same cost model)."""
+
     recomputed: int = 0
     """Tree tokens added by splitting trees between groups."""
 
@@ -181,9 +185,11 @@ def assign_groups(tree: PrefixTree, config: PlannerConfig) -> GroupAssignment:
                                     num_groups * bins_per_group, _assign_lpt)
         if split is not None:
             regrouped, bin_of = split
-            return GroupAssignment(regrouped, bin_of // bins_per_group, regrouped.num_tree_tokens - tree.num_tree_tokens)
-    roots = np.flatnonzero(tree.node_parent < 0)
-    return GroupAssignment(tree, _assign_lpt(_unit_costs(tree, roots, config.cost_model), num_groups))
+            unit_cost = _unit_costs(regrouped, np.flatnonzero(regrouped.node_parent < 0), config.cost_model)
+            return GroupAssignment(regrouped, bin_of // bins_per_group, unit_cost,
+                                   regrouped.num_tree_tokens - tree.num_tree_tokens)
+    unit_cost = _unit_costs(tree, np.flatnonzero(tree.node_parent < 0), config.cost_model)
+    return GroupAssignment(tree, _assign_lpt(unit_cost, num_groups), unit_cost)
 
 
 def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[GroupAssignment] = None) -> StepPlan:
@@ -191,14 +197,13 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
     when ``PSRL_CHECK_PLANS=1``. ``assignment``: trees already assigned to groups
     (:func:`assign_groups`, default: made from ``config``)."""
     assignment = assignment or assign_groups(tree, config)
-    tree, group_of, recomputed = assignment.tree, assignment.group_of, assignment.recomputed
+    tree, group_of, unit_cost = assignment.tree, assignment.group_of, assignment.unit_cost
     g = config.exchange_group_size
     num_groups = config.data_parallel_size // g
     roots = np.flatnonzero(tree.node_parent < 0)
-    unit_cost = _unit_costs(tree, roots, config.cost_model)
     index = TreeIndex(tree)
     local_group = None if config.local_rank is None else config.local_rank // g
-    plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=recomputed,
+    plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=assignment.recomputed,
                     planned_groups=None if local_group is None else [local_group])
     token_cost = token_cost_function(index, config.cost_model)
     by_group = np.argsort(group_of, kind="stable")  # every group's units, in ascending order
