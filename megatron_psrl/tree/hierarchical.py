@@ -133,9 +133,18 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray) -> Tuple[PrefixTree
     keys = np.unique(np.concatenate(collected)) if collected else np.zeros(0, np.int64)
     node = keys % m  # old node of every new node
     group = keys // m
+    # Most nodes have one copy (only the paths above split points are duplicated): their copy
+    # is a table lookup; the few duplicated ones are searched among the sorted keys.
+    copies = np.bincount(node, minlength=m)
+    copy_of = np.zeros(m, dtype=np.int64)
+    copy_of[node] = np.arange(len(keys), dtype=np.int64)
 
     def new_node(g: np.ndarray, old: np.ndarray) -> np.ndarray:
-        return np.searchsorted(keys, g * m + old)
+        out = copy_of[old]
+        shared = np.flatnonzero(copies[old] > 1)
+        if len(shared):
+            out[shared] = np.searchsorted(keys, g[shared] * m + old[shared])
+        return out
 
     new_parent = np.where(parent[node] >= 0, new_node(group, np.maximum(parent[node], 0)), -1)
     lens = tree.node_len[node]
@@ -164,7 +173,10 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray) -> Tuple[PrefixTree
         sample_of_flat = np.repeat(np.arange(len(sample_group)), np.diff(batch.offsets))
         sample_token_index = new_token(sample_group[sample_of_flat].astype(np.int64), sample_token_index)
     claim_token = new_token(sample_group[tree.claim_sample].astype(np.int64), tree.claim_token)
-    order = np.lexsort((tree.claim_sample, claim_token))
+    # Claims stay sorted by tree token, then sample: the claims of one new token all come from one
+    # old token, where they were in sample order already, and a stable sort keeps it (a lexsort
+    # over millions of claims costs seconds).
+    order = np.argsort(claim_token, kind="stable")
     claim_offsets = np.zeros(int(offset[-1]) + 1, dtype=np.int64)
     np.cumsum(np.bincount(claim_token, minlength=int(offset[-1])), out=claim_offsets[1:])
     old_tokens = np.repeat(tree.node_offset[node] - offset[:-1], lens) + np.arange(int(offset[-1]), dtype=np.int64)
@@ -178,7 +190,7 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray) -> Tuple[PrefixTree
         node_num_samples=samples,
         sample_node=sample_new.astype(np.int32),
         sample_token_index=sample_token_index.astype(np.int64),
-        claim_token=claim_token[order].astype(np.int64),
+        claim_token=claim_token[order].astype(np.int64, copy=False),
         claim_sample=tree.claim_sample[order],
         claim_flat=tree.claim_flat[order],
         claim_offsets=claim_offsets,

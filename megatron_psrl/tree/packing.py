@@ -31,22 +31,40 @@ from megatron_psrl.tree.prefix_tree import PrefixTree
 
 
 class TreeIndex:
-    """Per-token arrays of a PrefixTree that packing needs, computed once per tree."""
+    """Per-token arrays of a PrefixTree that packing needs, computed once per tree.
 
-    def __init__(self, tree: PrefixTree):
+    ``subtrees``: top-level nodes whose tokens are the only ones read (local planning: a rank
+    plans its own exchange group's trees); the arrays are allocated for the whole tree but
+    filled only there, so the work and the memory touched follow the group, not the batch.
+    None: every token."""
+
+    def __init__(self, tree: PrefixTree, subtrees: Optional[np.ndarray] = None):
         self.tree = tree
-        self.token_node = tree.token_node()
-        self.position = tree.token_position()
         t = tree.num_tree_tokens
-        first_of_node = tree.node_offset[:-1]
-        pred = np.arange(-1, t - 1, dtype=np.int64)
         parent = tree.node_parent.astype(np.int64)
-        # The first token of a node follows the last token of its parent node.
-        pred[first_of_node] = np.where(parent >= 0, tree.node_offset[np.maximum(parent, 0) + 1] - 1, -1)
-        self.pred = pred
+        if subtrees is None:
+            node_ranges = [(0, tree.num_nodes)]
+        else:  # a subtree's nodes (and tokens) are one range in preorder
+            node_ranges = [(int(n), int(tree.node_subtree_end[n])) for n in np.sort(subtrees)]
+        self.token_node = np.empty(t, dtype=np.int32)
+        self.position = np.empty(t, dtype=np.int64)
+        self.pred = np.empty(t, dtype=np.int64)
         """int64 ``[T]``: tree index of every token's predecessor in its samples (-1 at position 0)."""
-        self.subtree_end = tree.node_offset[tree.node_subtree_end[self.token_node]]
+        self.subtree_end = np.empty(t, dtype=np.int64)
         """int64 ``[T]``: tokens ``(x, subtree_end[x])`` are exactly the descendants of x."""
+        offset = tree.node_offset
+        for a, b in node_ranges:
+            lo, hi = int(offset[a]), int(offset[b])
+            lens = offset[a + 1:b + 1] - offset[a:b]
+            nodes = np.arange(a, b, dtype=np.int32)
+            self.token_node[lo:hi] = np.repeat(nodes, lens)
+            self.position[lo:hi] = np.repeat(tree.node_depth[a:b] - offset[a:b], lens) + np.arange(lo, hi)
+            pred = np.arange(lo - 1, hi - 1, dtype=np.int64)
+            # The first token of a node follows the last token of its parent node.
+            par = parent[a:b]
+            pred[offset[a:b] - lo] = np.where(par >= 0, offset[np.maximum(par, 0) + 1] - 1, -1)
+            self.pred[lo:hi] = pred
+            self.subtree_end[lo:hi] = np.repeat(offset[tree.node_subtree_end[a:b]], lens)
 
 
 @dataclass

@@ -201,8 +201,9 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
     g = config.exchange_group_size
     num_groups = config.data_parallel_size // g
     roots = np.flatnonzero(tree.node_parent < 0)
-    index = TreeIndex(tree)
     local_group = None if config.local_rank is None else config.local_rank // g
+    # A local plan reads the per-token arrays of its own group's trees only.
+    index = TreeIndex(tree, None if local_group is None else roots[group_of == local_group])
     plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=assignment.recomputed,
                     planned_groups=None if local_group is None else [local_group])
     token_cost = token_cost_function(index, config.cost_model)

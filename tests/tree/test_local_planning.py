@@ -11,6 +11,7 @@ from helpers.batches import cross_rank_batch
 from megatron_psrl.data.synthetic import make_stepwise
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.tree.build import build_prefix_tree
+from megatron_psrl.tree.packing import TreeIndex
 from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 
@@ -29,6 +30,24 @@ def _rank_view(rank_plan):
     sources = sorted((i, s.producer, s.tokens.tolist(), list(s.consumers), s.replica_of)
                      for i, s in rank_plan.sources.items())
     return mbs, sources, list(rank_plan.schedule), rank_plan.planned_cost, rank_plan.group_rank, rank_plan.cross_rank
+
+
+def _pack_view(pack):
+    return {f.name: (v.tolist() if isinstance(v, np.ndarray) else v)
+            for f in dataclasses.fields(pack) for v in [getattr(pack, f.name)]
+            if isinstance(v, (np.ndarray, int, float, bool))}
+
+
+def test_a_partial_tree_index_equals_the_full_one_on_its_subtrees():
+    tree = build_prefix_tree(_batches()["mixed"])
+    full = TreeIndex(tree)
+    roots = np.flatnonzero(tree.node_parent < 0)
+    chosen = roots[[0, 2, len(roots) - 1]]
+    part = TreeIndex(tree, chosen)
+    tokens = np.concatenate([np.arange(tree.node_offset[n], tree.node_offset[tree.node_subtree_end[n]]) for n in chosen])
+    assert len(tokens) < tree.num_tree_tokens
+    for name in ("token_node", "position", "pred", "subtree_end"):
+        np.testing.assert_array_equal(getattr(part, name)[tokens], getattr(full, name)[tokens], err_msg=name)
 
 
 def _batches():
@@ -58,6 +77,8 @@ def test_a_local_plan_is_its_group_of_the_full_plan(kind, ranks, group_size, pla
         for r in range(ranks):
             if r // group_size == group:
                 assert _rank_view(local.ranks[r]) == _rank_view(full.ranks[r]), (rank, r)
+                for i in range(len(full.ranks[r].micro_batches)):  # packed from the group's part of the index
+                    assert _pack_view(local.ranks[r].pack(local.index, i)) == _pack_view(full.ranks[r].pack(full.index, i))
             else:  # another group: nothing to run, an even share of that group's cost
                 assert not local.ranks[r].micro_batches and local.placements[r // group_size] == "unplanned"
         members = range(group * group_size, (group + 1) * group_size)
