@@ -1,7 +1,8 @@
 """Checkpoint I/O: HF safetensors folders, megatron-core torch_dist and legacy per-rank checkpoints, conversion.
 
 Modules, each depending only on those below it: :mod:`.convert` (HF <-> checkpoint) ->
-:mod:`.loading` (models and whole state dicts from any source) -> :mod:`.dist_format` (torch_dist) /
+:mod:`.loading` (models and whole state dicts from any source) -> :mod:`.dist_format` (torch_dist;
+its optimizer state across expert-parallel sizes: :mod:`.expert_parallel`) /
 :mod:`.legacy_format` (per-rank files) -> :mod:`.layout` (tracker, iteration folders,
 ``psrl_model.json``, which format) and :mod:`.state_dict` (checkpoint names of parameters).
 """

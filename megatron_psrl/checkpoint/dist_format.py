@@ -42,6 +42,12 @@ import numpy as np
 import torch
 
 from megatron_psrl.checkpoint import dist_checks
+from megatron_psrl.checkpoint.expert_parallel import (
+    match_stored_keys,
+    recast_common,
+    strip_chained_prefixes,
+    sub_states,
+)
 from megatron_psrl.checkpoint.state_dict import canonical_state_dict, load_state_into
 from megatron_psrl.errors import CheckpointError, CheckpointWriteError, ConfigurationError
 
@@ -126,11 +132,14 @@ def _named_failure(exc: BaseException) -> Optional[CheckpointWriteError]:
     return CheckpointWriteError(m.group(1), m.group(2).strip()) if m else None
 
 
-def load_state(it_dir: str, sharded_state_dict: Dict[str, Any]) -> Dict[str, Any]:
+def load_state(it_dir: str, sharded_state_dict: Dict[str, Any],
+               common: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Every rank: this rank's pieces of ``sharded_state_dict`` from ``it_dir`` (a collective).
     The folder is checked first (:func:`~megatron_psrl.checkpoint.dist_checks.check_folder`:
     the index, the files' lengths, what is unpickled); a missing, truncated, corrupt or
-    mismatching file raises :class:`CheckpointError` naming it (and the tensor), one line."""
+    mismatching file raises :class:`CheckpointError` naming it (and the tensor), one line.
+    ``common``: the non-sharded state to merge the pieces into, instead of ``common.pt``'s
+    (read and recast by the caller)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint import CheckpointException
@@ -138,10 +147,25 @@ def load_state(it_dir: str, sharded_state_dict: Dict[str, Any]) -> Dict[str, Any
     index = dist_checks.check_folder(it_dir)
     try:
         with quiet_deprecation_warnings():
-            return dist_checkpointing.load(sharded_state_dict, it_dir)
+            return dist_checkpointing.load(sharded_state_dict, it_dir,
+                                           common_strategy=None if common is None else _given_common(common))
     except (CheckpointingException, CheckpointException, OSError, RuntimeError, EOFError, ValueError,
             AssertionError, pickle.UnpicklingError) as exc:
         raise dist_checks.explain_failure(exc, it_dir, index) from None
+
+
+def _given_common(common: Dict[str, Any]):
+    """megatron's common-state load strategy returning ``common`` (a copy) instead of reading
+    ``common.pt``."""
+    import copy
+
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class GivenCommon(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return copy.deepcopy(common)
+
+    return GivenCommon()
 
 
 def load_common(it_dir: str) -> Dict[str, Any]:
@@ -175,7 +199,8 @@ def save_training_state(it_dir: str, iteration: int, model, optimizer, device: t
     state: Dict[str, Any] = dict(model_state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
                                  rng_state=rng_sharded_object())
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state)
+        # one key per parameter whatever the expert-parallel size (expert_parallel module)
+        state["optimizer"] = strip_chained_prefixes(optimizer.sharded_state_dict(model_state))
         state["opt_param_scheduler"] = optimizer.scheduler.state_dict()
     save_state(it_dir, state, device)
 
@@ -185,7 +210,7 @@ def _check_optimizer_kind(it_dir: str, saved_state: Any, current: str) -> None:
     missing ``exp_avg`` key deep inside the load)."""
     from megatron_psrl.engine.optimizer import saved_optimizer_kind
 
-    saved = saved_optimizer_kind(saved_state)
+    saved = saved_optimizer_kind(sub_states(saved_state))
     if saved is not None and saved != current:
         raise CheckpointError(it_dir, f"holds {saved} optimizer state and this run uses --optimizer {current}: "
                                       f"pass --optimizer {saved} to train on, or --no-load-optim to start a fresh "
@@ -193,17 +218,21 @@ def _check_optimizer_kind(it_dir: str, saved_state: Any, current: str) -> None:
 
 
 def load_training_state(it_dir: str, model, optimizer, same_layout: bool) -> None:
-    """Every rank: the optimizer state (resharded to this layout), the scheduler, and, when
-    the TP/PP layout is the saved one, the RNG states. The weights are loaded already."""
+    """Every rank: the optimizer state (resharded to this layout, expert-parallel size included:
+    :mod:`~megatron_psrl.checkpoint.expert_parallel`), the scheduler, and, when the TP/PP layout
+    is the saved one, the RNG states. The weights are loaded already."""
     common = load_common(it_dir)
     if "optimizer" not in common and "opt_param_scheduler" not in common:
         raise CheckpointError(it_dir, "holds no optimizer state (saved without an optimizer)")
     _check_optimizer_kind(it_dir, common["optimizer"], optimizer.settings.optimizer)
-    request: Dict[str, Any] = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(model),
-                                                                         is_loading=True, saved=common["optimizer"])}
+    wanted = strip_chained_prefixes(optimizer.sharded_state_dict(model_sharded_state_dict(model), is_loading=True,
+                                                                 saved=common["optimizer"]))
+    match_stored_keys(wanted, dist_checks.read_index(it_dir).state_dict_metadata)
+    recast = recast_common(common["optimizer"], wanted, it_dir)
+    request: Dict[str, Any] = {"optimizer": wanted}
     if same_layout:
         request["rng_state"] = rng_sharded_object()
-    loaded = load_state(it_dir, request)
+    loaded = load_state(it_dir, request, None if recast is common["optimizer"] else dict(common, optimizer=recast))
     optimizer.load_sharded_state_dict(loaded["optimizer"])
     optimizer.scheduler.load_state_dict(common["opt_param_scheduler"])
     if same_layout:

@@ -72,6 +72,12 @@ class CheckpointInfo:
     PP x V checkpoint (one per virtual stage, the same layers), with the rank's optimizer
     state in the file of its first chunk."""
 
+    expert_model_parallel_size: int = 1
+    """EP size the run trained with (MoE models). Informative: a torch_dist checkpoint stores
+    every expert at its global index and loads under any EP size (optimizer state included,
+    :mod:`~megatron_psrl.checkpoint.expert_parallel`); the legacy format is written at EP = 1
+    only."""
+
     @property
     def pipeline_split(self) -> PipelineSplit:
         """The (virtual) stages' layout as the sharding functions take it."""
@@ -103,6 +109,8 @@ class CheckpointInfo:
             d["pipeline_layers"] = list(self.pipeline_layers)
         if self.virtual_pipeline_size > 1:
             d["virtual_pipeline_size"] = self.virtual_pipeline_size
+        if self.expert_model_parallel_size > 1:
+            d["expert_model_parallel_size"] = self.expert_model_parallel_size
         return json.dumps(d, indent=2)
 
     @classmethod
@@ -126,6 +134,7 @@ class CheckpointInfo:
                 has_optimizer_state=bool(d.get("has_optimizer_state", False)),
                 pipeline_layers=tuple(int(c) for c in d["pipeline_layers"]) if d.get("pipeline_layers") else None,
                 virtual_pipeline_size=int(d.get("virtual_pipeline_size", 1)),
+                expert_model_parallel_size=int(d.get("expert_model_parallel_size", 1)),
             )
         except KeyError as exc:
             raise CheckpointError(path, f"missing field {exc.args[0]!r}") from None

@@ -267,10 +267,32 @@ def load_model(
         info, shards, optimizer_state = legacy_format.load_stage_states(source.checkpoint, tp_rank, tp, stages,
                                                                         split, vpp)
         arch = info.architecture
+        if arch.is_moe:
+            shards = [legacy_experts(source.checkpoint, info, shard, ep_rank, ep) for shard in shards]
     model = build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides)
     for chunk, shard in zip(model_chunks(model), shards):
         load_state_into(chunk, shard)
     return arch, model, optimizer_state
+
+
+def legacy_experts(ckpt_dir: str, info: CheckpointInfo, shard: Dict[str, Tensor], ep_rank: int,
+                   ep: int) -> Dict[str, Tensor]:
+    """Expert-parallel rank ``ep_rank``'s part of a legacy checkpoint's stage shard, which holds
+    every expert by its global index; a shard holding fewer (one rank's experts, written with
+    expert parallelism before the legacy format refused it) is refused in one line."""
+    held = {}
+    for name in shard:
+        m = re.match(r"^(decoder\.layers\.\d+)\.mlp\.experts\.local_experts\.(\d+)\.", name)
+        if m:
+            held.setdefault(m.group(1), set()).add(int(m.group(2)))
+    short = {layer: len(ids) for layer, ids in held.items() if len(ids) != info.architecture.num_experts}
+    if short:
+        layer, count = min(short.items())
+        raise CheckpointError(ckpt_dir, f"holds {count} of the model's {info.architecture.num_experts} experts in "
+                                        f"{layer} (a legacy checkpoint written with expert parallelism holds one "
+                                        f"rank's), and loading it with expert-parallel size {ep} needs them all: "
+                                        "save such runs in the torch_dist format (the default)")
+    return local_experts(shard, info.architecture, ep_rank, ep)
 
 
 def load_full_state_dict(ckpt_dir: str, progress=None) -> Tuple[CheckpointInfo, Dict[str, Tensor]]:

@@ -97,6 +97,12 @@ def save_training_checkpoint(
     caller holds ``save_dir``'s lock."""
     check_ckpt_format(ckpt_format)
     final = os.path.join(os.path.abspath(save_dir), iteration_dir_name(iteration))
+    ep = _expert_parallel_size(model)
+    if ckpt_format == "legacy" and ep > 1:  # the same on every rank: refused before any collective
+        raise CheckpointWriteError(final, f"the legacy format holds one data-parallel replica's tensors, so it cannot "
+                                          f"hold the experts of expert-parallel size {ep} (each rank holds "
+                                          f"{arch.num_experts // ep} of {arch.num_experts}): save with ckpt_format "
+                                          "torch_dist (the default), which loads under any EP size")
     tmp = final + f".tmp-{os.getpid()}"
     error: Optional[str] = None
     if layout.rank == 0:
@@ -157,6 +163,11 @@ def _write_legacy_shards(tmp: str, iteration: int, model, optimizer, layout: Par
         write_rank_file(tmp, layout.tp_rank, stage, stages, payload)
 
 
+def _expert_parallel_size(model) -> int:
+    """The EP size the model was built with (1 for a dense model)."""
+    return int(getattr(model_chunks(model)[0].config, "expert_model_parallel_size", 1) or 1)
+
+
 def _outcome(work) -> Tuple[Optional[str], Optional[BaseException]]:
     """Run ``work``; ``(error text, exception)`` of its failure, ``(None, None)`` on success."""
     try:
@@ -202,7 +213,8 @@ def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimiz
     info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype,
                           has_optimizer_state=optimizer is not None,
                           pipeline_layers=None if isinstance(split, int) else split,
-                          virtual_pipeline_size=len(model_chunks(model)))
+                          virtual_pipeline_size=len(model_chunks(model)),
+                          expert_model_parallel_size=_expert_parallel_size(model))
     write_file(os.path.join(tmp, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
     write_manifest(tmp, known_checksums)
     old = None
