@@ -266,6 +266,12 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
     runner = make_runner(model, arch.vocab_size, device, backend, kv_cache, exchange_group=group,
                          loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute)
     runner.last_layer_row_skip = config.last_layer_row_skip
+    if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0):
+        from megatron_psrl.model.moe_losses import RouterLosses
+
+        # The router losses count every row of every layer: the last layer computes them all.
+        runner.router_losses = RouterLosses(model, config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
+        runner.last_layer_row_skip = False
     return backend_name, kv_cache, runner
 
 

@@ -85,14 +85,13 @@ class ActorConfig:
     (``--moe-token-dispatcher-type``)."""
 
     moe_aux_loss_coeff: float = 0.0
-    """MoE models: the load-balancing loss's coefficient (``--moe-aux-loss-coeff``). Only 0 is
-    supported yet: with prefix sharing a shared token is routed once, so the loss's statistics
-    would differ from the per-sample batch's."""
+    """MoE models: the load-balancing loss's coefficient (``--moe-aux-loss-coeff``), over the whole
+    global batch with a shared token counted once per sample (docs/moe.md "Router losses"):
+    ``aux_loss`` only; without router replay a forward-only pre-pass counts the routes."""
 
     moe_z_loss_coeff: float = 0.0
-    """MoE models: the router z-loss's coefficient (``--moe-z-loss-coeff``). Only 0 is supported
-    yet: it averages over routed tokens, and a shared token is routed once where the
-    per-sample batch routes it once per sample."""
+    """MoE models: the router z-loss's coefficient (``--moe-z-loss-coeff``), averaged over the
+    whole global batch's tokens with a shared token counted once per sample."""
 
     moe_router_load_balancing_type: str = "aux_loss"
     """MoE models: megatron's load-balancing type (``--moe-router-load-balancing-type``):
@@ -194,19 +193,13 @@ class ActorConfig:
                                      f"got {self.moe_token_dispatcher_type!r}")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigurationError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
-        if self.moe_aux_loss_coeff > 0:
-            if self.prefix_sharing != "none":
-                raise ConfigurationError("--moe-aux-loss-coeff > 0 is not supported with prefix sharing: a shared "
-                                         "token is routed once, so the load-balancing loss's statistics would differ "
-                                         "from the per-sample batch's")
-            raise ConfigurationError("--moe-aux-loss-coeff > 0 is not supported yet: megatron computes it per "
-                                     "micro-batch, whose tokens follow the packing, not the batch")
         if self.moe_z_loss_coeff < 0:
             raise ConfigurationError(f"moe_z_loss_coeff must be >= 0, got {self.moe_z_loss_coeff}")
-        if self.moe_z_loss_coeff > 0:
-            raise ConfigurationError("--moe-z-loss-coeff > 0 is not supported yet: the z-loss averages over routed "
-                                     "tokens, and with prefix sharing a shared token is routed once where the "
-                                     "per-sample batch routes it once per sample")
+        from megatron_psrl.model.moe_losses import check_router_loss_settings
+
+        check_router_loss_settings(self.moe_aux_loss_coeff, self.moe_z_loss_coeff, self.moe_router_load_balancing_type,
+                                   self.pipeline_model_parallel_size, self.context_parallel_size,
+                                   self.num_layers_per_virtual_pipeline_stage is not None)
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
             why = (": it balances the routes of a batch's tokens together, so sharing (one token routed for many "
                    "samples) would change every route" if self.moe_router_load_balancing_type == "sinkhorn" else "")
@@ -235,7 +228,8 @@ class ActorConfig:
 
     def moe_overrides(self) -> dict:
         """megatron TransformerConfig fields of the MoE flags (used for MoE models only)."""
-        return dict(moe_token_dispatcher_type=self.moe_token_dispatcher_type, moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+        # (megatron's own router losses stay off: megatron_psrl.model.moe_losses computes them weighted)
+        return dict(moe_token_dispatcher_type=self.moe_token_dispatcher_type, moe_aux_loss_coeff=0.0,
                     moe_router_load_balancing_type=self.moe_router_load_balancing_type,
                     moe_grouped_gemm=self.moe_grouped_gemm)
 

@@ -191,12 +191,19 @@ class Engine:
         sequence_loss = None
         if isinstance(loss, SequenceLoss):
             sequence_loss, loss = loss, self._sequence_surrogate(loss, plan, batch)
+        router_losses = getattr(self.runner, "router_losses", None)
+        if router_losses is not None and router_losses.needs_route_counts(plan.tree):
+            t0 = time.perf_counter()
+            self._count_routes(plan)
+            times["route_counts"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with monitor.phase(f"forward/backward of iteration {it}"), ExpertLoad(self.model) as expert_load:
             out = self.runner.train(plan, self.layout.placement_rank, loss, memory,
                                     loss_scale=self.optimizer.loss_scale if self.optimizer is not None else 1.0)
         times["forward_backward"] = time.perf_counter() - t0
         keys = ["clip_frac", "pg_loss", "ratio_clamped", "kl", "entropy"]  # the same on every rank
+        if router_losses is not None:
+            keys += ["moe_z_loss", "moe_aux_loss"]
         with monitor.phase(f"loss all-reduce of iteration {it}"):
             sums = self.reduce([out.loss, out.tokens_computed, out.tokens_recomputed, out.num_micro_batches]
                                + [out.metrics.get(k, 0.0) for k in keys], group=gradient_group())
@@ -207,7 +214,8 @@ class Engine:
                 counts = expert_load.counts(self.layout.device).double()
                 dist.all_reduce(counts, group=gradient_group())  # the tokens of every data x context rank
                 metrics["moe_expert_load"] = expert_load_summary(counts)
-        total = float(sums[0]) if sequence_loss is None else float(self._sequence_value)
+        total = float(sums[0]) if sequence_loss is None else float(self._sequence_value) + sum(
+            float(metrics.get(k, 0.0)) for k in ("moe_z_loss", "moe_aux_loss"))  # (sums[0] has the router losses)
         metrics.update(
             tokens_total=int(batch.num_tokens), tokens_computed=int(sums[1]), tokens_recomputed=int(sums[2]),
             micro_batches=int(sums[3]), tokens_unique=int(tree.num_tree_tokens), samples=batch.num_samples,
@@ -222,6 +230,17 @@ class Engine:
         logprobs = (per_sample_logprobs(plan.tree, out.logprobs, gradient_group(), fill=np.nan)
                     if return_logprobs else None)
         return StepResult(loss=total, metrics=metrics, logprobs=logprobs)
+
+    def _count_routes(self, plan: StepPlan) -> None:
+        """The load-balancing loss without router replay: a forward-only pass over this rank's
+        micro-batches counts every MoE layer's routes (weighted by the samples through each
+        token), summed over the data x context parallel ranks, before the training step."""
+        forward_memories = memory_plans(plan, lambda ranks: [
+            plan_forward_memory(r, self.plan_geometry, self.config.kv_cache_budget) for r in ranks])
+        me = self.layout.placement_rank
+        with self.layout.monitor.phase(f"route-count forward of iteration {self.iteration + 1}"):
+            self.runner.router_losses.count_routes(plan.tree, lambda: self.runner.logprobs(plan, me, forward_memories[me]),
+                                                   group=gradient_group())
 
     def _sequence_surrogate(self, loss: SequenceLoss, plan: StepPlan, batch: SampleBatch) -> PerClaimLoss:
         """The first pass of a sequence-level loss: every sample's sum of ``token_terms``
@@ -336,6 +355,8 @@ def _reported(key: str, loss: ClaimLoss) -> bool:
     set, the PPO terms for the configured loss."""
     if key in ("kl", "entropy"):
         return bool(getattr(loss, "kl_coef" if key == "kl" else "entropy_coef", 0.0))
+    if key.startswith("moe_"):  # router losses: when the step runner computed them
+        return False
     return isinstance(loss, LossConfig)
 
 

@@ -299,6 +299,8 @@ class StepRunner:
         self._lockstep = None
         self._replayer = None
         """Router replay (:class:`~megatron_psrl.model.moe.RouterReplayer`), made at the first batch with routes."""
+        self.router_losses = None
+        """MoE router z-loss / load-balancing loss (:class:`~megatron_psrl.model.moe_losses.RouterLosses`), or None."""
         self._held_routes: Dict[int, Tuple[Tensor, Optional[np.ndarray]]] = {}
         """Routes of kept graphs whose backward recomputes their forward (activation recomputation)."""
         self.last_empty_expert_passes = 0
@@ -336,6 +338,8 @@ class StepRunner:
         ids = host_to_device(pack.input_ids, self.device)
         pos = host_to_device(pack.position_ids, self.device)
         self._replay_routes(plan, i, pack, meta.output_rows, keep=grad and capture)
+        if self.router_losses is not None:  # the weights of the rows the routers see
+            self.router_losses.set_pack(i, pack)
         with torch.set_grad_enabled(grad):
             hidden = self._stage_forward(i, ids, pos, meta, grad)  # [t, h]; None before the last stage
             if hidden is None:
@@ -347,8 +351,9 @@ class StepRunner:
             # Injected prefix gradients (recomputation) need a root that reaches every layer too.
             injecting = hook is not None and hook.injects
             # Expert parallelism: every forward with a graph has its backward (the lockstep's plan).
-            anchor = (hidden.sum() * 0.0) if ((exchanging or injecting or self.expert_group is not None)
-                                              and grad) else None
+            # Router losses: every forward's backward reaches every router (a pack without a loss too).
+            anchor = (hidden.sum() * 0.0) if ((exchanging or injecting or self.expert_group is not None
+                                               or self.router_losses is not None) and grad) else None
             if len(rows) == 0:
                 return anchor, {}, None, hook
             loss, metrics, logp = self._loss_head(plan, pack, hidden, rows, loss_cfg, coefficients, record,
@@ -558,6 +563,8 @@ class StepRunner:
                 sums.add(k, v)
 
         lock = self._start_lockstep(self._train_passes(rank_plan, memory))
+        if self.router_losses is not None:
+            self.router_losses.begin_step(plan.tree, loss_scale)
         for step_idx, (op, i) in enumerate(rank_plan.schedule):
             mb = rank_plan.micro_batches[i]
             if op in ("forward", "forward_backward"):
@@ -602,6 +609,8 @@ class StepRunner:
                     cache.metrics.tokens_recomputed += pack.num_tokens
                 if i in self._held_routes:  # a recomputing backward routes its tokens as their forward did
                     self._replayer.set(*self._held_routes.pop(i))
+                if self.router_losses is not None:  # (and weighs them as their forward did)
+                    self.router_losses.select(i)
                 kv_grads = []
                 for s, layer, k_rows, v_rows in captured:
                     gk, gv = cache.read_grad(s, layer)  # fp32 sums over every reader; rounded once here
@@ -618,6 +627,10 @@ class StepRunner:
         totals = sums.read()
         out.loss = totals.pop("loss", 0.0)
         out.metrics = totals
+        if self.router_losses is not None:  # once per step: the terms' sums over this rank's micro-batches
+            for name, value in self.router_losses.end_step().items():
+                out.metrics[name] = float(value)
+                out.loss += float(value)
         return self._finish(out)
 
     # ------------------------------------------------------------------ forward only

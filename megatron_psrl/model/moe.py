@@ -12,8 +12,8 @@ Dropless top-k routing is per token: a token's experts and weights depend on its
 only, so a prefix token computed once for every sample through it gets exactly its per-sample
 output, and the two prefix-sharing mechanisms stay exact. What depends on the batch's
 composition is refused with prefix sharing: capacity-factor token dropping (which tokens are
-dropped depends on the other tokens of the batch) and the load-balancing loss (its statistics
-count every token once; the per-sample batch counts a shared token once per sample).
+dropped depends on the other tokens of the batch). The router losses count a shared token once
+per sample: :mod:`megatron_psrl.model.moe_losses`.
 """
 
 from __future__ import annotations

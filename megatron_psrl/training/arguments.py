@@ -95,14 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=list(MOE_TOKEN_DISPATCHERS),
                    help="mixture-of-experts models: megatron's token dispatcher")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
-                   help="mixture-of-experts models: load-balancing loss coefficient (only 0 yet: with prefix sharing "
-                        "a shared token is routed once, so its statistics would differ from the per-sample batch's)")
+                   help="mixture-of-experts models: load-balancing loss coefficient (aux_loss over the whole global "
+                        "batch, a shared token counted once per sample; without router replay a forward-only "
+                        "pre-pass counts the routes; docs/moe.md)")
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0,
                    help="mixture-of-experts models: router z-loss coefficient (only 0 yet: with prefix sharing a "
                         "shared token is routed once)")
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
                    help=f"mixture-of-experts models: megatron's load-balancing type, one of {MOE_LOAD_BALANCING_TYPES} "
-                        "(losses take effect with --moe-aux-loss-coeff > 0; sinkhorn is refused)")
+                        "(aux_loss takes effect with --moe-aux-loss-coeff > 0; seq_aux_loss / global_aux_loss with it "
+                        "and sinkhorn are refused)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
                    help="mixture-of-experts models: tensor parallelism inside the experts (only 1 yet)")
     g.add_argument("--moe-grouped-gemm", action="store_true",

@@ -1,6 +1,6 @@
-"""The Megatron-LM MoE flags beyond EP: --moe-z-loss-coeff, --moe-router-load-balancing-type,
---expert-tensor-parallel-size reach ActorConfig; what cannot be exact with prefix sharing (or
-is not built) is refused in one line saying why."""
+"""The Megatron-LM MoE flags beyond EP: --moe-z-loss-coeff, --moe-aux-loss-coeff,
+--moe-router-load-balancing-type, --expert-tensor-parallel-size reach ActorConfig; what cannot be
+exact with prefix sharing (or is not built) is refused in one line saying why."""
 
 import pytest
 
@@ -28,14 +28,33 @@ def test_the_load_balancing_type_reaches_megatron():
 
 
 @pytest.mark.parametrize("fields,words", [
-    (dict(moe_z_loss_coeff=1e-3), ["--moe-z-loss-coeff", "routed once"]),
     (dict(moe_z_loss_coeff=-1.0), ["moe_z_loss_coeff must be >= 0"]),
+    (dict(moe_aux_loss_coeff=-1.0), ["moe_aux_loss_coeff must be >= 0"]),
+    (dict(moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="seq_aux_loss"), ["seq_aux_loss", "packing"]),
+    (dict(moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="global_aux_loss"), ["global_aux_loss", "packing"]),
+    (dict(moe_z_loss_coeff=1e-3, pipeline_model_parallel_size=2), ["pipeline parallelism", "not supported"]),
+    (dict(moe_aux_loss_coeff=1e-2, context_parallel_size=2), ["--context-parallel-size", "not supported"]),
     (dict(moe_router_load_balancing_type="sinkhorn"), ["sinkhorn", "change every route"]),
     (dict(moe_router_load_balancing_type="balanced"), ["must be one of", "balanced"]),
     (dict(expert_tensor_parallel_size=2), ["--expert-tensor-parallel-size 2", "not supported"]),
-], ids=["z-loss", "negative-z-loss", "sinkhorn", "unknown-type", "expert-tp"])
+], ids=["negative-z-loss", "negative-aux-loss", "seq-aux-loss", "global-aux-loss", "router-losses-pp",
+        "router-losses-cp", "sinkhorn", "unknown-type", "expert-tp"])
 def test_what_cannot_run_is_refused(fields, words):
     with pytest.raises(ConfigurationError) as err:
         ActorConfig(**fields)
     for word in words:
         assert word in str(err.value)
+
+
+@pytest.mark.parametrize("balancing", ["aux_loss", "none", "seq_aux_loss", "global_aux_loss"])
+def test_the_router_losses_are_taken_and_megatron_computes_none(balancing):
+    """z-loss with every load-balancing type, the aux loss with aux_loss (docs/moe.md "Router
+    losses"); megatron's own (unweighted) router losses stay off: megatron_psrl computes them."""
+    aux = 1e-2 if balancing == "aux_loss" else 0.0
+    args = parse_args(["--model", "debug-qwen3-moe", "--data", "stepwise", "--moe-z-loss-coeff", "1e-3",
+                       "--moe-aux-loss-coeff", str(aux), "--moe-router-load-balancing-type", balancing])
+    config = actor_config_from_args(args, "float32")
+    assert config.moe_z_loss_coeff == 1e-3 and config.moe_aux_loss_coeff == aux
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-qwen3-moe"))
+    megatron = build_transformer_config(arch, **dict(moe_config_fields(arch), **config.moe_overrides()))
+    assert megatron.moe_aux_loss_coeff == 0.0 and not megatron.moe_z_loss_coeff

@@ -1,0 +1,196 @@
+"""The MoE router z-loss and load-balancing (aux) loss with prefix sharing (docs/moe.md "Router
+losses"): the loss and every gradient (the routers' included) of a step with sharing equal the
+per-sample Hugging Face computation of the policy loss plus the router losses of the whole batch
+(every sample's tokens, a shared token once per sample), with and without router replay
+(without: the route-count pre-pass), with one tree-packed micro-batch (mechanism 1) and with
+cached prefixes (mechanism 2). Qwen3-MoE, fp32, EP = 1."""
+
+import contextlib
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.batches import random_tree_records
+from helpers.families import make_family_checkpoint
+from helpers.hf_reference import assert_grads_close, load_hf_model, per_sample_loss_and_grads
+from helpers.torchrun import REPO_ROOT, run_torchrun
+
+from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
+from megatron_psrl.data.loader import samples_from_dicts
+from megatron_psrl.model.adapters import get_adapter, unfuse_experts
+from megatron_psrl.model.tiny import tiny_config
+
+LOSS = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
+CFG = tiny_config("debug-qwen3-moe")
+LAYERS, TOPK, EXPERTS = CFG["num_hidden_layers"], CFG["num_experts_per_tok"], CFG["num_experts"]
+Z_COEFF, AUX_COEFF = 0.05, 0.5  # large enough that the router losses move the routers' gradients
+SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_router_losses.py")
+
+
+# ------------------------------------------------------------------------------- routes
+def prefix_routes(tokens, seed: int = 0) -> np.ndarray:
+    """``[n, L, k]`` routes that are a function of the token prefix (a shared prefix shares them)."""
+    out = np.empty((len(tokens), LAYERS, TOPK), dtype=np.int64)
+    h = seed
+    for p, tok in enumerate(tokens):
+        h = (h * 1_000_003 + int(tok) + 1) % (1 << 61)
+        rng = np.random.default_rng(h)
+        out[p] = [rng.permutation(EXPERTS)[:TOPK] for _ in range(LAYERS)]
+    return out
+
+
+def with_routes(records):
+    """Routes on every sample; every third one without a route for its final token."""
+    out = []
+    for k, rec in enumerate(records):
+        routes = prefix_routes(rec["tokens"])
+        out.append(dict(rec, routed_experts=(routes[:-1] if k % 3 == 1 else routes).tolist()))
+    return out
+
+
+def replay_routes(batch) -> torch.Tensor:
+    """int64 ``[N, L, k]``: the routes the replay takes (a token without one: experts 0..k-1)."""
+    routes = torch.from_numpy(batch.routed_experts.astype(np.int64)).clone()
+    missing = routes[:, 0, 0] < 0
+    routes[missing] = torch.arange(TOPK)
+    return routes
+
+
+@contextlib.contextmanager
+def replayed(model, batch):
+    """The HF model's routers take the batch's replayed routes, one sample per forward, in order:
+    HF's router computation at the given ids instead of its top-k."""
+    routes_all = replay_routes(batch)
+    state = {"next": 0, "routes": None}
+
+    def pre_hook(module, args, kwargs):
+        s = state["next"]
+        state["next"] = (s + 1) % batch.num_samples
+        state["routes"] = routes_all[batch.sample_slice(s)]
+
+    def gate_forward(gate, layer):
+        def forward(hidden_states):
+            hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
+            router_logits = F.linear(hidden_states, gate.weight)
+            router_probs = torch.softmax(router_logits, dtype=torch.float, dim=-1)
+            indices = state["routes"][:, layer]
+            top = router_probs.gather(1, indices)
+            if gate.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return router_logits, top.to(router_logits.dtype), indices
+        return forward
+
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    for layer, gate in enumerate(gates):
+        gate.forward = gate_forward(gate, layer)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for gate in gates:
+            del gate.forward
+
+
+# ------------------------------------------------------------------------------- the reference
+def reference_router_losses(model, batch, z_coeff: float, aux_coeff: float, replay: bool):
+    """The router losses of the per-sample batch, restated: one HF forward per sample with
+    ``output_router_logits``; per layer, over all N tokens of all samples,
+    ``z = z_coeff * mean_t logsumexp(logits_t)^2`` and
+    ``aux = aux_coeff * E / (k N^2) * sum_e (sum_t softmax(logits_t)_e) * count_e``, ``count_e``
+    the tokens routed to e (replayed routes, or HF's own top-k). Their backward adds their
+    gradients to the model's ``.grad``; returns ``(z, aux)`` summed over layers."""
+    logits = [[] for _ in range(LAYERS)]
+    for s in range(batch.num_samples):
+        toks = torch.from_numpy(batch.sample_tokens(s).astype(np.int64))
+        out = model(toks[None], output_router_logits=True)
+        for layer, lg in enumerate(out.router_logits):
+            logits[layer].append(lg.reshape(-1, EXPERTS).float())
+    n = batch.num_tokens
+    routes = replay_routes(batch) if replay else None
+    z_total, aux_total = torch.zeros(()), torch.zeros(())
+    for layer in range(LAYERS):
+        lg = torch.cat(logits[layer])  # [N, E], the batch's token order
+        assert lg.shape[0] == n
+        z_total = z_total + z_coeff * torch.logsumexp(lg, dim=-1).square().sum() / n
+        p = torch.softmax(lg, dim=-1)
+        chosen = routes[:, layer] if replay else torch.topk(p, TOPK, dim=-1).indices
+        counts = torch.zeros(EXPERTS).index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel()))
+        aux_total = aux_total + aux_coeff * EXPERTS / (TOPK * n * n) * (p.sum(dim=0) * counts).sum()
+    (z_total + aux_total).backward()
+    return float(z_total.detach()), float(aux_total.detach())
+
+
+# ------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_family_checkpoint(CFG, str(tmp_path_factory.mktemp("hf-qwen3-moe-router-losses")))
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_dir):
+    return load_hf_model(hf_dir)
+
+
+def _actor(hf_dir, micro_batch, **overrides):
+    return PolicyActor(hf_dir, ActorConfig(device="cpu", micro_batch_tokens=micro_batch, loss=LOSS,
+                                           optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0),
+                                           **overrides))
+
+
+# ------------------------------------------------------------------------------- exactness
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@pytest.mark.parametrize("replay,micro_batch,overrides", [
+    (False, 4096, {}), (True, 4096, {}), (False, 32, {}), (True, 32, {}),
+    pytest.param(True, 32, RECOMPUTE, marks=pytest.mark.slow),  # recomputation on CPU: slow
+], ids=["tree-packing-own-routes", "tree-packing-replay", "cached-prefixes-own-routes", "cached-prefixes-replay",
+        "cached-prefixes-replay-recompute"])
+def test_router_losses_equal_the_per_sample_reference(hf_dir, hf_model, replay, micro_batch, overrides):
+    """z-loss + aux loss with sharing: the step's loss (policy + router losses), the reported
+    ``moe_z_loss`` / ``moe_aux_loss`` and every gradient equal the per-sample reference's (also
+    with activation recomputation, whose backward passes route and add the terms again)."""
+    records = random_tree_records(seed=5, num_roots=3)
+    if replay:
+        records = with_routes(records)
+    batch = samples_from_dicts(records, source="records")
+    actor = _actor(hf_dir, micro_batch, moe_z_loss_coeff=Z_COEFF, moe_aux_loss_coeff=AUX_COEFF, **overrides)
+    result = actor.forward_backward(records)
+    actor.engine.optimizer.reduce_gradients()
+    grads = {n: p.main_grad.detach().clone() for n, p in actor.model.named_parameters()}
+    actor.close()
+
+    ctx = replayed(hf_model, batch) if replay else contextlib.nullcontext()
+    with ctx:
+        ref_loss, policy_grads = per_sample_loss_and_grads(hf_model, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+        z, aux = reference_router_losses(hf_model, batch, Z_COEFF, AUX_COEFF, replay)
+    ref_grads = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                 for n, p in hf_model.named_parameters() if n in policy_grads}
+
+    assert result.metrics["tokens_computed"] < batch.num_tokens  # prefixes were shared
+    assert (result.metrics["micro_batches"] > 1) == (micro_batch == 32)
+    assert result.metrics["moe_z_loss"] == pytest.approx(z, rel=1e-5)
+    assert result.metrics["moe_aux_loss"] == pytest.approx(aux, rel=1e-5)
+    assert result.loss == pytest.approx(ref_loss + z + aux, rel=1e-5)
+    to_mcore = get_adapter(actor.arch).hf_to_mcore
+    ref = dict(to_mcore(lambda n: unfuse_experts(ref_grads)[n]))
+    assert_grads_close(grads, ref, rtol=1e-5)
+    # the router losses matter: they move the routers' gradients well beyond the tolerance
+    policy = dict(to_mcore(lambda n: unfuse_experts(policy_grads)[n]))
+    router = [n for n in ref if ".mlp.router." in n]
+    assert router and all((ref[n] - policy[n]).abs().max() > 1e-3 * ref[n].abs().max() for n in router)
+
+
+# ------------------------------------------------------------------------------- EP = 2
+@pytest.mark.slow  # two processes
+def test_router_losses_with_expert_parallelism_under_torchrun(hf_dir):
+    """EP = DP = 2 over gloo, alltoall dispatcher, cached prefixes: with replay and with the
+    route-count pre-pass, every rank matches the per-sample reference (asserted in the script)."""
+    out = run_torchrun(SCRIPT, [hf_dir, "16"], nproc=2, timeout=900)
+    reports = re.findall(r"rank (\d) (replay|own-routes) router losses ok", out)
+    assert sorted(reports) == [("0", "own-routes"), ("0", "replay"), ("1", "own-routes"), ("1", "replay")], out[-3000:]
+    assert sum(int(n) for n in re.findall(r"empty passes (\d+)", out)) > 0  # the lockstep's empty passes ran
