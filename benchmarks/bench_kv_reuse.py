@@ -23,7 +23,6 @@ peak memory (separate untimed run), KV cache metrics.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from step_bench import Bench  # noqa: E402
+from step_bench import Bench, write_results  # noqa: E402
 
 from megatron_psrl.data import samples_from_dicts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
@@ -128,9 +127,6 @@ def main() -> None:
             "tokens": batch.num_tokens, "tree_tokens": tree.num_tree_tokens, "largest_tree": biggest_tree,
             "longest_sample": int(batch.lengths.max()), "tight_kv_budget": tight, "repeats": args.repeats,
             "ideal_speedup": bench.cost.ideal_speedup(tree)}
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "bench_kv_reuse.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
     lines = [
         f"{meta['samples']} samples / {meta['tokens']} tokens / {meta['tree_tokens']} tree tokens; largest tree "
         f"{biggest_tree} tokens = {biggest_tree / args.micro_batch_tokens:.1f}x the {args.micro_batch_tokens}-token "
@@ -147,8 +143,7 @@ def main() -> None:
         lines.append(f"| {r['variant']} | {r['step_s']:.3f} | {r['speedup']:.2f}x | {r['tokens_computed']} | "
                      f"{r['tokens_recomputed']} | {r['micro_batches']} | {r['peak_mb']:.0f} | {kv} |")
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out_dir, "bench_kv_reuse.md"), "w") as f:
-        f.write(md)
+    write_results(args.out_dir, "bench_kv_reuse", {"meta": meta, "rows": rows}, md)
     print()
     print(md)
 

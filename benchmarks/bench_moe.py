@@ -27,7 +27,6 @@ routed copies' SwiGLU, 2 x 128 x 2, and with the router's).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -43,7 +42,7 @@ quiet_expected_import_warnings()
 
 import torch  # noqa: E402
 from bench_update_step import workloads  # noqa: E402
-from step_bench import Bench  # noqa: E402
+from step_bench import Bench, write_results  # noqa: E402
 
 from megatron_psrl.model.moe import ExpertLoad, expert_load_summary  # noqa: E402
 from megatron_psrl.model.tiny import MOE_CONFIGS, tiny_config  # noqa: E402
@@ -154,12 +153,8 @@ def main(argv=None) -> None:
                      "num_layers": arch["num_hidden_layers"], "num_experts": arch["num_experts"],
                      "moe_ffn_hidden_size": arch["moe_intermediate_size"],
                      "moe_router_topk": arch["num_experts_per_tok"]}}
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "bench_moe.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
     md = markdown(rows, meta)
-    with open(os.path.join(args.out_dir, "bench_moe.md"), "w") as f:
-        f.write(md)
+    write_results(args.out_dir, "bench_moe", {"meta": meta, "rows": rows}, md)
     print()
     print(md)
 

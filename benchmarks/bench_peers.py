@@ -86,7 +86,6 @@ import argparse
 import copy
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import platform
@@ -109,7 +108,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from exact_workloads import grpo_exact, stepwise_exact  # noqa: E402
-from step_bench import Bench  # noqa: E402
+from step_bench import Bench, write_results  # noqa: E402
 
 from megatron_psrl.checkpoint import ModelSource  # noqa: E402
 from megatron_psrl.checkpoint.state_dict import canonical_name  # noqa: E402
@@ -1461,12 +1460,8 @@ def run(args, log=print) -> dict:
 
 
 def write(out_dir: str, out: dict) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_peers.json"), "w") as f:
-        json.dump(out, f, indent=2)
     md = markdown(out)
-    with open(os.path.join(out_dir, "bench_peers.md"), "w") as f:
-        f.write(md)
+    write_results(out_dir, "bench_peers", out, md)
     return md
 
 

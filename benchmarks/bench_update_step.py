@@ -30,7 +30,6 @@ time and ``psrl / best peer`` from that measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -46,7 +45,7 @@ quiet_expected_import_warnings()
 
 import torch  # noqa: E402
 from exact_workloads import grpo_exact, stepwise_exact  # noqa: E402
-from step_bench import Bench  # noqa: E402
+from step_bench import Bench, write_results  # noqa: E402
 
 from megatron_psrl.data import make_grpo, make_mixed, make_stepwise, make_tree_rollouts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
@@ -167,12 +166,8 @@ def main() -> None:
     meta = {"model": args.model, "device": args.device, "threads": torch.get_num_threads(),
             "micro_batch_tokens": args.micro_batch_tokens, "repeats": args.repeats,
             "torch": torch.__version__, "platform": platform.platform()}
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "bench_update_step.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
     md = markdown(rows, meta)
-    with open(os.path.join(args.out_dir, "bench_update_step.md"), "w") as f:
-        f.write(md)
+    write_results(args.out_dir, "bench_update_step", {"meta": meta, "rows": rows}, md)
     print()
     print(md)
 

@@ -4,6 +4,8 @@ its measured peak memory: what bench_update_step.py, bench_peers.py and bench_kv
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 
 import torch
@@ -64,3 +66,13 @@ class Bench:
                 "tokens_computed": out.tokens_computed, "tokens_recomputed": out.tokens_recomputed,
                 "key_pairs": out.key_pairs, "micro_batches": out.num_micro_batches,
                 "kv": self.cache.metrics.to_dict() if memory is not None else {}}
+
+
+def write_results(out_dir: str, name: str, payload: dict, markdown: str) -> None:
+    """A benchmark's results: ``out_dir/name.json`` (everything measured) and ``out_dir/name.md``
+    (the table the docs quote)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(payload, f, indent=2)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(markdown)
