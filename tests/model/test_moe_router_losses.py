@@ -12,10 +12,11 @@ import re
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.batches import random_tree_records
 from helpers.families import make_family_checkpoint
 from helpers.hf_reference import assert_grads_close, load_hf_model, per_sample_loss_and_grads
+from helpers.moe_routes import hf_replayed
+from helpers.moe_routes import prefix_routes as shared_prefix_routes
 from helpers.torchrun import REPO_ROOT, run_torchrun
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
@@ -32,14 +33,8 @@ SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_router_losses
 
 # ------------------------------------------------------------------------------- routes
 def prefix_routes(tokens, seed: int = 0) -> np.ndarray:
-    """``[n, L, k]`` routes that are a function of the token prefix (a shared prefix shares them)."""
-    out = np.empty((len(tokens), LAYERS, TOPK), dtype=np.int64)
-    h = seed
-    for p, tok in enumerate(tokens):
-        h = (h * 1_000_003 + int(tok) + 1) % (1 << 61)
-        rng = np.random.default_rng(h)
-        out[p] = [rng.permutation(EXPERTS)[:TOPK] for _ in range(LAYERS)]
-    return out
+    """``[n, L, k]`` routes of the debug model, a function of the token prefix (a shared prefix shares them)."""
+    return shared_prefix_routes(tokens, LAYERS, TOPK, EXPERTS, seed)
 
 
 def with_routes(records):
@@ -59,40 +54,9 @@ def replay_routes(batch) -> torch.Tensor:
     return routes
 
 
-@contextlib.contextmanager
 def replayed(model, batch):
-    """The HF model's routers take the batch's replayed routes, one sample per forward, in order:
-    HF's router computation at the given ids instead of its top-k."""
-    routes_all = replay_routes(batch)
-    state = {"next": 0, "routes": None}
-
-    def pre_hook(module, args, kwargs):
-        s = state["next"]
-        state["next"] = (s + 1) % batch.num_samples
-        state["routes"] = routes_all[batch.sample_slice(s)]
-
-    def gate_forward(gate, layer):
-        def forward(hidden_states):
-            hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
-            router_logits = F.linear(hidden_states, gate.weight)
-            router_probs = torch.softmax(router_logits, dtype=torch.float, dim=-1)
-            indices = state["routes"][:, layer]
-            top = router_probs.gather(1, indices)
-            if gate.norm_topk_prob:
-                top = top / top.sum(dim=-1, keepdim=True)
-            return router_logits, top.to(router_logits.dtype), indices
-        return forward
-
-    gates = [layer.mlp.gate for layer in model.model.layers]
-    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    for layer, gate in enumerate(gates):
-        gate.forward = gate_forward(gate, layer)
-    try:
-        yield
-    finally:
-        handle.remove()
-        for gate in gates:
-            del gate.forward
+    """The HF model's routers take the batch's replayed routes (:func:`replay_routes`)."""
+    return hf_replayed(model, batch, replay_routes(batch))
 
 
 # ------------------------------------------------------------------------------- the reference

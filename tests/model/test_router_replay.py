@@ -5,17 +5,17 @@ and log-probs, the loss and every gradient (the router's included) equal the per
 Face computation with the same routes replayed; plus the data contract's errors for malformed
 routes. EP = 2 under torchrun in the last (slow) test."""
 
-import contextlib
 import os
 import re
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.batches import random_tree_records
 from helpers.families import make_family_checkpoint
 from helpers.hf_reference import assert_grads_close, load_hf_model, per_sample_logprobs, per_sample_loss_and_grads
+from helpers.moe_routes import hf_replayed
+from helpers.moe_routes import prefix_routes as shared_prefix_routes
 from helpers.torchrun import REPO_ROOT, run_torchrun
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
@@ -35,16 +35,8 @@ LAYERS, TOPK, EXPERTS = CFG["num_hidden_layers"], CFG["num_experts_per_tok"], CF
 
 # ------------------------------------------------------------------------------- routes
 def prefix_routes(tokens, seed: int = 0) -> np.ndarray:
-    """int ``[n, L, k]`` routes that are a function of the token prefix (so samples that share a
-    prefix share its routes, as one rollout's would): at every position and layer, k distinct
-    experts drawn from a generator seeded by the prefix."""
-    out = np.empty((len(tokens), LAYERS, TOPK), dtype=np.int64)
-    h = seed
-    for p, tok in enumerate(tokens):
-        h = (h * 1_000_003 + int(tok) + 1) % (1 << 61)
-        rng = np.random.default_rng(h)
-        out[p] = [rng.permutation(EXPERTS)[:TOPK] for _ in range(LAYERS)]
-    return out
+    """int ``[n, L, k]`` routes of the debug model, a function of the token prefix."""
+    return shared_prefix_routes(tokens, LAYERS, TOPK, EXPERTS, seed)
 
 
 def routed_records(seed: int = 5, num_roots: int = 3):
@@ -63,46 +55,9 @@ def routed_records(seed: int = 5, num_roots: int = 3):
     return records
 
 
-@contextlib.contextmanager
 def replayed(model, batch):
-    """The HF model's routers take the batch's routes, one sample per forward, in order (the
-    reference helpers run the samples in order, one forward each): HF's own router computation
-    (softmax over all experts, the top-k's weights, renormalised with ``norm_topk_prob``) at the
-    given ids instead of its top-k; a token without a route keeps HF's own top-k."""
-    state = {"next": 0, "routes": None, "missing": None}
-
-    def pre_hook(module, args, kwargs):
-        s = state["next"]
-        state["next"] = (s + 1) % batch.num_samples
-        ids = args[0] if args else kwargs["input_ids"]
-        sl = batch.sample_slice(s)
-        assert ids.shape[-1] == sl.stop - sl.start, "the reference runs the samples in order"
-        routes = torch.from_numpy(batch.routed_experts[sl].astype(np.int64))  # [n, L, k]
-        state["routes"], state["missing"] = routes, routes[:, 0, 0] < 0
-
-    def gate_forward(gate, layer):
-        def forward(hidden_states):
-            hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
-            router_logits = F.linear(hidden_states, gate.weight)  # [n, E]
-            router_probs = torch.softmax(router_logits, dtype=torch.float, dim=-1)
-            own = torch.topk(router_probs, gate.top_k, dim=-1).indices
-            indices = torch.where(state["missing"][:, None], own, state["routes"][:, layer])  # [n, k]
-            top = router_probs.gather(1, indices)
-            if gate.norm_topk_prob:
-                top = top / top.sum(dim=-1, keepdim=True)
-            return router_logits, top.to(router_logits.dtype), indices
-        return forward
-
-    gates = [layer.mlp.gate for layer in model.model.layers]
-    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    for layer, gate in enumerate(gates):
-        gate.forward = gate_forward(gate, layer)
-    try:
-        yield
-    finally:
-        handle.remove()
-        for gate in gates:
-            del gate.forward  # back to the class's
+    """The HF model's routers take the batch's routes (a token without one keeps HF's own top-k)."""
+    return hf_replayed(model, batch, torch.from_numpy(batch.routed_experts.astype(np.int64)))
 
 
 # ------------------------------------------------------------------------------- fixtures
