@@ -117,6 +117,20 @@ def load_rank_state(
     return info, shard_state_dict(full, arch, tp, pp)[(tp_rank, pp_rank)], None
 
 
+def check_optimizer_expert_parallel(it_dir: str, info: CheckpointInfo, expert_model_parallel_size: int) -> None:
+    """Refuse (one line) loading a legacy checkpoint's optimizer state under another
+    expert-parallel size than it was saved with: its rank files hold the optimizer of that size
+    (with EP > 1 megatron chains a dense and an expert optimizer, over other parameters), and
+    the legacy format does not reshard it (torch_dist does)."""
+    saved = info.expert_model_parallel_size
+    if info.has_optimizer_state and saved != expert_model_parallel_size:
+        raise CheckpointError(it_dir, f"(legacy format) holds optimizer state saved with expert-parallel size {saved}, "
+                                      f"which cannot be loaded with --expert-model-parallel-size "
+                                      f"{expert_model_parallel_size}: pass --no-load-optim to resume with a fresh "
+                                      "optimizer from its weights, or save with --ckpt-format torch_dist (its optimizer "
+                                      "state loads under any expert-parallel size)")
+
+
 def load_stage_states(
     ckpt_dir: str, tp_rank: int, tp: int, stages: Sequence[int], pp: PipelineSplit, virtual_pipeline_size: int = 1
 ) -> Tuple[CheckpointInfo, List[Dict[str, Tensor]], Optional[Dict[str, Any]]]:

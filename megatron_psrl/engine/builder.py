@@ -163,6 +163,11 @@ def resume_point(source: ModelSource, layout: ParallelLayout, vpp: int, split, w
             "resume with a fresh optimizer, or --finetune to start a new run (a torch_dist checkpoint "
             "reshards its optimizer state)"
         )
+    elif with_optimizer:  # a legacy optimizer state holds the sub-optimizers of the EP size it was saved with
+        from megatron_psrl.checkpoint.legacy_format import check_optimizer_expert_parallel
+        from megatron_psrl.model.builder import expert_parallel_layout
+
+        check_optimizer_expert_parallel(it_dir, info, max(1, expert_parallel_layout()[1]))
     return point
 
 

@@ -185,6 +185,10 @@ class ActorConfig:
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         check_ckpt_format(self.ckpt_format)
+        if self.ckpt_format == "legacy" and self.expert_model_parallel_size > 1:
+            raise ConfigurationError(f"--ckpt-format legacy cannot hold the experts of --expert-model-parallel-size "
+                                     f"{self.expert_model_parallel_size} (it writes one data-parallel replica's "
+                                     "tensors, and each expert-parallel rank holds other experts): use torch_dist")
         self._check_moe()
 
     def _check_moe(self) -> None:

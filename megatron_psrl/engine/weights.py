@@ -12,14 +12,22 @@ buckets of about ``bucket_bytes``:
   parameters themselves (megatron's ``tensor_model_parallel`` / ``partition_dim``) and must
   agree with those rules; a replicated tensor (a norm) is TP rank 0's copy, broadcast, so that
   every rank streams the same bytes (as a merged checkpoint holds them);
+- an expert of a mixture-of-experts layer under expert parallelism (EP > 1; each EP rank
+  holds ``E / EP`` experts, renumbered from 0: :func:`~megatron_psrl.model.moe.local_experts`)
+  is named by its global index (``ep_rank * E / EP + j``) and broadcast by the EP rank that
+  holds it over the expert-model-parallel group, one tensor at a time in the bucket's order;
 - the owning pipeline stage then broadcasts it over the PP group;
 - the family adapter (:meth:`~megatron_psrl.model.adapters.base.LlamaStyleAdapter.mcore_to_hf`)
   converts it to Hugging Face names and layouts: the one converter checkpoints use too.
 
-Who receives what: every rank of a model-parallel group (its TP x PP ranks) receives every
-tensor, in the same order. Data- and context-parallel replicas hold the same weights and each
-streams from its own replica, with no traffic between replicas (a caller that needs one copy
-only, such as :meth:`~megatron_psrl.rl.actor.PolicyActor.export_hf`, streams on one replica).
+Who receives what: every rank of a model-parallel group (its TP x PP ranks, and with expert
+parallelism its EP ranks too: those hold the other experts) receives every tensor, in the same
+order. Data- and context-parallel replicas hold the same weights and each streams from its own
+replica, with no traffic between replicas (a caller that needs one copy only, such as
+:meth:`~megatron_psrl.rl.actor.PolicyActor.export_hf`, streams on the ranks of
+:func:`streams_one_copy`). With EP > 1 the ranks of an expert-parallel group are data-parallel
+ranks of the dense weights: each streams the dense tensors of its own replica (equal bit for
+bit) and the experts of all of them.
 Every rank of a model-parallel group must consume the stream to its end, at the same pace: each
 bucket is a few collectives inside the group. Tensors are snapshots, never views of the live
 parameters, equal bit for bit to what the model holds.
@@ -42,6 +50,7 @@ from megatron.core import parallel_state
 from megatron_psrl.checkpoint.sharding import LAYER_NAME, shard_kind, tp_merge
 from megatron_psrl.checkpoint.state_dict import canonical_name, canonical_state_dict
 from megatron_psrl.model.adapters import get_adapter
+from megatron_psrl.model.moe import expert_index
 from megatron_psrl.model.stages import stage_counts
 
 if TYPE_CHECKING:
@@ -65,6 +74,7 @@ class _Entry:
     dtype: torch.dtype
     split: bool  # tensor-parallel split (gathered over the TP group)
     full_shape: Tuple[int, ...]
+    ep_owner: int = -1  # an expert: the expert-parallel rank holding it (-1: every EP rank holds it)
 
     @property
     def nbytes(self) -> int:
@@ -104,11 +114,32 @@ class WeightStream:
             with layout.monitor.phase("weight stream plan over pipeline-parallel ranks"):
                 dist.all_gather_object(everyone, mine, group=parallel_state.get_pipeline_model_parallel_group())
             mine = {k: v for part in everyone for k, v in part.items()}
+        self.ep_rank, self.ep = 0, 1
+        if arch.is_moe:
+            self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+            self.ep = parallel_state.get_expert_model_parallel_world_size()
         self.entries: Dict[str, _Entry] = {}
         for name, (stage, local_name, shape, dtype, split) in mine.items():
             meta = [torch.empty(shape, dtype=dtype, device="meta")] * (self.tp if split else 1)
             full = tuple(tp_merge(local_name, meta, arch).shape)
-            self.entries[name] = _Entry(stage, local_name, shape, dtype, split, full)
+            parts = expert_index(name) if self.ep > 1 else None
+            if parts is None:
+                self.entries[name] = _Entry(stage, local_name, shape, dtype, split, full)
+                continue
+            # every EP rank holds E / EP experts of the same shapes, local j being global
+            # ep_rank * E / EP + j: the plan names all of them, each with its holder
+            if parts[1] >= arch.num_experts // self.ep:
+                raise RuntimeError(f"{name}: local expert {parts[1]} on an expert-parallel rank of {self.ep}, "
+                                   f"which holds {arch.num_experts // self.ep} of {arch.num_experts} experts")
+            for ep_rank in range(self.ep):
+                self.entries[self._global_expert(parts, ep_rank)] = _Entry(stage, local_name, shape, dtype, split,
+                                                                           full, ep_owner=ep_rank)
+            if name in self.local:
+                self.local[self._global_expert(parts, self.ep_rank)] = self.local.pop(name)
+
+    def _global_expert(self, parts: Tuple[str, int, str], ep_rank: int) -> str:
+        """The full-state-dict name of expert ``parts`` (its local index) of ``ep_rank``."""
+        return f"{parts[0]}{ep_rank * (self.arch.num_experts // self.ep) + parts[1]}{parts[2]}"
 
     def _split_of(self, local_name: str, param: Optional[torch.nn.Parameter]) -> bool:
         """Whether a tensor is split over TP, from the parameter's own attributes; a layer
@@ -171,7 +202,7 @@ class WeightStream:
         collectives of a bucket are issued together (asynchronously) and then waited for."""
         # The phase covers this bucket's collectives only, not the consumer's work between
         # buckets (a generator's open context would outlive a consumer that stops early).
-        with self.engine.layout.monitor.phase(f"weight stream over tensor- and pipeline-parallel ranks "
+        with self.engine.layout.monitor.phase(f"weight stream over tensor-, pipeline- and expert-parallel ranks "
                                               f"(bucket from {names[0]})"):
             full = self._gather(names)
         if device is not None:
@@ -181,10 +212,11 @@ class WeightStream:
     def _gather(self, names: Sequence[str]) -> Dict[str, Tensor]:
         entries = self.entries
         owned = [n for n in names if entries[n].stage % self.pp == self.pp_rank]
+        held = [n for n in owned if entries[n].ep_owner in (-1, self.ep_rank)]  # all of owned without EP
         full: Dict[str, Tensor] = {}
         gathers, copies = [], []
         tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
-        for name in owned:  # the same order on every rank of the TP group
+        for name in held:  # the same order on every rank of the TP group
             local = self.local[name]
             if entries[name].split and self.tp > 1:
                 shards = [torch.empty_like(local) for _ in range(self.tp)]
@@ -206,6 +238,19 @@ class WeightStream:
             work.wait()
             full[name] = tp_merge(entries[name].local_name, shards, self.arch)
             del shards
+        if self.ep > 1:  # the owning stage's experts, each from the EP rank that holds it
+            group = parallel_state.get_expert_model_parallel_group()
+            works = []
+            for name in owned:  # the same order on every rank of the group (they share a pipeline rank)
+                e = entries[name]
+                if e.ep_owner < 0:
+                    continue
+                if e.ep_owner != self.ep_rank:
+                    full[name] = torch.empty(e.full_shape, dtype=e.dtype, device=self.device)
+                works.append(dist.broadcast(full[name], src=dist.get_global_rank(group, e.ep_owner), group=group,
+                                            async_op=True))
+            for work in works:
+                work.wait()
         if self.pp > 1:
             group = parallel_state.get_pipeline_model_parallel_group()
             works = []
@@ -267,6 +312,19 @@ def _check_bucket(bucket_bytes: int) -> int:
     return int(bucket_bytes)
 
 
+def streams_one_copy(engine: Engine) -> bool:
+    """Whether this rank takes part when one copy of the weights is streamed (e.g.
+    :meth:`~megatron_psrl.rl.actor.PolicyActor.export_hf`, rank 0 writing it): the ranks of
+    rank 0's model-parallel group. Data- and context-parallel rank 0; with expert parallelism
+    (an MoE model, EP > 1) expert-data-parallel rank 0, i.e. rank 0's expert-parallel group (and
+    their TP / PP ranks), which is data-parallel for the dense weights: each of its ranks holds
+    experts the others stream."""
+    layout = engine.layout
+    if engine.arch.is_moe and parallel_state.get_expert_model_parallel_world_size() > 1:
+        return parallel_state.get_expert_data_parallel_rank() == 0
+    return layout.dp_rank == 0 and layout.cp_rank == 0
+
+
 def iter_hf_weights(engine: Engine, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                     device: Device = "cpu") -> Iterator[Tuple[str, Tensor]]:
     """Yield ``(Hugging Face name, tensor)`` for every weight of the model, in the family
@@ -304,8 +362,9 @@ def iter_hf_weight_buckets(engine: Engine, bucket_bytes: int = DEFAULT_BUCKET_BY
 def iter_mcore_weights(engine: Engine, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                        device: Device = "cpu") -> Iterator[Tuple[str, Tensor]]:
     """Yield ``(megatron name, full tensor)`` for every tensor of the model's state dict
-    (global layer numbers, TP shards merged, vocabulary padding dropped, the tied output copy
-    left out), as :func:`iter_hf_weights` does for Hugging Face names."""
+    (global layer numbers, TP shards merged, experts gathered over the expert-parallel group
+    under their global indices, vocabulary padding dropped, the tied output copy left out), as
+    :func:`iter_hf_weights` does for Hugging Face names."""
     bucket_bytes = _check_bucket(bucket_bytes)
     stream = WeightStream(engine)
     order = stream.hf_order()
@@ -315,4 +374,4 @@ def iter_mcore_weights(engine: Engine, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "WeightStream", "iter_hf_weight_buckets", "iter_hf_weights",
-           "iter_mcore_weights"]
+           "iter_mcore_weights", "streams_one_copy"]

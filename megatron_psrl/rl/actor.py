@@ -50,7 +50,7 @@ from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, StepResult
 from megatron_psrl.engine.memory import PeakMemory
 from megatron_psrl.engine.optimizer import StepOutcome
-from megatron_psrl.engine.weights import DEFAULT_BUCKET_BYTES, iter_hf_weights, iter_mcore_weights
+from megatron_psrl.engine.weights import DEFAULT_BUCKET_BYTES, iter_hf_weights, iter_mcore_weights, streams_one_copy
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.rl.loss import ClaimLoss, PerClaimLoss, SequenceLoss
@@ -285,7 +285,7 @@ class PolicyActor:
     def iter_hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                         device: Optional[Union[str, torch.device]] = "cpu") -> Iterator[Tuple[str, torch.Tensor]]:
         """Stream the weights as ``(Hugging Face name, tensor)`` pairs, gathered over the
-        tensor- and pipeline-parallel ranks about ``bucket_bytes`` at a time, e.g. to update an
+        tensor-, pipeline- and expert-parallel ranks about ``bucket_bytes`` at a time, e.g. to update an
         inference engine tensor by tensor without the whole model in host memory. Every rank
         of the model-parallel group receives every tensor and must consume the whole stream;
         ``device=None`` keeps the tensors on the engine's device. See
@@ -306,7 +306,7 @@ class PolicyActor:
         from megatron_psrl.checkpoint.hf_io import write_hf_checkpoint
 
         layout = self.layout
-        if layout.dp_rank == 0 and layout.cp_rank == 0:  # one replica streams: the others hold the same weights
+        if streams_one_copy(self.engine):  # one replica streams (with its EP ranks): the others hold the same weights
             if layout.rank == 0:
                 with atomic_directory(out_dir, overwrite=overwrite) as tmp:
                     write_hf_checkpoint(tmp, self.iter_hf_weights(), self.arch.hf_config, template_dir=template_dir)
@@ -349,7 +349,7 @@ class PolicyActor:
         either way (as Megatron-LM's ``--no-load-optim``: a fresh optimizer restarts the schedule)."""
         from megatron_psrl.checkpoint import dist_format
         from megatron_psrl.checkpoint.layout import checkpoint_format
-        from megatron_psrl.checkpoint.legacy_format import load_stage_states
+        from megatron_psrl.checkpoint.legacy_format import check_optimizer_expert_parallel, load_stage_states
 
         engine, layout = self.engine, self.layout
         if checkpoint_format(ckpt_dir) == "torch_dist":
@@ -365,6 +365,8 @@ class PolicyActor:
         stages, chunks = zip(*engine.stage_chunks())
         info, shards, optimizer_state = load_stage_states(ckpt_dir, layout.tp_rank, layout.tensor_parallel_size, stages,
                                                           self.pipeline_split, self.virtual_pipeline_size)
+        if optimizer_state and load_optimizer and self.optimizer is not None:
+            check_optimizer_expert_parallel(ckpt_dir, info, self.config.expert_model_parallel_size)
         for chunk, shard in zip(chunks, shards):
             load_state_into(chunk, shard)
         engine.iteration = info.iteration
