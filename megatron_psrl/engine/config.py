@@ -218,13 +218,13 @@ class ActorConfig:
         if self.expert_model_parallel_size > 1:
             unsupported = [what for what, on in (
                 ("--tensor-model-parallel-size > 1", self.tensor_model_parallel_size > 1),
-                ("--pipeline-model-parallel-size > 1", self.pipeline_model_parallel_size > 1),
                 ("--context-parallel-size > 1", self.context_parallel_size > 1),
+                ("virtual pipeline stages", self.num_layers_per_virtual_pipeline_stage is not None),
                 ("activation recomputation", self.recompute_granularity is not None),
                 ("--placement cross-rank", self.placement == "cross-rank")) if on]
             if unsupported:
                 raise ConfigurationError(f"--expert-model-parallel-size > 1 with {', '.join(unsupported)} is not "
-                                         "supported yet (expert parallelism runs with data parallelism only)")
+                                         "supported yet (expert parallelism runs with data and pipeline parallelism only)")
             if self.moe_token_dispatcher_type != "alltoall":
                 raise ConfigurationError("--expert-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall: "
                                          "the allgather dispatcher needs the same token count on every expert-parallel "

@@ -21,6 +21,10 @@ Two executors, chosen per step from the plan:
   stage handles the messages of schedule step ``k`` only at its own step ``k``, so every
   message it waits for is sent by a neighbour that needs nothing from it first: no deadlock.
   Consecutive forwards overlap across stages; a backward waits for the stages after it.
+  With expert parallelism every step runs here: each stage's MoE all-to-alls meet the same
+  passes of the stage's other pipelines, whose micro-batch counts differ, through the
+  expert lockstep (:class:`~megatron_psrl.model.moe.ExpertLockstep`; its empty passes are
+  local to a stage, and the other stages of that pipeline run the same ones: docs/moe.md).
 
 Either way, the bubble is measured: the time each stage spends waiting in p2p transfers over
 the step's time (``pipeline_bubble``). On CUDA kernels run asynchronously and megatron's p2p
@@ -207,7 +211,10 @@ class PipelineStepRunner(StepRunner):
         # directions (shapes first, variable_seq_lengths) are not matched in order over gloo.
         # Those steps run in plan order (still interleaved over the chunks, one micro-batch at a time).
         interleaved_ok = self.pp_size > 2 and num >= self.pp_size
-        if independent and num and (len(self.chunks) == 1 or interleaved_ok):
+        # Expert parallelism: a stage's MoE all-to-alls must meet the same pass on the stage's
+        # other pipelines, which may hold fewer micro-batches; megatron's schedules know nothing
+        # of that, so every step runs in plan order under the expert lockstep (StepRunner.train).
+        if independent and num and (len(self.chunks) == 1 or interleaved_ok) and self.expert_group is None:
             self.last_schedule = "1f1b" if len(self.chunks) == 1 else "interleaved-1f1b"
             return self._measure(lambda: self._train_megatron_schedule(plan, rank, loss_cfg, loss_scale))
         self.last_schedule = "plan-order"

@@ -1,13 +1,17 @@
 """The expert-parallel gradient check shared by the MoE torchrun scripts: every parameter this
 rank holds against the per-sample reference (dense ones summed over the data-parallel ranks,
-this rank's experts renumbered to their global index)."""
+this rank's experts renumbered to their global index, a pipeline stage's layers to theirs)."""
 
+import re
 from typing import Callable, Dict
 
 import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_psrl.model.adapters import get_adapter, unfuse_experts
 from megatron_psrl.model.moe import expert_index
+
+LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)(\..*)$")
 
 
 def rank_reference(actor, ref_grads: Dict[str, torch.Tensor], ep_rank: int,
@@ -16,10 +20,15 @@ def rank_reference(actor, ref_grads: Dict[str, torch.Tensor], ep_rank: int,
     fused or per-expert experts)."""
     full = dict(get_adapter(actor.arch).hf_to_mcore(lambda n: unfuse_experts(ref_grads)[n]))
     per_rank = actor.arch.num_experts // ep_size
+    # a pipeline stage numbers its layers from 0: its first layer is global layer `offset`
+    offset = min(m.layer_number for m in actor.model.modules() if isinstance(m, TransformerLayer)) - 1
 
     def reference(name):
         parts = expert_index(name)  # this rank's local expert j is global expert ep_rank * E / EP + j
-        return full[name if parts is None else f"{parts[0]}{parts[1] + ep_rank * per_rank}{parts[2]}"]
+        if parts is not None:
+            name = f"{parts[0]}{parts[1] + ep_rank * per_rank}{parts[2]}"
+        layer = LAYER.match(name)
+        return full[f"{layer.group(1)}{int(layer.group(2)) + offset}{layer.group(3)}" if layer else name]
 
     return reference
 

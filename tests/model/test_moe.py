@@ -1,6 +1,6 @@
 """Qwen3-MoE on megatron-core's MoELayer: config parsing, refusals, the HF <-> megatron
 conversion, the expert-parallel lockstep schedule, and exactness with prefix sharing against
-the per-sample Hugging Face reference (one process; EP = 2 under torchrun in the last test)."""
+the per-sample Hugging Face reference (one process; EP = 2, and EP = 2 with PP = 2, under torchrun)."""
 
 import copy
 import os
@@ -25,6 +25,7 @@ from megatron_psrl.model.tiny import tiny_config
 MICRO_BATCH = 32  # below the longest trees: cached prefixes (mechanism 2) in every step
 LOSS = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
 SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_parallel.py")
+PP_SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_pipeline.py")
 
 # Qwen3-30B-A3B's published config.json (the fields that matter here).
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
@@ -109,9 +110,14 @@ def test_moe_settings_that_cannot_run_are_refused():
         ActorConfig(device="cpu", moe_grouped_gemm=True)
     with pytest.raises(ConfigurationError, match="alltoall"):
         ActorConfig(device="cpu", expert_model_parallel_size=2)
-    with pytest.raises(ConfigurationError, match="pipeline"):
+    ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                pipeline_model_parallel_size=2)  # exact (test_expert_and_pipeline_parallel_under_torchrun)
+    with pytest.raises(ConfigurationError, match="context-parallel"):
         ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
-                    pipeline_model_parallel_size=2)
+                    pipeline_model_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ConfigurationError, match="virtual pipeline stages"):
+        ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                    pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
     with pytest.raises(ConfigurationError, match="moe_token_dispatcher_type"):
         ActorConfig(device="cpu", moe_token_dispatcher_type="flex")
 
@@ -258,6 +264,25 @@ def test_expert_parallel_under_torchrun(hf_dir):
     reports = re.findall(r"rank (\d) ep_rank \d: .*?empty passes (\d+)", out)
     assert sorted(rank for rank, _ in reports) == ["0", "1"], out[-3000:]
     assert sum(int(empty) for _, empty in reports) > 0, reports
+
+
+@pytest.mark.slow  # four processes
+def test_expert_and_pipeline_parallel_under_torchrun(hf_dir):
+    """PP = 2 x DP = 2 x EP = 2 over gloo (each stage's expert group: its two data-parallel
+    ranks), micro-batches of 16 tokens: cached prefixes on both pipelines, which get different
+    numbers of micro-batches, so each stage's lockstep runs empty passes on the pipeline with
+    fewer; every rank matches the per-sample reference (asserted inside the script)."""
+    out = run_torchrun(PP_SCRIPT, [hf_dir, "16", "3"], nproc=4, timeout=600)
+    reports = re.findall(r"rank (\d) pp_rank (\d) dp_rank (\d) ep_rank \d: .*?schedule (\S+), own micro-batches "
+                         r"(\d+), cached prefixes (\d+), .*?empty passes (\d+)", out)
+    assert sorted(r[0] for r in reports) == ["0", "1", "2", "3"], out[-3000:]
+    own = {(pp, dp): int(n) for _, pp, dp, _, n, _, _ in reports}
+    assert own[("0", "0")] == own[("1", "0")] and own[("0", "1")] == own[("1", "1")]  # a pipeline's stages
+    assert own[("0", "0")] != own[("0", "1")], own  # the two pipelines: uneven
+    assert all(schedule == "plan-order" for _, _, _, schedule, _, _, _ in reports)
+    assert all(int(cached) > 0 for *_, cached, _ in reports)  # mechanism 2 on both pipelines
+    fewer = min(("0", "1"), key=lambda dp: own[("0", dp)])
+    assert all(int(empty) > 0 for _, _, dp, *_, empty in reports if dp == fewer), reports
 
 
 def test_checkpoint_and_hf_export_round_trip(hf_dir, records, tmp_path):
