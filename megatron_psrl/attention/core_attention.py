@@ -133,6 +133,9 @@ class PrefixSharingAttention(MegatronModule):
                 # every row's keys, by their query-subset plan. [t, np, hn] -> [n, np, hn]
                 q = q.index_select(0, meta.query_rows)
             out = self._run(meta.backend or backend_default, q, k, v, meta.plan, external)
+            after = getattr(meta.kv_hook, "after_attention", None)
+            if after is not None:  # an overlapped exchange: rows no attention waited for
+                after(self.layer_number)
             return out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hn] ([n, 1, np*hn] with query_rows)
 
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":

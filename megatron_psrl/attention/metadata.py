@@ -42,6 +42,28 @@ class CachedPrefixKV(Protocol):
 
 
 @runtime_checkable
+class ArrivingPrefixKV(Protocol):
+    """One external source's K/V still in flight from another rank (the overlapped cross-rank
+    exchange, :class:`megatron_psrl.distributed.kv_exchange.ReceivedKV`).
+
+    Its rows are ``buffer[offset:offset + length]`` (``[n, 2, ng, hn]``, K then V), valid once
+    ``transfer.wait()`` returned. The ``torch`` backend attends to every other source first,
+    then waits, then attends to these rows and merges by log-sum-exp; in its backward it
+    computes their gradients first and hands the whole buffer's gradient (padding and unread
+    rows zero) to ``transfer.return_grad``, which starts sending them back while the rest of
+    the backward runs. Other backends call :meth:`materialize` (wait, then copies)."""
+
+    buffer: torch.Tensor
+    offset: int
+    length: int
+    transfer: object
+    """``wait()`` (block until the rows are here), ``return_grad(grad_buffer)``."""
+
+    def materialize(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` after waiting, tensors whose autograd gradients reach ``buffer``."""
+
+
+@runtime_checkable
 class PrefixKVHook(Protocol):
     """How mechanism 2 plugs into attention: cached prefix K/V in, this pack's K/V out.
 
@@ -49,14 +71,20 @@ class PrefixKVHook(Protocol):
     ``[tokens, ng, hn]`` for this tensor-parallel rank's groups.
     """
 
-    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[torch.Tensor, torch.Tensor], CachedPrefixKV]]:
+    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[torch.Tensor, torch.Tensor], CachedPrefixKV,
+                                                                ArrivingPrefixKV]]:
         """K/V of every external source of the plan, in ``plan.external_lengths`` order: a
-        ``(k, v)`` pair, or a :class:`CachedPrefixKV` the attention reads itself."""
+        ``(k, v)`` pair, a :class:`CachedPrefixKV` the attention reads itself, or an
+        :class:`ArrivingPrefixKV` still in flight."""
 
     def on_kv(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """Called with this pack's K/V, e.g. to store a prefix for later micro-batches. May
         return the K/V the attention must use instead (the same values, through an autograd
-        function that exchanges prefix K/V with other ranks), or None."""
+        function that exchanges prefix K/V with other ranks), or None.
+
+        A hook may also define ``after_attention(layer_number)``, called once the layer's
+        attention ran: an overlapped exchange then waits for rows no attention waited for
+        (replicas only, or peers no query of a query-subset plan reads)."""
 
 
 @dataclass

@@ -26,11 +26,25 @@ carries one padding row instead (sender and receiver agree: one's send count is 
 receive count), and no split and no tensor of the collective is ever empty. A step where no
 rank of the group sends anything issues no collective at all (the plan's
 ``forward_collective`` / ``backward_collective``, the same on every rank).
+
+Overlapped exchange (:func:`exchange_kv_start`, the default; ``--no-overlap-kv-exchange``
+keeps the synchronous :func:`exchange_kv`): the forward all-to-all is started with
+``async_op=True`` and :class:`ExchangeKVAsync` returns its receive buffer before it is filled;
+the attention computes its queries over the keys it already has (its own fragment, cached
+prefixes), then waits (:meth:`KVTransfer.wait`), then attends to the received rows and merges
+both by log-sum-exp (the ``torch`` backend; the others wait before their kernel). In the
+backward the attention computes the received rows' gradients first and starts sending them
+back (:meth:`KVTransfer.return_grad`, again ``async_op=True``) before the rest of its backward;
+:class:`ExchangeKVAsync`'s backward waits for them. The same rules hold: the receive buffer
+keeps the padding rows (every split is ``max(count, 1)`` rows, which is what the synchronous
+path sends too), and every rank issues one collective per layer and direction, in layer
+order, whether its attention started it or the exchange's backward did.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import time
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,3 +127,201 @@ def return_replica_grads(send: Tensor, send_counts: List[int], recv_counts: List
     rank receives (``[n_recv, layers, 2, ng, hn]``) as owner."""
     with torch.no_grad():
         return _all_to_all(send, send_counts, recv_counts, group)
+
+
+# ---------------------------------------------------------------------- overlapped exchange
+def padded_counts(counts: Sequence[int]) -> List[int]:
+    """Rows every split occupies in a collective: an empty split travels as one padding row.
+
+    The same splits as :func:`_all_to_all` (which pads only when some split is empty: without
+    an empty split ``max(count, 1) == count``)."""
+    return [max(int(c), 1) for c in counts]
+
+
+def split_offsets(counts: Sequence[int]) -> List[int]:
+    """First row of every source's split in a padded buffer (:func:`padded_counts`)."""
+    offsets, at = [], 0
+    for c in padded_counts(counts):
+        offsets.append(at)
+        at += c
+    return offsets
+
+
+def _pad_rows(rows: Tensor, counts: Sequence[int]) -> Tensor:
+    """``rows`` (splits back to back, ``counts`` rows each) with one zero row per empty split."""
+    counts = list(map(int, counts))
+    if all(counts):
+        return rows.contiguous()
+    pad = rows.new_zeros((1,) + tuple(rows.shape[1:]))
+    pieces, offset = [], 0
+    for c in counts:
+        pieces.append(rows[offset:offset + c] if c else pad)
+        offset += c
+    return torch.cat(pieces)
+
+
+def _unpad_rows(padded: Tensor, counts: Sequence[int]) -> Tensor:
+    """Drop the padding rows of a padded buffer (the inverse of :func:`_pad_rows`)."""
+    counts = list(map(int, counts))
+    if all(counts):
+        return padded
+    kept = [padded[o:o + c] for o, c in zip(split_offsets(counts), counts) if c]
+    return torch.cat(kept) if kept else padded[:0]
+
+
+class KVTransfer:
+    """One layer's prefix K/V all-to-all in flight (forward), and the return of the received
+    rows' gradients (backward).
+
+    ``buffer`` is the padded receive buffer (``[sum(max(recv, 1)), 2, ng, hn]``, detached: the
+    autograd output of :class:`ExchangeKVAsync` shares its storage); its rows are valid after
+    :meth:`wait`, None after :meth:`release`. It holds no tensor of the graph (the autograd
+    function's context holds it)."""
+
+    def __init__(self, send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group):
+        self.send_counts, self.recv_counts = list(map(int, send_counts)), list(map(int, recv_counts))
+        self.group = group
+        self.offsets = split_offsets(self.recv_counts)
+        """First row of every source's split in ``buffer``."""
+        row_shape = tuple(send.shape[1:])
+        self._send = _pad_rows(send, self.send_counts)  # kept alive until the transfer is done
+        self.buffer = send.new_empty((sum(padded_counts(self.recv_counts)),) + row_shape)
+        self.buffer_like = (tuple(self.buffer.shape), self.buffer.dtype, self.buffer.device)
+        self._work = dist.all_to_all_single(self.buffer, self._send, padded_counts(self.recv_counts),
+                                            padded_counts(self.send_counts), group=group, async_op=True)
+        self._on_arrival: List[Callable[[Tensor], None]] = []
+        self._grad_work = None
+        self._grad_out: Optional[Tensor] = None
+        self._grad_send: Optional[Tensor] = None
+        self.wait_seconds = 0.0
+        """Time :meth:`wait` blocked (what the overlap left exposed), for benchmarks."""
+
+    @property
+    def arrived(self) -> bool:
+        return self._work is None
+
+    def on_arrival(self, fn: Callable[[Tensor], None]) -> None:
+        """Call ``fn(buffer)`` once the rows are here (at once if they are)."""
+        if self._work is None:
+            fn(self.buffer)
+        else:
+            self._on_arrival.append(fn)
+
+    def wait(self) -> Tensor:
+        """Block until the rows are here (once; later calls return at once); the buffer."""
+        if self._work is not None:
+            t0 = time.perf_counter()
+            self._work.wait()
+            self.wait_seconds += time.perf_counter() - t0
+            self._work, self._send = None, None
+            callbacks, self._on_arrival = self._on_arrival, []
+            for fn in callbacks:
+                fn(self.buffer)
+        return self.buffer
+
+    def release(self) -> None:
+        """Drop this side's reference to the received rows once every reader took its copy (the
+        attention ran): a graph kept until the backward then holds no received rows."""
+        self.wait()
+        self.buffer = None
+
+    # ------------------------------------------------------------------ backward
+    @property
+    def returning_grad(self) -> bool:
+        """:meth:`return_grad` started the gradients' way back."""
+        return self._grad_work is not None or self._grad_out is not None
+
+    def return_grad(self, grad_buffer: Tensor) -> None:
+        """Start sending the gradients of the received rows back to their owners (the padded
+        layout of ``buffer``; padding rows carry zeros): the reverse all-to-all, asynchronous.
+        :meth:`returned_grad` waits for it."""
+        if self.returning_grad:
+            raise RuntimeError("the gradients of this exchange were returned already")
+        grad_buffer = grad_buffer.contiguous()
+        if tuple(grad_buffer.shape) != self.buffer_like[0]:
+            raise ValueError(f"gradient of shape {tuple(grad_buffer.shape)} for a receive buffer of shape "
+                             f"{self.buffer_like[0]}")
+        self._grad_send = grad_buffer
+        self._grad_out = grad_buffer.new_empty((sum(padded_counts(self.send_counts)),) + tuple(grad_buffer.shape[1:]))
+        self._grad_work = dist.all_to_all_single(self._grad_out, grad_buffer, padded_counts(self.send_counts),
+                                                 padded_counts(self.recv_counts), group=self.group, async_op=True)
+
+    def returned_grad(self) -> Tensor:
+        """``[n_send, 2, ng, hn]``: the gradients of the rows this rank sent (waits for them)."""
+        if self._grad_work is not None:
+            t0 = time.perf_counter()
+            self._grad_work.wait()
+            self.wait_seconds += time.perf_counter() - t0
+            self._grad_work, self._grad_send = None, None
+        out = _unpad_rows(self._grad_out, self.send_counts)
+        self._grad_out = None
+        return out
+
+
+class ExchangeKVAsync(torch.autograd.Function):
+    """:class:`ExchangeKV` with the transfer in flight when it returns: ``(k, v) -> (k, v,
+    buffer)``, ``buffer`` the padded receive buffer (:class:`KVTransfer`; valid after
+    ``transfer.wait()``; source ``src``'s rows start at ``transfer.offsets[src]``). Its backward
+    sends the received rows' gradients back, unless the attention started that already
+    (:meth:`KVTransfer.return_grad`), and adds the returned ones to the rows this rank sent."""
+
+    @staticmethod
+    def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,
+                box: list):
+        kv = torch.stack([k.index_select(0, send_rows), v.index_select(0, send_rows)], dim=1)  # [n_send, 2, ng, hn]
+        transfer = KVTransfer(kv, send_counts, recv_counts, group)
+        box.append(transfer)
+        ctx.save_for_backward(send_rows)
+        ctx.transfer = transfer
+        ctx.shape = k.shape
+        return k.view_as(k), v.view_as(v), transfer.buffer.view_as(transfer.buffer)
+
+    @staticmethod
+    def backward(ctx, grad_k: Optional[Tensor], grad_v: Optional[Tensor], grad_buffer: Optional[Tensor]):
+        (send_rows,) = ctx.saved_tensors
+        transfer: KVTransfer = ctx.transfer
+        if not transfer.returning_grad:  # the attention did not start it (e.g. no peer read here)
+            if grad_buffer is None:
+                shape, dtype, device = transfer.buffer_like
+                grad_buffer = torch.zeros(shape, dtype=dtype, device=device)
+            transfer.return_grad(grad_buffer)
+        back = transfer.returned_grad()  # [n_send, 2, ng, hn]
+        ctx.transfer = None
+        gk = grad_k.clone() if grad_k is not None else back.new_zeros(ctx.shape)
+        gv = grad_v.clone() if grad_v is not None else back.new_zeros(ctx.shape)
+        gk.index_add_(0, send_rows, back[:, 0].to(gk.dtype))
+        gv.index_add_(0, send_rows, back[:, 1].to(gv.dtype))
+        return gk, gv, None, None, None, None, None
+
+
+def exchange_kv_start(k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int],
+                      group, differentiable: bool):
+    """Start the exchange: ``(k, v, buffer, transfer)``; ``buffer`` (the autograd tensor with
+    :class:`ExchangeKVAsync` differentiable, else ``transfer.buffer``) is filled after
+    ``transfer.wait()``."""
+    box: list = []
+    if differentiable and torch.is_grad_enabled():
+        k, v, buffer = ExchangeKVAsync.apply(k, v, send_rows, send_counts, recv_counts, group, box)
+        return k, v, buffer, box[0]
+    with torch.no_grad():
+        kv = torch.stack([k.index_select(0, send_rows), v.index_select(0, send_rows)], dim=1)
+        transfer = KVTransfer(kv, send_counts, recv_counts, group)
+        return k, v, transfer.buffer, transfer
+
+
+class ReceivedKV:
+    """One received chain the attention reads (the attention's ``ArrivingPrefixKV``): rows
+    ``offset:offset + length`` of ``buffer`` (``[n, 2, ng, hn]``, K then V), valid after
+    ``transfer.wait()``."""
+
+    __slots__ = ("transfer", "buffer", "offset", "length")
+
+    def __init__(self, transfer: KVTransfer, buffer: Tensor, offset: int, length: int):
+        self.transfer, self.buffer, self.offset, self.length = transfer, buffer, int(offset), int(length)
+
+    def materialize(self):
+        """``(k, v)`` copies after waiting (autograd reaches ``buffer``), for kernels that take
+        tensors: no overlap beyond what ran before this call."""
+        self.transfer.wait()
+        chunk = self.buffer[self.offset:self.offset + self.length]
+        return chunk[:, 0].clone(), chunk[:, 1].clone()

@@ -248,10 +248,11 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
         return placement, flop_model, None
     with layout.monitor.phase("cost calibration"):
         m = calibrate_for_planning(model, arch, geometry, layout.device, config.micro_batch_tokens, group,
-                                   profile=config.cost_profile)
+                                   profile=config.cost_profile, overlap_kv_exchange=config.overlap_kv_exchange)
     log(f"cost calibration: {m.seconds_per_token * 1e6:.1f} us/token, {m.seconds_per_key * 1e9:.2f} "
         f"ns/key pair, {m.seconds_per_micro_batch * 1e3:.2f} ms/micro-batch, exchange "
-        f"{m.seconds_per_exchange * 1e3:.2f} ms + {1 / max(m.seconds_per_byte, 1e-15) / 1e9:.2f} GB/s")
+        f"{m.seconds_per_exchange * 1e3:.2f} ms + {1 / max(m.seconds_per_byte, 1e-15) / 1e9:.2f} GB/s, "
+        f"{m.exchange_exposed_fraction:.0%} of it exposed when overlapped")
     return placement, flop_model, m
 
 
@@ -271,6 +272,7 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
     runner = make_runner(model, arch.vocab_size, device, backend, kv_cache, exchange_group=group,
                          loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute)
     runner.last_layer_row_skip = config.last_layer_row_skip
+    runner.overlap_kv_exchange = config.overlap_kv_exchange
     if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0):
         from megatron_psrl.model.moe_losses import RouterLosses
 

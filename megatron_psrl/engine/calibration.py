@@ -7,7 +7,12 @@ run that may place tree fragments across ranks measures, on its own model:
 - seconds per token (the transformer layers), per (query, key) pair (attention) and per logit
   row (the output layer and the log-softmax), and a fixed cost per micro-batch: forward +
   backward of a few synthetic packs, fitted by least squares;
-- seconds per byte and per exchange of the prefix K/V all-to-all over the exchange group.
+- seconds per byte and per exchange of the prefix K/V all-to-all over the exchange group;
+- the share of that exchange the overlap leaves exposed (``exchange_exposed_fraction``): one
+  layer's all-to-all started asynchronously while one layer's attention over a micro-batch's
+  keys runs, as the overlapped exchange does (:func:`measure_exchange_overlap`). With the
+  overlap on (``--no-overlap-kv-exchange`` turns it off) the planner charges only that share
+  of the exchange (:func:`megatron_psrl.tree.cost.exposed_exchange_cost`).
 
 The measurements are averaged over all ranks, so every rank plans with the same numbers (the
 plans, and so the collectives, must be identical everywhere). The measuring passes leave no
@@ -21,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import List, Optional
 
 import numpy as np
@@ -29,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.attention import TreeAttentionMetadata, causal_plan
+from megatron_psrl.attention.partial import partial_attention_forward
 from megatron_psrl.checkpoint.atomic import atomic_write_text
-from megatron_psrl.distributed.kv_exchange import return_replica_grads
+from megatron_psrl.distributed.kv_exchange import KVTransfer, return_replica_grads
 from megatron_psrl.errors import CheckpointError
 from megatron_psrl.model.logits import vocab_parallel_logprobs
-from megatron_psrl.tree.cost import CostModel
+from megatron_psrl.tree.cost import CostModel, exposed_exchange_fraction
 
 
 @dataclass
@@ -58,19 +64,34 @@ class MeasuredCosts:
     seconds_per_exchange: float = 0.0
     """Prefix K/V exchange, fixed cost (latency) of one per-layer all-to-all."""
 
+    exchange_exposed_fraction: float = 1.0
+    """Share of a per-layer exchange left exposed when it overlaps with the attention over the
+    rank's own keys: ``max(0, exchange - hidden) / exchange`` measured at a micro-batch's size
+    (:func:`measure_exchange_overlap`; 1: nothing hidden, or not measured)."""
+
     key: str = ""
     """What the measurement is valid for (model, dtype, device, layout)."""
+
+    overlap_kv_exchange: bool = True
+    """The run overlaps the exchange (``ActorConfig.overlap_kv_exchange``): the planner charges
+    the exposed share only. A setting of the run, not a measurement (a stored profile's value
+    is replaced by the run's)."""
 
     def cost_model(self) -> CostModel:
         return CostModel(self.seconds_per_token, self.seconds_per_key, self.seconds_per_row, name="measured")
 
-    def planner_settings(self, num_layers: int, kv_bytes_per_token: float) -> dict:
+    def planner_settings(self, num_layers: int, kv_bytes_per_token: float, overlap: Optional[bool] = None) -> dict:
         """``PlannerConfig`` fields in seconds: a cross-rank step pays one all-to-all per layer
         forward and one backward, and moves ``kv_bytes_per_token`` (K and V of all layers) per
-        exchanged token."""
+        exchanged token. With the exchange overlapped (``overlap``, default the run's
+        ``overlap_kv_exchange``) both are charged only for their exposed share
+        (``exchange_exposed_fraction``: ``max(0, exchange - overlappable)`` per layer, as a
+        share measured at a micro-batch's size)."""
+        overlap = self.overlap_kv_exchange if overlap is None else overlap
+        exposed = min(1.0, max(0.0, self.exchange_exposed_fraction)) if overlap else 1.0
         return dict(cost_model=self.cost_model(), kv_bytes_per_token=kv_bytes_per_token,
-                    cost_per_exchanged_byte=self.seconds_per_byte,
-                    cost_per_exchange=2 * num_layers * self.seconds_per_exchange,
+                    cost_per_exchanged_byte=self.seconds_per_byte * exposed,
+                    cost_per_exchange=2 * num_layers * self.seconds_per_exchange * exposed,
                     cost_per_micro_batch=self.seconds_per_micro_batch)
 
     def predict(self, tokens: float, keys: float, rows: float, micro_batches: int = 1) -> float:
@@ -163,21 +184,60 @@ def measure_exchange(group, bytes_per_row: int, device, repeats: int = 3) -> np.
     return np.array([per_byte, max(times[0], 0.0)])
 
 
+def measure_exchange_overlap(group, num_heads: int, num_groups: int, head_dim: int, dtype, device, tokens: int,
+                             rows: int, repeats: int = 3) -> float:
+    """The exposed share of one layer's prefix K/V all-to-all (``rows`` rows of K and V to every
+    rank of ``group``) overlapped with one layer's attention over ``tokens`` causal keys (the
+    forward of a micro-batch's own attention, what the overlapped exchange hides it behind):
+    hidden = t(exchange) + t(attention) - t(both), exposed share =
+    ``max(0, t(exchange) - hidden) / t(exchange)`` (:func:`exposed_exchange_fraction`)."""
+    g = dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(tokens + rows)
+    send = torch.randn((rows * g, 2, num_groups, head_dim), generator=gen).to(device=device, dtype=dtype)
+    counts = [rows] * g
+    q = torch.randn((tokens, num_heads, head_dim), generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn((tokens, num_groups, head_dim), generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn((tokens, num_groups, head_dim), generator=gen).to(device=device, dtype=dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+
+    def exchange():
+        KVTransfer(send, counts, counts, group).wait()
+        sync()
+
+    def attention():
+        partial_attention_forward(q, k, v, True, head_dim ** -0.5)
+        sync()
+
+    def both():
+        transfer = KVTransfer(send, counts, counts, group)
+        partial_attention_forward(q, k, v, True, head_dim ** -0.5)
+        transfer.wait()
+        sync()
+
+    t_exchange, t_attention, t_both = (median_seconds(fn, repeats) for fn in (exchange, attention, both))
+    return exposed_exchange_fraction(t_exchange, t_exchange + t_attention - t_both)
+
+
 def calibrate_for_planning(model, arch, geometry, device, max_tokens: int, exchange_group,
-                           profile: Optional[str] = None) -> MeasuredCosts:
+                           profile: Optional[str] = None, overlap_kv_exchange: bool = True) -> MeasuredCosts:
     """:func:`calibrate` for a run that places trees over an exchange group (training and the
     log-prob tool alike): the key names the model, dtype, device and layout."""
     g = dist.get_world_size(exchange_group) if exchange_group is not None else 1
     key = (f"{arch.model_type}-h{arch.hidden_size}-L{arch.num_layers}-{geometry.dtype}-{device.type}"
            f"-kv{geometry.num_groups}x{geometry.head_dim}-group{g}")
-    return calibrate(model, arch.vocab_size, device, max_tokens, exchange_group,
-                     2 * geometry.bytes_per_token // geometry.num_layers, profile=profile, key=key)
+    heads = geometry.num_groups * (arch.num_attention_heads // arch.num_kv_heads)  # this TP rank's query heads
+    measured = calibrate(model, arch.vocab_size, device, max_tokens, exchange_group,
+                         2 * geometry.bytes_per_token // geometry.num_layers, profile=profile, key=key,
+                         attention_shape=(heads, geometry.num_groups, geometry.head_dim, geometry.dtype))
+    return replace(measured, overlap_kv_exchange=overlap_kv_exchange)
 
 
 def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=None, layer_row_bytes: int = 0,
-              profile: Optional[str] = None, key: str = "") -> MeasuredCosts:
+              profile: Optional[str] = None, key: str = "", attention_shape: Optional[tuple] = None) -> MeasuredCosts:
     """Measure (or read from ``profile``) this run's costs, the same on every rank: rank 0
-    reads the profile and tells the others, so all measure or none does."""
+    reads the profile and tells the others, so all measure or none does. ``attention_shape``
+    ``(query heads, K/V groups, head dim, dtype)`` of a layer's attention on this rank: measure
+    how much of the exchange the overlap hides (:func:`measure_exchange_overlap`)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     stored = None
     if profile and (not distributed or dist.get_rank() == 0) and os.path.exists(profile):
@@ -195,15 +255,21 @@ def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=No
     if stored is not None:
         return stored
     compute = measure_compute(model, vocab_size, device, max_tokens)
-    link = np.zeros(2)
+    link = np.array([0.0, 0.0, 1.0])
     if exchange_group is not None and dist.get_world_size(exchange_group) > 1 and layer_row_bytes:
-        link = measure_exchange(exchange_group, layer_row_bytes, device)
+        link[:2] = measure_exchange(exchange_group, layer_row_bytes, device)
+        if attention_shape is not None:
+            # one layer of a micro-batch: its own keys (at most 1024, as measure_compute), a
+            # quarter of them sent to every other rank
+            tokens = int(max(64, min(max_tokens, 1024)))
+            link[2] = measure_exchange_overlap(exchange_group, *attention_shape, device, tokens, tokens // 4)
     values = torch.tensor(np.concatenate([compute, link]), dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(values)
         values /= dist.get_world_size()
     v = values.tolist()
-    measured = MeasuredCosts(*v[:4], seconds_per_byte=v[4], seconds_per_exchange=v[5], key=key)
+    measured = MeasuredCosts(*v[:4], seconds_per_byte=v[4], seconds_per_exchange=v[5],
+                             exchange_exposed_fraction=v[6], key=key)
     if profile and (not dist.is_initialized() or dist.get_rank() == 0):
         atomic_write_text(profile, json.dumps(asdict(measured), indent=2) + "\n")
     return measured

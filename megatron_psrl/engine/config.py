@@ -69,6 +69,14 @@ class ActorConfig:
     every other row's output is read by nothing (its K/V, still computed, are). Exact; off by
     itself where the layout cannot use it (docs/architecture.md)."""
 
+    overlap_kv_exchange: bool = True
+    """Cross-rank placement: every layer's prefix K/V all-to-all runs asynchronously while the
+    attention computes over the keys the rank has (its fragment, cached prefixes); the received
+    rows' attention is merged in by log-sum-exp, and in the backward their gradients travel back
+    while the rest of the attention's backward runs (``--no-overlap-kv-exchange``: the
+    synchronous exchange). Exact either way; the overlap needs the ``torch`` attention backend
+    (the others wait for the rows before their kernel)."""
+
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per virtual pipeline stage (megatron's interleaved schedule): each rank holds
     ``layers / (PP x this)`` chunks, the pipeline bubble shrinks by that factor."""

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
-from megatron_psrl.distributed.kv_exchange import exchange_kv, return_replica_grads
+from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start, return_replica_grads
 from megatron_psrl.engine.transfer import DeviceSums, host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
@@ -70,7 +70,7 @@ class _PrefixKV:
 
     def __init__(self, cache: BlockKVCache, rank_plan: RankPlan, i: int, pack: PackedMicroBatch,
                  store: bool, capture: bool, track_grads: bool, group=None, group_size: int = 1,
-                 inject: bool = False, gather_in_backward: bool = False):
+                 inject: bool = False, gather_in_backward: bool = False, overlap: bool = True):
         mb = rank_plan.micro_batches[i]
         self.cache = cache
         self.inject = inject
@@ -96,17 +96,24 @@ class _PrefixKV:
         self.stored = [s for s in own if "k" in rank_plan.sources[s].kinds]
         self.captured: List[Tuple[int, int, Tensor, Tensor]] = []
         self.exchange = None
+        self.overlap = overlap
+        """Overlap the exchange with the attention over local keys (``--no-overlap-kv-exchange``
+        turns it off): the peers are handed over in flight (:class:`ReceivedKV`)."""
         self.num_peers = len(mb.peer_reads)
-        self.peers: Dict[int, List[Tuple[Tensor, Tensor]]] = {}
+        self.peers: Dict[int, List[Union[Tuple[Tensor, Tensor], ReceivedKV]]] = {}
+        self.transfers: Dict[int, object] = {}
+        """Overlapped exchange: the layer's transfer until its attention ran (:meth:`after_attention`)."""
         ex = mb.exchange
         if ex is not None and ex.forward_collective:
             send = [c for dst in range(group_size) for c in ex.send.get(dst, [])]
             send_rows = pack_rows(np.concatenate(send)) if send else torch.zeros(0, dtype=torch.int64, device=device)
             layout, offset = [], 0
             for src in range(group_size):
+                within = 0
                 for use in ex.recv.get(src, []):
-                    layout.append((offset, use.length, use.peer, use.replica))
+                    layout.append((offset, src, within, use.length, use.peer, use.replica))
                     offset += use.length
+                    within += use.length
             self.exchange = (send_rows, ex.send_counts(group_size), ex.recv_counts(group_size), layout, group)
 
     @property
@@ -132,10 +139,12 @@ class _PrefixKV:
         if self.exchange is None:
             return None
         send_rows, send_counts, recv_counts, layout, group = self.exchange
+        if self.overlap:
+            return self._start_exchange(layer_number, key, value)
         key, value, received = exchange_kv(key, value, send_rows, send_counts, recv_counts, group,
                                            differentiable=self.track_grads)
         peers = [None] * self.num_peers
-        for offset, length, peer, replica in layout:
+        for offset, _, _, length, peer, replica in layout:
             chunk = received[offset:offset + length]  # [n, 2, ng, hn]
             if replica is not None and self.store:
                 self.cache.write(replica, layer_number, chunk[:, 0], chunk[:, 1])
@@ -147,8 +156,35 @@ class _PrefixKV:
         # The attention reads these (the exchange's outputs), so its backward runs on every rank.
         return key, value
 
-    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "_CachedRead"]]:
-        out: List[Union[Tuple[Tensor, Tensor], _CachedRead]] = []
+    def _start_exchange(self, layer_number: int, key: Tensor, value: Tensor):
+        """The overlapped exchange: start the all-to-all, hand the peers to the attention in
+        flight (it attends to its other keys first), write the replicas once the rows are here."""
+        send_rows, send_counts, recv_counts, layout, group = self.exchange
+        key, value, buffer, transfer = exchange_kv_start(key, value, send_rows, send_counts, recv_counts, group,
+                                                         differentiable=self.track_grads)
+        peers = [None] * self.num_peers
+        for _, src, within, length, peer, replica in layout:
+            offset = transfer.offsets[src] + within  # the buffer keeps the padding rows
+            if replica is not None and self.store:
+                # (the cache, not the hook: the transfer lives in the graph, see _CachedRead)
+                transfer.on_arrival(lambda buf, cache=self.cache, s=replica, o=offset, n=length, layer=layer_number:
+                                    cache.write(s, layer, buf[o:o + n, 0], buf[o:o + n, 1]))
+            if peer is not None:
+                peers[peer] = ReceivedKV(transfer, buffer, offset, length)
+        self.peers[layer_number] = peers
+        self.transfers[layer_number] = transfer
+        return key, value
+
+    def after_attention(self, layer_number: int) -> None:
+        """The layer's attention ran: its transfer is complete (waits only where no attention
+        read a received row: replicas only), and the received rows are let go (the attention
+        and the cache keep copies), so a kept graph holds none of them."""
+        transfer = self.transfers.pop(layer_number, None)
+        if transfer is not None:
+            transfer.release()
+
+    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "_CachedRead", ReceivedKV]]:
+        out: List[Union[Tuple[Tensor, Tensor], _CachedRead, ReceivedKV]] = []
         count = layer_number not in self._counted  # a recomputation reads again: count once
         self._counted.add(layer_number)
         for s in self.reads:
@@ -279,6 +315,9 @@ class StepRunner:
         self.last_layer_row_skip = True
         """The model's last layer computes only the rows the loss head reads, past its K/V
         projection (``ActorConfig.last_layer_row_skip``; ``TreeAttentionMetadata.output_rows``)."""
+        self.overlap_kv_exchange = True
+        """Cross-rank: overlap every layer's prefix K/V exchange with the attention over the keys
+        this rank has (``ActorConfig.overlap_kv_exchange``; exact either way)."""
         self.inject_kv_grads = inject_kv_grads
         """Activation recomputation is on: cached-prefix gradients are injected inside the graph."""
         self.loss_head_chunk_bytes = loss_head_chunk_bytes
@@ -331,7 +370,7 @@ class StepRunner:
             group_size = dist.get_world_size(self.exchange_group) if exchanging else 1
             hook = _PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad,
                              group=self.exchange_group, group_size=group_size, inject=self.inject_kv_grads,
-                             gather_in_backward=self._gather_in_backward)
+                             gather_in_backward=self._gather_in_backward, overlap=self.overlap_kv_exchange)
         out_rows = self._output_rows(pack, rows)
         meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook,
                                      output_rows=out_rows)

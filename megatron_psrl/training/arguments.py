@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-last-layer-row-skip", dest="last_layer_row_skip", action="store_false",
                    help="run the last layer in full for every row (by default it computes queries, attention "
                         "output and MLP only for the rows whose log-prob is trained or asked for; exact either way)")
+    g.add_argument("--no-overlap-kv-exchange", dest="overlap_kv_exchange", action="store_false",
+                   help="cross-rank placement: run every layer's prefix K/V exchange synchronously (by default it "
+                        "overlaps with the attention over the keys the rank has; exact either way)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved pipeline: each rank holds layers / (PP x this) model chunks (megatron's "
                         "interleaved 1F1B schedule), a smaller bubble")
@@ -99,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch, a shared token counted once per sample; without router replay a forward-only "
                         "pre-pass counts the routes; docs/moe.md)")
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0,
-                   help="mixture-of-experts models: router z-loss coefficient (only 0 yet: with prefix sharing a "
-                        "shared token is routed once)")
+                   help="mixture-of-experts models: router z-loss coefficient (over the whole global batch, a shared "
+                        "token counted once per sample)")
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
                    help=f"mixture-of-experts models: megatron's load-balancing type, one of {MOE_LOAD_BALANCING_TYPES} "
                         "(aux_loss takes effect with --moe-aux-loss-coeff > 0; seq_aux_loss / global_aux_loss with it "

@@ -321,6 +321,7 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         loss_head_chunk_mb=args.loss_head_chunk_mb, last_layer_row_skip=args.last_layer_row_skip,
+        overlap_kv_exchange=args.overlap_kv_exchange,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         context_parallel_size=args.context_parallel_size, expert_model_parallel_size=args.expert_model_parallel_size,

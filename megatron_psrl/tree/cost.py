@@ -9,6 +9,15 @@ tree every tree token is computed once and sees ``position + 1`` keys (its ances
 the earlier tokens of its node). The ratio of the two costs is the ideal speedup
 (docs/prefix-tree.md); the per-node and per-subtree costs are what the planner balances.
 
+Cross-rank steps also pay the prefix K/V exchange (one all-to-all per layer, forward and
+backward; the planner charges it per step from ``PlannerConfig.cost_per_exchanged_byte`` and
+``cost_per_exchange``). With the overlapped exchange (the default, ``--no-overlap-kv-exchange``
+turns it off) only its exposed part costs time: per layer, the transfer runs while the
+attention computes over the keys the rank has, so the step waits for
+:func:`exposed_exchange_cost` ``= max(0, exchange - overlappable)``. The calibration measures
+the hidden share once (``MeasuredCosts.exchange_exposed_fraction``) and scales the exchange's
+cost by it (kept simple: one fraction for every step, measured at a micro-batch's size).
+
 Both coefficients count forward + backward (backward = 2x forward, so 3x forward FLOPs) and a
 multiply-add as 2 FLOPs. Norms, activations, softmax, RoPE and biases are left out: they are
 linear in tokens and well under 1% of the GEMMs for the named models.
@@ -114,6 +123,25 @@ def claimed_tokens_per_node(tree: PrefixTree) -> np.ndarray:
     if tree.num_nodes == 0:
         return np.zeros(0, np.int64)
     return np.add.reduceat(claimed_tokens(tree).astype(np.int64), tree.node_offset[:-1])
+
+
+# ---------------------------------------------------------------------- exchange overlap
+def exposed_exchange_cost(exchange: Union[float, np.ndarray], overlappable: Union[float, np.ndarray]
+                          ) -> Union[float, np.ndarray]:
+    """The part of an exchange (one layer's all-to-all, in any unit) that overlapping it with
+    ``overlappable`` work (the attention over the keys the rank already has, running while the
+    rows travel) leaves exposed: ``max(0, exchange - overlappable)``."""
+    if np.ndim(exchange) == 0 and np.ndim(overlappable) == 0:
+        return max(0.0, float(exchange) - float(overlappable))
+    return np.maximum(0.0, np.asarray(exchange, np.float64) - np.asarray(overlappable, np.float64))
+
+
+def exposed_exchange_fraction(exchange: float, overlappable: float) -> float:
+    """:func:`exposed_exchange_cost` as a share of the exchange, in ``[0, 1]`` (1 for an empty
+    exchange: nothing to hide)."""
+    if not exchange > 0:
+        return 1.0
+    return min(1.0, exposed_exchange_cost(exchange, overlappable) / float(exchange))
 
 
 # ---------------------------------------------------------------------- cost model

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from megatron_psrl.attention.metadata import CachedPrefixKV
+from megatron_psrl.attention.metadata import ArrivingPrefixKV, CachedPrefixKV
 from megatron_psrl.attention.partial import lse_dtype, partial_attention_backward, partial_attention_forward
 from megatron_psrl.attention.plan import AttentionPlan
 
@@ -34,18 +34,36 @@ def _merge_(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor) -> None:
     lse.copy_(new_lse)
 
 
+class _Arriving:
+    """An :class:`ArrivingPrefixKV` source as the autograd function keeps it: its transfer and
+    rows, the buffer itself being one of the function's tensor inputs (index ``buffer``)."""
+
+    __slots__ = ("transfer", "buffer", "offset", "length")
+
+    def __init__(self, transfer, buffer: int, offset: int, length: int):
+        self.transfer, self.buffer, self.offset, self.length = transfer, buffer, offset, length
+
+
 class BlockwiseTreeAttention(torch.autograd.Function):
-    """Autograd function: ``(q, k, v, *external_kv) -> out`` for one AttentionPlan.
+    """Autograd function: ``(q, k, v, *external_kv, *buffers) -> out`` for one AttentionPlan.
 
     ``readers[j]`` is None when external source ``j`` comes as a ``(k, v)`` pair among the
     tensor inputs, or a :class:`CachedPrefixKV` that is read here, in the forward and again in
     the backward pass, and receives its gradients directly: a kept graph then holds no copy
-    of that cached prefix (only one layer's copy exists at a time, while it runs)."""
+    of that cached prefix (only one layer's copy exists at a time, while it runs); or an
+    ``_Arriving`` source (:class:`ArrivingPrefixKV`, rows still in flight from another rank
+    into one of the ``buffers``): its blocks run after every other block, once its transfer
+    is waited for, and in the backward before every other block, so that their gradients
+    travel back while the rest of the backward runs (``transfer.return_grad``). The order of
+    the merges is the plan's whenever the arriving sources' blocks come last in it (the
+    packing lists peers last), so the result is the same as with ``(k, v)`` pairs."""
 
     @staticmethod
-    def forward(ctx, plan: AttentionPlan, scale: float, impl: str, readers: Tuple[Optional[CachedPrefixKV], ...],
-                q: Tensor, k: Tensor, v: Tensor, *pairs: Tensor):
+    def forward(ctx, plan: AttentionPlan, scale: float, impl: str, readers: Tuple[object, ...], n_pairs: int,
+                q: Tensor, k: Tensor, v: Tensor, *tensors: Tensor):
+        pairs, buffers = tensors[:n_pairs], tensors[n_pairs:]
         ext_k, ext_v = _external(readers, pairs, again=False)
+        arriving = [j for j, r in enumerate(readers) if isinstance(r, _Arriving)]
         t, np_, hn = q.shape
         # Merged in fp32 (fp64 for fp64 inputs) and rounded once at the end: a bf16 running
         # output would round at every merge, an error growing with the number of ancestors.
@@ -56,20 +74,44 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             o_s, lse_s = partial_attention_forward(q[a:b], k[c:c + b - a], v[c:c + b - a], True, scale, impl)
             out[a:b] = o_s
             lse[a:b] = lse_s
-        for qa, qb, ka, kb, src in _blocks(plan):
+        blocks = _blocks(plan)
+
+        def run(blk):
+            qa, qb, ka, kb, src = blk
             kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
             o_b, lse_b = partial_attention_forward(q[qa:qb], kk[ka:kb], vv[ka:kb], False, scale, impl)
             _merge_(out[qa:qb], lse[qa:qb], o_b, lse_b)
+
+        late = set(arriving)
+        for blk in blocks:  # while the arriving rows travel: every key this rank has
+            if blk[4] not in late:
+                run(blk)
+        arrived = []
+        for j in arriving:
+            r = readers[j]
+            r.transfer.wait()
+            chunk = buffers[r.buffer][r.offset:r.offset + r.length]
+            # Copies: saved for backward, where a view would keep the whole buffer alive.
+            ext_k[j], ext_v[j] = chunk[:, 0].clone(), chunk[:, 1].clone()
+            arrived += [ext_k[j], ext_v[j]]
+        for blk in blocks:
+            if blk[4] in late:
+                run(blk)
         out = out.to(q.dtype)
-        ctx.plan, ctx.scale, ctx.impl, ctx.readers = plan, scale, impl, readers
-        ctx.save_for_backward(q, k, v, out, lse, *pairs)
+        ctx.plan, ctx.scale, ctx.impl, ctx.readers, ctx.n_pairs = plan, scale, impl, readers, n_pairs
+        ctx.buffer_like = [(tuple(x.shape), x.dtype, x.device) for x in buffers]
+        ctx.save_for_backward(q, k, v, out, lse, *pairs, *arrived)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q, k, v, out, lse, *pairs = ctx.saved_tensors
-        readers = ctx.readers
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        readers, n_pairs = ctx.readers, ctx.n_pairs
+        pairs, arrived = rest[:n_pairs], rest[n_pairs:]
         ext_k, ext_v = _external(readers, pairs, again=True)
+        arriving = [j for j, r in enumerate(readers) if isinstance(r, _Arriving)]
+        for n, j in enumerate(arriving):
+            ext_k[j], ext_v[j] = arrived[2 * n], arrived[2 * n + 1]
         plan, scale, impl = ctx.plan, ctx.scale, ctx.impl
         dout = dout.contiguous()
         # Every block adds into dQ (and into the keys' dK/dV): accumulate in fp32, round once.
@@ -83,35 +125,65 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         dv = keys_new(v.shape, dtype=acc, device=v.device)
         d_ext_k = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_k]
         d_ext_v = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_v]
+        blocks = _blocks(plan)
+
+        def block_grads(blk):
+            qa, qb, ka, kb, src = blk
+            kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
+            g = partial_attention_backward(
+                dout[qa:qb], q[qa:qb], kk[ka:kb], vv[ka:kb], out[qa:qb], lse[qa:qb], False, scale, impl
+            )
+            gk, gv = (dk, dv) if src < 0 else (d_ext_k[src], d_ext_v[src])
+            gk[ka:kb] += g[1]
+            gv[ka:kb] += g[2]
+            return g[0]
+
+        # The arriving rows' gradients first: they start their way back before the rest runs.
+        late = set(arriving)
+        early_dq = {n: block_grads(blk) for n, blk in enumerate(blocks) if blk[4] in late}
+        d_buffers: List[Optional[Tensor]] = [None] * len(ctx.buffer_like)
+        for b, (shape, dtype, device) in enumerate(ctx.buffer_like):
+            if not ctx.needs_input_grad[8 + n_pairs + b]:
+                continue
+            d = torch.zeros(shape, dtype=dtype, device=device)
+            transfer = None
+            for j in arriving:
+                r = readers[j]
+                if r.buffer == b:
+                    d[r.offset:r.offset + r.length, 0] = d_ext_k[j].to(dtype)
+                    d[r.offset:r.offset + r.length, 1] = d_ext_v[j].to(dtype)
+                    transfer = r.transfer
+            transfer.return_grad(d)
+            d_buffers[b] = d
         for a, b, c in _segments(plan):
             e = c + b - a  # the segment's causal keys c:e (c == a unless the queries are a subset)
             g = partial_attention_backward(dout[a:b], q[a:b], k[c:e], v[c:e], out[a:b], lse[a:b], True, scale, impl)
             dq[a:b] = g[0]
             dk[c:e] = g[1]
             dv[c:e] = g[2]
-        for qa, qb, ka, kb, src in _blocks(plan):
-            kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
-            g = partial_attention_backward(
-                dout[qa:qb], q[qa:qb], kk[ka:kb], vv[ka:kb], out[qa:qb], lse[qa:qb], False, scale, impl
-            )
-            dq[qa:qb] += g[0]
-            gk, gv = (dk, dv) if src < 0 else (d_ext_k[src], d_ext_v[src])
-            gk[ka:kb] += g[1]
-            gv[ka:kb] += g[2]
+        for n, blk in enumerate(blocks):  # dQ in the plan's order, whichever block ran first
+            qa, qb = blk[0], blk[1]
+            dq[qa:qb] += early_dq.pop(n) if n in early_dq else block_grads(blk)
         d_pairs = []
         for j, reader in enumerate(readers):
             if reader is None:
                 d_pairs += [d_ext_k[j].to(ext_k[j].dtype), d_ext_v[j].to(ext_v[j].dtype)]
-            else:  # straight into the source's fp32 dK/dV: no rounding to the model dtype
+            elif not isinstance(reader, _Arriving):  # straight into the source's fp32 dK/dV: no rounding
                 reader.add_grad(d_ext_k[j], d_ext_v[j])
-        return (None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_pairs)
+        return (None, None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_pairs, *d_buffers)
 
 
-def _external(readers: Sequence[Optional[CachedPrefixKV]], pairs: Sequence[Tensor], again: bool):
-    """External K and V lists in source order, from the tensor pairs and the readers."""
+def _external(readers: Sequence[object], pairs: Sequence[Tensor], again: bool):
+    """External K and V lists in source order, from the tensor pairs and the readers (None for
+    an arriving source: filled once it is here)."""
     ext_k, ext_v, it = [], [], iter(pairs)
     for reader in readers:
-        kk, vv = (next(it), next(it)) if reader is None else reader.read(again=again)
+        if isinstance(reader, _Arriving):
+            kk = vv = None
+        elif reader is None:
+            kk, vv = next(it), next(it)
+        else:
+            kk, vv = reader.read(again=again)
         ext_k.append(kk)
         ext_v.append(vv)
     return ext_k, ext_v
@@ -136,12 +208,25 @@ def _blocks(plan: AttentionPlan) -> List[Tuple[int, int, int, int, int]]:
 
 def blockwise_tree_attention(
     q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
-    external: Sequence[Union[Tuple[Tensor, Tensor], CachedPrefixKV]] = (), scale: float = None, impl: str = "auto",
+    external: Sequence[Union[Tuple[Tensor, Tensor], CachedPrefixKV, ArrivingPrefixKV]] = (), scale: float = None,
+    impl: str = "auto",
 ) -> Tensor:
     """Tree attention ``[t, np, hn] -> [t, np, hn]`` for ``plan``; external = cached prefix K/V,
-    as ``(k, v)`` pairs or :class:`CachedPrefixKV` readers (read here, again in backward)."""
+    as ``(k, v)`` pairs or :class:`CachedPrefixKV` readers (read here, again in backward), or
+    K/V in flight from another rank (:class:`ArrivingPrefixKV`: attended to last, see
+    :class:`BlockwiseTreeAttention`)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    readers = tuple(None if isinstance(e, tuple) else e for e in external)
-    pairs = [x for e in external if isinstance(e, tuple) for x in e]
-    return BlockwiseTreeAttention.apply(plan, scale, impl, readers, q, k, v, *pairs)
+    readers, pairs, buffers = [], [], []
+    for e in external:
+        if isinstance(e, tuple):
+            readers.append(None)
+            pairs += e
+        elif isinstance(e, ArrivingPrefixKV):
+            b = next((n for n, x in enumerate(buffers) if x is e.buffer), len(buffers))
+            if b == len(buffers):
+                buffers.append(e.buffer)
+            readers.append(_Arriving(e.transfer, b, e.offset, e.length))
+        else:
+            readers.append(e)
+    return BlockwiseTreeAttention.apply(plan, scale, impl, tuple(readers), len(pairs), q, k, v, *pairs, *buffers)

@@ -1,0 +1,88 @@
+"""Cross-rank prefix sharing with the overlapped prefix K/V exchange (the default) and with the
+synchronous one (``--no-overlap-kv-exchange``) under torchrun (gloo): both equal the per-sample
+Hugging Face reference (loss, every parameter gradient, log-probs; fp32, rel 1e-5), and equal
+each other; the overlapped run's exchanges are all asynchronous, the synchronous run's none.
+Layouts: data parallelism (2 ranks), CP=2 x DP=2 (4 ranks), and a tight KV budget (the
+recomputed forward runs its exchanges inside the backward pass)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers.batches import cross_rank_batch
+from helpers.families import PARALLEL_CONFIGS
+from helpers.hf_reference import (
+    assert_grads_close,
+    hf_grads_to_mcore,
+    load_hf_model,
+    make_hf_checkpoint,
+    per_sample_logprobs,
+    per_sample_loss_and_grads,
+)
+from helpers.torchrun import run_torchrun
+
+from megatron_psrl.model import ModelArchitecture
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "cross_rank_overlap_step.py")
+CASES = [  # (id, batch, nproc, cp, kv budget)
+    ("dp2-one-tree", "one-tree", 2, 1, 1 << 30),
+    ("cp2xdp2-mixed", "mixed", 4, 2, 1 << 30),
+    ("cp2-one-tree-tight-kv", "one-tree", 2, 2, 256 * 1024),
+]
+
+_REFS = {}
+
+
+def _reference(kind, tmp_path_factory):
+    """(HF dir, loss, gradients by megatron name, log-probs) of the per-sample reference (as in
+    test_cross_rank_exactness.py)."""
+    if kind not in _REFS:
+        hf_dir = _REFS.get("dir") or make_hf_checkpoint(PARALLEL_CONFIGS["llama"], seed=1,
+                                                        directory=str(tmp_path_factory.mktemp("llama")))
+        _REFS["dir"] = hf_dir
+        hf = load_hf_model(hf_dir)
+        batch = cross_rank_batch(kind)
+        loss, grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+        arch = ModelArchitecture.from_hf_dir(hf_dir)
+        _REFS[kind] = (hf_dir, loss, hf_grads_to_mcore(grads, arch), per_sample_logprobs(hf, batch))
+    return _REFS[kind]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_overlapped_and_synchronous_exchange_match_reference(case, tmp_path, tmp_path_factory):
+    name, kind, nproc, cp, kv_budget = case
+    hf_dir, ref_loss, ref_grads, ref_logprobs = _reference(kind, tmp_path_factory)
+    results = {}
+    for overlap in ("on", "off"):
+        out = tmp_path / f"result-{overlap}.pt"
+        run_torchrun(SCRIPT, ["--overlap", overlap, "--hf-dir", hf_dir, "--batch", kind, "--cp", str(cp),
+                              "--budget", "64", "--kv-budget", str(kv_budget), "--out", str(out)], nproc=nproc)
+        res = results[overlap] = torch.load(out, weights_only=False)
+        assert "cross-rank" in res["placements"], res
+        assert res["peer_reads"] > 0, "received prefix K/V must be attended to"
+        if "tight" in name:
+            assert res["recomputed"] > 0, "the tight KV budget must force recomputation"
+        assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads_close(res["grads"], ref_grads, rtol=1e-5)
+        for a, b in zip(res["logprobs"], ref_logprobs):
+            np.testing.assert_allclose(a, b, atol=1e-4)
+    on, off = results["on"]["all_to_all"], results["off"]["all_to_all"]
+    assert on["async"] > 0 and off["async"] == 0, (on, off)
+    # the same collectives otherwise: every exchange of the synchronous run is asynchronous here
+    assert on["async"] + on["sync"] == off["sync"], (on, off)
+    # overlap on and off: the same numbers (the received chains' blocks come last in every plan)
+    assert results["on"]["loss"] == pytest.approx(results["off"]["loss"], rel=1e-6)
+    assert_grads_close(results["on"]["grads"], results["off"]["grads"], rtol=1e-6)
+    for a, b in zip(results["on"]["logprobs"], results["off"]["logprobs"]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_the_command_line_switch_reaches_the_config():
+    from megatron_psrl.training.arguments import parse_args
+    from megatron_psrl.training.trainer import actor_config_from_args
+
+    base = ["--model", "debug-llama", "--data", "stepwise"]
+    assert actor_config_from_args(parse_args(base), "float32").overlap_kv_exchange is True
+    assert actor_config_from_args(parse_args(base + ["--no-overlap-kv-exchange"]), "float32").overlap_kv_exchange is False
