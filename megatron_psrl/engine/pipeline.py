@@ -26,6 +26,11 @@ Two executors, chosen per step from the plan:
   expert lockstep (:class:`~megatron_psrl.model.moe.ExpertLockstep`; its empty passes are
   local to a stage, and the other stages of that pipeline run the same ones: docs/moe.md).
 
+MoE router replay and router losses: every stage sets its routers' routes (by their global
+layer numbers) and router-loss weights per pack before each forward, in either executor.
+With activation recomputation a backward routes its tokens again, which megatron's 1F1B runs
+after later forwards: those steps run in plan order (it sets them again before the backward).
+
 Either way, the bubble is measured: the time each stage spends waiting in p2p transfers over
 the step's time (``pipeline_bubble``). On CUDA kernels run asynchronously and megatron's p2p
 calls synchronise the device, so a timer around a transfer would also count the stage's own
@@ -214,6 +219,13 @@ class PipelineStepRunner(StepRunner):
         # Expert parallelism: a stage's MoE all-to-alls must meet the same pass on the stage's
         # other pipelines, which may hold fewer micro-batches; megatron's schedules know nothing
         # of that, so every step runs in plan order under the expert lockstep (StepRunner.train).
+        # MoE router replay / router losses: megatron's 1F1B runs a micro-batch's backward after
+        # later forwards; with activation recomputation that backward routes (and weighs) its
+        # tokens again, with whatever the last forward set: such steps run in plan order, which
+        # sets them again before the backward (StepRunner.train).
+        per_pack_routers = plan.tree.batch.routed_experts is not None or self.router_losses is not None
+        if self.inject_kv_grads and per_pack_routers:
+            independent = False
         if independent and num and (len(self.chunks) == 1 or interleaved_ok) and self.expert_group is None:
             self.last_schedule = "1f1b" if len(self.chunks) == 1 else "interleaved-1f1b"
             return self._measure(lambda: self._train_megatron_schedule(plan, rank, loss_cfg, loss_scale))
@@ -262,6 +274,11 @@ class PipelineStepRunner(StepRunner):
             meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=None)
             ids = host_to_device(pack.input_ids, self.device)
             pos = host_to_device(pack.position_ids, self.device)
+            # MoE: this pack's routes and router-loss weights (every row: no output_rows here);
+            # the backward consults neither (no recomputation on this path, see train)
+            self._replay_routes(plan, i, pack, None, keep=False)
+            if self.router_losses is not None:
+                self.router_losses.set_pack(i, pack)
             hidden = model(ids, pos, meta)  # [t, 1, h]; megatron set the chunk's input
 
             def loss_func(output: Tensor):
@@ -281,6 +298,8 @@ class PipelineStepRunner(StepRunner):
 
         config = self.config
         config.grad_scale_func = (lambda t: t * loss_scale) if loss_scale != 1.0 else None
+        if self.router_losses is not None:
+            self.router_losses.begin_step(plan.tree, loss_scale)
         vpp = len(self.chunks)
         if vpp > 1:
             config.microbatch_group_size_per_vp_stage = self._group_size(len(order))
@@ -293,7 +312,12 @@ class PipelineStepRunner(StepRunner):
             )
         finally:
             config.grad_scale_func = None
+            self._end_replay()
         totals = sums.read()
         out.loss = totals.pop("loss", 0.0)
         out.metrics = totals
+        if self.router_losses is not None:  # summed over the pipeline's stages (RouterLosses.end_step)
+            for name, value in self.router_losses.end_step().items():
+                out.metrics[name] = float(value)
+                out.loss += float(value)
         return self._finish(out)

@@ -22,7 +22,9 @@ samples through the token), is the batch's statistic. ``C`` is not differentiabl
 gradient w.r.t. ``p`` is linear in the global ``C``: known before the step, every
 micro-batch adds its own linear term and the terms add up to the batch's loss exactly. ``C`` is
 known up front from the replayed routes; without them a forward-only pre-pass over the step
-(:meth:`RouterLosses.count_routes`) counts them.
+(:meth:`RouterLosses.count_routes`) counts them. With pipeline parallelism each stage's routers
+add the terms of their own layers (megatron's layer numbers are global): the pre-pass's counts
+and the reported sums are summed over the pipeline's stages as well.
 
 megatron's own computation (unweighted, per micro-batch, its aux loss's routing map the
 router's own top-k even under replay) is off (its coefficients are 0): the routers'
@@ -56,10 +58,9 @@ def check_router_loss_settings(aux_coeff: float, z_coeff: float, load_balancing_
                                  "not supported: it averages expert counts over the micro-batches seen so far, which "
                                  "follow the packing; aux_loss here already uses the whole global batch's counts")
     if aux_coeff > 0 or z_coeff > 0:
-        if pipeline_model_parallel_size > 1 or virtual_pipeline:
-            raise ConfigurationError("--moe-aux-loss-coeff / --moe-z-loss-coeff > 0 with pipeline parallelism is not "
-                                     "supported yet (the router losses of stages other than the last are not reported "
-                                     "and untested)")
+        if virtual_pipeline:
+            raise ConfigurationError("--moe-aux-loss-coeff / --moe-z-loss-coeff > 0 with virtual pipeline stages is "
+                                     "not supported yet (untested; pipeline parallelism without them is exact)")
         if context_parallel_size > 1:
             raise ConfigurationError("--moe-aux-loss-coeff / --moe-z-loss-coeff > 0 with --context-parallel-size > 1 "
                                      "is not supported yet (untested)")
@@ -81,6 +82,17 @@ def replayed_counts(batch, num_layers: int, num_experts: int) -> np.ndarray:
         routes[missing] = np.arange(routes.shape[2], dtype=np.int64)
     return np.stack([np.bincount(routes[:, layer].ravel(), minlength=num_experts)[:num_experts]
                      for layer in range(num_layers)]).astype(np.float64)
+
+
+def _pipeline_group():
+    """megatron's pipeline group of this rank when it has more than one stage, else None."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_pipeline_model_parallel_group()
 
 
 class _AddLoss(torch.autograd.Function):
@@ -135,6 +147,9 @@ class RouterLosses:
         self._aux_factor: Optional[Tensor] = None  # [L, E] float32: aux_coeff * E / (k W^2) * C
         self._z_sum: Optional[Tensor] = None
         self._aux_sum: Optional[Tensor] = None
+        self.pipeline_group = _pipeline_group()
+        """With pipeline parallelism: the stages of this rank's pipeline, each holding the routers
+        of its own layers (the route counts and the losses are summed over it), else None."""
 
     # ------------------------------------------------------------------ the step
     def needs_route_counts(self, tree) -> bool:
@@ -158,6 +173,8 @@ class RouterLosses:
             self._counting = None
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
+        if self.pipeline_group is not None:  # each stage counted the rows of its own layers only
+            dist.all_reduce(counts, group=self.pipeline_group)
         self._route_counts = counts
         return counts
 
@@ -201,13 +218,20 @@ class RouterLosses:
 
     def end_step(self) -> Dict[str, Tensor]:
         """This rank's sums of the step's terms (``moe_z_loss``, ``moe_aux_loss``, with their
-        coefficients, over every MoE layer), as 0-d tensors on the device."""
+        coefficients, over every MoE layer: with pipeline parallelism, summed over the stages
+        of the pipeline, a collective every stage calls), as 0-d tensors on the device."""
         zero = torch.zeros((), device=self.routers[0].weight.device)
         out = {}
         if self.z_coeff > 0:
             out["moe_z_loss"] = self._z_sum if self._z_sum is not None else zero
         if self.aux_coeff > 0:
             out["moe_aux_loss"] = self._aux_sum if self._aux_sum is not None else zero
+        if self.pipeline_group is not None and out:
+            import torch.distributed as dist
+
+            stacked = torch.stack([v.float() for v in out.values()])
+            dist.all_reduce(stacked, group=self.pipeline_group)
+            out = dict(zip(out, stacked.unbind()))
         self._active = False
         self._packs.clear()
         self._weights = None

@@ -153,9 +153,9 @@ class PolicyActor:
         elif training and needs_advantage and batch.advantages is None:
             raise ConfigurationError(f"{batch.source}: training needs an 'advantage' for every sample")
         check_routed_experts(batch, routing)
-        if batch.routed_experts is not None and self.layout.pipeline_parallel_size > 1:
-            raise UnsupportedFeatureError("router replay (routed_experts) with pipeline parallelism is not supported "
-                                          "yet (--pipeline-model-parallel-size 1)")
+        if batch.routed_experts is not None and (self.virtual_pipeline_size or 1) > 1:
+            raise UnsupportedFeatureError("router replay (routed_experts) with virtual pipeline stages is not "
+                                          "supported yet (untested; pipeline parallelism without them is exact)")
         if self.arch.sliding_window is not None:
             check_max_sample_length(batch, self.arch.sliding_window, "the model's sliding window")
         if not self.config.allow_rope_extrapolation:

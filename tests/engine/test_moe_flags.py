@@ -32,18 +32,24 @@ def test_the_load_balancing_type_reaches_megatron():
     (dict(moe_aux_loss_coeff=-1.0), ["moe_aux_loss_coeff must be >= 0"]),
     (dict(moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="seq_aux_loss"), ["seq_aux_loss", "packing"]),
     (dict(moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="global_aux_loss"), ["global_aux_loss", "packing"]),
-    (dict(moe_z_loss_coeff=1e-3, pipeline_model_parallel_size=2), ["pipeline parallelism", "not supported"]),
+    (dict(moe_z_loss_coeff=1e-3, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
+     ["virtual pipeline stages", "not supported"]),
     (dict(moe_aux_loss_coeff=1e-2, context_parallel_size=2), ["--context-parallel-size", "not supported"]),
     (dict(moe_router_load_balancing_type="sinkhorn"), ["sinkhorn", "change every route"]),
     (dict(moe_router_load_balancing_type="balanced"), ["must be one of", "balanced"]),
     (dict(expert_tensor_parallel_size=2), ["--expert-tensor-parallel-size 2", "not supported"]),
-], ids=["negative-z-loss", "negative-aux-loss", "seq-aux-loss", "global-aux-loss", "router-losses-pp",
+], ids=["negative-z-loss", "negative-aux-loss", "seq-aux-loss", "global-aux-loss", "router-losses-vpp",
         "router-losses-cp", "sinkhorn", "unknown-type", "expert-tp"])
 def test_what_cannot_run_is_refused(fields, words):
     with pytest.raises(ConfigurationError) as err:
         ActorConfig(**fields)
     for word in words:
         assert word in str(err.value)
+
+
+def test_router_losses_with_pipeline_parallelism_are_accepted():
+    # exact: tests/model/test_moe_pipeline_routes.py
+    ActorConfig(moe_z_loss_coeff=1e-3, moe_aux_loss_coeff=1e-2, pipeline_model_parallel_size=2)
 
 
 @pytest.mark.parametrize("balancing", ["aux_loss", "none", "seq_aux_loss", "global_aux_loss"])

@@ -1,0 +1,42 @@
+"""MoE router replay and the router losses with pipeline parallelism (docs/moe.md "Router
+replay", "Router losses"): PP = 2 over gloo, one torchrun launch; every rank's log-probs, loss,
+reported ``moe_z_loss`` / ``moe_aux_loss`` (summed over both stages) and every gradient it
+holds equal the per-sample Hugging Face reference with the same routes (asserted inside
+tests/model/scripts/moe_pipeline_routes.py), in both pipeline executors and with activation
+recomputation."""
+
+import os
+import re
+
+import pytest
+from helpers.families import make_family_checkpoint
+from helpers.torchrun import REPO_ROOT, run_torchrun
+
+from megatron_psrl.model.tiny import tiny_config
+
+SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_pipeline_routes.py")
+PHASES = ("replay", "losses-replay", "losses-own-routes", "recompute-losses-replay")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_family_checkpoint(tiny_config("debug-qwen3-moe"), str(tmp_path_factory.mktemp("hf-qwen3-moe-pp")))
+
+
+@pytest.mark.slow  # two processes
+def test_router_replay_and_router_losses_with_pipeline_parallelism_under_torchrun(hf_dir):
+    """PP = 2 (one MoE layer per stage), micro-batches of 16 tokens (cached prefixes: the
+    plan-order executor) and of 72 (whole trees, 3 micro-batches: megatron's 1F1B), with
+    replay alone, z + aux with replay and z + aux with the route-count pre-pass; then z + aux
+    with replay under full activation recomputation, whose whole-tree step runs in plan order."""
+    out = run_torchrun(SCRIPT, [hf_dir, "16", "72"], nproc=2, timeout=600)
+    reports = re.findall(r"rank (\d) pp_rank \d (\S+) schedule (\S+) budget (\d+) ok: .*?micro-batches (\d+), "
+                         r"cached prefixes (\d+)", out)
+    expected = [(r, name, "plan-order" if budget == "16" or name.startswith("recompute") else "1f1b", budget)
+                for r in "01" for name in PHASES for budget in ("16", "72")]
+    assert sorted(r[:4] for r in reports) == sorted(expected), out[-3000:]
+    for _, _, _, budget, micro_batches, cached in reports:
+        if budget == "72":  # whole trees, several micro-batches: a 1F1B backward runs after a later forward
+            assert int(micro_batches) >= 2 and int(cached) == 0
+        else:
+            assert int(cached) > 0
