@@ -231,11 +231,13 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
                         recompute: bool, log: Log):
     """``(placement, FLOP cost model, measured costs or None)``.
 
-    Trees are placed whole with pipeline stages and with recomputation
+    Trees are placed whole with recomputation, and with pipeline stages unless ``--placement
+    cross-rank`` asks for them to be split over pipelines
     (:func:`~megatron_psrl.engine.planning.whole_tree_reasons`). Where trees may be split over
     an exchange group, the planner weighs compute against transfers measured on this model at
-    start-up."""
-    whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute)
+    start-up (not with pipeline stages: a stage cannot run the whole model; placement is
+    cross-rank by request there, fragments cut by the FLOP cost model)."""
+    whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute, config.placement)
     if config.expert_model_parallel_size > 1:  # the MoE lockstep does not order K/V exchanges
         whole_tree_only = list(whole_tree_only) + ["expert parallelism"]
     placement = "whole-tree" if whole_tree_only else config.placement
@@ -245,6 +247,8 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     flop_model = cost_model_for(arch)
     group, group_size = exchange_group_of(layout)
     if not (group_size > 1 and placement != "whole-tree" and config.prefix_sharing == "tree"):
+        return placement, flop_model, None
+    if layout.pipeline_parallel_size > 1:  # (the calibration runs the whole model: not on one stage)
         return placement, flop_model, None
     with layout.monitor.phase("cost calibration"):
         m = calibrate_for_planning(model, arch, geometry, layout.device, config.micro_batch_tokens, group,

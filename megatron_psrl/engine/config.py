@@ -37,7 +37,8 @@ class ActorConfig:
     """TP size (``--tensor-model-parallel-size``)."""
 
     pipeline_model_parallel_size: int = 1
-    """PP size: stages of layers; trees are placed on whole pipelines (docs/architecture.md)."""
+    """PP size: stages of layers; trees are placed on whole pipelines, or with ``placement``
+    ``cross-rank`` spread over them, stage exchanging with stage (docs/architecture.md)."""
 
     decoder_first_pipeline_num_layers: Optional[int] = None
     """Layers of the first pipeline stage (the rest split evenly), to balance the embedding."""

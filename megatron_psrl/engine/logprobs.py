@@ -81,7 +81,7 @@ def compute_logprobs(
     geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=pp_rank,
                                     virtual_pipeline_size=len(chunks))
     plan_geometry = KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, len(chunks))
-    if whole_tree_reasons(pp, recompute=False):
+    if whole_tree_reasons(pp, recompute=False, placement=placement):
         placement = "whole-tree"
     config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,

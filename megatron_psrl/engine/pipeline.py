@@ -210,6 +210,11 @@ class PipelineStepRunner(StepRunner):
               loss_scale: float = 1.0) -> StepOutput:
         rank_plan = plan.ranks[rank]
         independent = not rank_plan.sources and all(op == "forward_backward" for op, _ in rank_plan.schedule)
+        # Cross-rank (a tree's fragments on several pipelines): each stage's per-layer K/V
+        # exchanges must meet the same micro-batch on the same stage of the other pipelines;
+        # every pipeline walks the group's common schedule in plan order (never 1F1B).
+        if rank_plan.cross_rank:
+            independent = False
         num = len(rank_plan.micro_batches)
         # megatron's interleaved schedule needs at least PP micro-batches, and PP > 2: with two
         # stages both neighbours are one rank, and its batched sends and receives in both

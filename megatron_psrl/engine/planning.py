@@ -14,12 +14,14 @@ GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]
 """Memory plans of ranks planned together (one rank, or a cross-rank group in lockstep)."""
 
 
-def whole_tree_reasons(pipeline_parallel_size: int, recompute: bool) -> List[str]:
+def whole_tree_reasons(pipeline_parallel_size: int, recompute: bool, placement: str = "auto") -> List[str]:
     """Why trees must be placed whole on the ranks of an exchange group (empty: they may be
-    split). With pipeline stages one pipeline is one placement rank (spreading a tree over
-    pipelines, K/V exchanged per stage, is not offered yet); with activation recomputation a
+    split). With pipeline stages one pipeline is one placement rank, and a tree is spread over
+    pipelines (each stage exchanging its layers' K/V with the same stage of the others) only
+    with ``placement="cross-rank"``: ``auto`` weighs costs that the start-up calibration
+    measures by running the whole model on one rank. With activation recomputation a
     recomputed layer would repeat its K/V exchange inside the backward pass."""
-    return [why for why, on in (("pipeline parallelism", pipeline_parallel_size > 1),
+    return [why for why, on in (("pipeline parallelism", pipeline_parallel_size > 1 and placement != "cross-rank"),
                                 ("activation recomputation", recompute)) if on]
 
 

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (megatron-core)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (megatron's 1F1B schedule; with cached prefixes the plan's order on every "
-                        "stage); a pipeline is one rank for tree placement")
+                        "stage); a pipeline is one rank for tree placement (--placement cross-rank spreads a tree "
+                        "over pipelines, each stage exchanging prefix K/V with the same stage of the others)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="layers of the first pipeline stage (the rest split evenly): fewer to balance the embedding")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
@@ -149,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--placement", default="auto", choices=PLACEMENTS,
                    help="trees over the ranks of an exchange group (the CP group, else the DP group): whole-tree "
                         "(each tree on one rank), cross-rank (equal-cost fragments exchanging prefix K/V) or auto "
-                        "(the smaller predicted step time, from a start-up measurement)")
+                        "(the smaller predicted step time, from a start-up measurement; whole-tree with pipeline "
+                        "stages)")
     g.add_argument("--no-split-trees-across-groups", dest="split_trees_across_groups", action="store_false",
                    help="keep every tree inside one exchange group (by default a tree larger than a group's share "
                         "is split between groups, each part recomputing the prefix it shares)")

@@ -5,7 +5,8 @@ PP=2 x PP=4, on Llama
 and Qwen3 (tied embeddings: the first and last stages hold one parameter), each with
 mechanism 1 only (megatron's 1F1B or interleaved schedule), with mechanism 2 (micro-batches far
 smaller than the trees, graphs kept) and with mechanism 2 where the KV budget makes producers
-recompute their forward."""
+recompute their forward; and one tree spread over two pipelines (PP=2 x DP=2, also with virtual
+stages) by cross-rank placement, stage exchanging prefix K/V with stage."""
 
 import json
 import os
@@ -20,6 +21,7 @@ from helpers.tolerance import rounding_tolerance
 from helpers.torchrun import REPO_ROOT, run_torchrun
 
 from megatron_psrl.data.loader import samples_from_dicts
+from megatron_psrl.engine.planning import whole_tree_reasons
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "training", "scripts", "pipeline_step.py")
 FAMILIES = ("llama", "qwen3")
@@ -123,3 +125,35 @@ def test_one_tree_is_split_between_pipelines_exactly(tmp_path):
     res = torch.load(out, weights_only=False)[("llama", "m2")]
     assert res["tokens_recomputed_across_groups"] > 0
     _check(res, ref, batch, "m2", "1f1b")
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vpp_layers", [None, 1], ids=["pp2xdp2", "vpp2xpp2xdp2"])
+def test_one_tree_is_spread_over_pipelines_by_cross_rank_exchange(tmp_path, vpp_layers):
+    """PP=2 x DP=2 (and with two virtual stages per rank), one tree, ``--placement cross-rank``
+    with 16-token micro-batches: the tree's fragments run on both pipelines in lockstep steps,
+    every stage exchanging its layers' prefix K/V with the same stage of the other pipeline
+    (in plan order); the step and the log-probs equal the per-sample reference."""
+    records = random_tree_records(seed=5, num_roots=1, vocab_size=251, max_len=80)
+    (tmp_path / "records.json").write_text(json.dumps(records))
+    batch = samples_from_dicts(records, source="records")
+    ref = _reference((tmp_path, batch, {}), "llama", 4)
+    out = tmp_path / "result.pt"
+    args = ["--records", str(tmp_path / "records.json"), "--pp", "2", "--out", str(out), "--modes", "m2",
+            "--placement", "cross-rank", "--hf-dir", f"llama={ref['hf_dir']}"]
+    run_torchrun(SCRIPT, args + (["--vpp-layers", str(vpp_layers)] if vpp_layers else []), nproc=4)
+    res = torch.load(out, weights_only=False)[("llama", "m2")]
+    assert res["placement"] == "cross-rank" and res["exchanged_bytes"] > 0
+    assert res["tokens_recomputed_across_groups"] == 0  # one exchange group: every tree token computed once
+    assert len(res["plan_rank_cost"]) == 2 and min(res["plan_rank_cost"]) > 0  # fragments on both pipelines
+    assert res["micro_batches"] >= 4  # several lockstep steps (summed over the two pipelines)
+    _check(res, ref, batch, "m2", "1f1b")
+
+
+def test_pipelines_split_trees_only_with_cross_rank_placement():
+    assert whole_tree_reasons(2, False, "auto") == ["pipeline parallelism"]
+    assert whole_tree_reasons(2, False, "whole-tree") == ["pipeline parallelism"]
+    assert whole_tree_reasons(2, False, "cross-rank") == []
+    assert whole_tree_reasons(2, True, "cross-rank") == ["activation recomputation"]
+    assert whole_tree_reasons(1, False) == []

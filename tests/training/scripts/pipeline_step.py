@@ -2,7 +2,7 @@
 and one SGD step (lr 1, so the step is minus the gradient); rank 0 saves what every rank got.
 
     torchrun --nproc_per_node 4 pipeline_step.py --hf-dir llama=DIR --hf-dir qwen3=DIR \\
-        --records FILE.json --tp 1 --pp 2 --out FILE [--vpp 2]
+        --records FILE.json --tp 1 --pp 2 --out FILE [--vpp 2] [--placement cross-rank]
 
 Modes: ``m1`` (every tree fits a micro-batch: megatron's 1F1B schedule), ``m2`` (micro-batches
 a tenth of the largest tree: cached prefixes, graphs kept), ``m2-recompute`` (a KV budget so
@@ -29,6 +29,7 @@ p.add_argument("--vpp-layers", type=int, default=None, help="--num-layers-per-vi
 p.add_argument("--first-layers", type=int, default=None, help="--decoder-first-pipeline-num-layers")
 p.add_argument("--recompute", action="store_true", help="full activation recomputation, one layer per unit")
 p.add_argument("--modes", default="m1,m2,m2-recompute")
+p.add_argument("--placement", default="auto", help="--placement (cross-rank: trees split over pipelines)")
 p.add_argument("--m1-budget", type=int, default=72, help="every tree fits, several micro-batches")
 p.add_argument("--m2-budget", type=int, default=16)
 p.add_argument("--recompute-kv-budget", type=int, default=120000,
@@ -52,7 +53,7 @@ for spec in args.hf_dir:
             num_layers_per_virtual_pipeline_stage=args.vpp_layers, decoder_first_pipeline_num_layers=args.first_layers,
             **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                if args.recompute else {}),
-            optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0),
+            placement=args.placement, optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0),
             loss=LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean"),
             **MODES[mode]))
         res = logprobs_and_step(actor, records)
@@ -61,6 +62,8 @@ for spec in args.hf_dir:
             "micro_batches": metrics["micro_batches"], "tokens_recomputed": metrics["tokens_recomputed"],
             "tokens_computed": metrics["tokens_computed"], "tokens_total": metrics["tokens_total"],
             "tokens_recomputed_across_groups": metrics["tokens_recomputed_across_groups"],
+            "placement": metrics["placement"], "exchanged_bytes": metrics["exchanged_bytes"],
+            "plan_rank_cost": metrics["plan_rank_cost"],
             "bubble": metrics.get("pipeline_bubble"), "schedule": metrics.get("pipeline_schedule"), "longest": longest})
 if dist.get_rank() == 0:
     torch.save(results, args.out)
