@@ -229,7 +229,6 @@ class ActorConfig:
                 ("--tensor-model-parallel-size > 1", self.tensor_model_parallel_size > 1),
                 ("--context-parallel-size > 1", self.context_parallel_size > 1),
                 ("virtual pipeline stages", self.num_layers_per_virtual_pipeline_stage is not None),
-                ("activation recomputation", self.recompute_granularity is not None),
                 ("--placement cross-rank", self.placement == "cross-rank")) if on]
             if unsupported:
                 raise ConfigurationError(f"--expert-model-parallel-size > 1 with {', '.join(unsupported)} is not "

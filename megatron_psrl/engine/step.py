@@ -545,12 +545,14 @@ class StepRunner:
         with it, it first runs the empty passes the group's common schedule puts before it."""
         if self.expert_group is None:
             return lambda symbol: None
-        from megatron_psrl.model.moe import ExpertLockstep, moe_layers
+        from megatron_psrl.model.moe import ExpertLockstep, moe_layers, recompute_units
 
-        layers = [layer for chunk in model_chunks(self.model) for layer in moe_layers(chunk)]
-        config = model_chunks(self.model)[0].config
+        chunks = model_chunks(self.model)
+        layers = [layer for chunk in chunks for layer in moe_layers(chunk)]
+        config = chunks[0].config
+        # (activation recomputation: the empty passes checkpoint the MoE layers as the model does)
         self._lockstep = ExpertLockstep(layers, self.expert_group, passes, config.hidden_size, config.params_dtype,
-                                        self.device)
+                                        self.device, units=recompute_units(chunks))
         return self._lockstep.own
 
     def _finish_lockstep(self) -> None:

@@ -162,6 +162,49 @@ def moe_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
+Unit = Tuple[List[torch.nn.Module], bool]
+"""MoE layers that run as one unit of a model's forward: ``(layers, checkpointed)``; a
+checkpointed unit recomputes its forward (its all-to-alls too) inside its backward."""
+
+
+def recompute_units(chunks: Sequence[torch.nn.Module]) -> List[Unit]:
+    """The MoE layers of ``chunks`` (a rank's model chunks, in forward order) grouped as megatron's
+    full activation recomputation checkpoints their transformer layers
+    (``TransformerBlock._checkpointed_forward``): ``uniform``, every ``recompute_num_layers``
+    layers of a block one checkpointed unit; ``block``, its first ``recompute_num_layers`` layers
+    one unit each, the rest not checkpointed. Without full recomputation: one unit, not
+    checkpointed. (Selective recomputation of ``moe`` checkpoints inside ``MoELayer.forward``,
+    which an empty pass runs as it is.)"""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    units: List[Unit] = []
+
+    def add(layers: List[torch.nn.Module], checkpointed: bool) -> None:
+        if not layers:
+            return  # no all-to-all to mirror
+        if not checkpointed and units and not units[-1][1]:
+            units[-1][0].extend(layers)
+        else:
+            units.append((list(layers), checkpointed))
+
+    for chunk in chunks:
+        for block in [m for m in chunk.modules() if isinstance(m, TransformerBlock)]:
+            cfg = block.config
+            per_layer = [moe_layers(layer) for layer in block.layers]
+            if cfg.recompute_granularity != "full" or not block.training:  # (megatron's condition too)
+                add([m for ms in per_layer for m in ms], False)
+            elif cfg.recompute_method == "uniform":
+                n = cfg.recompute_num_layers
+                for start in range(0, len(per_layer), n):
+                    add([m for ms in per_layer[start:start + n] for m in ms], True)
+            elif cfg.recompute_method == "block":
+                for idx, ms in enumerate(per_layer):
+                    add(ms, idx < cfg.recompute_num_layers)
+            else:
+                raise ValueError(f"unknown recompute_method {cfg.recompute_method!r}")
+    return units
+
+
 class ExpertLockstep:
     """Runs this rank's passes of a step in the common schedule of its expert-parallel group
     (:func:`lockstep_ticks`), with empty passes where other ranks run theirs.
@@ -173,10 +216,14 @@ class ExpertLockstep:
     :meth:`finish` at the end of the step."""
 
     def __init__(self, layers: Sequence[torch.nn.Module], group, mine: Sequence[Pass], hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, units: Optional[Sequence[Unit]] = None):
         import torch.distributed as dist
 
         self.layers, self.hidden_size, self.dtype, self.device = list(layers), hidden_size, dtype, device
+        self.units: List[Unit] = list(units) if units is not None else [(self.layers, False)]
+        """The MoE layers as the model's forward runs them (:func:`recompute_units`): an empty
+        pass checkpoints the units the model checkpoints, so that its backward repeats the
+        forward's all-to-alls where a recomputing backward of the model does."""
         everyone: List[List[Pass]] = [[] for _ in range(dist.get_world_size(group))]
         dist.all_gather_object(everyone, list(mine), group=group)  # one small collective per step
         me = dist.get_rank(group)
@@ -210,27 +257,46 @@ class ExpertLockstep:
         assert not self.held, "expert-parallel lockstep: an empty graph was not back-propagated"
 
     def _empty(self, kind: str, tick: int, ref: int) -> None:
-        if kind == "B":
-            out = self.held.pop(ref)
-            torch.autograd.backward(out, torch.zeros_like(out))
-            return
-        self.empty_passes += 1
-        # (the last own pass's routes are for its tokens; the zero token is no token of the step)
+        # (the last own pass's routes are for its tokens; the zero token is no token of the step.
+        # A B tick too: with recomputation its backward routes the zero token again)
         with native_routing(self.layers), ExpertLoad.uncounted():
+            if kind == "B":
+                out = self.held.pop(ref)
+                torch.autograd.backward(out, torch.zeros_like(out))
+                return
+            self.empty_passes += 1
             self._empty_forward(kind, tick)
 
     def _empty_forward(self, kind: str, tick: int) -> None:
         # One zero token (megatron's router cannot reshape zero tokens): whichever experts it
         # reaches, its output and every gradient it contributes (the backward's incoming
-        # gradient is zero) are exactly zero.
-        with torch.set_grad_enabled(kind != "N"):
-            x = torch.zeros(1, 1, self.hidden_size, dtype=self.dtype, device=self.device, requires_grad=kind != "N")
-            for layer in self.layers:
-                x = layer(x)[0]
+        # gradient is zero) are exactly zero. A checkpointed unit (activation recomputation)
+        # runs under megatron's checkpoint as the model's does: its backward first repeats the
+        # unit's forward, all-to-alls included.
+        from megatron.core import tensor_parallel
+
+        grad = kind != "N"
+        with torch.set_grad_enabled(grad):
+            x = torch.zeros(1, 1, self.hidden_size, dtype=self.dtype, device=self.device, requires_grad=grad)
+            for layers, checkpointed in self.units:
+                run = _unit_forward(layers)
+                if checkpointed and grad:
+                    x = tensor_parallel.checkpoint(run, layers[0].config.distribute_saved_activations, x)
+                else:
+                    x = run(x)
         if kind == "P":
             torch.autograd.backward(x, torch.zeros_like(x))
         elif kind == "K":
             self.held[tick] = x
+
+
+def _unit_forward(layers: Sequence[torch.nn.Module]):
+    def run(x: Tensor) -> Tensor:
+        for layer in layers:
+            x = layer(x)[0]
+        return x
+
+    return run
 
 
 # ---------------------------------------------------------------------- expert load
@@ -450,5 +516,5 @@ def native_routing(layers: Sequence[torch.nn.Module]):
 
 
 __all__ = ["TOKEN_DISPATCHERS", "ExpertLoad", "ExpertLockstep", "expert_load_summary", "RouterReplayer", "native_routing", "routing_shape",
-           "tree_token_sources", "Pass", "lockstep_ticks", "moe_layers", "check_moe_settings", "expert_index", "global_experts", "install_moe_runtime",
+           "tree_token_sources", "Pass", "Unit", "lockstep_ticks", "moe_layers", "recompute_units", "check_moe_settings", "expert_index", "global_experts", "install_moe_runtime",
            "is_expert_parameter", "local_experts"]

@@ -26,6 +26,7 @@ MICRO_BATCH = 32  # below the longest trees: cached prefixes (mechanism 2) in ev
 LOSS = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
 SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_parallel.py")
 PP_SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_pipeline.py")
+RECOMPUTE_SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_recompute.py")
 
 # Qwen3-30B-A3B's published config.json (the fields that matter here).
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
@@ -112,6 +113,9 @@ def test_moe_settings_that_cannot_run_are_refused():
         ActorConfig(device="cpu", expert_model_parallel_size=2)
     ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
                 pipeline_model_parallel_size=2)  # exact (test_expert_and_pipeline_parallel_under_torchrun)
+    ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                recompute_granularity="full", recompute_method="uniform",
+                recompute_num_layers=1)  # exact (test_expert_parallel_with_activation_recomputation_under_torchrun)
     with pytest.raises(ConfigurationError, match="context-parallel"):
         ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
                     pipeline_model_parallel_size=2, context_parallel_size=2)
@@ -264,6 +268,22 @@ def test_expert_parallel_under_torchrun(hf_dir):
     reports = re.findall(r"rank (\d) ep_rank \d: .*?empty passes (\d+)", out)
     assert sorted(rank for rank, _ in reports) == ["0", "1"], out[-3000:]
     assert sum(int(empty) for _, empty in reports) > 0, reports
+
+
+@pytest.mark.slow  # two processes
+def test_expert_parallel_with_activation_recomputation_under_torchrun(hf_dir):
+    """EP = DP = 2 over gloo with full activation recomputation (one checkpointed unit per
+    layer), micro-batches of 16 tokens and a KV budget that keeps some prefix graphs and drops
+    others: a recomputing backward repeats its layers' all-to-alls, and the empty passes
+    (forward + backward, kept forward and its later backward, graph-less forward) recompute
+    theirs the same way; every rank matches the per-sample reference, without and with router
+    replay (asserted inside the script)."""
+    out = run_torchrun(RECOMPUTE_SCRIPT, [hf_dir, "16", "450000", "full", "uniform", "1"], nproc=2, timeout=600)
+    reports = re.findall(r"rank (\d) ep_rank \d: .*?tokens recomputed (\d+), empty passes (\d+), empty ticks (\w*)", out)
+    assert sorted(rank for rank, *_ in reports) == ["0", "1"], out[-3000:]
+    assert all(int(recomputed) > 0 for _, recomputed, _, _ in reports)  # dropped graphs (mechanism 2)
+    ticks = "".join(kinds for *_, kinds in reports)
+    assert {"P", "K", "B", "N"} <= set(ticks), reports  # every kind of empty pass ran
 
 
 @pytest.mark.slow  # four processes
