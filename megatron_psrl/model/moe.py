@@ -44,9 +44,9 @@ def check_moe_settings(arch: ModelArchitecture, overrides: Mapping[str, object],
                        tensor_parallel_size: int = 1) -> None:
     """Refuse MoE settings that this device or megatron_psrl cannot run (one line each)."""
     if tensor_parallel_size > 1:
-        raise ConfigurationError("tensor parallelism with mixture-of-experts models is not supported yet (expert "
-                                 "tensor parallelism is untested); use --expert-model-parallel-size and data "
-                                 "parallelism")
+        raise ConfigurationError("tensor parallelism with mixture-of-experts models is not supported yet (megatron's "
+                                 "MoE layers need sequence parallelism under TP, which megatron_psrl does not have "
+                                 "yet); use --expert-model-parallel-size with data and pipeline parallelism")
     ep = int(overrides.get("expert_model_parallel_size", 1) or 1)
     if arch.num_experts % ep:
         raise ConfigurationError(f"--expert-model-parallel-size {ep} must divide the model's {arch.num_experts} experts")
