@@ -55,28 +55,10 @@ Tensor = torch.Tensor
 def _all_to_all(send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group) -> Tensor:
     """Rows ``send`` split by ``send_counts`` per destination -> rows received per source (see
     the module docstring: an empty split travels as one padding row, dropped on arrival)."""
-    send_counts, recv_counts = list(map(int, send_counts)), list(map(int, recv_counts))
-    row_shape = tuple(send.shape[1:])
-    send = send.contiguous()
-    if all(send_counts) and all(recv_counts):
-        out = send.new_empty((sum(recv_counts),) + row_shape)
-        dist.all_to_all_single(out, send, recv_counts, send_counts, group=group)
-        return out
-    pad = send.new_zeros((1,) + row_shape)
-    pieces, offset = [], 0
-    for count in send_counts:
-        pieces.append(send[offset:offset + count] if count else pad)
-        offset += count
-    padded_recv = [max(count, 1) for count in recv_counts]
-    out = send.new_empty((sum(padded_recv),) + row_shape)
-    dist.all_to_all_single(out, torch.cat(pieces), padded_recv, [max(count, 1) for count in send_counts],
+    out = send.new_empty((sum(padded_counts(recv_counts)),) + tuple(send.shape[1:]))
+    dist.all_to_all_single(out, _pad_rows(send, send_counts), padded_counts(recv_counts), padded_counts(send_counts),
                            group=group)
-    kept, offset = [], 0
-    for count, padded in zip(recv_counts, padded_recv):
-        if count:
-            kept.append(out[offset:offset + count])
-        offset += padded
-    return torch.cat(kept) if kept else out[:0]
+    return _unpad_rows(out, recv_counts)
 
 
 class ExchangeKV(torch.autograd.Function):
