@@ -9,38 +9,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers.batches import cross_rank_batch
-from helpers.families import PARALLEL_CONFIGS
-from helpers.hf_reference import (
-    assert_grads_close,
-    hf_grads_to_mcore,
-    load_hf_model,
-    make_hf_checkpoint,
-    per_sample_logprobs,
-    per_sample_loss_and_grads,
-)
+from helpers.cross_rank_reference import cross_rank_reference
+from helpers.hf_reference import assert_grads_close
 from helpers.torchrun import run_torchrun
 
-from megatron_psrl.model import ModelArchitecture
-
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "cross_rank_step.py")
-CONFIGS = PARALLEL_CONFIGS
-_REFS = {}
-
-
-def _reference(family, kind, tmp_path_factory):
-    key = (family, kind)
-    if key not in _REFS:
-        hf_dir = _REFS.get(family) or make_hf_checkpoint(CONFIGS[family], seed=1,
-                                                         directory=str(tmp_path_factory.mktemp(family)))
-        _REFS[family] = hf_dir
-        hf = load_hf_model(hf_dir)
-        batch = cross_rank_batch(kind)
-        loss, grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
-        arch = ModelArchitecture.from_hf_dir(hf_dir)
-        _REFS[key] = (hf_dir, loss, hf_grads_to_mcore(grads, arch), per_sample_logprobs(hf, batch))
-    return _REFS[key]
-
 
 LAYOUTS = {  # name: (family, nproc, tp, cp)
     "dp2": ("llama", 2, 1, 1),
@@ -66,7 +39,7 @@ CASES += [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_cross_rank_step_matches_reference(case, tmp_path, tmp_path_factory):
     name, family, kind, nproc, tp, cp, kv_budget = case
-    hf_dir, ref_loss, ref_grads, ref_logprobs = _reference(family, kind, tmp_path_factory)
+    hf_dir, ref_loss, ref_grads, ref_logprobs = cross_rank_reference(family, kind, tmp_path_factory)
     out = tmp_path / "result.pt"
     run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--batch", kind, "--tp", str(tp), "--cp", str(cp), "--budget", "64",
                           "--kv-budget", str(kv_budget), "--out", str(out)], nproc=nproc)

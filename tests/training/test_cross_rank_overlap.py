@@ -10,19 +10,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers.batches import cross_rank_batch
-from helpers.families import PARALLEL_CONFIGS
-from helpers.hf_reference import (
-    assert_grads_close,
-    hf_grads_to_mcore,
-    load_hf_model,
-    make_hf_checkpoint,
-    per_sample_logprobs,
-    per_sample_loss_and_grads,
-)
+from helpers.cross_rank_reference import cross_rank_reference
+from helpers.hf_reference import assert_grads_close
 from helpers.torchrun import run_torchrun
-
-from megatron_psrl.model import ModelArchitecture
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "cross_rank_overlap_step.py")
 CASES = [  # (id, batch, nproc, cp, kv budget)
@@ -31,29 +21,12 @@ CASES = [  # (id, batch, nproc, cp, kv budget)
     ("cp2-one-tree-tight-kv", "one-tree", 2, 2, 256 * 1024),
 ]
 
-_REFS = {}
-
-
-def _reference(kind, tmp_path_factory):
-    """(HF dir, loss, gradients by megatron name, log-probs) of the per-sample reference (as in
-    test_cross_rank_exactness.py)."""
-    if kind not in _REFS:
-        hf_dir = _REFS.get("dir") or make_hf_checkpoint(PARALLEL_CONFIGS["llama"], seed=1,
-                                                        directory=str(tmp_path_factory.mktemp("llama")))
-        _REFS["dir"] = hf_dir
-        hf = load_hf_model(hf_dir)
-        batch = cross_rank_batch(kind)
-        loss, grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
-        arch = ModelArchitecture.from_hf_dir(hf_dir)
-        _REFS[kind] = (hf_dir, loss, hf_grads_to_mcore(grads, arch), per_sample_logprobs(hf, batch))
-    return _REFS[kind]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_overlapped_and_synchronous_exchange_match_reference(case, tmp_path, tmp_path_factory):
     name, kind, nproc, cp, kv_budget = case
-    hf_dir, ref_loss, ref_grads, ref_logprobs = _reference(kind, tmp_path_factory)
+    hf_dir, ref_loss, ref_grads, ref_logprobs = cross_rank_reference("llama", kind, tmp_path_factory)
     results = {}
     for overlap in ("on", "off"):
         out = tmp_path / f"result-{overlap}.pt"
