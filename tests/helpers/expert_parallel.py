@@ -1,13 +1,16 @@
-"""The expert-parallel gradient check shared by the MoE torchrun scripts: every parameter this
-rank holds against the per-sample reference (dense ones summed over the data-parallel ranks,
-this rank's experts renumbered to their global index, a pipeline stage's layers to theirs)."""
+"""The expert-parallel checks shared by the MoE torchrun scripts: every parameter this rank
+holds against the per-sample reference (dense ones summed over the data-parallel ranks, this
+rank's experts renumbered to their global index, a pipeline stage's layers to theirs), the
+log-probs, and one SGD step."""
 
 import re
 from typing import Callable, Dict
 
+import numpy as np
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from helpers.hf_reference import per_sample_logprobs
 from megatron_psrl.model.adapters import get_adapter, unfuse_experts
 from megatron_psrl.model.moe import expert_index
 
@@ -46,3 +49,27 @@ def assert_rank_grads_match(actor, ref_grads: Dict[str, torch.Tensor], ep_rank: 
         worst = max(worst, err / (scale + 1e-30))
         assert err <= rel * scale + 1e-9, (name, err, scale)
     return worst
+
+
+def assert_logprobs_match(actor, records, hf, batch, atol: float = 1e-5) -> float:
+    """``actor.compute_logprobs(records)`` within ``atol`` of the per-sample HF model's; the worst error."""
+    ours = actor.compute_logprobs(records)
+    err = max(float(np.abs(a - b).max()) for a, b in zip(ours, per_sample_logprobs(hf, batch)))
+    assert err <= atol, err
+    return err
+
+
+def assert_sgd_step_matches(actor, records, ref_loss: float, ref_grads: Dict[str, torch.Tensor], ep_rank: int,
+                            ep_size: int) -> dict:
+    """One ``train_step`` of an actor built with SGD, lr 1 and no clipping, through megatron's
+    optimizer: the loss is the reference's and every parameter moved by minus the reference
+    gradient; the step's metrics."""
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    metrics = actor.train_step(records)
+    assert abs(metrics["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (metrics["loss"], ref_loss)
+    reference = rank_reference(actor, ref_grads, ep_rank, ep_size)
+    for name, p in actor.model.named_parameters():
+        expected = reference(name)
+        err = float((before[name] - p.detach() - expected).abs().max())
+        assert err <= 1e-5 * float(expected.abs().max()) + 2e-7 * float(before[name].abs().max()) + 1e-9, name
+    return metrics

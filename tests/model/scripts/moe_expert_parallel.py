@@ -12,14 +12,17 @@ Usage: moe_expert_parallel.py HF_DIR [MICRO_BATCH_TOKENS] [SHARING] [NUM_ROOTS]
 import sys
 import warnings
 
-import numpy as np
 import torch
 
 warnings.filterwarnings("ignore")
 
 from helpers.batches import random_tree_records  # noqa: E402
-from helpers.expert_parallel import assert_rank_grads_match, rank_reference  # noqa: E402
-from helpers.hf_reference import load_hf_model, per_sample_logprobs, per_sample_loss_and_grads  # noqa: E402
+from helpers.expert_parallel import (  # noqa: E402
+    assert_logprobs_match,
+    assert_rank_grads_match,
+    assert_sgd_step_matches,
+)
+from helpers.hf_reference import load_hf_model, per_sample_loss_and_grads  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor  # noqa: E402
@@ -41,10 +44,7 @@ def main() -> None:
     assert parallel_state.get_expert_model_parallel_world_size() == 2
     hf = load_hf_model(hf_dir)
 
-    ours = actor.compute_logprobs(records)
-    ref = per_sample_logprobs(hf, batch)
-    lp_err = max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
-    assert lp_err <= 1e-5, lp_err
+    lp_err = assert_logprobs_match(actor, records, hf, batch)
 
     ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
 
@@ -57,14 +57,7 @@ def main() -> None:
     actor.zero_grad()
 
     # one SGD step (lr 1) through megatron's optimizer: the update is minus those gradients
-    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
-    metrics = actor.train_step(records)
-    assert abs(metrics["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (metrics["loss"], ref_loss)
-    reference = rank_reference(actor, ref_grads, ep_rank, 2)
-    for name, p in actor.model.named_parameters():
-        expected = reference(name)
-        err = float((before[name] - p.detach() - expected).abs().max())
-        assert err <= 1e-5 * float(expected.abs().max()) + 2e-7 * float(before[name].abs().max()) + 1e-9, name
+    metrics = assert_sgd_step_matches(actor, records, ref_loss, ref_grads, ep_rank, 2)
     print(f"rank {torch.distributed.get_rank()} ep_rank {ep_rank}: logprob err {lp_err:.2e}, loss {metrics['loss']:.6f} "
           f"(ref {ref_loss:.6f}), worst grad rel err {worst:.2e}, micro-batches {metrics['micro_batches']}, "
           f"tokens computed {metrics['tokens_computed']} of {metrics['tokens_total']}, empty passes {empty}",

@@ -15,14 +15,13 @@ import sys
 import warnings
 from collections import Counter
 
-import numpy as np
 import torch
 
 warnings.filterwarnings("ignore")
 
 from helpers.batches import random_tree_records  # noqa: E402
-from helpers.expert_parallel import assert_rank_grads_match  # noqa: E402
-from helpers.hf_reference import load_hf_model, per_sample_logprobs, per_sample_loss_and_grads  # noqa: E402
+from helpers.expert_parallel import assert_logprobs_match, assert_rank_grads_match  # noqa: E402
+from helpers.hf_reference import load_hf_model, per_sample_loss_and_grads  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from model.test_moe_router_losses import replayed, with_routes  # noqa: E402
 
@@ -49,10 +48,7 @@ def main() -> None:
     assert parallel_state.get_expert_model_parallel_world_size() == 2
     hf = load_hf_model(hf_dir)
 
-    ours = actor.compute_logprobs(records)
-    ref = per_sample_logprobs(hf, batch)
-    lp_err = max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
-    assert lp_err <= 1e-5, lp_err
+    lp_err = assert_logprobs_match(actor, records, hf, batch)
 
     ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
     empty_kinds.clear()

@@ -12,13 +12,12 @@ Usage: moe_router_replay.py HF_DIR [MICRO_BATCH_TOKENS]
 import sys
 import warnings
 
-import numpy as np
 import torch
 
 warnings.filterwarnings("ignore")
 
-from helpers.expert_parallel import assert_rank_grads_match  # noqa: E402
-from helpers.hf_reference import load_hf_model, per_sample_logprobs, per_sample_loss_and_grads  # noqa: E402
+from helpers.expert_parallel import assert_logprobs_match, assert_rank_grads_match  # noqa: E402
+from helpers.hf_reference import load_hf_model, per_sample_loss_and_grads  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from model.test_router_replay import LOSS, replayed, routed_records  # noqa: E402
 
@@ -37,11 +36,8 @@ def main() -> None:
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     hf = load_hf_model(hf_dir)
 
-    ours = actor.compute_logprobs(records)
     with replayed(hf, batch):
-        ref = per_sample_logprobs(hf, batch)
-    lp_err = max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
-    assert lp_err <= 1e-5, lp_err
+        lp_err = assert_logprobs_match(actor, records, hf, batch)
 
     with replayed(hf, batch):
         ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
