@@ -18,21 +18,24 @@ def plain_tensors(it_dir: str) -> Dict[str, torch.Tensor]:
         return dist_checkpointing.load_plain_tensors(it_dir)
 
 
-def check_rank_against_checkpoint(actor, it_dir: str, plain: Dict[str, torch.Tensor] = None) -> Dict[str, int]:
+def check_rank_against_checkpoint(actor, it_dir: str, plain: Dict[str, torch.Tensor] = None) -> Dict[str, object]:
     """Assert that this rank's weights and optimizer state (Adam moments, fp32 masters) are,
     bit for bit, their slices of the checkpoint's global tensors, wherever the checkpoint was
     saved from (the slices are where this rank's layout puts them: megatron's sharding
-    metadata). Returns how many model / optimizer slices were compared."""
+    metadata). Returns how many model / optimizer slices were compared, and the global indices
+    of the MoE experts among them (``experts``)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from megatron_psrl.checkpoint.dist_format import model_sharded_state_dict
+    from megatron_psrl.checkpoint.expert_parallel import strip_chained_prefixes
 
     plain = plain if plain is not None else plain_tensors(it_dir)
     model_sd = model_sharded_state_dict(actor.model)
-    state = {"model": model_sd, "optimizer": actor.optimizer.sharded_state_dict(model_sd)}
+    # the optimizer's keys as the checkpoint stores them (one per parameter, whatever the EP size)
+    state = {"model": model_sd, "optimizer": strip_chained_prefixes(actor.optimizer.sharded_state_dict(model_sd))}
     apply_factories(state)
-    counts = {"model": 0, "optimizer": 0}
+    counts = {"model": 0, "optimizer": 0, "experts": set()}
     for part, sub in state.items():
         for sh in nested_values(sub):
             if not isinstance(sh, ShardedTensor) or sh.key.endswith("_extra_state"):
@@ -40,9 +43,13 @@ def check_rank_against_checkpoint(actor, it_dir: str, plain: Dict[str, torch.Ten
             assert sh.key in plain, sh.key
             saved = plain[sh.key][sh.global_slice()]
             local = sh.data
-            if saved.shape != local.shape:  # the vocabulary padded for another TP size
+            vocab = "word_embeddings" in sh.key or "output_layer" in sh.key
+            if vocab and saved.shape != local.shape:  # the vocabulary padded for another TP size
                 rows = min(saved.shape[0], local.shape[0])
                 saved, local = saved[:rows], local[:rows]
             assert saved.dtype == local.dtype and torch.equal(saved, local.detach().cpu()), (sh.key, sh.global_offset)
             counts[part] += 1
+            if ".experts." in sh.key:  # [layers, experts, ...]: the expert axis is the second
+                counts["experts"].add(sh.global_offset[1])
+    counts["experts"] = sorted(counts["experts"])
     return counts

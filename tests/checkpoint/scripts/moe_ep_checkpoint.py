@@ -20,44 +20,14 @@ import json
 import warnings
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from helpers.batches import random_tree_records
-from helpers.dist_ckpt import plain_tensors
+from helpers.dist_ckpt import check_rank_against_checkpoint
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
-from megatron_psrl.checkpoint.dist_format import model_sharded_state_dict
-from megatron_psrl.checkpoint.expert_parallel import strip_chained_prefixes
 from megatron_psrl.checkpoint.layout import read_checkpoint_info
 
 LOSS = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
-
-
-def check_rank_against_checkpoint(actor, it_dir: str) -> dict:
-    """Every ShardedTensor of this rank's model and optimizer state equals its slice of the
-    checkpoint's global tensor bit for bit (asserted); returns counts, and the global indices
-    of the experts this rank compared."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    plain = plain_tensors(it_dir)
-    model_sd = model_sharded_state_dict(actor.model)
-    state = {"model": model_sd, "optimizer": strip_chained_prefixes(actor.optimizer.sharded_state_dict(model_sd))}
-    apply_factories(state)
-    counts = {"model": 0, "optimizer": 0, "experts": set()}
-    for part, sub in state.items():
-        for sh in nested_values(sub):
-            if not isinstance(sh, ShardedTensor) or sh.key.endswith("_extra_state"):
-                continue
-            assert sh.key in plain, sh.key
-            saved = plain[sh.key][sh.global_slice()]
-            local = sh.data.detach().cpu()
-            assert saved.dtype == local.dtype and torch.equal(saved, local), (sh.key, sh.global_offset)
-            counts[part] += 1
-            if ".experts." in sh.key:  # [layers, experts, ...]: the expert axis is the second
-                counts["experts"].add(sh.global_offset[1])
-    counts["experts"] = sorted(counts["experts"])
-    return counts
 
 
 def run(source: str, ep: int, steps: int, save: Optional[str] = None, check: bool = False,
