@@ -75,6 +75,13 @@ are, why, and what dropping each one would take:
    ``maybe_move_tensor_to_cpu`` does only for CUDA tensors. The routing, permutation, expert
    and all-to-all code is megatron's own. Nothing changes on CUDA. Dropping it needs
    device-agnostic allocations and streams upstream.
+9. ``install_cpu_sequence_parallel_shims``: under sequence parallelism megatron's parallel
+   linear layers (``tensor_parallel/layers.py``: the backward's gathered input and its
+   reduce-scattered gradient) and ``tensor_parallel/mappings.py`` (the scatter / gather /
+   reduce-scatter along the sequence) allocate on ``torch.cuda.current_device()``; their
+   collectives are plain ``torch.distributed`` and run over gloo. On CPU those modules see the
+   ``torch`` of item 4. Nothing changes on CUDA. Dropping it needs device-agnostic allocations
+   upstream.
 
 Design choices that are *not* workarounds (they hold on GPU too): RoPE frequencies come from
 explicit per-token position ids (megatron's RotaryEmbedding knows only 0..S-1) and the core
@@ -434,6 +441,18 @@ def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = Fals
     if torch.is_tensor(tensor) and as_numpy:
         return tensor.numpy()
     return tensor
+
+
+_SEQUENCE_PARALLEL_MODULES = ("megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
+                              "megatron.core.utils")
+
+
+def install_cpu_sequence_parallel_shims(device: torch.device) -> None:
+    """Let megatron's parallel linear layers and sequence-parallel mappings allocate on the CPU
+    (item 9); nothing on CUDA. Idempotent."""
+    if on_cuda(device):
+        return
+    _give_cpu_torch(_SEQUENCE_PARALLEL_MODULES)
 
 
 def install_cpu_moe_shims(device: torch.device) -> None:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -122,6 +123,12 @@ class PrefixSharingAttention(MegatronModule):
                 raise ValueError("a tree-packed micro-batch has batch size 1 ([t, 1, np, hn])")
             q, k, v = query[:, 0], key[:, 0], value[:, 0]
             meta = packed_seq_params
+            # Sequence parallelism pads a pack to a multiple of TP rows: the padding rows take
+            # no part (their output is zero; megatron_psrl.model.sequence_parallel).
+            rows = meta.plan.num_keys if meta.plan.num_keys is not None else meta.plan.num_tokens
+            padding = q.shape[0] - rows if meta.query_rows is None else 0
+            if padding > 0:
+                q, k, v = q[:rows], k[:rows], v[:rows]
             external = ()
             if meta.kv_hook is not None:
                 replaced = meta.kv_hook.on_kv(self.layer_number, k, v)
@@ -136,7 +143,8 @@ class PrefixSharingAttention(MegatronModule):
             after = getattr(meta.kv_hook, "after_attention", None)
             if after is not None:  # an overlapped exchange: rows no attention waited for
                 after(self.layer_number)
-            return out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hn] ([n, 1, np*hn] with query_rows)
+            out = out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hn] ([n, 1, np*hn] with query_rows)
+            return F.pad(out, (0, 0, 0, 0, 0, padding)) if padding > 0 else out
 
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # query [t, np, hn]; causal within every cu_seqlens segment.

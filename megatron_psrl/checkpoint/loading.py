@@ -136,9 +136,11 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
     first, last, offset = stage == 0, stage == len(counts) - 1, sum(counts[:stage])
     ng, hd, rep = arch.num_kv_heads // tp, arch.head_dim, arch.num_attention_heads // arch.num_kv_heads
     ffn = arch.ffn_hidden_size // tp
+    shared = (arch.moe_shared_expert_ffn_hidden_size or 0) // tp  # a shared expert splits like the MLP
     vocab_rows = arch.padded_vocab_size(tp) // tp
     local = dataclasses.replace(arch, num_attention_heads=ng * rep, num_kv_heads=ng, ffn_hidden_size=ffn,
-                                num_layers=counts[stage])
+                                num_layers=counts[stage],
+                                moe_shared_expert_ffn_hidden_size=shared or arch.moe_shared_expert_ffn_hidden_size)
     heads = (tp_rank * ng * rep * hd, (tp_rank + 1) * ng * rep * hd)  # this rank's query rows
     groups = (tp_rank * ng * hd, (tp_rank + 1) * ng * hd)  # its key / value rows
     block = (tp_rank * ffn, (tp_rank + 1) * ffn)  # its FFN rows (gate, up) / columns (down)
@@ -177,7 +179,11 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
             return reader.get_slice(full_name, 0, *block, shape)
         if suffix == "mlp.down_proj.weight":
             return reader.get_slice(full_name, 1, *block, shape)
-        return reader.get(full_name, shape)  # norms (replicated)
+        if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
+            return reader.get_slice(full_name, 0, tp_rank * shared, (tp_rank + 1) * shared, shape)
+        if suffix == "mlp.shared_expert.down_proj.weight":
+            return reader.get_slice(full_name, 1, tp_rank * shared, (tp_rank + 1) * shared, shape)
+        return reader.get(full_name, shape)  # norms, routers, whole experts (replicated)
 
     shard = {name: t for name, t in get_adapter(local).hf_to_mcore(get) if not t.is_meta}
     if arch.is_moe:

@@ -8,7 +8,12 @@ Rules follow megatron's parallel layers (names of the local layer spec):
 | ``linear_qkv.weight/bias`` | by key/value group (each rank: its groups' q, k, v rows) |
 | ``linear_fc1.weight`` | gate and up halves split separately, then stacked per rank |
 | ``linear_proj.weight``, ``linear_fc2.weight`` | input columns |
-| norms, q/k norms | replicated |
+| norms, q/k norms, MoE router, shared-expert gate | replicated |
+| routed experts (``mlp.experts.``) | replicated: whole on every TP rank (expert TP = 1; expert
+  parallelism splits them instead, ``megatron_psrl.model.moe.local_experts``) |
+
+A shared expert (``mlp.shared_experts.linear_fc1/fc2``) splits like the dense MLP, as megatron's
+``SharedExpertMLP`` (the attention's tensor parallelism) does.
 
 Pipeline stage p holds layers ``[p*L/PP, (p+1)*L/PP)`` renumbered from 0 (megatron's legacy
 checkpoint convention), the embedding on the first stage, the final norm and output layer on
@@ -36,9 +41,11 @@ _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 def shard_kind(name: str) -> str:
     """How tensor parallelism splits the megatron parameter ``name``: ``vocab`` (rows, padded
     vocabulary), ``qkv`` (per query group), ``fc1`` (gate and up halves separately), ``row``
-    (columns) or ``replicated``."""
+    (columns) or ``replicated`` (routed experts too: expert tensor parallelism is 1)."""
     if name in _VOCAB:
         return "vocab"
+    if ".mlp.experts." in name:  # routed experts: expert tensor parallelism 1
+        return "replicated"
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         return "qkv"
     if name.endswith("linear_fc1.weight"):
@@ -65,6 +72,11 @@ def _tp_split(name: str, t: Tensor, arch: ModelArchitecture, tp: int) -> List[Te
         gate, up = torch.chunk(t, 2, dim=0)
         return [torch.cat([g, u], 0) for g, u in zip(torch.chunk(gate, tp, 0), torch.chunk(up, tp, 0))]
     return [c.clone() for c in torch.chunk(t, tp, dim=1)]  # row parallel
+
+
+def tp_shard(name: str, tensor: Tensor, arch: ModelArchitecture, tp: int, tp_rank: int) -> Tensor:
+    """Tensor-parallel rank ``tp_rank``'s shard of the full tensor of ``name``."""
+    return _tp_split(name, tensor, arch, tp)[tp_rank]
 
 
 def tp_merge(name: str, shards: List[Tensor], arch: ModelArchitecture) -> Tensor:

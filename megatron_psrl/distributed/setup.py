@@ -158,10 +158,11 @@ def initialize_parallel(
                 f"{layout} needs {model_ranks} processes, this is one: launch with "
                 f"`torchrun --nproc_per_node {model_ranks} ...` (or a multiple of {model_ranks} for data parallelism)")
         raise ConfigurationError(f"world size {world} is not a multiple of {layout}")
-    if expert_model_parallel_size < 1 or (world // (tensor_parallel_size * pipeline_parallel_size)) % expert_model_parallel_size:
+    if expert_model_parallel_size < 1 or (world // pipeline_parallel_size) % expert_model_parallel_size:
+        # (expert tensor parallelism 1: experts are split over the data x context x tensor parallel ranks)
         raise ConfigurationError(f"--expert-model-parallel-size {expert_model_parallel_size} must divide the "
-                                 f"{world // (tensor_parallel_size * pipeline_parallel_size)} data x context "
-                                 "parallel ranks (experts are split over data-parallel ranks)")
+                                 f"{world // pipeline_parallel_size} ranks of a pipeline stage (experts are split "
+                                 "over the data- and tensor-parallel ranks)")
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size
@@ -174,7 +175,7 @@ def initialize_parallel(
         # Its sub-groups get the same timeout (megatron takes minutes; fractions work).
         parallel_state.initialize_model_parallel(
             tensor_parallel_size, pipeline_parallel_size, context_parallel_size=context_parallel_size,
-            expert_model_parallel_size=expert_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size, expert_tensor_parallel_size=1,
             distributed_timeout_minutes=timeout_delta(timeout_minutes).total_seconds() / 60.0,
         )
     seed_model_parallel_rng(seed, dev)

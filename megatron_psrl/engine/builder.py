@@ -190,7 +190,7 @@ def model_and_optimizer(source: ModelSource, config: ActorConfig, layout: Parall
     (for training) the optimizer with the checkpoint's state when it has one."""
     device, dtype = layout.device, config.torch_dtype
     uneven = not isinstance(split, int)
-    overrides = dict(overrides, **moe_overrides(config, source_architecture(source)))
+    overrides = dict(overrides, **config.parallel_overrides(), **moe_overrides(config, source_architecture(source)))
     arch, model, optimizer_state = load_model(
         source, dtype=dtype, device=device, transformer_impl=impl, pipeline_layers=split if uneven else None,
         virtual_pipeline_size=vpp, config_overrides=overrides)

@@ -36,6 +36,13 @@ class ActorConfig:
     tensor_model_parallel_size: int = 1
     """TP size (``--tensor-model-parallel-size``)."""
 
+    sequence_parallel: bool = False
+    """With TP > 1, megatron's sequence parallelism (``--sequence-parallel``): outside attention each
+    tensor-parallel rank holds a share of a micro-batch's rows (a pack is padded to a multiple of
+    TP; docs/architecture.md). Less activation memory; needed by mixture-of-experts models under
+    TP. The last layer then computes every row (``last_layer_row_skip`` has no effect). No effect
+    with TP = 1."""
+
     pipeline_model_parallel_size: int = 1
     """PP size: stages of layers; trees are placed on whole pipelines, or with ``placement``
     ``cross-rank`` spread over them, stage exchanging with stage (docs/architecture.md)."""
@@ -86,7 +93,8 @@ class ActorConfig:
     """CP size: a CP group shares the fragments of the same trees (``--context-parallel-size``)."""
 
     expert_model_parallel_size: int = 1
-    """MoE models: EP size, the experts split over that many data-parallel ranks
+    """MoE models: EP size, the experts split over that many ranks of a stage (tensor-parallel,
+    then data-parallel ranks; with TP > 1 it needs ``sequence_parallel``)
     (``--expert-model-parallel-size``; docs/moe.md)."""
 
     moe_token_dispatcher_type: str = "allgather"
@@ -226,17 +234,21 @@ class ActorConfig:
                                      "run one by one (megatron's SequentialMLP)")
         if self.expert_model_parallel_size > 1:
             unsupported = [what for what, on in (
-                ("--tensor-model-parallel-size > 1", self.tensor_model_parallel_size > 1),
                 ("--context-parallel-size > 1", self.context_parallel_size > 1),
                 ("virtual pipeline stages", self.num_layers_per_virtual_pipeline_stage is not None),
                 ("--placement cross-rank", self.placement == "cross-rank")) if on]
             if unsupported:
                 raise ConfigurationError(f"--expert-model-parallel-size > 1 with {', '.join(unsupported)} is not "
-                                         "supported yet (expert parallelism runs with data and pipeline parallelism only)")
+                                         "supported yet (expert parallelism runs with data, tensor and pipeline "
+                                         "parallelism)")
             if self.moe_token_dispatcher_type != "alltoall":
                 raise ConfigurationError("--expert-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall: "
                                          "the allgather dispatcher needs the same token count on every expert-parallel "
                                          "rank, and tree-packed micro-batches differ")
+
+    def parallel_overrides(self) -> dict:
+        """megatron TransformerConfig fields of the parallel layout beyond the group sizes."""
+        return dict(sequence_parallel=True) if self.sequence_parallel and self.tensor_model_parallel_size > 1 else {}
 
     def moe_overrides(self) -> dict:
         """megatron TransformerConfig fields of the MoE flags (used for MoE models only)."""

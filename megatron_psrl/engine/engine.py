@@ -39,6 +39,7 @@ from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.moe import ExpertLoad, expert_load_summary
+from megatron_psrl.model.sequence_parallel import sequence_parallel_group
 from megatron_psrl.model.stages import stage_counts, virtual_stages
 from megatron_psrl.rl.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.tree.build import build_prefix_tree
@@ -213,6 +214,9 @@ class Engine:
             if expert_load.layer_numbers:  # (an MoE model: the same layers on every rank of the group)
                 counts = expert_load.counts(self.layout.device).double()
                 dist.all_reduce(counts, group=gradient_group())  # the tokens of every data x context rank
+                rows_split = sequence_parallel_group(self.model.config)
+                if rows_split is not None:  # sequence parallelism: each TP rank routed its share of the rows
+                    dist.all_reduce(counts, group=rows_split)
                 metrics["moe_expert_load"] = expert_load_summary(counts)
         total = float(sums[0]) if sequence_loss is None else float(self._sequence_value) + sum(
             float(metrics.get(k, 0.0)) for k in ("moe_z_loss", "moe_aux_loss"))  # (sums[0] has the router losses)

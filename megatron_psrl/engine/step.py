@@ -551,8 +551,12 @@ class StepRunner:
         layers = [layer for chunk in chunks for layer in moe_layers(chunk)]
         config = chunks[0].config
         # (activation recomputation: the empty passes checkpoint the MoE layers as the model does)
+        from megatron.core import parallel_state
+
+        # (the TP ranks of a data-parallel rank run its passes together: one participant)
         self._lockstep = ExpertLockstep(layers, self.expert_group, passes, config.hidden_size, config.params_dtype,
-                                        self.device, units=recompute_units(chunks))
+                                        self.device, units=recompute_units(chunks),
+                                        peer_key=parallel_state.get_data_parallel_rank(with_context_parallel=True))
         return self._lockstep.own
 
     def _finish_lockstep(self) -> None:

@@ -27,7 +27,9 @@ replica, with no traffic between replicas (a caller that needs one copy only, su
 :meth:`~megatron_psrl.rl.actor.PolicyActor.export_hf`, streams on the ranks of
 :func:`streams_one_copy`). With EP > 1 the ranks of an expert-parallel group are data-parallel
 ranks of the dense weights: each streams the dense tensors of its own replica (equal bit for
-bit) and the experts of all of them.
+bit) and the experts of all of them; with TP > 1 (sequence parallelism) an expert-parallel group
+also holds tensor-parallel ranks of one replica, which hold different experts (whole: expert
+tensor parallelism 1), so experts skip the TP merge and come from their holder alone.
 Every rank of a model-parallel group must consume the stream to its end, at the same pace: each
 bucket is a few collectives inside the group. Tensors are snapshots, never views of the live
 parameters, equal bit for bit to what the model holds.
@@ -50,7 +52,7 @@ from megatron.core import parallel_state
 from megatron_psrl.checkpoint.sharding import LAYER_NAME, shard_kind, tp_merge
 from megatron_psrl.checkpoint.state_dict import canonical_name, canonical_state_dict
 from megatron_psrl.model.adapters import get_adapter
-from megatron_psrl.model.moe import expert_index
+from megatron_psrl.model.moe import expert_index, is_expert_parameter
 from megatron_psrl.model.stages import stage_counts
 
 if TYPE_CHECKING:
@@ -145,6 +147,8 @@ class WeightStream:
         """Whether a tensor is split over TP, from the parameter's own attributes; a layer
         whose split disagrees with the merge rules would be merged wrongly, so it is an error."""
         split = bool(param is not None and getattr(param, "tensor_model_parallel", False))
+        if is_expert_parameter(local_name):  # parallel layers over the expert TP group, of one rank
+            split = False
         kind = shard_kind(local_name)
         if split != (kind != "replicated"):
             raise RuntimeError(f"{local_name}: tensor_model_parallel={split}, but the checkpoint sharding rules "
@@ -216,8 +220,11 @@ class WeightStream:
         full: Dict[str, Tensor] = {}
         gathers, copies = [], []
         tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
-        for name in held:  # the same order on every rank of the TP group
+        for name in held:  # the same order on every rank of the TP group (the experts aside)
             local = self.local[name]
+            if entries[name].ep_owner >= 0:  # a whole expert (expert TP 1): the EP broadcast below
+                full[name] = local.clone()  # (the TP ranks of an EP group hold different experts)
+                continue
             if entries[name].split and self.tp > 1:
                 shards = [torch.empty_like(local) for _ in range(self.tp)]
                 gathers.append((name, shards, dist.all_gather(shards, local.contiguous(), group=tp_group,

@@ -7,7 +7,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 from megatron.core import parallel_state
 
-from megatron_psrl.compat import sync_tied_output_copy
+from megatron_psrl.compat import install_cpu_sequence_parallel_shims, sync_tied_output_copy
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import PsrlGPTModel, PsrlModelChunks, build_transformer_config
 
@@ -24,6 +24,23 @@ def parallel_layout() -> Tuple[int, int, int, int]:
 def expert_parallel_layout() -> Tuple[int, int]:
     """``(expert-parallel rank, expert-parallel size)`` of this rank (``(0, 1)`` without EP)."""
     return (parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size())
+
+
+def sum_expert_gradients_over_expert_data_parallel(chunk: torch.nn.Module) -> None:
+    """Mark every expert parameter as megatron marks them under expert parallelism
+    (``allreduce = False``: its gradient is summed over the expert-data-parallel group).
+
+    megatron marks them so only when EP > 1; with EP = 1 it sums them over the data-parallel
+    ranks as dense parameters. Under sequence parallelism with whole experts (expert TP 1 < TP)
+    each tensor-parallel rank's experts see only its share of the rows, so their gradients must
+    also be summed over the tensor-parallel ranks: the expert-data-parallel group holds both
+    (it is also the group megatron's optimizer computes the experts' share of the gradient norm
+    over, without counting the TP copies twice)."""
+    from megatron_psrl.model.moe import is_expert_parameter
+
+    for name, param in chunk.named_parameters():
+        if is_expert_parameter(name):
+            param.allreduce = False
 
 
 def build_model(
@@ -49,6 +66,8 @@ def build_model(
         install_moe_runtime(device)
     config = build_transformer_config(arch, tp, pp, params_dtype=dtype, device=device, pipeline_layers=pipeline_layers,
                                       virtual_pipeline_size=virtual_pipeline_size, **overrides)
+    if config.sequence_parallel:
+        install_cpu_sequence_parallel_shims(device)
     chunks = []
     for v in range(virtual_pipeline_size):
         chunk = PsrlGPTModel(
@@ -64,5 +83,7 @@ def build_model(
                 if param.is_floating_point() and param.dtype != dtype:
                     param.data = param.data.to(dtype)
         sync_tied_output_copy(chunk)
+        if arch.is_moe and tp > 1:
+            sum_expert_gradients_over_expert_data_parallel(chunk)
         chunks.append(chunk.to(device))
     return chunks[0] if virtual_pipeline_size == 1 else PsrlModelChunks(chunks)

@@ -11,7 +11,10 @@ parallel layers) with three differences, all needed by tree packing:
   that need them (``output_logits``), because most tokens of a pack carry no loss;
 - the last layer (:class:`PsrlTransformerLayer`) goes past its K/V projection only for the
   rows whose final hidden state is read (``TreeAttentionMetadata.output_rows``): every row's
-  K/V are keys of the rows kept, nothing reads the other rows' outputs.
+  K/V are keys of the rows kept, nothing reads the other rows' outputs;
+- under sequence parallelism a pack is padded to a multiple of TP rows before the embedding is
+  scattered and gathered back to its ``t`` rows at the end
+  (:mod:`megatron_psrl.model.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -33,6 +37,13 @@ from megatron_psrl.attention import PrefixSharingAttention, TreeAttentionMetadat
 from megatron_psrl.compat import keeps_cuda_embedding_sync, quiet_expected_import_warnings, transformer_config_overrides
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.sequence_parallel import (
+    SequenceParallelTorchNorm,
+    padded_rows,
+    padding_mask,
+    tensor_parallel_rank_and_size,
+    with_sequence_parallel_norms,
+)
 from megatron_psrl.model.stages import pipeline_layer_counts
 
 quiet_expected_import_warnings()
@@ -135,6 +146,7 @@ def moe_config_fields(arch: ModelArchitecture) -> dict:
         moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
         moe_shared_expert_gate=arch.moe_shared_expert_gate,
         moe_shared_expert_overlap=False,
+        expert_tensor_parallel_size=1,  # whole experts on every rank that holds them (EP splits them)
     )
 
 
@@ -151,8 +163,9 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=grouped,
                                                           qk_layernorm=arch.qk_norm)
     elif transformer_impl == "local":
-        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped, normalization="RMSNorm",
-                                        qk_layernorm=arch.qk_norm)
+        # (torch norms that also run under sequence parallelism; as megatron's without it)
+        spec = with_sequence_parallel_norms(get_gpt_layer_local_spec(
+            num_experts=experts, moe_grouped_gemm=grouped, normalization="RMSNorm", qk_layernorm=arch.qk_norm))
     else:
         raise ConfigurationError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
     spec.submodules.self_attention.submodules.core_attention = PrefixSharingAttention
@@ -253,10 +266,15 @@ class PsrlGPTModel(GPTModel):
         transformer_impl: str = "local",
         vp_stage: Optional[int] = None,
     ):
+        layer_spec = _with_row_skip(build_layer_spec(
+            arch, transformer_impl, moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False)))
+        if config.sequence_parallel and transformer_impl == "local":
+            # megatron's block builds its final norm from its own default (WrappedTorchNorm)
+            layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage),
+                                                    layer_norm=SequenceParallelTorchNorm)
         super().__init__(
             config=config,
-            transformer_layer_spec=_with_row_skip(build_layer_spec(
-                arch, transformer_impl, moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False))),
+            transformer_layer_spec=layer_spec,
             vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,
@@ -264,10 +282,18 @@ class PsrlGPTModel(GPTModel):
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="none",
+            # sequence parallelism: forward pads the pack to a multiple of TP, then scatters
+            scatter_embedding_sequence_parallel=False,
             vp_stage=vp_stage,
         )
         self.arch = arch
         self.rotary_frequencies = RotaryFrequencies(arch)
+        if config.sequence_parallel and post_process:
+            # forward gathers the final rows (the loss head picks rows of the whole pack): the
+            # output layer then runs as without sequence parallelism, its input gradient summed
+            # over the TP ranks (each computed its vocabulary slice's share)
+            self.output_layer.sequence_parallel = False
+            self.output_layer.allreduce_dgrad = config.tensor_model_parallel_size > 1
 
     def forward(  # type: ignore[override]
         self,
@@ -291,15 +317,39 @@ class PsrlGPTModel(GPTModel):
             metadata names them and the last layer could skip the others
             (:class:`PsrlTransformerLayer`; the row count tells).
         """
+        if not self.config.sequence_parallel:
+            if decoder_input is None and self.pre_process:
+                decoder_input = self.embedding(input_ids=input_ids[None, :], position_ids=None)  # [t, 1, h]
+            rotary = self.rotary_frequencies(position_ids)  # [t, 1, 1, rot_dim]
+            return self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary,
+                                packed_seq_params=attention_metadata)
+        return self._sequence_parallel_forward(input_ids, position_ids, attention_metadata, decoder_input)
+
+    def _sequence_parallel_forward(self, input_ids, position_ids: Tensor, attention_metadata: TreeAttentionMetadata,
+                                   decoder_input: Optional[Tensor]) -> Tensor:
+        """:meth:`forward` under sequence parallelism: the pack's ``t`` rows padded to ``t'``, a
+        multiple of TP, each rank's share ``[t' / TP, 1, h]`` through the decoder, the last
+        stage's rows gathered and cut back to ``[t, 1, h]`` (:mod:`~megatron_psrl.model.sequence_parallel`)."""
+        from megatron.core import tensor_parallel
+
+        rows = position_ids.shape[0]
+        rank, tp = tensor_parallel_rank_and_size()
+        pad = padded_rows(rows, tp) - rows
         if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids[None, :], position_ids=None)  # [t, 1, h]
-        rotary = self.rotary_frequencies(position_ids)  # [t, 1, 1, rot_dim]
-        return self.decoder(
-            hidden_states=decoder_input,
-            attention_mask=None,
-            rotary_pos_emb=rotary,
-            packed_seq_params=attention_metadata,
-        )
+            embedded = self.embedding(input_ids=input_ids[None, :], position_ids=None)  # [t, 1, h] on every TP rank
+            if pad:
+                embedded = F.pad(embedded, (0, 0, 0, 0, 0, pad))
+            decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(embedded)  # [t' / TP, 1, h]
+        positions = F.pad(position_ids, (0, pad)) if pad else position_ids
+        hidden = self.decoder(hidden_states=decoder_input, attention_mask=None,
+                              rotary_pos_emb=self.rotary_frequencies(positions),  # [t', 1, 1, rot_dim]
+                              packed_seq_params=attention_metadata,
+                              padding_mask=padding_mask(rows, rank, tp, position_ids.device))
+        if not self.post_process:
+            return hidden  # [t' / TP, 1, h] to the next stage
+        # every rank's rows (the backward keeps this rank's share of the summed gradient)
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return hidden[:rows]  # [t, 1, h]
 
     def _is_in_embd_group(self) -> bool:
         # megatron moves the tied output copy to CUDA before syncing it (compat item 5)

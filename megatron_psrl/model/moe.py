@@ -29,6 +29,7 @@ from megatron_psrl.compat import install_cpu_moe_shims
 from megatron_psrl.data.validation import RoutingShape
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.sequence_parallel import sequence_parallel_group, shard_rows, tensor_parallel_rank_and_size
 from megatron_psrl.options import MOE_TOKEN_DISPATCHERS
 
 Tensor = torch.Tensor
@@ -43,10 +44,10 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 def check_moe_settings(arch: ModelArchitecture, overrides: Mapping[str, object], device: torch.device,
                        tensor_parallel_size: int = 1) -> None:
     """Refuse MoE settings that this device or megatron_psrl cannot run (one line each)."""
-    if tensor_parallel_size > 1:
-        raise ConfigurationError("tensor parallelism with mixture-of-experts models is not supported yet (megatron's "
-                                 "MoE layers need sequence parallelism under TP, which megatron_psrl does not have "
-                                 "yet); use --expert-model-parallel-size with data and pipeline parallelism")
+    if tensor_parallel_size > 1 and not overrides.get("sequence_parallel"):
+        raise ConfigurationError("mixture-of-experts models under tensor parallelism need --sequence-parallel "
+                                 "(megatron's MoE layers and token dispatchers take each tensor-parallel rank's "
+                                 "share of the rows)")
     ep = int(overrides.get("expert_model_parallel_size", 1) or 1)
     if arch.num_experts % ep:
         raise ConfigurationError(f"--expert-model-parallel-size {ep} must divide the model's {arch.num_experts} experts")
@@ -213,10 +214,15 @@ class ExpertLockstep:
     (all-to-all) in its forward and its backward, while prefix sharing gives ranks different
     numbers of micro-batches and different orders of forward and backward passes. The runner
     calls :meth:`own` before each of its passes (for a ``P`` pass before its forward) and
-    :meth:`finish` at the end of the step."""
+    :meth:`finish` at the end of the step.
+
+    Ranks of the group with the same ``peer_key`` (the tensor-parallel ranks of one data-parallel
+    rank, whose layers split every pass between them) run the same passes, together: they are
+    one participant of the schedule."""
 
     def __init__(self, layers: Sequence[torch.nn.Module], group, mine: Sequence[Pass], hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, units: Optional[Sequence[Unit]] = None):
+                 dtype: torch.dtype, device: torch.device, units: Optional[Sequence[Unit]] = None,
+                 peer_key: int = 0):
         import torch.distributed as dist
 
         self.layers, self.hidden_size, self.dtype, self.device = list(layers), hidden_size, dtype, device
@@ -224,10 +230,14 @@ class ExpertLockstep:
         """The MoE layers as the model's forward runs them (:func:`recompute_units`): an empty
         pass checkpoints the units the model checkpoints, so that its backward repeats the
         forward's all-to-alls where a recomputing backward of the model does."""
-        everyone: List[List[Pass]] = [[] for _ in range(dist.get_world_size(group))]
-        dist.all_gather_object(everyone, list(mine), group=group)  # one small collective per step
-        me = dist.get_rank(group)
-        self.ticks = [(kind, own[me], ref) for kind, own, ref in lockstep_ticks(everyone)]
+        everyone: List[Tuple[int, List[Pass]]] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+        dist.all_gather_object(everyone, (peer_key, list(mine)), group=group)  # one small collective per step
+        participants: Dict[int, List[Pass]] = {}
+        for key, passes in everyone:
+            if participants.setdefault(key, passes) != passes:
+                raise RuntimeError(f"expert-parallel lockstep: ranks of participant {key} planned different passes")
+        me = list(participants).index(peer_key)
+        self.ticks = [(kind, own[me], ref) for kind, own, ref in lockstep_ticks(list(participants.values()))]
         self.next = 0
         self.held: Dict[int, Tensor] = {}
         self.empty_passes = 0
@@ -303,7 +313,8 @@ def _unit_forward(layers: Sequence[torch.nn.Module]):
 class ExpertLoad:
     """Tokens routed to each expert of every MoE layer of a model over one step (``--log-json``
     ``moe_expert_load``), counted by forward hooks on the routers (megatron's ``TopKRouter``
-    returns ``(probs, routing_map)``; ``routing_map`` ``[tokens, E]`` marks each token's top k).
+    returns ``(probs, routing_map)``; ``routing_map`` ``[tokens, E]`` marks each token's top k;
+    rows megatron's ``padding_mask`` marks, the padding of sequence parallelism, are not counted).
 
     ``with ExpertLoad(model) as load: <the step>``, then :meth:`counts`. A token counts once
     per layer however many passes compute it: only forwards with autograd on are counted, so a
@@ -311,8 +322,9 @@ class ExpertLoad:
     recomputation, whose first forward runs without autograd) counts at its recomputation,
     and the expert-parallel lockstep's empty passes (one zero token each, no token of the step:
     :meth:`uncounted`) not at all. The routers see this rank's tokens (with expert
-    parallelism too: they route before the dispatcher sends tokens away); the last layer routes
-    only the rows the loss head reads when it computes those alone."""
+    parallelism too: they route before the dispatcher sends tokens away; with sequence
+    parallelism this tensor-parallel rank's share of them); the last layer routes only the rows
+    the loss head reads when it computes those alone."""
 
     _uncounted_depth = 0
 
@@ -333,6 +345,9 @@ class ExpertLoad:
             if ExpertLoad._uncounted_depth or not torch.is_grad_enabled():
                 return
             routing_map = output[1]
+            pad = args[1] if len(args) > 1 else None  # megatron's padding_mask (sequence parallelism)
+            if pad is not None:
+                routing_map = routing_map & ~pad.reshape(-1, 1)
             if self._counts is None:
                 self._counts = torch.zeros(len(self.layer_numbers), self.num_experts, dtype=torch.int64,
                                            device=routing_map.device)
@@ -446,6 +461,8 @@ class RouterReplayer:
 
         replay_class = _pack_replay_class()
         self.replays: List[Tuple[int, bool, object]] = []
+        self.sequence_parallel = False
+        """The routers see their tensor-parallel rank's share of a pack's rows (sequence parallelism)."""
         """``(MoE layer index, the model's last layer, its router's replay)`` of every router."""
         for chunk in model_chunks(model):
             for module in chunk.modules():
@@ -462,6 +479,7 @@ class RouterReplayer:
                 # index is the layer's (layer numbers count from 1, over all pipeline stages).
                 last = module.layer_number == module.config.num_layers
                 self.replays.append((module.layer_number - 1, last, module.router_replay))
+                self.sequence_parallel = sequence_parallel_group(module.config) is not None
         self._tree = None
         self._sources: Optional[np.ndarray] = None
 
@@ -490,6 +508,11 @@ class RouterReplayer:
         rows = None
         if routes is not None and output_rows is not None:
             rows = torch.from_numpy(np.asarray(output_rows, dtype=np.int64)).to(routes.device)
+        if routes is not None and self.sequence_parallel:
+            # the routers see this tensor-parallel rank's share of the (padded) rows; padding rows
+            # go to experts 0..k-1 (their output is read by nothing)
+            rank, tp = tensor_parallel_rank_and_size()
+            routes = shard_rows(routes, rank, tp, fill=torch.arange(routes.shape[2], device=routes.device))
         for layer, last, replay in self.replays:
             replay.clear_indices()  # (also empties the REPLAY_BACKWARD queue, unused here)
             replay.rows = rows if last else None

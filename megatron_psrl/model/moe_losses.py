@@ -24,7 +24,9 @@ micro-batch adds its own linear term and the terms add up to the batch's loss ex
 known up front from the replayed routes; without them a forward-only pre-pass over the step
 (:meth:`RouterLosses.count_routes`) counts them. With pipeline parallelism each stage's routers
 add the terms of their own layers (megatron's layer numbers are global): the pre-pass's counts
-and the reported sums are summed over the pipeline's stages as well.
+and the reported sums are summed over the pipeline's stages as well; with sequence parallelism
+each tensor-parallel rank adds the terms of its share of the rows (padding rows weigh 0), and
+they are summed over the tensor-parallel group too.
 
 megatron's own computation (unweighted, per micro-batch, its aux loss's routing map the
 router's own top-k even under replay) is off (its coefficients are 0): the routers'
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.model.sequence_parallel import sequence_parallel_group, shard_rows, tensor_parallel_rank_and_size
 
 Tensor = torch.Tensor
 
@@ -150,6 +153,9 @@ class RouterLosses:
         self.pipeline_group = _pipeline_group()
         """With pipeline parallelism: the stages of this rank's pipeline, each holding the routers
         of its own layers (the route counts and the losses are summed over it), else None."""
+        self.sequence_group = sequence_parallel_group(config)
+        """With sequence parallelism: the tensor-parallel group, whose ranks each route their own
+        share of a pack's rows (the route counts and the losses are summed over it), else None."""
 
     # ------------------------------------------------------------------ the step
     def needs_route_counts(self, tree) -> bool:
@@ -173,8 +179,9 @@ class RouterLosses:
             self._counting = None
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
-        if self.pipeline_group is not None:  # each stage counted the rows of its own layers only
-            dist.all_reduce(counts, group=self.pipeline_group)
+        for partial in (self.pipeline_group, self.sequence_group):  # each stage its layers, each TP rank its rows
+            if partial is not None:
+                dist.all_reduce(counts, group=partial)
         self._route_counts = counts
         return counts
 
@@ -208,6 +215,9 @@ class RouterLosses:
             return
         w = self._multiplicity[pack.tree_tokens] * pack.owned
         self._weights = torch.from_numpy(w.astype(np.float32)).to(self.routers[0].weight.device)
+        if self.sequence_group is not None:  # this TP rank's share of the padded rows (padding: 0)
+            rank, tp = tensor_parallel_rank_and_size()
+            self._weights = shard_rows(self._weights, rank, tp)
         if self._active:
             self._packs[i] = self._weights
 
@@ -226,11 +236,13 @@ class RouterLosses:
             out["moe_z_loss"] = self._z_sum if self._z_sum is not None else zero
         if self.aux_coeff > 0:
             out["moe_aux_loss"] = self._aux_sum if self._aux_sum is not None else zero
-        if self.pipeline_group is not None and out:
+        groups = [g for g in (self.pipeline_group, self.sequence_group) if g is not None]
+        if groups and out:
             import torch.distributed as dist
 
             stacked = torch.stack([v.float() for v in out.values()])
-            dist.all_reduce(stacked, group=self.pipeline_group)
+            for group in groups:
+                dist.all_reduce(stacked, group=group)
             out = dict(zip(out, stacked.unbind()))
         self._active = False
         self._packs.clear()

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
     add_checksum_flag(g)
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (megatron-core)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP > 1: split the rows of every micro-batch over the tensor-parallel ranks outside "
+                        "attention (megatron's sequence parallelism: less activation memory; mixture-of-experts "
+                        "models need it under TP). Turns the last-layer row skip off")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (megatron's 1F1B schedule; with cached prefixes the plan's order on every "
                         "stage); a pipeline is one rank for tree placement (--placement cross-rank spreads a tree "
@@ -95,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks of one CP group share the fragments of the same trees (a sample longer than a "
                         "micro-batch runs on all of them at once), exchanging prefix K/V; gradients sum over DP x CP")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="mixture-of-experts models: experts split over this many data-parallel ranks (docs/moe.md)")
+                   help="mixture-of-experts models: experts split over this many ranks of a pipeline stage "
+                        "(tensor-, then data-parallel ranks; docs/moe.md)")
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=list(MOE_TOKEN_DISPATCHERS),
                    help="mixture-of-experts models: megatron's token dispatcher")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,

@@ -316,6 +316,7 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
     """The :class:`ActorConfig` of the command line's flags."""
     return ActorConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,

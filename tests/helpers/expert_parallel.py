@@ -1,16 +1,18 @@
 """The expert-parallel checks shared by the MoE torchrun scripts: every parameter this rank
 holds against the per-sample reference (dense ones summed over the data-parallel ranks, this
-rank's experts renumbered to their global index, a pipeline stage's layers to theirs), the
-log-probs, and one SGD step."""
+rank's experts renumbered to their global index, a pipeline stage's layers to theirs, a
+tensor-parallel rank's shard of the reference), the log-probs, and one SGD step."""
 
 import re
 from typing import Callable, Dict
 
 import numpy as np
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from helpers.hf_reference import per_sample_logprobs
+from megatron_psrl.checkpoint.sharding import tp_shard
 from megatron_psrl.model.adapters import get_adapter, unfuse_experts
 from megatron_psrl.model.moe import expert_index
 
@@ -22,16 +24,18 @@ def rank_reference(actor, ref_grads: Dict[str, torch.Tensor], ep_rank: int,
     """Parameter name of this rank's model -> the reference tensor (``ref_grads``: HF names,
     fused or per-expert experts)."""
     full = dict(get_adapter(actor.arch).hf_to_mcore(lambda n: unfuse_experts(ref_grads)[n]))
-    per_rank = actor.arch.num_experts // ep_size
+    per_rank = (actor.arch.num_experts or 0) // ep_size
     # a pipeline stage numbers its layers from 0: its first layer is global layer `offset`
     offset = min(m.layer_number for m in actor.model.modules() if isinstance(m, TransformerLayer)) - 1
+    tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
     def reference(name):
         parts = expert_index(name)  # this rank's local expert j is global expert ep_rank * E / EP + j
         if parts is not None:
             name = f"{parts[0]}{parts[1] + ep_rank * per_rank}{parts[2]}"
         layer = LAYER.match(name)
-        return full[f"{layer.group(1)}{int(layer.group(2)) + offset}{layer.group(3)}" if layer else name]
+        name = f"{layer.group(1)}{int(layer.group(2)) + offset}{layer.group(3)}" if layer else name
+        return tp_shard(name, full[name], actor.arch, tp, tp_rank)  # (TP = 1: the tensor itself)
 
     return reference
 

@@ -32,10 +32,12 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.mark.slow  # two processes
-def test_expert_parallel_export_and_stream_under_torchrun(hf_dir, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["ep2xdp2", "ep2xtp2"])
+def test_expert_parallel_export_and_stream_under_torchrun(hf_dir, tmp_path, tp):
     script = _script()
-    out = run_torchrun(SCRIPT, [hf_dir, str(tmp_path / "ep2")], nproc=2, timeout=600)
-    reports = re.findall(r"rank (\d) ep_rank (\d): export and stream ok, (\d+) tensors, (\d+) expert tensors", out)
+    out = run_torchrun(SCRIPT, [hf_dir, str(tmp_path / "ep2"), str(tp)], nproc=2, timeout=600)
+    reports = re.findall(rf"rank (\d) tp {tp} ep_rank (\d): export and stream ok, (\d+) tensors, (\d+) expert tensors",
+                         out)
     assert sorted((r, e) for r, e, _, _ in reports) == [("0", "0"), ("1", "1")], out[-3000:]
     assert {(n, x) for _, _, n, x in reports} == {("69", "48")}  # 2 layers x 8 experts x 3 projections
 

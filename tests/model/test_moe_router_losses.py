@@ -151,10 +151,14 @@ def test_router_losses_equal_the_per_sample_reference(hf_dir, hf_model, replay, 
 
 # ------------------------------------------------------------------------------- EP = 2
 @pytest.mark.slow  # two processes
-def test_router_losses_with_expert_parallelism_under_torchrun(hf_dir):
-    """EP = DP = 2 over gloo, alltoall dispatcher, cached prefixes: with replay and with the
+@pytest.mark.parametrize("tp", [1, 2], ids=["ep2xdp2", "ep2xtp2"])
+def test_router_losses_with_expert_parallelism_under_torchrun(hf_dir, tp):
+    """EP = 2 over gloo, alltoall dispatcher, cached prefixes, the experts split over two
+    data-parallel ranks, or over two tensor-parallel ranks with sequence parallelism (each routes
+    its share of every pack's rows, padding rows weighing nothing): with replay and with the
     route-count pre-pass, every rank matches the per-sample reference (asserted in the script)."""
-    out = run_torchrun(SCRIPT, [hf_dir, "16"], nproc=2, timeout=900)
-    reports = re.findall(r"rank (\d) (replay|own-routes) router losses ok", out)
+    out = run_torchrun(SCRIPT, [hf_dir, "16", str(tp)], nproc=2, timeout=900)
+    reports = re.findall(rf"rank (\d) tp {tp} (replay|own-routes) router losses ok", out)
     assert sorted(reports) == [("0", "own-routes"), ("0", "replay"), ("1", "own-routes"), ("1", "replay")], out[-3000:]
-    assert sum(int(n) for n in re.findall(r"empty passes (\d+)", out)) > 0  # the lockstep's empty passes ran
+    if tp == 1:  # data-parallel ranks with different passes: the lockstep's empty passes ran
+        assert sum(int(n) for n in re.findall(r"empty passes (\d+)", out)) > 0

@@ -5,7 +5,10 @@ Every rank checks the loss, the reported router losses and the gradient of every
 holds against the per-sample Hugging Face reference (policy loss + router losses of the whole
 batch). The lockstep's empty passes add no router-loss term.
 
-Usage: moe_router_losses.py HF_DIR [MICRO_BATCH_TOKENS]
+With TP = 2 (sequence parallelism; 2 ranks: EP = TP = 2) each tensor-parallel rank routes a
+share of every pack's rows, padding rows included, which weigh nothing.
+
+Usage: moe_router_losses.py HF_DIR [MICRO_BATCH_TOKENS] [TP]
 """
 
 import contextlib
@@ -29,8 +32,10 @@ from megatron_psrl.data.loader import samples_from_dicts  # noqa: E402
 def main() -> None:
     hf_dir = sys.argv[1]
     micro_batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     actor = PolicyActor(hf_dir, ActorConfig(
         device="cpu", micro_batch_tokens=micro_batch, loss=LOSS, expert_model_parallel_size=2,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         moe_token_dispatcher_type="alltoall", moe_z_loss_coeff=Z_COEFF, moe_aux_loss_coeff=AUX_COEFF,
         optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0)))
     ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -51,7 +56,7 @@ def main() -> None:
         assert abs(result.loss - total) <= 1e-5 * abs(total), (result.loss, total)
         actor.engine.optimizer.reduce_gradients()
         worst = assert_rank_grads_match(actor, ref_grads, ep_rank, 2)
-        print(f"rank {torch.distributed.get_rank()} {name} router losses ok: z {m['moe_z_loss']:.6f} (ref {z:.6f}), "
+        print(f"rank {torch.distributed.get_rank()} tp {tp} {name} router losses ok: z {m['moe_z_loss']:.6f} (ref {z:.6f}), "
               f"aux {m['moe_aux_loss']:.6f} (ref {aux:.6f}), worst grad rel err {worst:.2e}, micro-batches "
               f"{m['micro_batches']}, empty passes {actor.engine.runner.last_empty_expert_passes}", flush=True)
     actor.close()

@@ -1,0 +1,88 @@
+"""Under torchrun (gloo): a model with tensor parallelism and sequence parallelism (TP = 2; an
+MoE model also with expert parallelism EP, the experts split over the tensor- and
+data-parallel ranks), prefix sharing with cached prefixes, against the per-sample Hugging Face
+reference on every rank:
+log-probs, the loss, the gradient of every parameter this rank holds (its tensor-parallel shard
+of the reference's; dense ones summed over the data-parallel ranks, the norms' and the router's
+over the tensor-parallel ranks, which each saw a share of the rows), and one SGD step through
+megatron's optimizer (lr 1: the update is minus the gradient). Packs whose token count is odd
+are padded to a multiple of TP rows: the number of such packs is printed. An MoE model's
+reported expert load counts every computed row once per layer (the TP ranks' shares summed,
+padding rows not at all).
+
+With PP = 2 (4 ranks, a dense model) the stages pass each other their TP ranks' shares of the
+padded rows.
+
+Usage: sequence_parallel_exactness.py HF_DIR EP DISPATCHER [MICRO_BATCH_TOKENS] [PP]
+"""
+
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+from helpers.batches import random_tree_records  # noqa: E402
+from helpers.expert_parallel import (  # noqa: E402
+    assert_logprobs_match,
+    assert_rank_grads_match,
+    assert_sgd_step_matches,
+)
+from helpers.hf_reference import load_hf_model, per_sample_loss_and_grads  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor  # noqa: E402
+from megatron_psrl.data.loader import samples_from_dicts  # noqa: E402
+
+
+def main() -> None:
+    hf_dir, ep, dispatcher = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    micro_batch = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+    pp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    records = random_tree_records(seed=5, num_roots=3)
+    batch = samples_from_dicts(records, source="records")
+    loss = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
+    actor = PolicyActor(hf_dir, ActorConfig(
+        device="cpu", micro_batch_tokens=micro_batch, tensor_model_parallel_size=2, sequence_parallel=True,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, moe_token_dispatcher_type=dispatcher, loss=loss,
+        optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0)))
+    assert parallel_state.get_tensor_model_parallel_world_size() == 2
+    assert actor.model.config.sequence_parallel
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    hf = load_hf_model(hf_dir)
+
+    lp_err = assert_logprobs_match(actor, records, hf, batch)
+    ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+
+    padded = []
+    original = actor.model.forward
+
+    def counting_forward(input_ids, position_ids, *args, **kwargs):
+        padded.append(position_ids.shape[0] % 2)
+        return original(input_ids, position_ids, *args, **kwargs)
+
+    actor.model.forward = counting_forward
+    result = actor.forward_backward(records)
+    assert abs(result.loss - ref_loss) <= 1e-5 * abs(ref_loss), (result.loss, ref_loss)
+    actor.engine.optimizer.reduce_gradients()
+    worst = assert_rank_grads_match(actor, ref_grads, ep_rank, ep)
+    actor.zero_grad()
+
+    metrics = assert_sgd_step_matches(actor, records, ref_loss, ref_grads, ep_rank, ep)
+    # every computed row counted once per layer (summed over the TP ranks' shares, padding not at all)
+    arch = actor.arch
+    for layer, (_, mean) in enumerate(metrics.get("moe_expert_load", [])):
+        expected = arch.moe_router_topk * metrics["tokens_computed"] / arch.num_experts
+        assert abs(mean - expected) <= 1e-3, (layer, mean, expected)
+    empty = actor.engine.runner.last_empty_expert_passes
+    print(f"rank {torch.distributed.get_rank()} tp_rank {parallel_state.get_tensor_model_parallel_rank()} ep_rank "
+          f"{ep_rank}: logprob err {lp_err:.2e}, loss {metrics['loss']:.6f} (ref {ref_loss:.6f}), worst grad rel err "
+          f"{worst:.2e}, micro-batches {metrics['micro_batches']}, padded packs {sum(padded)} of {len(padded)}, "
+          f"kv hit rate {metrics.get('kv_hit_rate', 0.0):.2f}, empty passes {empty}", flush=True)
+    actor.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Sequence parallelism (``--sequence-parallel``): the row split and its padding, the norms that
+run under it, the core attention's handling of padding rows, and exactness against the
+per-sample Hugging Face reference under torchrun (dense TP = 2, and TP = 2 x PP = 2; MoE TP = 2
+with EP = 1, 2 and 4, a shared expert included)."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from helpers.families import make_family_checkpoint
+from helpers.torchrun import REPO_ROOT, run_torchrun
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from megatron_psrl import ActorConfig
+from megatron_psrl.attention import PrefixSharingAttention, TreeAttentionMetadata, tree_plan
+from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.model.gpt import build_layer_spec, build_transformer_config
+from megatron_psrl.model.moe import check_moe_settings
+from megatron_psrl.model.sequence_parallel import (
+    SequenceParallelTorchNorm,
+    local_row_range,
+    padded_rows,
+    padding_mask,
+    shard_rows,
+)
+from megatron_psrl.model.tiny import tiny_config
+
+SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "sequence_parallel_exactness.py")
+
+
+# ----------------------------------------------------------------------------- the row split
+@pytest.mark.parametrize("rows,tp", [(7, 2), (8, 2), (1, 4), (9, 4), (3, 1)])
+def test_shards_cover_the_padded_rows_once_in_order(rows, tp):
+    values = torch.arange(rows * 3, dtype=torch.float64).reshape(rows, 3)
+    fill = torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64)
+    shards = [shard_rows(values, r, tp, fill=fill) for r in range(tp)]
+    assert {s.shape[0] for s in shards} == {padded_rows(rows, tp) // tp}
+    whole = torch.cat(shards)
+    assert torch.equal(whole[:rows], values)  # the real rows, in order
+    assert torch.equal(whole[rows:], fill.expand(padded_rows(rows, tp) - rows, 3))  # then the padding
+    masks = [padding_mask(rows, r, tp, torch.device("cpu")) for r in range(tp)]
+    if rows % tp == 0:
+        assert all(m is None for m in masks)
+    else:  # megatron's padding_mask ([1, rows of the rank], True on padding) marks exactly those rows
+        flat = torch.cat([m[0] for m in masks])
+        assert flat.tolist() == [False] * rows + [True] * (padded_rows(rows, tp) - rows)
+        assert [local_row_range(rows, r, tp)[1] - local_row_range(rows, r, tp)[0] for r in range(tp)] == \
+            [m.shape[1] for m in masks]
+
+
+def test_norms_run_under_sequence_parallelism_and_mark_their_weights():
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-qwen3-moe"))
+    config = build_transformer_config(arch)
+    plain = SequenceParallelTorchNorm(config, arch.hidden_size, eps=arch.rms_norm_eps)
+    assert not getattr(plain.weight, "sequence_parallel", False)  # megatron's own, as it is
+    config.sequence_parallel = True
+    with pytest.raises(AssertionError):  # megatron's local norm refuses sequence parallelism
+        WrappedTorchNorm(config, arch.hidden_size, eps=arch.rms_norm_eps)
+    norm = SequenceParallelTorchNorm(config, arch.hidden_size, eps=arch.rms_norm_eps)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel  # summed over TP by megatron
+    assert config.sequence_parallel  # restored
+    x = torch.randn(6, 1, arch.hidden_size)
+    assert torch.equal(torch.cat([norm(x[:3]), norm(x[3:])]), norm(x))  # per row: a share of the rows alike
+    # every norm of the local spec (input, pre-MLP, q/k) is the sequence-parallel one
+    spec = build_layer_spec(arch, "local")
+    assert spec.submodules.input_layernorm is SequenceParallelTorchNorm
+    assert spec.submodules.pre_mlp_layernorm is SequenceParallelTorchNorm
+    assert spec.submodules.self_attention.submodules.q_layernorm is SequenceParallelTorchNorm
+    assert "WrappedTorchNorm" not in repr(spec)
+
+
+def test_core_attention_ignores_padding_rows():
+    """A pack of 7 rows padded to 8 (TP = 2): the real rows' outputs and gradients are the
+    unpadded call's, bit for bit, the padding row's output is zero and gets no gradient."""
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-llama"))
+    attention = PrefixSharingAttention(build_transformer_config(arch), layer_number=1,
+                                       attn_mask_type=AttnMaskType.causal, attention_type="self")
+    plan = tree_plan(np.array([0, 3, 5]), np.array([3, 5, 7]), np.array([-1, 0, 0]))
+    torch.manual_seed(0)
+    np_, ng, hn = arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    q, k, v = torch.randn(7, 1, np_, hn), torch.randn(7, 1, ng, hn), torch.randn(7, 1, ng, hn)
+    grad = torch.randn(7, 1, np_ * hn)
+
+    def run(pad):
+        inputs = [torch.cat([t, torch.randn(pad, *t.shape[1:])]).requires_grad_() for t in (q, k, v)]
+        out = attention(*inputs, None, packed_seq_params=TreeAttentionMetadata(plan=plan))
+        out.backward(torch.cat([grad, torch.randn(pad, 1, np_ * hn)]))
+        return out, [t.grad for t in inputs]
+
+    (ref, ref_grads), (out, grads) = run(0), run(1)
+    assert out.shape == (8, 1, np_ * hn) and torch.equal(out[:7], ref) and not out[7].any()
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g[:7], r) and not g[7].any()
+
+
+def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-qwen3-moe"))
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigurationError, match="--sequence-parallel"):
+        check_moe_settings(arch, {}, cpu, tensor_parallel_size=2)
+    check_moe_settings(arch, dict(sequence_parallel=True), cpu, tensor_parallel_size=2)
+    assert ActorConfig(device="cpu", tensor_model_parallel_size=2, sequence_parallel=True,
+                       expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall").parallel_overrides() == \
+        dict(sequence_parallel=True)
+    assert ActorConfig(device="cpu", sequence_parallel=True).parallel_overrides() == {}  # TP = 1: nothing to split
+
+
+# ----------------------------------------------------------------------------- exactness
+CASES = {  # name: (family, processes, EP, dispatcher, PP)
+    "dense-tp2": ("debug-llama", 2, 1, "allgather", 1),
+    "dense-tp2xpp2": ("debug-llama", 4, 1, "allgather", 2),  # stages pass their shares of the rows
+    "qwen3-moe-tp2": ("debug-qwen3-moe", 2, 1, "allgather", 1),  # whole experts on both TP ranks
+    "qwen3-moe-tp2xep4": ("debug-qwen3-moe", 4, 4, "alltoall", 1),  # EP over TP x DP: the lockstep's empty passes
+    "qwen2-moe-tp2xep2": ("debug-qwen2-moe", 2, 2, "alltoall", 1),  # its shared expert split over TP
+}
+
+
+@pytest.mark.slow  # two or four processes
+@pytest.mark.parametrize("case", list(CASES))
+def test_sequence_parallel_step_equals_per_sample_reference(case, tmp_path_factory):
+    """TP = 2 with sequence parallelism over gloo, micro-batches of 16 tokens (cached prefixes,
+    packs of odd length padded): log-probs, loss, every gradient of every rank and one SGD step
+    match the per-sample reference (asserted in the script)."""
+    family, nproc, ep, dispatcher, pp = CASES[case]
+    hf_dir = make_family_checkpoint(tiny_config(family), str(tmp_path_factory.mktemp(f"hf-{family}")))
+    out = run_torchrun(SCRIPT, [hf_dir, str(ep), dispatcher, "16", str(pp)], nproc=nproc, timeout=600)
+    reports = re.findall(r"rank (\d) tp_rank (\d) ep_rank \d: .*?padded packs (\d+) of \d+, .*?empty passes (\d+)", out)
+    assert sorted(r for r, *_ in reports) == [str(r) for r in range(nproc)], out[-3000:]
+    assert all(int(padded) > 0 for _, _, padded, _ in reports)  # odd packs ran padded
+    if ep == 4:  # the two data-parallel ranks' passes differ; each rank's TP peer runs the same
+        empty = {int(r): int(n) for r, _, _, n in reports}
+        assert sum(empty.values()) > 0 and empty[0] == empty[1] and empty[2] == empty[3], empty
