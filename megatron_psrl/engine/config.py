@@ -122,6 +122,11 @@ class ActorConfig:
     moe_grouped_gemm: bool = False
     """MoE models: megatron's grouped-GEMM experts (``--moe-grouped-gemm``; CUDA only)."""
 
+    moe_router_enable_expert_bias: bool = False
+    """MoE models: megatron's aux-loss-free load balancing (``--moe-router-enable-expert-bias``):
+    refused, with the reason. megatron applies the expert bias to sigmoid routers only, and every
+    supported family (Qwen3-MoE, Qwen2-MoE, Mixtral) routes by softmax (docs/moe.md)."""
+
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
 
@@ -226,6 +231,10 @@ class ActorConfig:
                    "samples) would change every route" if self.moe_router_load_balancing_type == "sinkhorn" else "")
             raise ConfigurationError(f"--moe-router-load-balancing-type must be one of {MOE_LOAD_BALANCING_TYPES}, "
                                      f"got {self.moe_router_load_balancing_type!r}{why}")
+        if self.moe_router_enable_expert_bias:
+            raise ConfigurationError("--moe-router-enable-expert-bias is not supported: megatron's aux-loss-free "
+                                     "expert bias needs a sigmoid router score function, and every supported "
+                                     "mixture-of-experts family (Qwen3-MoE, Qwen2-MoE, Mixtral) routes by softmax")
         if self.expert_tensor_parallel_size != 1:
             raise ConfigurationError(f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not "
                                      "supported yet (experts run whole on every rank that holds them: 1)")

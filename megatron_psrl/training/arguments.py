@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and sinkhorn are refused)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
                    help="mixture-of-experts models: tensor parallelism inside the experts (only 1 yet)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="mixture-of-experts models: megatron's aux-loss-free expert bias (refused: it needs a sigmoid "
+                        "router; the supported families route by softmax)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="mixture-of-experts models: megatron's grouped-GEMM experts (CUDA only)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")

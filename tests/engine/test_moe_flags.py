@@ -38,8 +38,9 @@ def test_the_load_balancing_type_reaches_megatron():
     (dict(moe_router_load_balancing_type="sinkhorn"), ["sinkhorn", "change every route"]),
     (dict(moe_router_load_balancing_type="balanced"), ["must be one of", "balanced"]),
     (dict(expert_tensor_parallel_size=2), ["--expert-tensor-parallel-size 2", "not supported"]),
+    (dict(moe_router_enable_expert_bias=True), ["--moe-router-enable-expert-bias", "sigmoid", "softmax"]),
 ], ids=["negative-z-loss", "negative-aux-loss", "seq-aux-loss", "global-aux-loss", "router-losses-vpp",
-        "router-losses-cp", "sinkhorn", "unknown-type", "expert-tp"])
+        "router-losses-cp", "sinkhorn", "unknown-type", "expert-tp", "expert-bias"])
 def test_what_cannot_run_is_refused(fields, words):
     with pytest.raises(ConfigurationError) as err:
         ActorConfig(**fields)
@@ -64,3 +65,12 @@ def test_the_router_losses_are_taken_and_megatron_computes_none(balancing):
     arch = ModelArchitecture.from_hf_config(tiny_config("debug-qwen3-moe"))
     megatron = build_transformer_config(arch, **dict(moe_config_fields(arch), **config.moe_overrides()))
     assert megatron.moe_aux_loss_coeff == 0.0 and not megatron.moe_z_loss_coeff
+
+
+def test_sequence_parallel_and_expert_bias_flags_reach_the_config():
+    base = ["--model", "debug-qwen3-moe", "--data", "stepwise"]
+    config = actor_config_from_args(parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                                    "float32")
+    assert config.sequence_parallel and config.parallel_overrides() == dict(sequence_parallel=True)
+    with pytest.raises(ConfigurationError, match="sigmoid"):
+        actor_config_from_args(parse_args(base + ["--moe-router-enable-expert-bias"]), "float32")
