@@ -44,7 +44,7 @@ order, whether its attention started it or the exchange's backward did.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,22 @@ def _all_to_all(send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[
     return _unpad_rows(out, recv_counts)
 
 
+def _rows_to_send(k: Tensor, v: Tensor, send_rows: Tensor) -> Tensor:
+    """``[n_send, 2, ng, hn]``: K then V of the rows ``send_rows`` of ``k`` / ``v`` ``[t, ng, hn]``."""
+    return torch.stack([k.index_select(0, send_rows), v.index_select(0, send_rows)], dim=1)
+
+
+def _add_returned_grads(grad_k: Optional[Tensor], grad_v: Optional[Tensor], shape, send_rows: Tensor,
+                        back: Tensor) -> Tuple[Tensor, Tensor]:
+    """The gradients of ``k`` / ``v`` (``shape``): what reached them here (None: nothing) plus the
+    gradients ``back`` ``[n_send, 2, ng, hn]`` the readers returned for the rows sent."""
+    gk = grad_k.clone() if grad_k is not None else back.new_zeros(shape)
+    gv = grad_v.clone() if grad_v is not None else back.new_zeros(shape)
+    gk.index_add_(0, send_rows, back[:, 0].to(gk.dtype))
+    gv.index_add_(0, send_rows, back[:, 1].to(gv.dtype))
+    return gk, gv
+
+
 class ExchangeKV(torch.autograd.Function):
     """``(k, v) -> (k, v, received)``: send rows of k/v, receive other ranks' rows.
 
@@ -69,7 +85,7 @@ class ExchangeKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group):
-        kv = torch.stack([k.index_select(0, send_rows), v.index_select(0, send_rows)], dim=1)  # [n_send, 2, ng, hn]
+        kv = _rows_to_send(k, v, send_rows)
         received = _all_to_all(kv, send_counts, recv_counts, group)
         ctx.save_for_backward(send_rows)
         ctx.counts = (send_counts, recv_counts)
@@ -87,10 +103,7 @@ class ExchangeKV(torch.autograd.Function):
                                         device=send_rows.device)
         # What each owner gets back: the gradients of the rows it sent (reverse direction).
         back = _all_to_all(grad_received, recv_counts, send_counts, ctx.group)  # [n_send, 2, ng, hn]
-        gk = grad_k.clone() if grad_k is not None else back.new_zeros(ctx.shape)
-        gv = grad_v.clone() if grad_v is not None else back.new_zeros(ctx.shape)
-        gk.index_add_(0, send_rows, back[:, 0].to(gk.dtype))
-        gv.index_add_(0, send_rows, back[:, 1].to(gv.dtype))
+        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shape, send_rows, back)
         return gk, gv, None, None, None, None
 
 
@@ -100,7 +113,7 @@ def exchange_kv(k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int],
     if differentiable and torch.is_grad_enabled():
         return ExchangeKV.apply(k, v, send_rows, send_counts, recv_counts, group)
     with torch.no_grad():
-        kv = torch.stack([k.index_select(0, send_rows), v.index_select(0, send_rows)], dim=1)
+        kv = _rows_to_send(k, v, send_rows)
         return k, v, _all_to_all(kv, send_counts, recv_counts, group)
 
 
@@ -250,7 +263,7 @@ class ExchangeKVAsync(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,
                 box: list):
-        kv = torch.stack([k.index_select(0, send_rows), v.index_select(0, send_rows)], dim=1)  # [n_send, 2, ng, hn]
+        kv = _rows_to_send(k, v, send_rows)
         transfer = KVTransfer(kv, send_counts, recv_counts, group)
         box.append(transfer)
         ctx.save_for_backward(send_rows)
@@ -269,10 +282,7 @@ class ExchangeKVAsync(torch.autograd.Function):
             transfer.return_grad(grad_buffer)
         back = transfer.returned_grad()  # [n_send, 2, ng, hn]
         ctx.transfer = None
-        gk = grad_k.clone() if grad_k is not None else back.new_zeros(ctx.shape)
-        gv = grad_v.clone() if grad_v is not None else back.new_zeros(ctx.shape)
-        gk.index_add_(0, send_rows, back[:, 0].to(gk.dtype))
-        gv.index_add_(0, send_rows, back[:, 1].to(gv.dtype))
+        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shape, send_rows, back)
         return gk, gv, None, None, None, None, None
 
 
@@ -286,7 +296,7 @@ def exchange_kv_start(k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List
         k, v, buffer = ExchangeKVAsync.apply(k, v, send_rows, send_counts, recv_counts, group, box)
         return k, v, buffer, box[0]
     with torch.no_grad():
-        kv = torch.stack([k.index_select(0, send_rows), v.index_select(0, send_rows)], dim=1)
+        kv = _rows_to_send(k, v, send_rows)
         transfer = KVTransfer(kv, send_counts, recv_counts, group)
         return k, v, transfer.buffer, transfer
 

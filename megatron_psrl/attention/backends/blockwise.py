@@ -44,6 +44,11 @@ class _Arriving:
         self.transfer, self.buffer, self.offset, self.length = transfer, buffer, offset, length
 
 
+_LEADING_INPUTS = 8
+"""Arguments of :meth:`BlockwiseTreeAttention.forward` before ``*tensors`` (plan, scale, impl,
+readers, n_pairs, q, k, v): where ``ctx.needs_input_grad`` starts counting the tensors."""
+
+
 class BlockwiseTreeAttention(torch.autograd.Function):
     """Autograd function: ``(q, k, v, *external_kv, *buffers) -> out`` for one AttentionPlan.
 
@@ -143,7 +148,7 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         early_dq = {n: block_grads(blk) for n, blk in enumerate(blocks) if blk[4] in late}
         d_buffers: List[Optional[Tensor]] = [None] * len(ctx.buffer_like)
         for b, (shape, dtype, device) in enumerate(ctx.buffer_like):
-            if not ctx.needs_input_grad[8 + n_pairs + b]:
+            if not ctx.needs_input_grad[_LEADING_INPUTS + n_pairs + b]:
                 continue
             d = torch.zeros(shape, dtype=dtype, device=device)
             transfer = None
