@@ -1,7 +1,7 @@
 """Sequence parallelism (``--sequence-parallel``): the row split and its padding, the norms that
 run under it, the core attention's handling of padding rows, and exactness against the
-per-sample Hugging Face reference under torchrun (dense TP = 2, and TP = 2 x PP = 2; MoE TP = 2
-with EP = 1, 2 and 4, a shared expert included)."""
+per-sample Hugging Face reference under torchrun (dense TP = 2; MoE TP = 2 with EP = 1, 2 and
+4, a shared expert included, and TP = 2 x PP = 2 x EP = 2)."""
 
 import os
 import re
@@ -112,10 +112,10 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
 # ----------------------------------------------------------------------------- exactness
 CASES = {  # name: (family, processes, EP, dispatcher, PP)
     "dense-tp2": ("debug-llama", 2, 1, "allgather", 1),
-    "dense-tp2xpp2": ("debug-llama", 4, 1, "allgather", 2),  # stages pass their shares of the rows
     "qwen3-moe-tp2": ("debug-qwen3-moe", 2, 1, "allgather", 1),  # whole experts on both TP ranks
     "qwen3-moe-tp2xep4": ("debug-qwen3-moe", 4, 4, "alltoall", 1),  # EP over TP x DP: the lockstep's empty passes
     "qwen2-moe-tp2xep2": ("debug-qwen2-moe", 2, 2, "alltoall", 1),  # its shared expert split over TP
+    "qwen3-moe-tp2xpp2xep2": ("debug-qwen3-moe", 4, 2, "alltoall", 2),  # stages pass their shares of the rows
 }
 
 

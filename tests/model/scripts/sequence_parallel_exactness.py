@@ -10,8 +10,7 @@ are padded to a multiple of TP rows: the number of such packs is printed. An MoE
 reported expert load counts every computed row once per layer (the TP ranks' shares summed,
 padding rows not at all).
 
-With PP = 2 (4 ranks, a dense model) the stages pass each other their TP ranks' shares of the
-padded rows.
+With PP = 2 (4 ranks) the stages pass each other their TP ranks' shares of the padded rows.
 
 Usage: sequence_parallel_exactness.py HF_DIR EP DISPATCHER [MICRO_BATCH_TOKENS] [PP]
 """
