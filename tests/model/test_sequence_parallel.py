@@ -1,7 +1,7 @@
 """Sequence parallelism (``--sequence-parallel``): the row split and its padding, the norms that
 run under it, the core attention's handling of padding rows, and exactness against the
-per-sample Hugging Face reference under torchrun (dense TP = 2; MoE TP = 2 with EP = 1, 2 and
-4, a shared expert included, and TP = 2 x PP = 2 x EP = 2)."""
+per-sample Hugging Face reference under torchrun (dense TP = 2 and TP = 2 x CP = 2; MoE TP = 2
+with EP = 1, 2 and 4, a shared expert included, and TP = 2 x PP = 2 x EP = 2)."""
 
 import os
 import re
@@ -110,12 +110,13 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
 
 
 # ----------------------------------------------------------------------------- exactness
-CASES = {  # name: (family, processes, EP, dispatcher, PP)
-    "dense-tp2": ("debug-llama", 2, 1, "allgather", 1),
-    "qwen3-moe-tp2": ("debug-qwen3-moe", 2, 1, "allgather", 1),  # whole experts on both TP ranks
-    "qwen3-moe-tp2xep4": ("debug-qwen3-moe", 4, 4, "alltoall", 1),  # EP over TP x DP: the lockstep's empty passes
-    "qwen2-moe-tp2xep2": ("debug-qwen2-moe", 2, 2, "alltoall", 1),  # its shared expert split over TP
-    "qwen3-moe-tp2xpp2xep2": ("debug-qwen3-moe", 4, 2, "alltoall", 2),  # stages pass their shares of the rows
+CASES = {  # name: (family, processes, EP, dispatcher, PP, CP)
+    "dense-tp2": ("debug-llama", 2, 1, "allgather", 1, 1),
+    "dense-tp2xcp2": ("debug-llama", 4, 1, "allgather", 1, 2),  # the CP ranks exchange prefix K/V of padded packs
+    "qwen3-moe-tp2": ("debug-qwen3-moe", 2, 1, "allgather", 1, 1),  # whole experts on both TP ranks
+    "qwen3-moe-tp2xep4": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 1),  # EP over TP x DP: the lockstep's empty passes
+    "qwen2-moe-tp2xep2": ("debug-qwen2-moe", 2, 2, "alltoall", 1, 1),  # its shared expert split over TP
+    "qwen3-moe-tp2xpp2xep2": ("debug-qwen3-moe", 4, 2, "alltoall", 2, 1),  # stages pass their shares of the rows
 }
 
 
@@ -125,9 +126,9 @@ def test_sequence_parallel_step_equals_per_sample_reference(case, tmp_path_facto
     """TP = 2 with sequence parallelism over gloo, micro-batches of 16 tokens (cached prefixes,
     packs of odd length padded): log-probs, loss, every gradient of every rank and one SGD step
     match the per-sample reference (asserted in the script)."""
-    family, nproc, ep, dispatcher, pp = CASES[case]
+    family, nproc, ep, dispatcher, pp, cp = CASES[case]
     hf_dir = make_family_checkpoint(tiny_config(family), str(tmp_path_factory.mktemp(f"hf-{family}")))
-    out = run_torchrun(SCRIPT, [hf_dir, str(ep), dispatcher, "16", str(pp)], nproc=nproc, timeout=600)
+    out = run_torchrun(SCRIPT, [hf_dir, str(ep), dispatcher, "16", str(pp), str(cp)], nproc=nproc, timeout=600)
     reports = re.findall(r"rank (\d) tp_rank (\d) ep_rank \d: .*?padded packs (\d+) of \d+, .*?empty passes (\d+)", out)
     assert sorted(r for r, *_ in reports) == [str(r) for r in range(nproc)], out[-3000:]
     assert all(int(padded) > 0 for _, _, padded, _ in reports)  # odd packs ran padded

@@ -10,9 +10,10 @@ are padded to a multiple of TP rows: the number of such packs is printed. An MoE
 reported expert load counts every computed row once per layer (the TP ranks' shares summed,
 padding rows not at all).
 
-With PP = 2 (4 ranks) the stages pass each other their TP ranks' shares of the padded rows.
+With PP = 2 (4 ranks) the stages pass each other their TP ranks' shares of the padded rows;
+with CP = 2 the context-parallel ranks exchange the prefix K/V of their padded packs.
 
-Usage: sequence_parallel_exactness.py HF_DIR EP DISPATCHER [MICRO_BATCH_TOKENS] [PP]
+Usage: sequence_parallel_exactness.py HF_DIR EP DISPATCHER [MICRO_BATCH_TOKENS] [PP] [CP]
 """
 
 import sys
@@ -39,12 +40,13 @@ def main() -> None:
     hf_dir, ep, dispatcher = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     micro_batch = int(sys.argv[4]) if len(sys.argv) > 4 else 16
     pp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    cp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     records = random_tree_records(seed=5, num_roots=3)
     batch = samples_from_dicts(records, source="records")
     loss = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
     actor = PolicyActor(hf_dir, ActorConfig(
         device="cpu", micro_batch_tokens=micro_batch, tensor_model_parallel_size=2, sequence_parallel=True,
-        pipeline_model_parallel_size=pp,
+        pipeline_model_parallel_size=pp, context_parallel_size=cp,
         expert_model_parallel_size=ep, moe_token_dispatcher_type=dispatcher, loss=loss,
         optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0)))
     assert parallel_state.get_tensor_model_parallel_world_size() == 2
