@@ -16,7 +16,7 @@ import torch
 from helpers.dist_ckpt import plain_tensors
 from helpers.families import make_family_checkpoint
 from helpers.tolerance import assert_equal_up_to_rounding, rounding_tolerance
-from helpers.torchrun import REPO_ROOT, run_torchrun
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl.checkpoint.dist_format import single_process_model_parallel
 from megatron_psrl.checkpoint.expert_parallel import sub_states
@@ -37,13 +37,67 @@ def hf_dir(tmp_path_factory):
     return make_family_checkpoint(tiny_config("debug-qwen3-moe"), str(tmp_path_factory.mktemp("hf-qwen3-moe")))
 
 
+EP2_TESTS = ("test_ep2_checkpoint_resumes_at_ep1_on_one_rank", "test_ep2_checkpoint_resumes_on_two_ranks_at_ep1",
+             "test_ep2_checkpoint_resumes_at_ep2_bit_for_bit")
+OTHER_FAMILIES = {  # id: (family, dtype, distributed optimizer, EP size of the save)
+    "qwen2-moe-bf16-ep2-to-ep1": ("debug-qwen2-moe", "bfloat16", False, 2),  # shared expert (dense); bf16: fp32 masters
+    "mixtral-distributed-optimizer-ep1-to-ep2": ("debug-mixtral", "float32", True, 1),  # fully reshardable
+}
+
+
 @pytest.fixture(scope="module")
-def ep2_run(hf_dir, tmp_path_factory):
+def runs(hf_dir, tmp_path_factory, request):
+    """The 2-rank runs of this module in one torchrun launch, in this order: EP = DP = 2 from
+    the HF folder (``ep2/straight``), its ``ckpt-1`` resumed at EP = 1 (``ep2/at-ep1``) and at
+    EP = 2 (``ep2/at-ep2``), an EP = 1 checkpoint (saved by this process first) resumed at
+    EP = 2 (``ep1/at-ep2``), and the other families' runs. ``runs(case)`` runs them (the first
+    time) and returns the case's folder and what this process computed for it first."""
+    selected = selected_test_names(request)
+    tests = {"ep2/straight": EP2_TESTS, "ep2/at-ep1": EP2_TESTS[1:2], "ep2/at-ep2": EP2_TESTS[2:],
+             "ep1/at-ep2": ("test_ep1_checkpoint_resumes_at_ep2",),
+             **{f"{name}/run": (f"test_other_families_and_optimizers_reshard[{name}]",) for name in OTHER_FAMILIES}}
+    shared = SharedLaunches({case for case, names in tests.items() if selected.intersection(names)})
+    folders = {case: tmp_path_factory.mktemp(case.replace("/", "-")) for case in tests}
+    before = {}
+    ep2 = folders["ep2/straight"]
+    shared.add("ep2/straight", 2, SCRIPT, lambda: [
+        "--source", hf_dir, "--ep", "2", "--steps", "2", "--save", str(ep2 / "ckpt"), "--legacy-probe",
+        str(ep2 / "legacy"), "--out", str(ep2 / "report.json")])
+    for case, ep in (("ep2/at-ep1", 1), ("ep2/at-ep2", 2)):
+        shared.add(case, 2, SCRIPT, lambda d=folders[case], ep=ep: [
+            "--source", str(ep2 / "ckpt-1"), "--ep", str(ep), "--steps", "1", "--check", "--save", str(d / "resumed"),
+            "--out", str(d / "report.json")])
+
+    def ep1_at_ep2(d=folders["ep1/at-ep2"]):
+        before["ep1/at-ep2"] = script.run(hf_dir, ep=1, steps=2, save=str(d / "ckpt"))  # the straight EP = 1 run
+        return ["--source", str(d / "ckpt-1"), "--ep", "2", "--steps", "1", "--check", "--save", str(d / "resumed"),
+                "--out", str(d / "report.json")]
+
+    shared.add("ep1/at-ep2", 2, SCRIPT, ep1_at_ep2)
+    for name, (family, dtype, distributed, saved_ep) in OTHER_FAMILIES.items():
+        def other(d=folders[f"{name}/run"], family=family, dtype=dtype, distributed=distributed, saved_ep=saved_ep):
+            hf = make_family_checkpoint(tiny_config(family), str(d / "hf"))
+            ckpt, out = str(d / "ckpt"), d / "report.json"
+            flags = ["--dtype", dtype] + (["--use-distributed-optimizer"] if distributed else [])
+            if saved_ep == 2:
+                return ["--source", hf, "--ep", "2", "--steps", "1", "--save", ckpt, "--out", str(out)] + flags
+            script.run(hf, ep=1, steps=1, save=ckpt, dtype=dtype, distributed_optimizer=distributed)
+            return ["--source", ckpt, "--ep", "2", "--steps", "1", "--check", "--out", str(out)] + flags
+
+        shared.add(f"{name}/run", 2, SCRIPT, other)
+
+    def run(case):
+        shared.check(case)
+        return folders[case], before.get(case)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def ep2_run(runs):
     """EP = DP = 2 under torchrun: 2 straight iterations from the HF folder, saved after each
     (``ckpt-1``, then ``ckpt``); a legacy-format save is tried at the end (refused)."""
-    d = tmp_path_factory.mktemp("ep2")
-    run_torchrun(SCRIPT, ["--source", hf_dir, "--ep", "2", "--steps", "2", "--save", str(d / "ckpt"),
-                          "--legacy-probe", str(d / "legacy"), "--out", str(d / "report.json")], nproc=2)
+    d, _ = runs("ep2/straight")
     return d, json.loads((d / "report.json").read_text())
 
 
@@ -119,13 +173,12 @@ def test_ep2_checkpoint_resumes_at_ep1_on_one_rank(ep2_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_ep2_checkpoint_resumes_on_two_ranks_at_ep1(ep2_run, tmp_path):
+def test_ep2_checkpoint_resumes_on_two_ranks_at_ep1(ep2_run, runs):
     """Saved at EP = DP = 2, loaded by two ranks at DP = 2, EP = 1: both ranks hold all 8
     experts, equal to the saved ones with their Adam state; training continues as straight."""
     d, straight = ep2_run
+    tmp_path, _ = runs("ep2/at-ep1")  # --source ckpt-1 --ep 1 --steps 1 --check --save resumed
     out = tmp_path / "report.json"
-    run_torchrun(SCRIPT, ["--source", str(d / "ckpt-1"), "--ep", "1", "--steps", "1", "--check", "--save",
-                          str(tmp_path / "resumed"), "--out", str(out)], nproc=2)
     report = json.loads(out.read_text())
     assert report["world"] == 2 and report["ep"] == 1
     for counts in report["counts"]:  # DP replicas: each rank compares every expert
@@ -134,13 +187,12 @@ def test_ep2_checkpoint_resumes_on_two_ranks_at_ep1(ep2_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_ep2_checkpoint_resumes_at_ep2_bit_for_bit(ep2_run, tmp_path):
+def test_ep2_checkpoint_resumes_at_ep2_bit_for_bit(ep2_run, runs):
     """At the same EP size, 1 + 1 iterations with a save and load between equal 2 straight ones
     bit for bit (loss, weights, Adam state); a legacy-format save at EP = 2 was refused."""
     d, straight = ep2_run
+    tmp_path, _ = runs("ep2/at-ep2")  # --source ckpt-1 --ep 2 --steps 1 --check --save resumed
     out = tmp_path / "report.json"
-    run_torchrun(SCRIPT, ["--source", str(d / "ckpt-1"), "--ep", "2", "--steps", "1", "--check", "--save",
-                          str(tmp_path / "resumed"), "--out", str(out)], nproc=2)
     report = json.loads(out.read_text())
     _assert_every_expert_compared(report["counts"], ep=2)
     _assert_continues_like(report, tmp_path / "resumed", straight, d / "ckpt", exact=True)
@@ -151,16 +203,15 @@ def test_ep2_checkpoint_resumes_at_ep2_bit_for_bit(ep2_run, tmp_path):
 
 # ------------------------------------------------------------------------------- EP = 1 -> EP = 2
 @pytest.mark.slow
-def test_ep1_checkpoint_resumes_at_ep2(hf_dir, tmp_path):
+def test_ep1_checkpoint_resumes_at_ep2(runs):
     """Saved by one rank (EP = 1, one megatron optimizer), loaded at EP = DP = 2 (a dense and an
     expert optimizer): each rank's 4 experts and the dense weights with their Adam state are
     the saved ones; training continues as the straight EP = 1 run."""
-    straight = script.run(hf_dir, ep=1, steps=2, save=str(tmp_path / "ckpt"))
+    # the straight EP = 1 run (2 iterations, saved after each) ran here before the launch
+    tmp_path, straight = runs("ep1/at-ep2")
     _, info = read_checkpoint_info(str(tmp_path / "ckpt-1"))
     assert info.expert_model_parallel_size == 1
     out = tmp_path / "report.json"
-    run_torchrun(SCRIPT, ["--source", str(tmp_path / "ckpt-1"), "--ep", "2", "--steps", "1", "--check", "--save",
-                          str(tmp_path / "resumed"), "--out", str(out)], nproc=2)
     report = json.loads(out.read_text())
     assert report["ep"] == 2 and report["start"] == 1
     _assert_every_expert_compared(report["counts"], ep=2)
@@ -168,24 +219,16 @@ def test_ep1_checkpoint_resumes_at_ep2(hf_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,dtype,distributed,saved_ep", [
-    ("debug-qwen2-moe", "bfloat16", False, 2),  # shared expert (dense); bf16: fp32 master copies
-    ("debug-mixtral", "float32", True, 1),  # megatron's distributed optimizer (fully reshardable)
-], ids=["qwen2-moe-bf16-ep2-to-ep1", "mixtral-distributed-optimizer-ep1-to-ep2"])
-def test_other_families_and_optimizers_reshard(family, dtype, distributed, saved_ep, tmp_path):
+@pytest.mark.parametrize("family,dtype,distributed,saved_ep", list(OTHER_FAMILIES.values()), ids=list(OTHER_FAMILIES))
+def test_other_families_and_optimizers_reshard(family, dtype, distributed, saved_ep, runs, request):
     """Qwen2-MoE in bf16 saved at EP = 2 loads at EP = 1; Mixtral with the distributed optimizer
     saved at EP = 1 loads at EP = 2: every expert's weights and optimizer state bit for bit."""
-    hf = make_family_checkpoint(tiny_config(family), str(tmp_path / "hf"))
+    # EP = 2 saves under torchrun; EP = 1 saved here first, then checked at EP = 2 under torchrun
+    tmp_path, _ = runs(f"{request.node.callspec.id}/run")
     ckpt, out = str(tmp_path / "ckpt"), tmp_path / "report.json"
-    flags = ["--dtype", dtype] + (["--use-distributed-optimizer"] if distributed else [])
     if saved_ep == 2:
-        run_torchrun(SCRIPT, ["--source", hf, "--ep", "2", "--steps", "1", "--save", ckpt, "--out", str(out)] + flags,
-                     nproc=2)
         report = script.run(ckpt, ep=1, steps=1, check=True, dtype=dtype, distributed_optimizer=distributed)
     else:
-        script.run(hf, ep=1, steps=1, save=ckpt, dtype=dtype, distributed_optimizer=distributed)
-        run_torchrun(SCRIPT, ["--source", ckpt, "--ep", "2", "--steps", "1", "--check", "--out", str(out)] + flags,
-                     nproc=2)
         report = json.loads(out.read_text())
     assert report["ep"] == 3 - saved_ep and report["iteration"] == 2
     _assert_every_expert_compared(report["counts"], ep=3 - saved_ep, per_param=3)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import os
 
-from helpers.torchrun import run_torchrun
-
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "kv_exchange_splits.py")
 
 
-def test_exchange_with_empty_splits_pads_them():
-    out = run_torchrun(SCRIPT, nproc=2, timeout=300)
+def test_exchange_with_empty_splits_pads_them(distributed_launches):
+    out = distributed_launches("kv-exchange-splits")  # SCRIPT, 2 ranks (one launch with others: conftest.py)
     for pattern in ("one way, nothing kept", "self and one peer", "nothing at all on rank 1", "every split filled"):
         assert out.count(f"OK {pattern}") == 2, out[-3000:]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.torchrun import run_torchrun
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "megatron_optimizer_steps.py")
 
@@ -26,8 +25,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "me
                      "OK calibration overlap_grad_reduce=False distributed=False"]),
     ("param-gather", ["OK param-gather"]),
 ])
-def test_megatron_optimizer_over_gloo(case, expected):
-    out = run_torchrun(SCRIPT, ["--case", case], nproc=2, timeout=400)
+def test_megatron_optimizer_over_gloo(distributed_launches, case, expected):
+    out = distributed_launches(case)  # SCRIPT --case CASE, 2 ranks (one launch with others: conftest.py)
     for line in expected:
         assert out.count(line) == 2, out[-3000:]  # both ranks
 

@@ -4,7 +4,8 @@ an operator needs (exit status, one line naming the file, nothing left behind)."
 import os
 import subprocess
 import sys
-from typing import List
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List
 
 from helpers.torchrun import REPO_ROOT, script_env
 
@@ -24,6 +25,14 @@ def train(args: List[str], cwd, timeout: int = 300) -> subprocess.CompletedProce
 
 def tool(name: str, args: List[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
     return run(os.path.join(TOOLS, name), args, cwd, timeout)
+
+
+def concurrently(calls: Dict[str, Callable[[], subprocess.CompletedProcess]]) -> Dict[str, subprocess.CompletedProcess]:
+    """``{name: call()}`` for independent calls of :func:`train` / :func:`tool` (each starts a
+    process of its own), run at the same time: their seconds of imports overlap."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def error_line(proc: subprocess.CompletedProcess, status: int = 2) -> str:

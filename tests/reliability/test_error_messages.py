@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.faults import SMALL, error_line, tool, train, without_checksums
+from helpers.faults import SMALL, concurrently, error_line, tool, train, without_checksums
 from helpers.hf_reference import make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -61,13 +61,14 @@ def test_damaged_rank_file_is_named_by_every_reader(ckpt, data, tmp_path, how, c
     _damage(rank_file, how)
     if not checksums:
         without_checksums(ckpt / "release")
-    runs = {
-        "--load": train(["--load", str(ckpt), "--data", str(data), "--train-iters", "1", "--finetune"], tmp_path),
-        "mcore-to-hf": tool("convert_hf_checkpoint.py", ["mcore-to-hf", "--load", str(ckpt), "--out-dir",
-                                                          str(tmp_path / "hf-out"), "--no-progress"], tmp_path),
-        "compute_logprobs": tool("compute_logprobs.py", ["--load", str(ckpt), "--data", str(data), "--out",
-                                                         str(tmp_path / "lp.jsonl")], tmp_path),
-    }
+    runs = concurrently({  # three processes at once
+        "--load": lambda: train(["--load", str(ckpt), "--data", str(data), "--train-iters", "1", "--finetune"],
+                                tmp_path),
+        "mcore-to-hf": lambda: tool("convert_hf_checkpoint.py", ["mcore-to-hf", "--load", str(ckpt), "--out-dir",
+                                                                  str(tmp_path / "hf-out"), "--no-progress"], tmp_path),
+        "compute_logprobs": lambda: tool("compute_logprobs.py", ["--load", str(ckpt), "--data", str(data), "--out",
+                                                                 str(tmp_path / "lp.jsonl")], tmp_path),
+    })
     for name, proc in runs.items():
         line = error_line(proc)
         assert str(rank_file) in line, (name, line)
@@ -108,9 +109,11 @@ def test_wrong_shape_hf_tensor_names_tensor_and_file(hf_dir, data, tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight"
     tensors[name] = tensors[name][:-4].contiguous()  # a head short
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    for proc in (train(["--hf-dir", str(bad), "--data", str(data), "--train-iters", "1"], tmp_path),
-                 tool("convert_hf_checkpoint.py", ["hf-to-mcore", "--hf-dir", str(bad), "--out-dir",
-                                                    str(tmp_path / "o"), "--no-progress"], tmp_path)):
+    for proc in concurrently({
+        "train": lambda: train(["--hf-dir", str(bad), "--data", str(data), "--train-iters", "1"], tmp_path),
+        "hf-to-mcore": lambda: tool("convert_hf_checkpoint.py", ["hf-to-mcore", "--hf-dir", str(bad), "--out-dir",
+                                                                  str(tmp_path / "o"), "--no-progress"], tmp_path),
+    }).values():
         line = error_line(proc)
         assert str(bad / "model.safetensors") in line and repr(name) in line, line
         assert "(28, 64)" in line and "(32, 64)" in line and "config.json" in line, line
@@ -166,11 +169,15 @@ def test_sample_longer_than_the_model_positions(hf_dir, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"id": "short", "tokens": [1, 2, 3], "advantage": 1.0}) + "\n"
                     + json.dumps({"id": "long", "tokens": list(range(70)), "advantage": 1.0}) + "\n")
-    line = error_line(train(["--hf-dir", hf_dir, "--data", str(path), "--train-iters", "1"], tmp_path))
+    runs = concurrently({
+        "refused": lambda: train(["--hf-dir", hf_dir, "--data", str(path), "--train-iters", "1"], tmp_path),
+        "allowed": lambda: train(["--hf-dir", hf_dir, "--data", str(path), "--train-iters", "1",
+                                  "--allow-rope-extrapolation"], tmp_path),
+    })
+    line = error_line(runs["refused"])
     assert "long.jsonl line 2 (sample id 'long'): field 'tokens'" in line and "length 70" in line, line
     assert "max_position_embeddings (64 tokens)" in line and "--allow-rope-extrapolation" in line
-    proc = train(["--hf-dir", hf_dir, "--data", str(path), "--train-iters", "1", "--allow-rope-extrapolation"],
-                 tmp_path)
+    proc = runs["allowed"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 sample(s) are longer than the model's max_position_embeddings (64)" in proc.stdout
 

@@ -16,7 +16,7 @@ import torch
 from helpers.batches import random_tree_records
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_logprobs, per_sample_loss_and_grads
 from helpers.tolerance import rounding_tolerance
-from helpers.torchrun import REPO_ROOT, run_torchrun
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl import (
     ActorConfig,
@@ -322,14 +322,37 @@ def test_creating_and_using_an_actor_leaves_the_callers_rng_alone(hf_dir, record
 
 
 # ---------------------------------------------------------------------------------------- torchrun
+@pytest.fixture(scope="module")
+def torchrun_cases(hf_dir, records, tmp_path_factory, request):
+    """The module's torchrun runs in one launch (2 ranks): TP=2, DP=2, then the refused one
+    (ranks with different batches; it ends the launch, so it runs last). ``torchrun_cases(id)``:
+    the case's folder (``result.pt``), or the AssertionError of a failed case."""
+    root = tmp_path_factory.mktemp("torchrun")
+    data = root / "records.json"
+    data.write_text(json.dumps(records))
+    tests = {"tp2": "test_under_torchrun_every_rank_gets_the_reference_numbers[tp2]",
+             "dp2": "test_under_torchrun_every_rank_gets_the_reference_numbers[dp2]",
+             "different-batches": "test_under_torchrun_ranks_with_different_batches_are_refused"}
+    selected = selected_test_names(request)
+    shared = SharedLaunches({case for case, test in tests.items() if test in selected})
+    folders = {case: tmp_path_factory.mktemp(case) for case in tests}
+    for case, tp in (("tp2", 2), ("dp2", 1)):
+        shared.add(case, 2, SCRIPT, lambda tp=tp, d=folders[case]: [
+            "--hf-dir", hf_dir, "--records", str(data), "--tp", str(tp), "--out", str(d / "result.pt")])
+    shared.add("different-batches", 2, SCRIPT, lambda d=folders["different-batches"]: [
+        "--hf-dir", hf_dir, "--records", str(data), "--different-batches", "--out", str(d / "r.pt")])
+
+    def run(case):
+        shared.check(case)
+        return folders[case]
+
+    return run
+
+
 @pytest.mark.slow  # torchrun
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
-def test_under_torchrun_every_rank_gets_the_reference_numbers(hf_dir, hf_model, records, batch, reference_logprobs,
-                                                             tmp_path, tp):
-    data, out = tmp_path / "records.json", tmp_path / "result.pt"
-    data.write_text(json.dumps(records))
-    run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--records", str(data), "--tp", str(tp), "--out", str(out)], nproc=2)
-    res = torch.load(out, weights_only=False)
+def test_under_torchrun_every_rank_gets_the_reference_numbers(torchrun_cases, hf_model, batch, reference_logprobs, tp):
+    res = torch.load(torchrun_cases("tp2" if tp == 2 else "dp2") / "result.pt", weights_only=False)
     assert res["ranks_agree"] and res["world"] == 2
     for a, b in zip(res["logprobs"], reference_logprobs):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -396,10 +419,7 @@ def test_bad_sources_and_weights_are_named(hf_dir, tmp_path):
 
 
 @pytest.mark.slow  # torchrun
-def test_under_torchrun_ranks_with_different_batches_are_refused(hf_dir, records, tmp_path):
+def test_under_torchrun_ranks_with_different_batches_are_refused(torchrun_cases):
     """A framework that hands each rank its own slice gets an error, not mixed-up numbers."""
-    data = tmp_path / "records.json"
-    data.write_text(json.dumps(records))
     with pytest.raises(AssertionError, match="the ranks passed different batches"):
-        run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--records", str(data), "--different-batches",
-                              "--out", str(tmp_path / "r.pt")], nproc=2)
+        torchrun_cases("different-batches")

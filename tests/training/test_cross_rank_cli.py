@@ -5,60 +5,77 @@ placement writes the reference log-probs."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from helpers.batches import cross_rank_batch
-from helpers.families import PARALLEL_CONFIGS
-from helpers.hf_reference import (
-    assert_grads_close,
-    hf_grads_to_mcore,
-    load_hf_model,
-    make_hf_checkpoint,
-    per_sample_logprobs,
-    per_sample_loss_and_grads,
-)
-from helpers.torchrun import REPO_ROOT, free_port, script_env
+from helpers.cross_rank_reference import cross_rank_reference
+from helpers.hf_reference import assert_grads_close
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl.checkpoint.loading import hf_full_state_dict, load_full_state_dict
 from megatron_psrl.data.loader import write_samples
 from megatron_psrl.model import ModelArchitecture
 
-CONFIG = PARALLEL_CONFIGS["llama"]
 LOSS = ["--clip-eps", "0.2", "--kl-coef", "0.05", "--entropy-coef", "0.01", "--loss-agg", "seq-mean-token-mean"]
 
 
-def _torchrun(nproc, script, args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(REPO_ROOT, script), *args]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+CASES = {  # id: (batch, ranks, CP size)
+    "dp2-one-tree": ("one-tree", 2, 1),
+    "cp2-chain": ("chain", 2, 2),
+    "cp2xdp2-mixed": ("mixed", 4, 2),
+    "cp2xdp2-one-tree-split": ("one-tree", 4, 2),
+}
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return make_hf_checkpoint(CONFIG, seed=1, directory=str(tmp_path_factory.mktemp("hf")))
+def launches(tmp_path_factory, request):
+    """Both runs of every case (the training step, then the log-prob pass) in one torchrun
+    launch per world size (2 and 4 ranks); returns the case's folder (``batch.jsonl``,
+    ``log.jsonl``, ``ckpt``, ``lp.jsonl``) once they ran."""
+    wanted = {f"{i}/{run}" for i in CASES for run in ("train", "logprobs")
+              if f"test_one_sgd_step_and_logprobs_match_reference[{i}]" in selected_test_names(request)}
+    shared = SharedLaunches(wanted)
+    folders = {}
+    for case_id, (kind, nproc, cp) in CASES.items():
+        folders[case_id] = root = tmp_path_factory.mktemp(case_id)
+
+        def train_args(kind=kind, cp=cp, root=root):
+            data = write_samples(cross_rank_batch(kind), root / "batch.jsonl")
+            return ["--hf-dir", _hf_dir(kind, tmp_path_factory), "--data", str(data), "--micro-batch-tokens", "64",
+                    "--context-parallel-size", str(cp), "--placement", "cross-rank", "--optimizer", "sgd", "--lr",
+                    "1.0", "--clip-grad", "0", "--train-iters", "1", "--save", str(root / "ckpt"), "--log-json",
+                    str(root / "log.jsonl"), *LOSS]
+
+        def logprob_args(kind=kind, cp=cp, root=root):
+            return ["--hf-dir", _hf_dir(kind, tmp_path_factory), "--data", str(root / "batch.jsonl"), "--out",
+                    str(root / "lp.jsonl"), "--micro-batch-tokens", "64", "--context-parallel-size", str(cp),
+                    "--placement", "cross-rank"]
+
+        shared.add(f"{case_id}/train", nproc, os.path.join(REPO_ROOT, "pretrain_agent_rl.py"), train_args)
+        shared.add(f"{case_id}/logprobs", nproc, os.path.join(REPO_ROOT, "tools", "compute_logprobs.py"), logprob_args)
+
+    def run(case_id):
+        shared.check(f"{case_id}/train")
+        shared.check(f"{case_id}/logprobs")
+        return folders[case_id]
+
+    return run
+
+
+def _hf_dir(kind, tmp_path_factory):
+    """The ``PARALLEL_CONFIGS["llama"]`` checkpoint (seed 1) the cross-rank tests share."""
+    return cross_rank_reference("llama", kind, tmp_path_factory)[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,nproc,cp", [("one-tree", 2, 1), ("chain", 2, 2), ("mixed", 4, 2), ("one-tree", 4, 2)],
-                         ids=["dp2-one-tree", "cp2-chain", "cp2xdp2-mixed", "cp2xdp2-one-tree-split"])
-def test_one_sgd_step_and_logprobs_match_reference(hf_dir, tmp_path, kind, nproc, cp):
-    batch = cross_rank_batch(kind)
-    data = write_samples(batch, tmp_path / "batch.jsonl")
-    hf = load_hf_model(hf_dir)
-    ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+@pytest.mark.parametrize("kind,nproc,cp", list(CASES.values()), ids=list(CASES))
+def test_one_sgd_step_and_logprobs_match_reference(launches, tmp_path_factory, request, kind, nproc, cp):
+    hf_dir, ref_loss, ref_grads, ref_logprobs = cross_rank_reference("llama", kind, tmp_path_factory)
     arch = ModelArchitecture.from_hf_dir(hf_dir)
-    ref_grads = hf_grads_to_mcore(ref_grads, arch)
-    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
-    _torchrun(nproc, "pretrain_agent_rl.py", [
-        "--hf-dir", hf_dir, "--data", str(data), "--micro-batch-tokens", "64", "--context-parallel-size", str(cp),
-        "--placement", "cross-rank", "--optimizer", "sgd", "--lr", "1.0", "--clip-grad", "0", "--train-iters", "1",
-        "--save", str(ckpt), "--log-json", str(log), *LOSS])
+    root = launches(request.node.callspec.id)
+    log, ckpt = root / "log.jsonl", root / "ckpt"
     rec = json.loads(log.read_text().splitlines()[0])
     assert rec["placement"] == "cross-rank" and rec["exchanged_bytes"] > 0
     # one tree, two exchange groups (the CP groups): split between them, the shared prefix computed in both
@@ -68,11 +85,8 @@ def test_one_sgd_step_and_logprobs_match_reference(hf_dir, tmp_path, kind, nproc
     _, after = load_full_state_dict(str(ckpt))
     grads = {name: before[name] - after[name] for name in before}  # SGD, lr 1: w1 = w0 - g
     assert_grads_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
-    out = tmp_path / "lp.jsonl"
-    _torchrun(nproc, "tools/compute_logprobs.py", ["--hf-dir", hf_dir, "--data", str(data), "--out", str(out),
-                                                   "--micro-batch-tokens", "64", "--context-parallel-size", str(cp),
-                                                   "--placement", "cross-rank"])
+    out = root / "lp.jsonl"
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    for row, ref in zip(rows, per_sample_logprobs(hf, batch)):
+    for row, ref in zip(rows, ref_logprobs):
         np.testing.assert_allclose(row["logprobs"], ref, atol=1e-4)
     assert torch.isfinite(torch.tensor(rec["grad_norm"]))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.cross_rank_reference import cross_rank_reference
 from helpers.hf_reference import assert_grads_close
-from helpers.torchrun import run_torchrun
+from helpers.torchrun import SharedLaunches, selected_test_names
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "cross_rank_step.py")
 
@@ -35,15 +35,32 @@ CASES += [
 ]
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, request):
+    """Every case runs in one torchrun launch per world size (2 and 4 ranks); rank 0 of each
+    case saves its results to the case's ``out`` file."""
+    shared = SharedLaunches(selected_test_names(request))
+    outs = {}
+    for name, family, kind, nproc, tp, cp, kv_budget in CASES:
+        case_id = f"test_cross_rank_step_matches_reference[{name}]"
+        outs[case_id] = out = tmp_path_factory.mktemp(name) / "result.pt"
+        shared.add(case_id, nproc, SCRIPT, lambda family=family, kind=kind, tp=tp, cp=cp, kv_budget=kv_budget, out=out: [
+            "--hf-dir", cross_rank_reference(family, kind, tmp_path_factory)[0], "--batch", kind, "--tp", str(tp),
+            "--cp", str(cp), "--budget", "64", "--kv-budget", str(kv_budget), "--out", str(out)])
+
+    def results(case_id):
+        shared.check(case_id)
+        return torch.load(outs[case_id], weights_only=False)
+
+    return results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_cross_rank_step_matches_reference(case, tmp_path, tmp_path_factory):
+def test_cross_rank_step_matches_reference(case, launches, request, tmp_path_factory):
     name, family, kind, nproc, tp, cp, kv_budget = case
     hf_dir, ref_loss, ref_grads, ref_logprobs = cross_rank_reference(family, kind, tmp_path_factory)
-    out = tmp_path / "result.pt"
-    run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--batch", kind, "--tp", str(tp), "--cp", str(cp), "--budget", "64",
-                          "--kv-budget", str(kv_budget), "--out", str(out)], nproc=nproc)
-    res = torch.load(out, weights_only=False)
+    res = launches(request.node.name)
     assert "cross-rank" in res["placements"], res
     assert res["peer_reads"] + res["replicas"] > 0, "prefix K/V must cross ranks"
     if "tight" in name:

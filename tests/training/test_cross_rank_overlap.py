@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers.cross_rank_reference import cross_rank_reference
 from helpers.hf_reference import assert_grads_close
-from helpers.torchrun import run_torchrun
+from helpers.torchrun import SharedLaunches, selected_test_names
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "cross_rank_overlap_step.py")
 CASES = [  # (id, batch, nproc, cp, kv budget)
@@ -22,17 +22,37 @@ CASES = [  # (id, batch, nproc, cp, kv budget)
 ]
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, request):
+    """Both runs (overlap on and off) of every case in one torchrun launch per world size (2 and
+    4 ranks); rank 0 of each run saves its results to the run's ``out`` file."""
+    wanted = {f"{c[0]}/{overlap}" for c in CASES for overlap in ("on", "off")
+              if f"test_overlapped_and_synchronous_exchange_match_reference[{c[0]}]" in selected_test_names(request)}
+    shared = SharedLaunches(wanted)
+    outs = {}
+    for name, kind, nproc, cp, kv_budget in CASES:
+        for overlap in ("on", "off"):
+            outs[name, overlap] = out = tmp_path_factory.mktemp(name) / f"result-{overlap}.pt"
+            shared.add(f"{name}/{overlap}", nproc, SCRIPT, lambda overlap=overlap, kind=kind, cp=cp,
+                       kv_budget=kv_budget, out=out: [
+                "--overlap", overlap, "--hf-dir", cross_rank_reference("llama", kind, tmp_path_factory)[0],
+                "--batch", kind, "--cp", str(cp), "--budget", "64", "--kv-budget", str(kv_budget), "--out", str(out)])
+
+    def result(name, overlap):
+        shared.check(f"{name}/{overlap}")
+        return torch.load(outs[name, overlap], weights_only=False)
+
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_overlapped_and_synchronous_exchange_match_reference(case, tmp_path, tmp_path_factory):
+def test_overlapped_and_synchronous_exchange_match_reference(case, launches, tmp_path_factory):
     name, kind, nproc, cp, kv_budget = case
     hf_dir, ref_loss, ref_grads, ref_logprobs = cross_rank_reference("llama", kind, tmp_path_factory)
     results = {}
     for overlap in ("on", "off"):
-        out = tmp_path / f"result-{overlap}.pt"
-        run_torchrun(SCRIPT, ["--overlap", overlap, "--hf-dir", hf_dir, "--batch", kind, "--cp", str(cp),
-                              "--budget", "64", "--kv-budget", str(kv_budget), "--out", str(out)], nproc=nproc)
-        res = results[overlap] = torch.load(out, weights_only=False)
+        res = results[overlap] = launches(name, overlap)
         assert "cross-rank" in res["placements"], res
         assert res["peer_reads"] > 0, "received prefix K/V must be attended to"
         if "tight" in name:

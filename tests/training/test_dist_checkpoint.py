@@ -12,7 +12,7 @@ import torch
 from helpers.dist_ckpt import check_rank_against_checkpoint, plain_tensors
 from helpers.faults import without_checksums
 from helpers.hf_reference import make_hf_checkpoint
-from helpers.torchrun import REPO_ROOT, run_torchrun
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
 from megatron_psrl.checkpoint.dist_format import load_common
@@ -85,15 +85,47 @@ def test_sgd_with_momentum_resumes_bit_for_bit_and_adam_refuses_its_state(tmp_pa
     main(DATA + ["--train-iters", "3", "--load", str(split), "--no-load-optim", "--log-json", str(tmp_path / "c.jsonl")])
     assert [r["iter"] for r in _records(tmp_path / "c.jsonl")] == [3]
 
+TWO_RANK_LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2-bf16": ["--bf16"]}
+PP2_FLAGS = {"pp2": ["--decoder-first-pipeline-num-layers", "1"], "vpp2": ["--num-layers-per-virtual-pipeline-stage", "1"]}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, request):
+    """The 2-rank runs of this module, in one torchrun launch (in this order): the TP=2 and the
+    DP=2 bf16 saves, the PP=2 saves (uneven, and with virtual stages) and the TP=2 resume of
+    the uneven one. ``saved(name)`` runs them the first time and returns the run's folder
+    (``ckpt``; ``check.json`` of the resume)."""
+    tests = {"tp2/save": "test_two_rank_checkpoint_resumes_on_one_rank_with_its_optimizer_state[tp2]",
+             "dp2-bf16/save": "test_two_rank_checkpoint_resumes_on_one_rank_with_its_optimizer_state[dp2-bf16]",
+             "pp2/save": "test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state",
+             "pp2/check": "test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state",
+             "vpp2/save": "test_virtual_pipeline_checkpoint_loads_under_one_rank"}
+    selected = selected_test_names(request)
+    shared = SharedLaunches({case for case, test in tests.items() if test in selected})
+    folders = {name: tmp_path_factory.mktemp(name) for name in [*TWO_RANK_LAYOUTS, *PP2_FLAGS]}
+    for name, layout in TWO_RANK_LAYOUTS.items():
+        shared.add(f"{name}/save", 2, SCRIPT, lambda name=name, layout=layout: [
+            "--model", "debug-llama", *DATA, "--train-iters", "2", "--save", str(folders[name] / "ckpt"), *layout])
+    for name, flags in PP2_FLAGS.items():
+        shared.add(f"{name}/save", 2, SCRIPT, lambda name=name, flags=flags: _pp2_args(folders[name], *flags))
+    shared.add("pp2/check", 2, CHECK, lambda: ["--load", str(folders["pp2"] / "ckpt"), "--tp", "2", "--out",
+                                                 str(folders["pp2"] / "check.json")])
+
+    def run(*cases):
+        for case in cases:
+            shared.check(case)
+        return folders[cases[0].split("/")[0]]
+
+    return run
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,dtype", [(["--tensor-model-parallel-size", "2"], "float32"),
-                                          (["--bf16"], "bfloat16")], ids=["tp2", "dp2-bf16"])
-def test_two_rank_checkpoint_resumes_on_one_rank_with_its_optimizer_state(tmp_path, layout, dtype):
+@pytest.mark.parametrize("layout,dtype", [(TWO_RANK_LAYOUTS["tp2"], "float32"),
+                                          (TWO_RANK_LAYOUTS["dp2-bf16"], "bfloat16")], ids=["tp2", "dp2-bf16"])
+def test_two_rank_checkpoint_resumes_on_one_rank_with_its_optimizer_state(saved, tmp_path, layout, dtype):
     """TP=2 (sharded weights and moments), or DP=2 in bf16 (replicas: rank 0 alone writes; fp32
     master copies saved), resumed by one rank."""
-    ckpt = tmp_path / "ckpt"
-    run_torchrun(SCRIPT, ["--model", "debug-llama"] + DATA + ["--train-iters", "2", "--save", str(ckpt)] + layout,
-                 nproc=2)
+    ckpt = saved("tp2/save" if dtype == "float32" else "dp2-bf16/save") / "ckpt"
     it_dir, info = read_checkpoint_info(str(ckpt))
     assert info.has_optimizer_state and info.tensor_parallel_size == (2 if dtype == "float32" else 1)
     if dtype == "bfloat16":
@@ -110,27 +142,23 @@ def test_two_rank_checkpoint_resumes_on_one_rank_with_its_optimizer_state(tmp_pa
     assert [r["iter"] for r in _records(tmp_path / "log.jsonl")] == [3]
 
 
-def _save_pp2(tmp_path, *flags: str):
-    """2 training iterations of a 4-layer model (vocabulary 300) on PP=2 with ``flags``, saved;
-    returns the checkpoint folder."""
+def _pp2_args(folder, *flags: str):
+    """2 training iterations of a 4-layer model (vocabulary 300) on PP=2 with ``flags``, saved
+    to ``folder / "ckpt"``: the arguments (the HF folder is made here)."""
     hf = make_hf_checkpoint(dict(tiny_config("debug-llama"), num_hidden_layers=4, vocab_size=300),
-                            directory=str(tmp_path / "hf"))
-    ckpt = tmp_path / "ckpt"
-    run_torchrun(SCRIPT, ["--hf-dir", hf] + DATA + ["--train-iters", "2", "--save", str(ckpt),
-                                                    "--pipeline-model-parallel-size", "2", *flags], nproc=2)
-    return ckpt
+                            directory=str(folder / "hf"))
+    return ["--hf-dir", hf] + DATA + ["--train-iters", "2", "--save", str(folder / "ckpt"),
+                                      "--pipeline-model-parallel-size", "2", *flags]
 
 
 @pytest.mark.slow
-def test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state(tmp_path):
+def test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state(saved):
     """An uneven PP=2 split (1/3 layers, a vocabulary not a multiple of 128) saved, then resumed
     by TP=2: every rank's slices of the weights and Adam state are the saved ones."""
-    ckpt = _save_pp2(tmp_path, "--decoder-first-pipeline-num-layers", "1")
-    _, info = read_checkpoint_info(str(ckpt))
+    folder = saved("pp2/save", "pp2/check")
+    _, info = read_checkpoint_info(str(folder / "ckpt"))
     assert (info.pipeline_parallel_size, info.pipeline_layers) == (2, (1, 3))
-    out = tmp_path / "check.json"
-    run_torchrun(CHECK, ["--load", str(ckpt), "--tp", "2", "--out", str(out)], nproc=2)
-    res = json.loads(out.read_text())
+    res = json.loads((folder / "check.json").read_text())
     assert res["world"] == 2 and res["saved_iteration"] == 2 and res["iteration"] == 3 and not res["skipped"]
     for counts in res["counts"]:  # both TP ranks compared all their slices
         assert counts["model"] >= 15 and counts["optimizer"] >= 2 * counts["model"]
@@ -138,10 +166,10 @@ def test_pp2_checkpoint_resumes_under_tp2_with_its_optimizer_state(tmp_path):
 
 
 @pytest.mark.slow
-def test_virtual_pipeline_checkpoint_loads_under_one_rank(tmp_path):
+def test_virtual_pipeline_checkpoint_loads_under_one_rank(saved):
     """PP=2 with 2 virtual stages each saves Megatron-LM's model0 / model1 entries (global layer
     numbers), and one rank without pipeline stages resumes it with the optimizer state."""
-    ckpt = _save_pp2(tmp_path, "--num-layers-per-virtual-pipeline-stage", "1")
+    ckpt = saved("vpp2/save") / "ckpt"
     it_dir, info = read_checkpoint_info(str(ckpt))
     assert info.virtual_pipeline_size == 2
     actor = PolicyActor(str(ckpt), ActorConfig(device="cpu", micro_batch_tokens=512,

@@ -17,7 +17,7 @@ from helpers.hf_reference import (
     per_sample_logprobs,
     per_sample_loss_and_grads,
 )
-from helpers.torchrun import run_torchrun
+from helpers.torchrun import SharedLaunches, selected_test_names
 
 from megatron_psrl.model import ModelArchitecture
 
@@ -25,23 +25,46 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "distributed_step.py
 CONFIGS = {1: PARALLEL_CONFIGS["llama"], 2: PARALLEL_CONFIGS["qwen3"]}  # DP=2 on Llama, TP=2 on Qwen3
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["dp2", "tp2"])
-def reference(request, tmp_path_factory):
-    config = CONFIGS[request.param]
-    hf_dir = make_hf_checkpoint(config, seed=1, directory=str(tmp_path_factory.mktemp("hf")))
-    hf = load_hf_model(hf_dir)
-    batch = random_tree_batch(seed=7, num_roots=4, vocab_size=251)
-    loss, grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
-    arch = ModelArchitecture.from_hf_dir(hf_dir)
-    return request.param, hf_dir, loss, hf_grads_to_mcore(grads, arch), per_sample_logprobs(hf, batch)
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """``reference(tp)``: ``(tp, HF dir, loss, gradients by megatron name, log-probs)``."""
+    cache = {}
+
+    def reference(tp):
+        if tp not in cache:
+            hf_dir = make_hf_checkpoint(CONFIGS[tp], seed=1, directory=str(tmp_path_factory.mktemp("hf")))
+            hf = load_hf_model(hf_dir)
+            batch = random_tree_batch(seed=7, num_roots=4, vocab_size=251)
+            loss, grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+            arch = ModelArchitecture.from_hf_dir(hf_dir)
+            cache[tp] = tp, hf_dir, loss, hf_grads_to_mcore(grads, arch), per_sample_logprobs(hf, batch)
+        return cache[tp]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def launches(references, tmp_path_factory, request):
+    """Both layouts (2 ranks each) in one torchrun launch; ``result(tp)`` loads what rank 0 saved."""
+    shared = SharedLaunches(selected_test_names(request))
+    outs = {}
+    for tp, name in ((1, "dp2"), (2, "tp2")):
+        outs[tp] = out = tmp_path_factory.mktemp(name) / "result.pt"
+        shared.add(f"test_two_ranks_match_reference[{name}]", 2, SCRIPT, lambda tp=tp, out=out: [
+            "--hf-dir", references(tp)[1], "--tp", str(tp), "--budget", "20", "--out", str(out)])
+
+    def result(tp, case_id):
+        shared.check(case_id)
+        return torch.load(outs[tp], weights_only=False)
+
+    return result
 
 
 @pytest.mark.slow
-def test_two_ranks_match_reference(reference, tmp_path):
-    tp, hf_dir, ref_loss, ref_grads, ref_logprobs = reference
-    out = tmp_path / "result.pt"
-    run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--tp", str(tp), "--budget", "20", "--out", str(out)], nproc=2)
-    res = torch.load(out, weights_only=False)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_two_ranks_match_reference(references, launches, request, tp):
+    tp, hf_dir, ref_loss, ref_grads, ref_logprobs = references(tp)
+    res = launches(tp, request.node.name)
     assert sum(res["sources"]) > 0, "mechanism 2 must be exercised"
     if tp == 1:
         assert all(n > 0 for n in res["micro_batches"]), "both data-parallel ranks must get work"

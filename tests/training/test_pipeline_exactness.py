@@ -18,7 +18,7 @@ from helpers.batches import random_tree_records
 from helpers.families import PARALLEL_CONFIGS
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint, per_sample_logprobs, per_sample_loss_and_grads
 from helpers.tolerance import rounding_tolerance
-from helpers.torchrun import REPO_ROOT, run_torchrun
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.engine.planning import whole_tree_reasons
@@ -85,15 +85,10 @@ LAYOUTS = {  # id: (TP, PP, ranks, layers per virtual stage, model layers, mecha
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipeline_step_equals_per_sample_reference(data, tmp_path, layout):
+def _layout_args(data, layout, out):
     tp, pp, nproc, vpp_layers, layers, m1_schedule, *extra = LAYOUTS[layout]
     first, recompute = (extra + [None, False])[:2]
-    root, batch, _ = data
-    families = FAMILIES if layers == 4 else ("llama",)  # the 8-layer case: one family is enough
-    refs = {name: _reference(data, name, layers) for name in families}
-    out = tmp_path / "result.pt"
+    root = data[0]
     args = ["--records", str(root / "records.json"), "--tp", str(tp), "--pp", str(pp), "--out", str(out)]
     if vpp_layers:
         args += ["--vpp-layers", str(vpp_layers)]
@@ -101,49 +96,88 @@ def test_pipeline_step_equals_per_sample_reference(data, tmp_path, layout):
         args += ["--first-layers", str(first)]
     if recompute:
         args += ["--recompute"]
-    for name in families:
-        args += ["--hf-dir", f"{name}={refs[name]['hf_dir']}"]
-    run_torchrun(SCRIPT, args, nproc=nproc)
-    results = torch.load(out, weights_only=False)
-    for name in families:
-        for mode in MODES:
-            _check(results[(name, mode)], refs[name], batch, mode, m1_schedule)
+    for name in _families(layout):
+        args += ["--hf-dir", f"{name}={_reference(data, name, layers)['hf_dir']}"]
+    return args
+
+
+def _families(layout):
+    return FAMILIES if LAYOUTS[layout][4] == 4 else ("llama",)  # the 8-layer case: one family is enough
+
+
+@pytest.fixture(scope="module")
+def one_tree(tmp_path_factory):
+    """One tree (the batch of the tests that split it between pipelines) and its reference."""
+    root = tmp_path_factory.mktemp("one-tree")
+    records = random_tree_records(seed=5, num_roots=1, vocab_size=251, max_len=80)
+    (root / "records.json").write_text(json.dumps(records))
+    batch = samples_from_dicts(records, source="records")
+    return root, batch, _reference((root, batch, {}), "llama", 4)
+
+
+SPREAD = {"pp2xdp2": None, "vpp2xpp2xdp2": 1}  # id: layers per virtual stage
+
+
+@pytest.fixture(scope="module")
+def launches(data, one_tree, tmp_path_factory, request):
+    """Every case of this module runs in one torchrun launch per world size (2 and 4 ranks);
+    rank 0 of each case saves its results to the case's ``out`` file."""
+    shared = SharedLaunches(selected_test_names(request))
+    outs = {}
+
+    def add(case_id, nproc, make_args):
+        outs[case_id] = tmp_path_factory.mktemp("case") / "result.pt"
+        shared.add(case_id, nproc, SCRIPT, lambda: make_args(outs[case_id]))
+
+    for layout in LAYOUTS:
+        add(f"test_pipeline_step_equals_per_sample_reference[{layout}]", LAYOUTS[layout][2],
+            lambda out, layout=layout: _layout_args(data, layout, out))
+    root, _, ref = one_tree
+    one = ["--records", str(root / "records.json"), "--pp", "2", "--modes", "m2", "--hf-dir", f"llama={ref['hf_dir']}"]
+    add("test_one_tree_is_split_between_pipelines_exactly", 4, lambda out: one + ["--out", str(out)])
+    for case, vpp_layers in SPREAD.items():
+        add(f"test_one_tree_is_spread_over_pipelines_by_cross_rank_exchange[{case}]", 4,
+            lambda out, vpp_layers=vpp_layers: one + ["--out", str(out), "--placement", "cross-rank"]
+            + (["--vpp-layers", str(vpp_layers)] if vpp_layers else []))
+
+    def results(test_name):
+        shared.check(test_name)
+        return torch.load(outs[test_name], weights_only=False)
+
+    return results
 
 
 @pytest.mark.slow
-def test_one_tree_is_split_between_pipelines_exactly(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_step_equals_per_sample_reference(data, launches, request, layout):
+    m1_schedule = LAYOUTS[layout][5]
+    _, batch, _ = data
+    results = launches(request.node.name)
+    for name in _families(layout):
+        for mode in MODES:
+            _check(results[(name, mode)], _reference(data, name, LAYOUTS[layout][4]), batch, mode, m1_schedule)
+
+
+@pytest.mark.slow
+def test_one_tree_is_split_between_pipelines_exactly(one_tree, launches, request):
     """PP=2 x DP=2 with a batch that is one tree: the planner splits it between the two
     pipelines (each recomputing the prefix its part shares) instead of leaving one idle; the
     step and the log-probs still equal the per-sample reference."""
-    records = random_tree_records(seed=5, num_roots=1, vocab_size=251, max_len=80)
-    (tmp_path / "records.json").write_text(json.dumps(records))
-    batch = samples_from_dicts(records, source="records")
-    ref = _reference((tmp_path, batch, {}), "llama", 4)
-    out = tmp_path / "result.pt"
-    run_torchrun(SCRIPT, ["--records", str(tmp_path / "records.json"), "--pp", "2", "--out", str(out), "--modes", "m2",
-                          "--hf-dir", f"llama={ref['hf_dir']}"], nproc=4)
-    res = torch.load(out, weights_only=False)[("llama", "m2")]
+    _, batch, ref = one_tree
+    res = launches(request.node.name)[("llama", "m2")]
     assert res["tokens_recomputed_across_groups"] > 0
     _check(res, ref, batch, "m2", "1f1b")
 
 
-
 @pytest.mark.slow
-@pytest.mark.parametrize("vpp_layers", [None, 1], ids=["pp2xdp2", "vpp2xpp2xdp2"])
-def test_one_tree_is_spread_over_pipelines_by_cross_rank_exchange(tmp_path, vpp_layers):
+@pytest.mark.parametrize("vpp_layers", list(SPREAD.values()), ids=list(SPREAD))
+def test_one_tree_is_spread_over_pipelines_by_cross_rank_exchange(one_tree, launches, request, vpp_layers):
     """PP=2 x DP=2 (and with two virtual stages per rank), one tree, ``--placement cross-rank``
     with 16-token micro-batches: the tree's fragments run on both pipelines in lockstep steps,
     every stage exchanging its layers' prefix K/V with the same stage of the other pipeline
     (in plan order); the step and the log-probs equal the per-sample reference."""
-    records = random_tree_records(seed=5, num_roots=1, vocab_size=251, max_len=80)
-    (tmp_path / "records.json").write_text(json.dumps(records))
-    batch = samples_from_dicts(records, source="records")
-    ref = _reference((tmp_path, batch, {}), "llama", 4)
-    out = tmp_path / "result.pt"
-    args = ["--records", str(tmp_path / "records.json"), "--pp", "2", "--out", str(out), "--modes", "m2",
-            "--placement", "cross-rank", "--hf-dir", f"llama={ref['hf_dir']}"]
-    run_torchrun(SCRIPT, args + (["--vpp-layers", str(vpp_layers)] if vpp_layers else []), nproc=4)
-    res = torch.load(out, weights_only=False)[("llama", "m2")]
+    _, batch, ref = one_tree
+    res = launches(request.node.name)[("llama", "m2")]
     assert res["placement"] == "cross-rank" and res["exchanged_bytes"] > 0
     assert res["tokens_recomputed_across_groups"] == 0  # one exchange group: every tree token computed once
     assert len(res["plan_rank_cost"]) == 2 and min(res["plan_rank_cost"]) > 0  # fragments on both pipelines

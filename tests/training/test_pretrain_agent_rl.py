@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers.torchrun import REPO_ROOT, run_torchrun
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl.checkpoint.layout import TRACKER, read_checkpoint_info
 from megatron_psrl.training.trainer import main
@@ -85,13 +85,35 @@ def test_kv_budget_below_one_block_is_refused(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+TWO_RANKS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2": []}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, request):
+    """Both 2-rank trainings in one torchrun launch; ``two_rank_runs(id)``: the run's folder
+    (``log.jsonl``, ``ckpt``)."""
+    selected = selected_test_names(request)
+    shared = SharedLaunches({name for name in TWO_RANKS
+                             if f"test_two_rank_training_saves_a_loadable_checkpoint[{name}]" in selected})
+    folders = {name: tmp_path_factory.mktemp(name) for name in TWO_RANKS}
+    for name, parallel in TWO_RANKS.items():
+        shared.add(name, 2, SCRIPT, lambda d=folders[name], parallel=parallel: BASE + [
+            "--train-iters", "2", "--log-json", str(d / "log.jsonl"), "--save", str(d / "ckpt"),
+            "--ckpt-format", "legacy"] + parallel)
+
+    def run(name):
+        shared.check(name)
+        return folders[name]
+
+    return run
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "2"], []], ids=["tp2", "dp2"])
-def test_two_rank_training_saves_a_loadable_checkpoint(tmp_path, parallel):
-    log = tmp_path / "log.jsonl"
-    ckpt = tmp_path / "ckpt"
-    run_torchrun(SCRIPT, BASE + ["--train-iters", "2", "--log-json", str(log), "--save", str(ckpt),
-                                 "--ckpt-format", "legacy"] + parallel, nproc=2)
+@pytest.mark.parametrize("parallel", list(TWO_RANKS.values()), ids=list(TWO_RANKS))
+def test_two_rank_training_saves_a_loadable_checkpoint(two_rank_runs, request, tmp_path, parallel):
+    folder = two_rank_runs(request.node.callspec.id)
+    log = folder / "log.jsonl"
+    ckpt = folder / "ckpt"
     recs = _records(log)
     assert len(recs) == 2 and all(REQUIRED <= set(r) for r in recs)
     _, info = read_checkpoint_info(str(ckpt))

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from helpers.families import FAMILIES, PARALLEL_CONFIGS, family_config, make_family_checkpoint
-from helpers.torchrun import REPO_ROOT, run_torchrun
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 from safetensors.torch import load_file
 
 from megatron_psrl import ActorConfig, PolicyActor
@@ -171,24 +171,33 @@ MODELS = {"llama": PARALLEL_CONFIGS["llama"], "qwen3": PARALLEL_CONFIGS["qwen3"]
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(tmp_path_factory):
-    """One torchrun per layout (2 ranks, gloo), its results read back; models of 4 layers
-    (PP=2 with one layer per virtual stage: 2 chunks per rank) and an odd vocabulary (TP pads it)."""
+def parallel_runs(tmp_path_factory, request):
+    """Both layouts (2 ranks, gloo) in one torchrun launch, TP=2 first (its rank memory is
+    measured in a process that has run nothing else), their results read back; models of 4
+    layers (PP=2 with one layer per virtual stage: 2 chunks per rank) and an odd vocabulary
+    (TP pads it)."""
     root = tmp_path_factory.mktemp("stream")
     dirs = {name: make_family_checkpoint(dict(cfg, num_hidden_layers=4), str(root / name), seed=3)
             for name, cfg in MODELS.items()}
     memory_dir = make_family_checkpoint(MEMORY_CONFIG, str(root / "memory"))
-    runs = {}
-
-    def run(layout):
-        if layout not in runs:
+    selected = selected_test_names(request)
+    wanted = {layout for layout in LAYOUTS if f"test_every_rank_streams_the_full_model[{layout}]" in selected}
+    if "test_a_tensor_parallel_rank_streams_within_about_one_bucket" in selected:
+        wanted.add("tp2")
+    shared = SharedLaunches(wanted)
+    for layout in LAYOUTS:  # (TP=2 first)
+        def make_args(layout=layout):
             out = root / layout
             out.mkdir()
             extra = ["--memory-hf-dir", memory_dir] if layout == "tp2" else []
-            run_torchrun(SCRIPT, [*LAYOUTS[layout], "--bucket-bytes", "20000", "--out", str(out), *extra,
-                                  *[f"--hf-dir={n}={d}" for n, d in dirs.items()]], nproc=2)
-            runs[layout] = out
-        return runs[layout], dirs
+            return [*LAYOUTS[layout], "--bucket-bytes", "20000", "--out", str(out), *extra,
+                    *[f"--hf-dir={n}={d}" for n, d in dirs.items()]]
+
+        shared.add(layout, 2, SCRIPT, make_args)
+
+    def run(layout):
+        shared.check(layout)
+        return root / layout, dirs
 
     return run
 
