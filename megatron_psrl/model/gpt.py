@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.identity_op import IdentityOp
@@ -317,36 +318,25 @@ class PsrlGPTModel(GPTModel):
             metadata names them and the last layer could skip the others
             (:class:`PsrlTransformerLayer`; the row count tells).
         """
-        if not self.config.sequence_parallel:
-            if decoder_input is None and self.pre_process:
-                decoder_input = self.embedding(input_ids=input_ids[None, :], position_ids=None)  # [t, 1, h]
-            rotary = self.rotary_frequencies(position_ids)  # [t, 1, 1, rot_dim]
-            return self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary,
-                                packed_seq_params=attention_metadata)
-        return self._sequence_parallel_forward(input_ids, position_ids, attention_metadata, decoder_input)
-
-    def _sequence_parallel_forward(self, input_ids, position_ids: Tensor, attention_metadata: TreeAttentionMetadata,
-                                   decoder_input: Optional[Tensor]) -> Tensor:
-        """:meth:`forward` under sequence parallelism: the pack's ``t`` rows padded to ``t'``, a
-        multiple of TP, each rank's share ``[t' / TP, 1, h]`` through the decoder, the last
-        stage's rows gathered and cut back to ``[t, 1, h]`` (:mod:`~megatron_psrl.model.sequence_parallel`)."""
-        from megatron.core import tensor_parallel
-
+        # Sequence parallelism: the pack's t rows padded to t', a multiple of TP, each rank's share
+        # [t' / TP, 1, h] through the decoder, the last stage's rows gathered and cut back to
+        # [t, 1, h] (megatron_psrl.model.sequence_parallel). Without it: TP counts as 1, no padding.
+        split = self.config.sequence_parallel
         rows = position_ids.shape[0]
-        rank, tp = tensor_parallel_rank_and_size()
+        rank, tp = tensor_parallel_rank_and_size() if split else (0, 1)
         pad = padded_rows(rows, tp) - rows
         if decoder_input is None and self.pre_process:
-            embedded = self.embedding(input_ids=input_ids[None, :], position_ids=None)  # [t, 1, h] on every TP rank
-            if pad:
-                embedded = F.pad(embedded, (0, 0, 0, 0, 0, pad))
-            decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(embedded)  # [t' / TP, 1, h]
+            decoder_input = self.embedding(input_ids=input_ids[None, :], position_ids=None)  # [t, 1, h]
+            if split:
+                padded = F.pad(decoder_input, (0, 0, 0, 0, 0, pad)) if pad else decoder_input
+                decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(padded)  # [t' / TP, 1, h]
         positions = F.pad(position_ids, (0, pad)) if pad else position_ids
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=None,
                               rotary_pos_emb=self.rotary_frequencies(positions),  # [t', 1, 1, rot_dim]
                               packed_seq_params=attention_metadata,
                               padding_mask=padding_mask(rows, rank, tp, position_ids.device))
-        if not self.post_process:
-            return hidden  # [t' / TP, 1, h] to the next stage
+        if not (split and self.post_process):
+            return hidden  # (with sequence parallelism, [t' / TP, 1, h] to the next stage)
         # every rank's rows (the backward keeps this rank's share of the summed gradient)
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return hidden[:rows]  # [t, 1, h]
