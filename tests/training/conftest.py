@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint
+from megatron.core import parallel_state
 
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.distributed.setup import initialize_parallel
@@ -22,7 +23,19 @@ def hf_model(hf_dir):
 
 
 @pytest.fixture(scope="session")
-def psrl_model(hf_dir):
-    initialize_parallel(1, 1, seed=0, device="cpu")
-    arch, model, _ = load_model(ModelSource(hf_dir=hf_dir), dtype=torch.float32)
-    return arch, model
+def _psrl_model_cache():
+    return {}
+
+
+@pytest.fixture
+def psrl_model(hf_dir, _psrl_model_cache):
+    """(arch, model), loaded once and loaded again only when the process groups it was built
+    under are gone: megatron's layers keep their groups, and a test elsewhere in the session may
+    end them (``PolicyActor.close()``), which would leave this model calling collectives on
+    destroyed groups in whatever test runs next in random order."""
+    initialize_parallel(1, 1, seed=0, device="cpu")  # a no-op while the state is alive
+    group = parallel_state.get_tensor_model_parallel_group()
+    if _psrl_model_cache.get("group") is not group:
+        arch, model, _ = load_model(ModelSource(hf_dir=hf_dir), dtype=torch.float32)
+        _psrl_model_cache.update(group=group, model=(arch, model))
+    return _psrl_model_cache["model"]
