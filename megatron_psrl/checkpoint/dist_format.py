@@ -205,16 +205,27 @@ def save_training_state(it_dir: str, iteration: int, model, optimizer, device: t
     save_state(it_dir, state, device)
 
 
-def _check_optimizer_kind(it_dir: str, saved_state: Any, current: str) -> None:
-    """Refuse, in one line, optimizer state of another optimizer (megatron would fail on a
-    missing ``exp_avg`` key deep inside the load)."""
+def _check_optimizer_kind(it_dir: str, saved_state: Any, current: str, distributed: bool) -> None:
+    """Refuse, in one line, optimizer state of another optimizer, or of the distributed
+    optimizer into the plain one and back (megatron would fail deep inside the load: on a
+    missing ``exp_avg``, ``pre_wd_mult`` or ``optimizer.state.param...`` key). ``distributed``:
+    this run's ``--use-distributed-optimizer``."""
     from megatron_psrl.engine.optimizer import saved_optimizer_kind
 
-    saved = saved_optimizer_kind(sub_states(saved_state))
+    subs = sub_states(saved_state)
+    saved = saved_optimizer_kind(subs)
     if saved is not None and saved != current:
         raise CheckpointError(it_dir, f"holds {saved} optimizer state and this run uses --optimizer {current}: "
                                       f"pass --optimizer {saved} to train on, or --no-load-optim to start a fresh "
                                       f"{current} state from the checkpoint's weights")
+    # megatron's distributed optimizer names how it sharded its state; the plain one does not
+    saved_distributed = any(isinstance(sub, dict) and "param_state_sharding_type" in sub for sub in subs)
+    if saved_distributed != distributed:
+        saved_by = "with" if saved_distributed else "without"
+        this = "uses" if distributed else "does not use"
+        raise CheckpointError(it_dir, f"holds optimizer state saved {saved_by} --use-distributed-optimizer and this "
+                                      f"run {this} it: resume {saved_by} it, or pass --no-load-optim to start a "
+                                      f"fresh optimizer state from the checkpoint's weights")
 
 
 def load_training_state(it_dir: str, model, optimizer, same_layout: bool) -> None:
@@ -224,7 +235,8 @@ def load_training_state(it_dir: str, model, optimizer, same_layout: bool) -> Non
     common = load_common(it_dir)
     if "optimizer" not in common and "opt_param_scheduler" not in common:
         raise CheckpointError(it_dir, "holds no optimizer state (saved without an optimizer)")
-    _check_optimizer_kind(it_dir, common["optimizer"], optimizer.settings.optimizer)
+    _check_optimizer_kind(it_dir, common["optimizer"], optimizer.settings.optimizer,
+                          optimizer.settings.use_distributed_optimizer)
     wanted = strip_chained_prefixes(optimizer.sharded_state_dict(model_sharded_state_dict(model), is_loading=True,
                                                                  saved=common["optimizer"]))
     match_stored_keys(wanted, dist_checks.read_index(it_dir).state_dict_metadata)

@@ -55,6 +55,18 @@ def assert_rank_grads_match(actor, ref_grads: Dict[str, torch.Tensor], ep_rank: 
     return worst
 
 
+def assert_step_grads_match(actor, records, ref_loss: float, ref_grads: Dict[str, torch.Tensor], ep_rank: int,
+                            ep_size: int):
+    """One ``actor.forward_backward(records)``: its loss within 1e-5 of ``ref_loss``; then the
+    gradients summed as megatron's DDP sums them (dense over DP, experts over expert-DP) and
+    every rank's ``main_grad`` checked (:func:`assert_rank_grads_match`). Returns
+    ``(result, worst relative gradient error)``; the gradients stay for the caller."""
+    result = actor.forward_backward(records)
+    assert abs(result.loss - ref_loss) <= 1e-5 * abs(ref_loss), (result.loss, ref_loss)
+    actor.engine.optimizer.reduce_gradients()
+    return result, assert_rank_grads_match(actor, ref_grads, ep_rank, ep_size)
+
+
 def assert_logprobs_match(actor, records, hf, batch, atol: float = 1e-5) -> float:
     """``actor.compute_logprobs(records)`` within ``atol`` of the per-sample HF model's; the worst error."""
     ours = actor.compute_logprobs(records)

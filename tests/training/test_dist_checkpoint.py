@@ -85,6 +85,24 @@ def test_sgd_with_momentum_resumes_bit_for_bit_and_adam_refuses_its_state(tmp_pa
     main(DATA + ["--train-iters", "3", "--load", str(split), "--no-load-optim", "--log-json", str(tmp_path / "c.jsonl")])
     assert [r["iter"] for r in _records(tmp_path / "c.jsonl")] == [3]
 
+def test_distributed_and_plain_optimizer_state_refuse_each_other_in_one_line(tmp_path):
+    """A checkpoint of the distributed optimizer resumed without --use-distributed-optimizer,
+    and a plain one resumed with it: one line naming the flag (megatron fails deep inside the
+    load, on a missing ``pre_wd_mult`` or ``optimizer.state.param...`` key); --no-load-optim
+    starts a fresh state from the weights."""
+    base = ["--model", "debug-llama"] + DATA + ["--train-iters", "1"]
+    distributed, plain = tmp_path / "distributed", tmp_path / "plain"
+    main(base + ["--use-distributed-optimizer", "--save", str(distributed)])
+    main(base + ["--save", str(plain)])
+    resume = ["--model", "debug-llama"] + DATA + ["--train-iters", "2"]
+    with pytest.raises(CheckpointError, match="saved with --use-distributed-optimizer and this run does not use it"):
+        main(resume + ["--load", str(distributed)])
+    with pytest.raises(CheckpointError, match="saved without --use-distributed-optimizer and this run uses it"):
+        main(resume + ["--load", str(plain), "--use-distributed-optimizer"])
+    main(resume + ["--load", str(distributed), "--no-load-optim", "--log-json", str(tmp_path / "c.jsonl")])
+    assert [r["iter"] for r in _records(tmp_path / "c.jsonl")] == [2]
+
+
 TWO_RANK_LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2-bf16": ["--bf16"]}
 PP2_FLAGS = {"pp2": ["--decoder-first-pipeline-num-layers", "1"], "vpp2": ["--num-layers-per-virtual-pipeline-stage", "1"]}
 

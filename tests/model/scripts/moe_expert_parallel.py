@@ -19,8 +19,8 @@ warnings.filterwarnings("ignore")
 from helpers.batches import random_tree_records  # noqa: E402
 from helpers.expert_parallel import (  # noqa: E402
     assert_logprobs_match,
-    assert_rank_grads_match,
     assert_sgd_step_matches,
+    assert_step_grads_match,
 )
 from helpers.hf_reference import load_hf_model, per_sample_loss_and_grads  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
@@ -49,11 +49,8 @@ def main() -> None:
     ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
 
     # the gradients, summed as megatron's DDP sums them (dense: over DP; experts: over expert-DP)
-    result = actor.forward_backward(records)
-    assert abs(result.loss - ref_loss) <= 1e-5 * abs(ref_loss), (result.loss, ref_loss)
-    actor.engine.optimizer.reduce_gradients()
+    result, worst = assert_step_grads_match(actor, records, ref_loss, ref_grads, ep_rank, 2)
     empty = actor.engine.runner.last_empty_expert_passes
-    worst = assert_rank_grads_match(actor, ref_grads, ep_rank, 2)
     actor.zero_grad()
 
     # one SGD step (lr 1) through megatron's optimizer: the update is minus those gradients

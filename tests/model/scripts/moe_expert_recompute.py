@@ -20,7 +20,7 @@ import torch
 warnings.filterwarnings("ignore")
 
 from helpers.batches import random_tree_records  # noqa: E402
-from helpers.expert_parallel import assert_logprobs_match, assert_rank_grads_match  # noqa: E402
+from helpers.expert_parallel import assert_logprobs_match, assert_step_grads_match  # noqa: E402
 from helpers.hf_reference import load_hf_model, per_sample_loss_and_grads  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from model.test_moe_router_losses import replayed, with_routes  # noqa: E402
@@ -52,11 +52,8 @@ def main() -> None:
 
     ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
     empty_kinds.clear()
-    result = actor.forward_backward(records)
-    assert abs(result.loss - ref_loss) <= 1e-5 * abs(ref_loss), (result.loss, ref_loss)
-    actor.engine.optimizer.reduce_gradients()
+    result, worst = assert_step_grads_match(actor, records, ref_loss, ref_grads, ep_rank, 2)
     empty = actor.engine.runner.last_empty_expert_passes
-    worst = assert_rank_grads_match(actor, ref_grads, ep_rank, 2)
     m, first_loss = result.metrics, result.loss
     kinds = "".join(sorted(empty_kinds.elements()))
 
@@ -67,10 +64,8 @@ def main() -> None:
     with replayed(hf, routed_batch):
         replay_loss, replay_grads = per_sample_loss_and_grads(hf, routed_batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
     actor.zero_grad()
-    result = actor.forward_backward(routed)
-    assert abs(result.loss - replay_loss) <= 1e-5 * abs(replay_loss), (result.loss, replay_loss)
-    actor.engine.optimizer.reduce_gradients()
-    worst = max(worst, assert_rank_grads_match(actor, replay_grads, ep_rank, 2))
+    result, replay_worst = assert_step_grads_match(actor, routed, replay_loss, replay_grads, ep_rank, 2)
+    worst = max(worst, replay_worst)
     print(f"rank {torch.distributed.get_rank()} ep_rank {ep_rank}: recompute {granularity} {method} {num_layers}, "
           f"logprob err {lp_err:.2e}, loss {first_loss:.6f} (ref {ref_loss:.6f}), replayed {result.loss:.6f}, worst grad rel err {worst:.2e}, "
           f"micro-batches {m['micro_batches']}, tokens recomputed {m.get('tokens_recomputed', 0)}, "

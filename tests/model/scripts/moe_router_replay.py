@@ -16,7 +16,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 
-from helpers.expert_parallel import assert_logprobs_match, assert_rank_grads_match  # noqa: E402
+from helpers.expert_parallel import assert_logprobs_match, assert_step_grads_match  # noqa: E402
 from helpers.hf_reference import load_hf_model, per_sample_loss_and_grads  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from model.test_router_replay import LOSS, replayed, routed_records  # noqa: E402
@@ -42,11 +42,8 @@ def main() -> None:
     with replayed(hf, batch):
         ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
 
-    result = actor.forward_backward(records)
-    assert abs(result.loss - ref_loss) <= 1e-5 * abs(ref_loss), (result.loss, ref_loss)
-    actor.engine.optimizer.reduce_gradients()
+    result, worst = assert_step_grads_match(actor, records, ref_loss, ref_grads, ep_rank, 2)
     empty = actor.engine.runner.last_empty_expert_passes
-    worst = assert_rank_grads_match(actor, ref_grads, ep_rank, 2)
     print(f"rank {torch.distributed.get_rank()} replay ok: logprob err {lp_err:.2e}, loss {result.loss:.6f} "
           f"(ref {ref_loss:.6f}), worst grad rel err {worst:.2e}, micro-batches {result.metrics['micro_batches']}, "
           f"empty passes {empty}", flush=True)
