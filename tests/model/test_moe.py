@@ -12,7 +12,7 @@ import torch
 from helpers.batches import random_tree_records
 from helpers.families import make_family_checkpoint
 from helpers.hf_reference import assert_grads_close, load_hf_model, per_sample_logprobs, per_sample_loss_and_grads
-from helpers.torchrun import REPO_ROOT, run_torchrun
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
 from megatron_psrl.data.loader import samples_from_dicts
@@ -258,12 +258,23 @@ def test_logprobs_loss_and_gradients_equal_the_per_sample_reference(hf_dir, hf_m
     actor.close()
 
 
+@pytest.fixture(scope="module")
+def launches(hf_dir, request):
+    """The torchrun cases of this module: the two 2-rank ones in one launch."""
+    shared = SharedLaunches(selected_test_names(request))
+    shared.add("test_expert_parallel_under_torchrun", 2, SCRIPT, lambda: [hf_dir, "16", "tree", "3"])
+    shared.add("test_expert_parallel_with_activation_recomputation_under_torchrun", 2, RECOMPUTE_SCRIPT,
+               lambda: [hf_dir, "16", "450000", "full", "uniform", "1"])
+    shared.add("test_expert_and_pipeline_parallel_under_torchrun", 4, PP_SCRIPT, lambda: [hf_dir, "16", "3"])
+    return shared
+
+
 @pytest.mark.slow  # two processes
-def test_expert_parallel_under_torchrun(hf_dir):
+def test_expert_parallel_under_torchrun(launches, request):
     """EP = DP = 2 over gloo, alltoall dispatcher, micro-batches of 16 tokens: the ranks get
     different numbers and orders of passes, so the lockstep's empty passes run; every rank
     matches the per-sample reference (asserted inside the script)."""
-    out = run_torchrun(SCRIPT, [hf_dir, "16", "tree", "3"], nproc=2, timeout=600)
+    out = launches.check(request.node.name)
     # the ranks share stdout: their lines may interleave, so find each rank's report anywhere
     reports = re.findall(r"rank (\d) ep_rank \d: .*?empty passes (\d+)", out)
     assert sorted(rank for rank, _ in reports) == ["0", "1"], out[-3000:]
@@ -271,14 +282,14 @@ def test_expert_parallel_under_torchrun(hf_dir):
 
 
 @pytest.mark.slow  # two processes
-def test_expert_parallel_with_activation_recomputation_under_torchrun(hf_dir):
+def test_expert_parallel_with_activation_recomputation_under_torchrun(launches, request):
     """EP = DP = 2 over gloo with full activation recomputation (one checkpointed unit per
     layer), micro-batches of 16 tokens and a KV budget that keeps some prefix graphs and drops
     others: a recomputing backward repeats its layers' all-to-alls, and the empty passes
     (forward + backward, kept forward and its later backward, graph-less forward) recompute
     theirs the same way; every rank matches the per-sample reference, without and with router
     replay (asserted inside the script)."""
-    out = run_torchrun(RECOMPUTE_SCRIPT, [hf_dir, "16", "450000", "full", "uniform", "1"], nproc=2, timeout=600)
+    out = launches.check(request.node.name)
     reports = re.findall(r"rank (\d) ep_rank \d: .*?tokens recomputed (\d+), empty passes (\d+), empty ticks (\w*)", out)
     assert sorted(rank for rank, *_ in reports) == ["0", "1"], out[-3000:]
     assert all(int(recomputed) > 0 for _, recomputed, _, _ in reports)  # dropped graphs (mechanism 2)
@@ -287,12 +298,12 @@ def test_expert_parallel_with_activation_recomputation_under_torchrun(hf_dir):
 
 
 @pytest.mark.slow  # four processes
-def test_expert_and_pipeline_parallel_under_torchrun(hf_dir):
+def test_expert_and_pipeline_parallel_under_torchrun(launches, request):
     """PP = 2 x DP = 2 x EP = 2 over gloo (each stage's expert group: its two data-parallel
     ranks), micro-batches of 16 tokens: cached prefixes on both pipelines, which get different
     numbers of micro-batches, so each stage's lockstep runs empty passes on the pipeline with
     fewer; every rank matches the per-sample reference (asserted inside the script)."""
-    out = run_torchrun(PP_SCRIPT, [hf_dir, "16", "3"], nproc=4, timeout=600)
+    out = launches.check(request.node.name)
     reports = re.findall(r"rank (\d) pp_rank (\d) dp_rank (\d) ep_rank \d: .*?schedule (\S+), own micro-batches "
                          r"(\d+), cached prefixes (\d+), .*?empty passes (\d+)", out)
     assert sorted(r[0] for r in reports) == ["0", "1", "2", "3"], out[-3000:]

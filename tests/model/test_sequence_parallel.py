@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.families import make_family_checkpoint
-from helpers.torchrun import REPO_ROOT, run_torchrun
+from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -120,15 +120,32 @@ CASES = {  # name: (family, processes, EP, dispatcher, PP, CP)
 }
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, request):
+    """The cases of this module in one torchrun launch per world size (2 and 4 ranks)."""
+    shared = SharedLaunches(selected_test_names(request))
+    checkpoints = {}
+
+    def args(case):
+        family, _, ep, dispatcher, pp, cp = CASES[case]
+        if family not in checkpoints:
+            checkpoints[family] = make_family_checkpoint(tiny_config(family), str(tmp_path_factory.mktemp(f"hf-{family}")))
+        return [checkpoints[family], str(ep), dispatcher, "16", str(pp), str(cp)]
+
+    for case in CASES:
+        shared.add(f"test_sequence_parallel_step_equals_per_sample_reference[{case}]", CASES[case][1], SCRIPT,
+                   lambda case=case: args(case))
+    return shared
+
+
 @pytest.mark.slow  # two or four processes
 @pytest.mark.parametrize("case", list(CASES))
-def test_sequence_parallel_step_equals_per_sample_reference(case, tmp_path_factory):
+def test_sequence_parallel_step_equals_per_sample_reference(case, launches, request):
     """TP = 2 with sequence parallelism over gloo, micro-batches of 16 tokens (cached prefixes,
     packs of odd length padded): log-probs, loss, every gradient of every rank and one SGD step
     match the per-sample reference (asserted in the script)."""
-    family, nproc, ep, dispatcher, pp, cp = CASES[case]
-    hf_dir = make_family_checkpoint(tiny_config(family), str(tmp_path_factory.mktemp(f"hf-{family}")))
-    out = run_torchrun(SCRIPT, [hf_dir, str(ep), dispatcher, "16", str(pp), str(cp)], nproc=nproc, timeout=600)
+    _, nproc, ep, *_ = CASES[case]
+    out = launches.check(request.node.name)
     reports = re.findall(r"rank (\d) tp_rank (\d) ep_rank \d: .*?padded packs (\d+) of \d+, .*?empty passes (\d+)", out)
     assert sorted(r for r, *_ in reports) == [str(r) for r in range(nproc)], out[-3000:]
     assert all(int(padded) > 0 for _, _, padded, _ in reports)  # odd packs ran padded

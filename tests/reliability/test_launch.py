@@ -36,18 +36,29 @@ def _losses(path):
     return out
 
 
+_REFERENCES = {}
+
+
 def _single_node(tmp_path, name, **knobs):
-    log = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run(["bash", os.path.join(LAUNCH, "torchrun_single_node.sh")], cwd=REPO_ROOT,
-                          env=_env(**dict(dict(NPROC=2), LOG_JSON=log, **knobs)), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return _losses(log)
+    """{iteration: loss} of an uninterrupted single-agent run (NPROC=2 unless given); one run
+    per set of knobs in this module (the tests of the same run share it)."""
+    key = tuple(sorted((k, str(v)) for k, v in knobs.items()))
+    if key not in _REFERENCES:
+        log = tmp_path / f"{name}.jsonl"
+        proc = subprocess.run(["bash", os.path.join(LAUNCH, "torchrun_single_node.sh")], cwd=REPO_ROOT,
+                              env=_env(**dict(dict(NPROC=2), LOG_JSON=log, **knobs)), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        _REFERENCES[key] = _losses(log)
+    return _REFERENCES[key]
+
+
+ITERS = 4  # of the two-rank runs: the agents' and the restarted one share their reference
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 def test_two_agents_over_c10d_train_like_one_agent(tmp_path, tp):
-    iters = 3
+    iters = ITERS
     reference = _single_node(tmp_path, "one-agent", TP=tp, TRAIN_ITERS=iters)
     log = tmp_path / "two-agents.jsonl"
     env = _env(NNODES=2, NPROC=1, TP=tp, TRAIN_ITERS=iters, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
@@ -64,8 +75,8 @@ def test_two_agents_over_c10d_train_like_one_agent(tmp_path, tp):
 
 
 def test_killed_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
-    iters, interval = 6, 2
-    reference = _single_node(tmp_path, "uninterrupted", TRAIN_ITERS=iters)
+    iters, interval = ITERS, 2
+    reference = _single_node(tmp_path, "uninterrupted", TP=1, TRAIN_ITERS=iters)
     save = tmp_path / "ckpt"
     log = tmp_path / "restarted.jsonl"
     env = _env(NPROC=2, TRAIN_ITERS=iters, SAVE=save, SAVE_INTERVAL=interval, MAX_RESTARTS=1, LOG_JSON=log,

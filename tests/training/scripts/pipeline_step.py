@@ -28,7 +28,8 @@ p.add_argument("--pp", type=int, default=2)
 p.add_argument("--vpp-layers", type=int, default=None, help="--num-layers-per-virtual-pipeline-stage")
 p.add_argument("--first-layers", type=int, default=None, help="--decoder-first-pipeline-num-layers")
 p.add_argument("--recompute", action="store_true", help="full activation recomputation, one layer per unit")
-p.add_argument("--modes", default="m1,m2,m2-recompute")
+p.add_argument("--modes", default="m1,m2,m2-recompute",
+               help="modes, each run with every --hf-dir, or NAME:MODE pairs (each mode with that family only)")
 p.add_argument("--placement", default="auto", help="--placement (cross-rank: trees split over pipelines)")
 p.add_argument("--m1-budget", type=int, default=72, help="every tree fits, several micro-batches")
 p.add_argument("--m2-budget", type=int, default=16)
@@ -47,7 +48,8 @@ for spec in args.hf_dir:
     MODES = {"m1": dict(micro_batch_tokens=args.m1_budget),
              "m2": dict(micro_batch_tokens=args.m2_budget),
              "m2-recompute": dict(micro_batch_tokens=args.m2_budget, kv_cache_budget=args.recompute_kv_budget + head)}
-    for mode in args.modes.split(","):
+    wanted = args.modes.split(",")
+    for mode in (m.split(":", 1)[1] for m in wanted if m.startswith(f"{name}:")) if ":" in args.modes else wanted:
         actor = PolicyActor(hf_dir, ActorConfig(
             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, device="cpu",
             num_layers_per_virtual_pipeline_stage=args.vpp_layers, decoder_first_pipeline_num_layers=args.first_layers,
