@@ -85,10 +85,10 @@ def test_a_flipped_shard_stops_load_and_the_converter_in_one_line(saved, tmp_pat
 
     out = tmp_path / "hf"
     line = error_line(tool("convert_hf_checkpoint.py", ["mcore-to-hf", "--load", ckpt, "--out-dir", str(out),
-                                                        "--no-progress"], tmp_path))
+                                                        "--no-progress"], tmp_path, here=True))
     assert shard in line and "checksum mismatch (corrupt or modified after save)" in line, line
     assert not out.exists()
-    line = error_line(train(SMALL + ["--load", ckpt, "--train-iters", "2"], tmp_path))
+    line = error_line(train(SMALL + ["--load", ckpt, "--train-iters", "2"], tmp_path, here=True))
     assert shard in line and "checksum mismatch" in line, line
 
 

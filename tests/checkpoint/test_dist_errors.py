@@ -181,12 +181,12 @@ def test_the_command_lines_exit_2_with_one_line(converted, tmp_path):
     truncate_half(shard)
     out = tmp_path / "hf"
     line = error_line(tool("convert_hf_checkpoint.py", ["mcore-to-hf", "--load", ckpt, "--out-dir", str(out),
-                                                        "--no-progress", "--no-verify-checksums"], tmp_path))
+                                                        "--no-progress", "--no-verify-checksums"], tmp_path, here=True))
     assert line.startswith(f"error: {shard}: truncated"), line
     assert not out.exists()
 
     ckpt = _copy(converted[0], tmp_path / "wider")
     _wider_model(_shard(ckpt))
     without_checksums(resolve_iteration_dir(ckpt))
-    line = error_line(train(SMALL[2:] + ["--load", ckpt, "--train-iters", "1"], tmp_path))
+    line = error_line(train(SMALL[2:] + ["--load", ckpt, "--train-iters", "1"], tmp_path, here=True))
     assert line.startswith(f"error: {_shard(ckpt)}: tensor 'decoder.") and "shape" in line, line

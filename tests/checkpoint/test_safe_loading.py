@@ -215,7 +215,7 @@ def test_load_of_a_planted_common_pt_exits_2(hf_and_ckpt, tmp_path):
     without_checksums(it_dir)
     marker = str(tmp_path / "ran")
     path = _plant_common(it_dir, marker)
-    line = error_line(train(SMALL[2:] + ["--load", ckpt, "--train-iters", "1"], tmp_path))
+    line = error_line(train(SMALL[2:] + ["--load", ckpt, "--train-iters", "1"], tmp_path, here=True))
     assert line.startswith(f"error: {path}: refused to unpickle"), line
     assert not os.path.exists(marker)
 

@@ -1,9 +1,13 @@
 """Fault-injection helpers: run an entry point in a subprocess and check that it failed the way
 an operator needs (exit status, one line naming the file, nothing left behind)."""
 
+import io
 import os
+import runpy
 import subprocess
 import sys
+import tempfile
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List
 
@@ -14,17 +18,74 @@ TOOLS = os.path.join(REPO_ROOT, "tools")
 SMALL = ["--model", "debug-llama", "--data", "grpo", "--micro-batch-tokens", "512", "--kv-cache-budget", "64MiB"]
 
 
-def run(script: str, args: List[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+def run(script: str, args: List[str], cwd, timeout: int = 300, here: bool = False) -> subprocess.CompletedProcess:
+    """``python script args`` in ``cwd``: its exit status, stdout and stderr. ``here``: in this
+    process instead (:func:`run_here`)."""
+    if here:
+        return run_here(script, args, cwd)
     return subprocess.run([sys.executable, script, *args], cwd=str(cwd), env=script_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
-def train(args: List[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
-    return run(TRAIN, args, cwd, timeout)
+def run_here(script: str, args: List[str], cwd) -> subprocess.CompletedProcess:
+    """:func:`run` inside this process, without the seconds of imports a new process pays: the
+    script runs as ``__main__`` with ``args`` in ``cwd``, everything it writes to stdout and
+    stderr (Python's streams and file descriptors 1 and 2) is captured, and its exit status is
+    what it passes to ``sys.exit`` (1 with a traceback for an exception it lets escape, as the
+    interpreter would). For calls that end by themselves (no signals, no second process), one
+    at a time: the entry points' own handler (``megatron_psrl.cli``) prints the error line and
+    ends the process groups it started, so nothing is left for the next test."""
+    saved = sys.argv, os.getcwd(), list(sys.path), sys.stdout, sys.stderr
+    environ = dict(os.environ)  # (--no-verify-checksums sets a variable for the processes it starts)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fds = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        streams = (io.TextIOWrapper(os.fdopen(os.dup(out.fileno()), "wb"), write_through=True),
+                   io.TextIOWrapper(os.fdopen(os.dup(err.fileno()), "wb"), write_through=True))
+        code = 0
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            sys.stdout, sys.stderr = streams
+            sys.argv = [script, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            os.chdir(str(cwd))
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+        finally:
+            sys.argv, cwd_before, sys.path[:], sys.stdout, sys.stderr = saved
+            os.chdir(cwd_before)
+            os.environ.clear()
+            os.environ.update(environ)
+            for stream in streams:
+                stream.close()
+            os.dup2(fds[0], 1)
+            os.dup2(fds[1], 2)
+            os.close(fds[0])
+            os.close(fds[1])
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([script, *args], code, out.read().decode("utf-8", "replace"),
+                                           err.read().decode("utf-8", "replace"))
 
 
-def tool(name: str, args: List[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
-    return run(os.path.join(TOOLS, name), args, cwd, timeout)
+def train(args: List[str], cwd, timeout: int = 300, here: bool = False) -> subprocess.CompletedProcess:
+    return run(TRAIN, args, cwd, timeout, here)
+
+
+def tool(name: str, args: List[str], cwd, timeout: int = 300, here: bool = False) -> subprocess.CompletedProcess:
+    return run(os.path.join(TOOLS, name), args, cwd, timeout, here)
+
+
+def one_by_one(calls: Dict[str, Callable[[], subprocess.CompletedProcess]]) -> Dict[str, subprocess.CompletedProcess]:
+    """``{name: call()}``, in turn: for calls run in this process (``here=True``)."""
+    return {name: call() for name, call in calls.items()}
 
 
 def concurrently(calls: Dict[str, Callable[[], subprocess.CompletedProcess]]) -> Dict[str, subprocess.CompletedProcess]:

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.faults import SMALL, concurrently, error_line, tool, train, without_checksums
+from helpers.faults import SMALL, error_line, one_by_one, tool, train, without_checksums
 from helpers.hf_reference import make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -61,13 +61,13 @@ def test_damaged_rank_file_is_named_by_every_reader(ckpt, data, tmp_path, how, c
     _damage(rank_file, how)
     if not checksums:
         without_checksums(ckpt / "release")
-    runs = concurrently({  # three processes at once
+    runs = one_by_one({
         "--load": lambda: train(["--load", str(ckpt), "--data", str(data), "--train-iters", "1", "--finetune"],
-                                tmp_path),
+                                tmp_path, here=True),
         "mcore-to-hf": lambda: tool("convert_hf_checkpoint.py", ["mcore-to-hf", "--load", str(ckpt), "--out-dir",
-                                                                  str(tmp_path / "hf-out"), "--no-progress"], tmp_path),
+                                                                  str(tmp_path / "hf-out"), "--no-progress"], tmp_path, here=True),
         "compute_logprobs": lambda: tool("compute_logprobs.py", ["--load", str(ckpt), "--data", str(data), "--out",
-                                                                 str(tmp_path / "lp.jsonl")], tmp_path),
+                                                                 str(tmp_path / "lp.jsonl")], tmp_path, here=True),
     })
     for name, proc in runs.items():
         line = error_line(proc)
@@ -84,7 +84,7 @@ def test_damaged_rank_file_is_named_by_every_reader(ckpt, data, tmp_path, how, c
 def test_corrupt_tracker_file_is_named(ckpt, tmp_path, content, words):
     (ckpt / TRACKER).write_text(content)
     line = error_line(tool("convert_hf_checkpoint.py", ["mcore-to-hf", "--load", str(ckpt), "--out-dir",
-                                                         str(tmp_path / "o"), "--no-progress"], tmp_path))
+                                                         str(tmp_path / "o"), "--no-progress"], tmp_path, here=True))
     assert TRACKER in line and all(w in line for w in words), line
 
 
@@ -97,7 +97,7 @@ def test_corrupt_model_info_is_named(ckpt, data, tmp_path, content, words, check
     info.write_text(content)
     if not checksums:
         without_checksums(ckpt / "release")
-    line = error_line(train(["--load", str(ckpt), "--data", str(data), "--train-iters", "1"], tmp_path))
+    line = error_line(train(["--load", str(ckpt), "--data", str(data), "--train-iters", "1"], tmp_path, here=True))
     words = ["checksum mismatch"] if checksums else words
     assert str(info) in line and all(w in line for w in words), line
 
@@ -109,10 +109,10 @@ def test_wrong_shape_hf_tensor_names_tensor_and_file(hf_dir, data, tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight"
     tensors[name] = tensors[name][:-4].contiguous()  # a head short
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    for proc in concurrently({
-        "train": lambda: train(["--hf-dir", str(bad), "--data", str(data), "--train-iters", "1"], tmp_path),
+    for proc in one_by_one({
+        "train": lambda: train(["--hf-dir", str(bad), "--data", str(data), "--train-iters", "1"], tmp_path, here=True),
         "hf-to-mcore": lambda: tool("convert_hf_checkpoint.py", ["hf-to-mcore", "--hf-dir", str(bad), "--out-dir",
-                                                                  str(tmp_path / "o"), "--no-progress"], tmp_path),
+                                                                  str(tmp_path / "o"), "--no-progress"], tmp_path, here=True),
     }).values():
         line = error_line(proc)
         assert str(bad / "model.safetensors") in line and repr(name) in line, line
@@ -124,7 +124,7 @@ def test_truncated_safetensors_is_named(hf_dir, data, tmp_path):
     shutil.copytree(hf_dir, bad)
     _damage(bad / "model.safetensors", "truncated")
     line = error_line(tool("compute_logprobs.py", ["--hf-dir", str(bad), "--data", str(data), "--out",
-                                                    str(tmp_path / "lp.jsonl")], tmp_path))
+                                                    str(tmp_path / "lp.jsonl")], tmp_path, here=True))
     assert str(bad / "model.safetensors") in line and "truncated or corrupt" in line, line
 
 
@@ -137,7 +137,7 @@ def test_safetensors_index_may_not_leave_the_folder(hf_dir, tmp_path):
     index = {"metadata": {}, "weight_map": {n: "../x.safetensors" for n in names}}
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
     line = error_line(tool("convert_hf_checkpoint.py", ["hf-to-mcore", "--hf-dir", str(bad), "--out-dir",
-                                                         str(tmp_path / "o"), "--no-progress"], tmp_path))
+                                                         str(tmp_path / "o"), "--no-progress"], tmp_path, here=True))
     assert "model.safetensors.index.json" in line and "../x.safetensors" in line and "inside" in line, line
 
 
@@ -149,19 +149,19 @@ def test_malformed_config_field_is_named(hf_dir, data, tmp_path, value, words):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["hidden_size"] = value
     (bad / "config.json").write_text(json.dumps(cfg))
-    line = error_line(train(["--hf-dir", str(bad), "--data", str(data), "--train-iters", "1"], tmp_path))
+    line = error_line(train(["--hf-dir", str(bad), "--data", str(data), "--train-iters", "1"], tmp_path, here=True))
     assert str(bad / "config.json") in line and all(w in line for w in words), line
 
 
 @pytest.mark.parametrize("flag", ["--tp", "--pp"])
 def test_zero_parallel_size_is_refused_by_the_converter(hf_dir, tmp_path, flag):
     proc = tool("convert_hf_checkpoint.py", ["hf-to-mcore", "--hf-dir", hf_dir, "--out-dir", str(tmp_path / "o"),
-                                             flag, "0"], tmp_path)
+                                             flag, "0"], tmp_path, here=True)
     assert proc.returncode == 2 and f"{flag}: must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_micro_batch_tokens_below_the_floor_is_refused(tmp_path):
-    proc = train(SMALL[:-4] + ["--micro-batch-tokens", "1"], tmp_path)
+    proc = train(SMALL[:-4] + ["--micro-batch-tokens", "1"], tmp_path, here=True)
     assert proc.returncode == 2 and f"floor of {MIN_MICRO_BATCH_TOKENS} tokens" in proc.stderr
 
 
@@ -169,10 +169,10 @@ def test_sample_longer_than_the_model_positions(hf_dir, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"id": "short", "tokens": [1, 2, 3], "advantage": 1.0}) + "\n"
                     + json.dumps({"id": "long", "tokens": list(range(70)), "advantage": 1.0}) + "\n")
-    runs = concurrently({
-        "refused": lambda: train(["--hf-dir", hf_dir, "--data", str(path), "--train-iters", "1"], tmp_path),
+    runs = one_by_one({
+        "refused": lambda: train(["--hf-dir", hf_dir, "--data", str(path), "--train-iters", "1"], tmp_path, here=True),
         "allowed": lambda: train(["--hf-dir", hf_dir, "--data", str(path), "--train-iters", "1",
-                                  "--allow-rope-extrapolation"], tmp_path),
+                                  "--allow-rope-extrapolation"], tmp_path, here=True),
     })
     line = error_line(runs["refused"])
     assert "long.jsonl line 2 (sample id 'long'): field 'tokens'" in line and "length 70" in line, line
@@ -209,5 +209,5 @@ def test_mcore_checkpoint_of_wrong_model_names_the_tensor(ckpt, data, tmp_path):
     torch.save(blob, path)
     without_checksums(ckpt / "release")  # a consistent rewrite: the shape check names it
     line = error_line(tool("compute_logprobs.py", ["--load", str(ckpt), "--data", str(data), "--out",
-                                                   str(tmp_path / "lp.jsonl")], tmp_path))
+                                                   str(tmp_path / "lp.jsonl")], tmp_path, here=True))
     assert repr(name) in line and str(path) in line and "(64, 3)" in line, line

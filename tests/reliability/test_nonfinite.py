@@ -49,7 +49,7 @@ def test_huge_advantage_is_skipped_then_stops_the_run_with_finite_checkpoints(tm
     data = _write_samples(tmp_path / "huge.jsonl", bad_every=1, bad=lambda n: {"advantage": 3e38})
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     proc = train(["--model", "debug-llama", "--data", str(data), "--train-iters", "10", "--max-skipped-iters", "2",
-                  "--save", str(ckpt), "--save-interval", "1", "--log-json", str(log)], tmp_path)
+                  "--save", str(ckpt), "--save-interval", "1", "--log-json", str(log)], tmp_path, here=True)
     line = error_line(proc)
     assert "2 consecutive steps" in line and "--max-skipped-iters 2" in line
     recs = _records(log)
@@ -66,7 +66,7 @@ def test_an_isolated_bad_batch_is_skipped_and_training_goes_on(tmp_path):
     data = _write_samples(tmp_path / "once.jsonl", bad_every=100, bad=lambda n: {"advantage": 3e38})
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     proc = train(["--model", "debug-llama", "--data", str(data), "--global-batch-size", "4", "--train-iters", "2",
-                  "--save", str(ckpt), "--log-json", str(log)], tmp_path)
+                  "--save", str(ckpt), "--log-json", str(log)], tmp_path, here=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = _records(log)
     assert [r["skipped"] for r in recs] == [True, False]
@@ -81,7 +81,7 @@ def test_old_logprobs_far_below_the_model_clamp_the_ratio(tmp_path):
                           bad=lambda n: {"old_logprobs": [0.0] + [-200.0] * (n - 1), "advantage": -1.0})
     log = tmp_path / "log.jsonl"
     proc = train(["--model", "debug-llama", "--data", str(data), "--train-iters", "1", "--log-json", str(log)],
-                 tmp_path)
+                 tmp_path, here=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = _records(log)[0]
     assert not rec["skipped"] and np.isfinite(rec["loss"]) and np.isfinite(rec["grad_norm"])

@@ -36,7 +36,7 @@ def _not_a_dir(tmp_path):
 @pytest.mark.parametrize("flag", ["--save", "--log-json"])
 def test_unwritable_output_fails_before_any_compute(flag, tmp_path):
     target = _not_a_dir(tmp_path)
-    proc = train(SMALL + ["--train-iters", "50", flag, str(target)], tmp_path, timeout=120)
+    proc = train(SMALL + ["--train-iters", "50", flag, str(target)], tmp_path, timeout=120, here=True)
     line = error_line(proc)
     assert str(target) in line and flag in line
     assert "iteration" not in proc.stdout  # nothing trained
@@ -49,7 +49,7 @@ def test_read_only_folder_fails_before_any_compute(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        proc = train(SMALL + ["--train-iters", "50", "--save", str(ro / "ckpt")], tmp_path, timeout=120)
+        proc = train(SMALL + ["--train-iters", "50", "--save", str(ro / "ckpt")], tmp_path, timeout=120, here=True)
     finally:
         ro.chmod(0o700)
     assert str(ro / "ckpt") in error_line(proc) and "iteration" not in proc.stdout
@@ -62,7 +62,7 @@ def test_compute_logprobs_checks_out_before_loading(tmp_path):
     data.write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
     target = _not_a_dir(tmp_path) / "lp.jsonl"
     proc = tool("compute_logprobs.py", ["--hf-dir", str(tmp_path / "no-such-model"), "--data", str(data),
-                                        "--out", str(target)], tmp_path, timeout=120)
+                                        "--out", str(target)], tmp_path, timeout=120, here=True)
     assert str(target.parent) in error_line(proc)  # the output is checked first
 
 
@@ -105,10 +105,10 @@ def test_an_interrupted_resave_is_restored_not_deleted(tmp_path, dead_pid):
     """A re-save moved iter_N aside and died before renaming the new one in: the tracker points
     at a missing iter_N; the next start-up puts the old copy back and resumes from it."""
     save = tmp_path / "ckpt"
-    proc = train(SMALL + ["--train-iters", "1", "--save", str(save)], tmp_path, timeout=180)
+    proc = train(SMALL + ["--train-iters", "1", "--save", str(save)], tmp_path, timeout=180, here=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     os.rename(save / "iter_0000001", save / f"iter_0000001.old-{dead_pid}")
-    proc = train(SMALL + ["--train-iters", "2", "--save", str(save), "--load", str(save)], tmp_path, timeout=180)
+    proc = train(SMALL + ["--train-iters", "2", "--save", str(save), "--load", str(save)], tmp_path, timeout=180, here=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"restored iter_0000001 from iter_0000001.old-{dead_pid}" in proc.stdout
     assert "resuming from" in proc.stdout and "iteration      2/" in proc.stdout
@@ -158,7 +158,7 @@ def test_disk_full_during_save_names_the_file_and_frees_the_disk(tmp_path, fmt, 
     try:
         free_before = shutil.disk_usage(disk).free
         proc = train(SMALL + ["--train-iters", "1", "--save", str(disk / "ckpt"), "--ckpt-format", fmt], tmp_path,
-                     timeout=180)
+                     timeout=180, here=True)
         line = error_line(proc)
         assert name in line and "No space left on device" in line, line
         assert "the save failed and was removed" in line
