@@ -7,13 +7,14 @@ import sys
 
 import numpy as np
 import pytest
+from helpers.faults import run_here
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint, per_sample_logprobs
 from helpers.torchrun import REPO_ROOT
 
 from megatron_psrl.data import make_workload, write_samples
 from megatron_psrl.model import tiny_config
 
-pytestmark = pytest.mark.slow  # the command line in subprocesses
+pytestmark = pytest.mark.slow  # the command line (one run in a subprocess, the others in this process)
 
 TOOL = os.path.join(REPO_ROOT, "tools", "compute_logprobs.py")
 CONVERT = os.path.join(REPO_ROOT, "tools", "convert_hf_checkpoint.py")
@@ -27,12 +28,17 @@ def setup(tmp_path_factory):
     data = root / "samples.jsonl"
     write_samples(batch, data)
     ckpt = root / "ckpt"
-    subprocess.run([sys.executable, CONVERT, "hf-to-mcore", "--hf-dir", hf_dir, "--out-dir", str(ckpt), "--tp", "2",
-                    "--no-progress"], check=True, capture_output=True)
+    proc = run_here(CONVERT, ["hf-to-mcore", "--hf-dir", hf_dir, "--out-dir", str(ckpt), "--tp", "2", "--no-progress"],
+                    root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return hf_dir, ckpt, data, per_sample_logprobs(load_hf_model(hf_dir), batch), batch
 
 
-def _run(args):
+def _run(args, here=True):
+    """The tool on ``args``: in this process (``helpers.faults.run_here``), or, ``here=False``,
+    in a process of its own, as users start it."""
+    if here:
+        return run_here(TOOL, args, os.getcwd())
     return subprocess.run([sys.executable, TOOL] + args, capture_output=True, text=True, timeout=300)
 
 
@@ -41,7 +47,7 @@ def test_cli_matches_reference(setup, tmp_path, source, extra):
     hf_dir, ckpt, data, ref, batch = setup
     out = tmp_path / "out.jsonl"
     src = ["--hf-dir", hf_dir] if source == "hf" else ["--load", str(ckpt)]
-    proc = _run(src + ["--data", str(data), "--out", str(out)] + extra)
+    proc = _run(src + ["--data", str(data), "--out", str(out)] + extra, here=bool(extra or source != "hf"))
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == list(batch.ids)
