@@ -51,9 +51,16 @@ def test_bench_peers_quick(tmp_path):
         assert (rows["floor-psrl"]["status"] == "ok") == chain, rows["floor-psrl"]
         assert (rows["floor-hf"]["status"] == "ok") == (chain or group), rows["floor-hf"]
     guard = result["guards"]["tree-small"]
-    assert [r["variant"] for r in guard["rows"]] == ["one pack", "k=2", "k=4", "k=8"]
+    assert [r["variant"] for r in guard["rows"]] == ["one pack", "k=2", "k=4", "k=8", "unrelated, one pack",
+                                                     "unrelated, k=8"]
     assert all(r["tokens_recomputed"] == 0 for r in guard["rows"]), guard["rows"]
-    assert guard["rows"][0]["micro_batches"] == 1 and guard["rows"][-1]["micro_batches"] > 1, guard["rows"]
+    rows = {r["variant"]: r for r in guard["rows"]}
+    assert rows["one pack"]["micro_batches"] == 1 and rows["k=8"]["micro_batches"] > 1, guard["rows"]
+    # micro-batching alone: the k=8 packs as unrelated sequences, one pack against one per micro-batch
+    assert rows["unrelated, one pack"]["micro_batches"] == 1
+    assert rows["unrelated, k=8"]["micro_batches"] == rows["k=8"]["micro_batches"], guard["rows"]
+    assert rows["unrelated, k=8"]["tokens_computed"] == rows["unrelated, one pack"]["tokens_computed"]
+    assert guard["mechanism2_ratio"] == pytest.approx(rows["k=8"]["median_paired_ratio"] / guard["micro_batching_ratio"])
     assert set(result["profiles"]) == {"stepwise-4x32"}
     phases = result["profiles"]["stepwise-4x32"]["phases"]
     assert {"tree build", "plan", "backward (whole model)"} <= set(phases)
