@@ -243,13 +243,15 @@ class ActorConfig:
                                      "run one by one (megatron's SequentialMLP)")
         if self.expert_model_parallel_size > 1:
             unsupported = [what for what, on in (
-                ("--context-parallel-size > 1", self.context_parallel_size > 1),
+                ("--context-parallel-size > 1 and pipeline stages",
+                 self.context_parallel_size > 1 and self.pipeline_model_parallel_size > 1),
                 ("virtual pipeline stages", self.num_layers_per_virtual_pipeline_stage is not None),
-                ("--placement cross-rank", self.placement == "cross-rank")) if on]
+                ("--placement cross-rank without --context-parallel-size > 1",
+                 self.placement == "cross-rank" and self.context_parallel_size == 1)) if on]
             if unsupported:
                 raise ConfigurationError(f"--expert-model-parallel-size > 1 with {', '.join(unsupported)} is not "
-                                         "supported yet (expert parallelism runs with data, tensor and pipeline "
-                                         "parallelism)")
+                                         "supported yet (expert parallelism runs with data, tensor, context and "
+                                         "pipeline parallelism)")
             if self.moe_token_dispatcher_type != "alltoall":
                 raise ConfigurationError("--expert-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall: "
                                          "the allgather dispatcher needs the same token count on every expert-parallel "

@@ -540,7 +540,18 @@ class StepRunner:
                 passes.append(("B" if keep else "P", i))
         return passes
 
-    def _start_lockstep(self, passes: List[Tuple[str, int]]):
+    @staticmethod
+    def _lockstep_participant(plan: StepPlan, rank: int):
+        """Who runs this rank's passes together, as one participant of the expert lockstep: the
+        whole exchange group of a cross-rank plan (its ranks run one schedule and exchange K/V
+        inside every pass, so none may run an empty pass while another runs its own: the
+        lockstep runs kept forwards and backwards one participant at a time), else the rank
+        (with its tensor-parallel peers, which share its placement rank)."""
+        if plan.ranks[rank].cross_rank:
+            return ("exchange group", min(next(g for g in plan.groups if rank in g)))
+        return ("rank", rank)
+
+    def _start_lockstep(self, passes: List[Tuple[str, int]], participant):
         """``lock(kind)``, called before each pass: without expert parallelism it does nothing;
         with it, it first runs the empty passes the group's common schedule puts before it."""
         if self.expert_group is None:
@@ -551,12 +562,8 @@ class StepRunner:
         layers = [layer for chunk in chunks for layer in moe_layers(chunk)]
         config = chunks[0].config
         # (activation recomputation: the empty passes checkpoint the MoE layers as the model does)
-        from megatron.core import parallel_state
-
-        # (the TP ranks of a data-parallel rank run its passes together: one participant)
         self._lockstep = ExpertLockstep(layers, self.expert_group, passes, config.hidden_size, config.params_dtype,
-                                        self.device, units=recompute_units(chunks),
-                                        peer_key=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+                                        self.device, units=recompute_units(chunks), peer_key=participant)
         return self._lockstep.own
 
     def _finish_lockstep(self) -> None:
@@ -607,7 +614,7 @@ class StepRunner:
             for k, v in metrics.items():
                 sums.add(k, v)
 
-        lock = self._start_lockstep(self._train_passes(rank_plan, memory))
+        lock = self._start_lockstep(self._train_passes(rank_plan, memory), self._lockstep_participant(plan, rank))
         if self.router_losses is not None:
             self.router_losses.begin_step(plan.tree, loss_scale)
         for step_idx, (op, i) in enumerate(rank_plan.schedule):
@@ -718,7 +725,8 @@ class StepRunner:
                 raise RuntimeError("a plan with cached prefixes needs a memory plan (plan_forward_memory)")
             cache.begin_step(memory.block_size, memory.pool_blocks)
         last_reader = memory.kv_release_step if rank_plan.sources else {}
-        lock = self._start_lockstep([("N", i) for i in range(len(rank_plan.micro_batches))])
+        lock = self._start_lockstep([("N", i) for i in range(len(rank_plan.micro_batches))],
+                                    self._lockstep_participant(plan, rank))
         for i in range(len(rank_plan.micro_batches)):
             mb = rank_plan.micro_batches[i]
             lock("N")

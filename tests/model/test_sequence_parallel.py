@@ -110,14 +110,27 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
 
 
 # ----------------------------------------------------------------------------- exactness
-CASES = {  # name: (family, processes, EP, dispatcher, PP, CP)
+CASES = {  # name: (family, processes, EP, dispatcher, PP, CP[, placement, TP])
     "dense-tp2": ("debug-llama", 2, 1, "allgather", 1, 1),
     "dense-tp2xcp2": ("debug-llama", 4, 1, "allgather", 1, 2),  # the CP ranks exchange prefix K/V of padded packs
     "qwen3-moe-tp2": ("debug-qwen3-moe", 2, 1, "allgather", 1, 1),  # whole experts on both TP ranks
     "qwen3-moe-tp2xep4": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 1),  # EP over TP x DP: the lockstep's empty passes
     "qwen2-moe-tp2xep2": ("debug-qwen2-moe", 2, 2, "alltoall", 1, 1),  # its shared expert split over TP
     "qwen3-moe-tp2xpp2xep2": ("debug-qwen3-moe", 4, 2, "alltoall", 2, 1),  # stages pass their shares of the rows
+    # EP x CP, trees split over the CP ranks (K/V exchanged inside passes that also exchange tokens):
+    # one exchange group, one participant of the expert lockstep (no empty pass) ...
+    "qwen3-moe-tp2xcp2xep4-cross-rank": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 2, "cross-rank", 2),
+    # ... and two exchange groups (CP = 2 x DP = 2, TP = 1) whose schedules differ: each runs
+    # the other's passes as empty ones, both its ranks together
+    "qwen3-moe-cp2xdp2xep4-cross-rank": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 2, "cross-rank", 1),
 }
+
+
+def _case(case):
+    """A case's fields, with placement ``auto`` and TP = 2 where it names neither."""
+    family, nproc, ep, dispatcher, pp, cp, *rest = CASES[case]
+    placement, tp = (list(rest) + ["auto", 2][len(rest):])[:2]
+    return family, nproc, ep, dispatcher, pp, cp, placement, tp
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +140,10 @@ def launches(tmp_path_factory, request):
     checkpoints = {}
 
     def args(case):
-        family, _, ep, dispatcher, pp, cp = CASES[case]
+        family, _, ep, dispatcher, pp, cp, placement, tp = _case(case)
         if family not in checkpoints:
             checkpoints[family] = make_family_checkpoint(tiny_config(family), str(tmp_path_factory.mktemp(f"hf-{family}")))
-        return [checkpoints[family], str(ep), dispatcher, "16", str(pp), str(cp)]
+        return [checkpoints[family], str(ep), dispatcher, "16", str(pp), str(cp), placement, str(tp)]
 
     for case in CASES:
         shared.add(f"test_sequence_parallel_step_equals_per_sample_reference[{case}]", CASES[case][1], SCRIPT,
@@ -144,11 +157,19 @@ def test_sequence_parallel_step_equals_per_sample_reference(case, launches, requ
     """TP = 2 with sequence parallelism over gloo, micro-batches of 16 tokens (cached prefixes,
     packs of odd length padded): log-probs, loss, every gradient of every rank and one SGD step
     match the per-sample reference (asserted in the script)."""
-    _, nproc, ep, *_ = CASES[case]
+    _, nproc, ep, _, _, _, placement, tp = _case(case)
     out = launches.check(request.node.name)
-    reports = re.findall(r"rank (\d) tp_rank (\d) ep_rank \d: .*?padded packs (\d+) of \d+, .*?empty passes (\d+)", out)
-    assert sorted(r for r, *_ in reports) == [str(r) for r in range(nproc)], out[-3000:]
-    assert all(int(padded) > 0 for _, _, padded, _ in reports)  # odd packs ran padded
-    if ep == 4:  # the two data-parallel ranks' passes differ; each rank's TP peer runs the same
-        empty = {int(r): int(n) for r, _, _, n in reports}
+    reports = re.findall(r"rank (\d) tp_rank (\d) ep_rank \d: .*?padded packs (\d+) of \d+, .*?placement (\S+), "
+                         r"exchanged (\d+), empty passes (\d+)", out)
+    assert sorted(r[0] for r in reports) == [str(r) for r in range(nproc)], out[-3000:]
+    if tp > 1:
+        assert all(int(padded) > 0 for _, _, padded, *_ in reports)  # odd packs ran padded
+    empty = {int(r): int(n) for r, *_, n in reports}
+    if placement == "cross-rank":
+        assert all(p == "cross-rank" and int(x) > 0 for *_, p, x, _ in reports), reports
+        if tp > 1:  # the one exchange group (both CP ranks, each with its TP peer) is the only participant
+            assert sum(empty.values()) == 0, empty
+        else:  # two exchange groups of two CP ranks: each group's ranks run the same empty passes
+            assert sum(empty.values()) > 0 and empty[0] == empty[1] and empty[2] == empty[3], empty
+    elif ep == 4:  # the two data-parallel ranks' passes differ; each rank's TP peer runs the same
         assert sum(empty.values()) > 0 and empty[0] == empty[1] and empty[2] == empty[3], empty

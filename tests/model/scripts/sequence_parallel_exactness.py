@@ -13,7 +13,12 @@ padding rows not at all).
 With PP = 2 (4 ranks) the stages pass each other their TP ranks' shares of the padded rows;
 with CP = 2 the context-parallel ranks exchange the prefix K/V of their padded packs.
 
-Usage: sequence_parallel_exactness.py HF_DIR EP DISPATCHER [MICRO_BATCH_TOKENS] [PP] [CP]
+With ``--placement cross-rank`` and CP = 2 an MoE model's context-parallel ranks split its
+trees and exchange prefix K/V inside passes whose MoE layers exchange tokens over the expert
+group: the expert lockstep takes each exchange group as one participant. TP = 1 runs the same
+checks without tensor or sequence parallelism.
+
+Usage: sequence_parallel_exactness.py HF_DIR EP DISPATCHER [MICRO_BATCH_TOKENS] [PP] [CP] [PLACEMENT] [TP]
 """
 
 import sys
@@ -41,16 +46,18 @@ def main() -> None:
     micro_batch = int(sys.argv[4]) if len(sys.argv) > 4 else 16
     pp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     cp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    placement = sys.argv[7] if len(sys.argv) > 7 else "auto"
+    tp = int(sys.argv[8]) if len(sys.argv) > 8 else 2
     records = random_tree_records(seed=5, num_roots=3)
     batch = samples_from_dicts(records, source="records")
     loss = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
     actor = PolicyActor(hf_dir, ActorConfig(
-        device="cpu", micro_batch_tokens=micro_batch, tensor_model_parallel_size=2, sequence_parallel=True,
-        pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        device="cpu", micro_batch_tokens=micro_batch, tensor_model_parallel_size=tp, sequence_parallel=True,
+        pipeline_model_parallel_size=pp, context_parallel_size=cp, placement=placement,
         expert_model_parallel_size=ep, moe_token_dispatcher_type=dispatcher, loss=loss,
         optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0)))
-    assert parallel_state.get_tensor_model_parallel_world_size() == 2
-    assert actor.model.config.sequence_parallel
+    assert parallel_state.get_tensor_model_parallel_world_size() == tp
+    assert actor.model.config.sequence_parallel == (tp > 1)
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     hf = load_hf_model(hf_dir)
 
@@ -61,7 +68,7 @@ def main() -> None:
     original = actor.model.forward
 
     def counting_forward(input_ids, position_ids, *args, **kwargs):
-        padded.append(position_ids.shape[0] % 2)
+        padded.append(position_ids.shape[0] % tp)
         return original(input_ids, position_ids, *args, **kwargs)
 
     actor.model.forward = counting_forward
@@ -71,14 +78,18 @@ def main() -> None:
     metrics = assert_sgd_step_matches(actor, records, ref_loss, ref_grads, ep_rank, ep)
     # every computed row counted once per layer (summed over the TP ranks' shares, padding not at all)
     arch = actor.arch
-    for layer, (_, mean) in enumerate(metrics.get("moe_expert_load", [])):
+    # (without sequence parallelism the last layer may compute only the rows the loss head reads,
+    # and counts only those: the rule holds for the layers before it)
+    loads = metrics.get("moe_expert_load", [])
+    for layer, (_, mean) in enumerate(loads if tp > 1 else loads[:-1]):
         expected = arch.moe_router_topk * metrics["tokens_computed"] / arch.num_experts
         assert abs(mean - expected) <= 1e-3, (layer, mean, expected)
     empty = actor.engine.runner.last_empty_expert_passes
     print(f"rank {torch.distributed.get_rank()} tp_rank {parallel_state.get_tensor_model_parallel_rank()} ep_rank "
           f"{ep_rank}: logprob err {lp_err:.2e}, loss {metrics['loss']:.6f} (ref {ref_loss:.6f}), worst grad rel err "
           f"{worst:.2e}, micro-batches {metrics['micro_batches']}, padded packs {sum(padded)} of {len(padded)}, "
-          f"kv hit rate {metrics.get('kv_hit_rate', 0.0):.2f}, empty passes {empty}", flush=True)
+          f"kv hit rate {metrics.get('kv_hit_rate', 0.0):.2f}, placement {metrics['placement']}, exchanged "
+          f"{metrics['exchanged_bytes']}, empty passes {empty}", flush=True)
     actor.close()
 
 
