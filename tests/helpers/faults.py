@@ -1,7 +1,6 @@
 """Fault-injection helpers: run an entry point in a subprocess and check that it failed the way
 an operator needs (exit status, one line naming the file, nothing left behind)."""
 
-import io
 import os
 import runpy
 import subprocess
@@ -11,6 +10,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List
 
+from helpers.output_capture import output_to
 from helpers.torchrun import REPO_ROOT, script_env
 
 TRAIN = os.path.join(REPO_ROOT, "pretrain_agent_rl.py")
@@ -20,7 +20,7 @@ SMALL = ["--model", "debug-llama", "--data", "grpo", "--micro-batch-tokens", "51
 
 def run(script: str, args: List[str], cwd, timeout: int = 300, here: bool = False) -> subprocess.CompletedProcess:
     """``python script args`` in ``cwd``: its exit status, stdout and stderr. ``here``: in this
-    process instead (:func:`run_here`)."""
+    process instead (:func:`run_here`; ``timeout`` does not apply there)."""
     if here:
         return run_here(script, args, cwd)
     return subprocess.run([sys.executable, script, *args], cwd=str(cwd), env=script_env(), capture_output=True,
@@ -35,40 +35,27 @@ def run_here(script: str, args: List[str], cwd) -> subprocess.CompletedProcess:
     interpreter would). For calls that end by themselves (no signals, no second process), one
     at a time: the entry points' own handler (``megatron_psrl.cli``) prints the error line and
     ends the process groups it started, so nothing is left for the next test."""
-    saved = sys.argv, os.getcwd(), list(sys.path), sys.stdout, sys.stderr
+    saved = sys.argv, os.getcwd(), list(sys.path)
     environ = dict(os.environ)  # (--no-verify-checksums sets a variable for the processes it starts)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fds = os.dup(1), os.dup(2)
+    code = 0
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        streams = (io.TextIOWrapper(os.fdopen(os.dup(out.fileno()), "wb"), write_through=True),
-                   io.TextIOWrapper(os.fdopen(os.dup(err.fileno()), "wb"), write_through=True))
-        code = 0
         try:
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            sys.stdout, sys.stderr = streams
-            sys.argv = [script, *args]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            os.chdir(str(cwd))
-            try:
-                runpy.run_path(script, run_name="__main__")
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except Exception:
-                traceback.print_exc()
-                code = 1
+            with output_to(out.fileno(), err.fileno()):
+                sys.argv = [script, *args]
+                sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+                os.chdir(str(cwd))
+                try:
+                    runpy.run_path(script, run_name="__main__")
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                except Exception:
+                    traceback.print_exc()
+                    code = 1
         finally:
-            sys.argv, cwd_before, sys.path[:], sys.stdout, sys.stderr = saved
+            sys.argv, cwd_before, sys.path[:] = saved
             os.chdir(cwd_before)
             os.environ.clear()
             os.environ.update(environ)
-            for stream in streams:
-                stream.close()
-            os.dup2(fds[0], 1)
-            os.dup2(fds[1], 2)
-            os.close(fds[0])
-            os.close(fds[1])
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess([script, *args], code, out.read().decode("utf-8", "replace"),

@@ -21,6 +21,8 @@ import runpy
 import sys
 import traceback
 
+from helpers.output_capture import output_to
+
 DONE = "CASE_DONE "
 
 
@@ -39,24 +41,14 @@ def _run(case) -> None:
 
 
 def _captured(case) -> None:
-    """:func:`_run` with file descriptors 1 and 2 sent to the case's log (then copied out)."""
+    """:func:`_run` with its output sent to the case's log (then copied out)."""
     log = f"{case['log']}.rank{rank}"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
     try:
-        _run(case)
+        with output_to(fd, fd):
+            _run(case)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
+        os.close(fd)
         with open(log, errors="replace") as f:
             sys.stdout.write(f.read())
         sys.stdout.flush()

@@ -2,12 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from helpers.faults import run_here
+from helpers.faults import run, run_here
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint, per_sample_logprobs
 from helpers.torchrun import REPO_ROOT
 
@@ -35,11 +33,9 @@ def setup(tmp_path_factory):
 
 
 def _run(args, here=True):
-    """The tool on ``args``: in this process (``helpers.faults.run_here``), or, ``here=False``,
-    in a process of its own, as users start it."""
-    if here:
-        return run_here(TOOL, args, os.getcwd())
-    return subprocess.run([sys.executable, TOOL] + args, capture_output=True, text=True, timeout=300)
+    """The tool on ``args``: in this process, or, ``here=False``, in a process of its own, as
+    users start it (``helpers.faults.run``)."""
+    return run(TOOL, args, os.getcwd(), here=here)
 
 
 @pytest.mark.parametrize("source,extra", [("hf", []), ("hf", ["--no-prefix-sharing"]), ("ckpt", ["--micro-batch-tokens", "256"])])

@@ -85,6 +85,7 @@ def test_sgd_with_momentum_resumes_bit_for_bit_and_adam_refuses_its_state(tmp_pa
     main(DATA + ["--train-iters", "3", "--load", str(split), "--no-load-optim", "--log-json", str(tmp_path / "c.jsonl")])
     assert [r["iter"] for r in _records(tmp_path / "c.jsonl")] == [3]
 
+
 def test_distributed_and_plain_optimizer_state_refuse_each_other_in_one_line(tmp_path):
     """A checkpoint of the distributed optimizer resumed without --use-distributed-optimizer,
     and a plain one resumed with it: one line naming the flag (megatron fails deep inside the

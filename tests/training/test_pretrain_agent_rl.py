@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers.faults import run_here
+from helpers.faults import train
 from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl.checkpoint.layout import TRACKER, read_checkpoint_info
@@ -67,7 +67,7 @@ def test_sharing_and_baseline_agree(tmp_path):
 
 
 def _run_cli(args, tmp_path):
-    return run_here(SCRIPT, args, tmp_path)  # (test_train_log_save_resume_convert starts it as users do)
+    return train(args, tmp_path, here=True)  # (test_train_log_save_resume_convert starts it as users do)
 
 
 def test_bad_sample_fails_before_training_naming_line_and_field(tmp_path):

@@ -38,6 +38,16 @@ p.add_argument("--recompute-kv-budget", type=int, default=120000,
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
+
+
+def modes_of(family: str):
+    """The modes ``--modes`` runs with ``family``: all of them, or those given as ``family:MODE``."""
+    modes = args.modes.split(",")
+    if ":" not in args.modes:
+        return modes
+    return [m.split(":", 1)[1] for m in modes if m.startswith(f"{family}:")]
+
+
 records = json.load(open(args.records))
 longest = max(len(r["tokens"]) for r in records)
 results = {}
@@ -48,8 +58,7 @@ for spec in args.hf_dir:
     MODES = {"m1": dict(micro_batch_tokens=args.m1_budget),
              "m2": dict(micro_batch_tokens=args.m2_budget),
              "m2-recompute": dict(micro_batch_tokens=args.m2_budget, kv_cache_budget=args.recompute_kv_budget + head)}
-    wanted = args.modes.split(",")
-    for mode in (m.split(":", 1)[1] for m in wanted if m.startswith(f"{name}:")) if ":" in args.modes else wanted:
+    for mode in modes_of(name):
         actor = PolicyActor(hf_dir, ActorConfig(
             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, device="cpu",
             num_layers_per_virtual_pipeline_stage=args.vpp_layers, decoder_first_pipeline_num_layers=args.first_layers,
