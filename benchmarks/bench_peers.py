@@ -66,6 +66,9 @@ variants interleaved; the ratio of the medians, and the median of the per-round 
 printed against the target ``--guard-target`` (1.10). Beside them, the largest split's packs as
 unrelated sequences, in one pack and one per micro-batch: what splitting costs without
 mechanism 2 (micro-batching alone), so the split's ratio reads as micro-batching x mechanism 2.
+By default it runs on ``tree`` (k = 8: micro-batches of about 500 tokens, an eighth of the
+default budget) and on ``tree-8-roots`` (17,725 tree tokens; k = 8: about 2,400 tokens each,
+near the default budget); a guard workload not in ``--workloads`` runs the guard alone.
 
 The baseline's per-token cost (``--baseline-profile NAME``): ``prefix_sharing="none"`` at the
 default budget, in one pack and with one sample per micro-batch (one causal pass per
@@ -176,6 +179,9 @@ def workloads(vocab: int, quick: bool = False) -> Dict[str, Callable[[], SampleB
         "stepwise-64x128": lambda: stepwise_exact(64, 128, 32, vocab),
         "tree": lambda: make_tree_rollouts(num_roots=2, vocab_size=vocab, seed=1),
         "mixed": lambda: make_mixed(vocab_size=vocab, seed=1),
+        # the same generator with 8 roots (17,725 tree tokens): split 2, 4, 8 ways its micro-batches hold
+        # 9.3k, 4.9k and 2.4k tokens, about the default budget (4096), where "tree"'s k = 8 holds 500
+        "tree-8-roots": lambda: make_tree_rollouts(num_roots=8, vocab_size=vocab, seed=1),
     }
 
 
@@ -1057,6 +1063,12 @@ def summarise(work: Work, results: Dict[str, Result], order: List[str]) -> dict:
 
 # ---------------------------------------------------------------------- mechanism 2's guard
 GUARD_SPLITS = (2, 4, 8)
+DEFAULT_GUARDS = "tree,tree-8-roots"
+"""The guard's default workloads: the default ``tree`` (4,007 tree tokens: k = 8 splits it into
+micro-batches of about 500 tokens, an eighth of the default budget, where the fixed cost of a
+pass through the layers shows) and ``tree-8-roots`` (17,725: k = 8 gives about 2,400 tokens per
+micro-batch, near the default budget). A guard workload that ``--workloads`` does not select
+runs the guard alone, without the contenders."""
 
 
 def split_budget(bench: PeerBench, batch: SampleBatch, tree_tokens: int, k: int) -> Tuple[int, int]:
@@ -1305,6 +1317,10 @@ def markdown(out: dict) -> str:
         p = profiles.get(s["workload"])
         if p:
             lines += _profile_md(p)
+    shown = {s["workload"] for s in summaries}
+    for name, g in out["guards"].items():
+        if name not in shown:  # a guard-only workload
+            lines += [f"### {name} (mechanism 2's guard only)", ""] + guard_md(g)
     if out.get("baseline"):
         lines += baseline_md(out["baseline"])
     return "\n".join(lines) + "\n"
@@ -1456,6 +1472,11 @@ def run(args, log=print) -> dict:
         raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(names)}")
     want_profile = set(_select(args.profile, selected))
     want_guard = set(_select(args.guard, selected))
+    guard_only = [] if args.guard in ("all", "none") else \
+        [n for n in args.guard.split(",") if n and n not in selected]
+    unknown = [w for w in guard_only if w not in names]
+    if unknown:
+        raise SystemExit(f"unknown guard workloads {unknown}; choose from {', '.join(names)}")
     summaries, profiles, guards = [], {}, {}
     CONTENDERS[:] = [n for n in CONTENDERS if n in all_c] + [n for n in all_c if n not in CONTENDERS]
     meta = {"hidden": hf_config["hidden_size"], "intermediate": hf_config["intermediate_size"],
@@ -1490,6 +1511,13 @@ def run(args, log=print) -> dict:
             log("  psrl profile: " + ", ".join(f"{k} {v:.3f}s" for k, v in profiles[name]["phases"].items())
                 + f", optimizer step {profiles[name]['optimizer_step_s']:.3f}s")
         write(args.out_dir, out)  # after every workload: a long run that is stopped keeps what it measured
+    for name in guard_only:  # the guard alone, no contenders
+        work = Work.of(name, names[name]())
+        work.tree_tokens = int(build_prefix_tree(work.batch).num_tree_tokens)
+        log(f"{name} (guard only): {work.batch.num_samples} samples, {work.batch.num_tokens} tokens, "
+            f"{work.tree_tokens} tree tokens")
+        guards[name] = guard(work, bench, args, log)
+        write(args.out_dir, out)
     if args.baseline_profile:
         if args.baseline_profile not in names:
             raise SystemExit(f"unknown workload {args.baseline_profile}; choose from {', '.join(names)}")
@@ -1553,8 +1581,9 @@ def _main(argv=None):
                    help="skip a Hugging Face contender whose single forward holds more tokens")
     p.add_argument("--profile", default=None, help="psrl per-phase breakdown: all, none (default), or workload names")
     p.add_argument("--guard", default=None,
-                   help="mechanism 2's guard (k = 2, 4, 8 vs one pack): all, none, or workload names "
-                        "(default: tree, or every quick workload with --quick)")
+                   help="mechanism 2's guard (k = 2, 4, 8 vs one pack): all (the selected workloads), none, or "
+                        "workload names; a name not in --workloads runs the guard alone "
+                        f"(default: {DEFAULT_GUARDS}, or every quick workload with --quick)")
     p.add_argument("--guard-target", type=float, default=1.10)
     p.add_argument("--baseline-profile", default=None, metavar="WORKLOAD",
                    help="the no-sharing baseline's per-token cost, profiled on this workload")
@@ -1569,7 +1598,7 @@ def _main(argv=None):
     if args.profile is None:
         args.profile = "none"
     if args.guard is None:
-        args.guard = "all" if args.quick else "tree"
+        args.guard = "all" if args.quick else DEFAULT_GUARDS
     out = run(args)
     md = write(args.out_dir, out)
     print()

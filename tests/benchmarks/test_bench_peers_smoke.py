@@ -1,7 +1,7 @@
 """Smoke test of benchmarks/bench_peers.py --quick on tiny workloads: it runs, writes its tables,
 every contender that ran computed the reference gradients, the timed steps are interleaved
 (A B C ... A B C ...), every timed contender has a spread and a peak-memory figure, and the
-guard and the baseline profile report their rows. No timing is asserted (the optional peers are
+guard (on a selected workload and on one it runs alone) and the baseline profile report their rows. No timing is asserted (the optional peers are
 skipped when their packages are absent, as in CI)."""
 
 import json
@@ -23,7 +23,7 @@ def test_bench_peers_quick(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--quick", "--out-dir", str(out),
          "--workloads", ",".join(WORKLOADS), "--repeats", str(REPEATS), "--profile", "stepwise-4x32",
-         "--guard", "tree-small", "--baseline-profile", "stepwise-4x32", "--baseline-repeats", "1"],
+         "--guard", "tree-small,mixed-small", "--baseline-profile", "stepwise-4x32", "--baseline-repeats", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "bench_peers.json").read_text())
@@ -50,6 +50,9 @@ def test_bench_peers_quick(tmp_path):
         chain, group = w["workload"].startswith("stepwise"), w["workload"].startswith("grpo")
         assert (rows["floor-psrl"]["status"] == "ok") == chain, rows["floor-psrl"]
         assert (rows["floor-hf"]["status"] == "ok") == (chain or group), rows["floor-hf"]
+    # mixed-small is not among --workloads: its guard runs alone, and is reported as well
+    assert set(result["guards"]) == {"tree-small", "mixed-small"}
+    assert "mixed-small (mechanism 2's guard only)" in (out / "bench_peers.md").read_text()
     guard = result["guards"]["tree-small"]
     assert [r["variant"] for r in guard["rows"]] == ["one pack", "k=2", "k=4", "k=8", "unrelated, one pack",
                                                      "unrelated, k=8"]
