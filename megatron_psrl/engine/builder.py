@@ -238,10 +238,6 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     start-up (not with pipeline stages: a stage cannot run the whole model; placement is
     cross-rank by request there, fragments cut by the FLOP cost model)."""
     whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute, config.placement)
-    if config.expert_model_parallel_size > 1 and layout.context_parallel_size == 1:
-        # (with CP the lockstep takes a CP group as one participant; the data-parallel exchange
-        # groups of cross-rank placement without CP are not tested with experts yet)
-        whole_tree_only = list(whole_tree_only) + ["expert parallelism"]
     placement = "whole-tree" if whole_tree_only else config.placement
     if whole_tree_only and config.placement == "cross-rank":
         log(f"note: --placement cross-rank is not available with {' and '.join(whole_tree_only)} yet; "

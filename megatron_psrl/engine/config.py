@@ -246,8 +246,8 @@ class ActorConfig:
                 ("--context-parallel-size > 1 and pipeline stages",
                  self.context_parallel_size > 1 and self.pipeline_model_parallel_size > 1),
                 ("virtual pipeline stages", self.num_layers_per_virtual_pipeline_stage is not None),
-                ("--placement cross-rank without --context-parallel-size > 1",
-                 self.placement == "cross-rank" and self.context_parallel_size == 1)) if on]
+                ("--placement cross-rank and pipeline stages",
+                 self.placement == "cross-rank" and self.pipeline_model_parallel_size > 1)) if on]
             if unsupported:
                 raise ConfigurationError(f"--expert-model-parallel-size > 1 with {', '.join(unsupported)} is not "
                                          "supported yet (expert parallelism runs with data, tensor, context and "

@@ -121,9 +121,11 @@ def test_moe_settings_that_cannot_run_are_refused():
                     pipeline_model_parallel_size=2, context_parallel_size=2)
     ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall", context_parallel_size=2,
                 placement="cross-rank")  # exact (test_sequence_parallel.py, the cross-rank cases)
-    with pytest.raises(ConfigurationError, match="cross-rank without --context-parallel-size"):
+    ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                placement="cross-rank")  # exact (test_sequence_parallel.py, trees over data-parallel ranks)
+    with pytest.raises(ConfigurationError, match="cross-rank and pipeline stages"):
         ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
-                    placement="cross-rank")
+                    placement="cross-rank", pipeline_model_parallel_size=2)
     with pytest.raises(ConfigurationError, match="virtual pipeline stages"):
         ActorConfig(device="cpu", expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
                     pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)

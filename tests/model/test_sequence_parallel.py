@@ -123,6 +123,9 @@ CASES = {  # name: (family, processes, EP, dispatcher, PP, CP[, placement, TP])
     # ... and two exchange groups (CP = 2 x DP = 2, TP = 1) whose schedules differ: each runs
     # the other's passes as empty ones, both its ranks together
     "qwen3-moe-cp2xdp2xep4-cross-rank": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 2, "cross-rank", 1),
+    # without CP, trees split over the data-parallel ranks (DP = 4, TP = 1: one exchange group,
+    # one participant, the start-up calibration run under EP)
+    "qwen3-moe-dp4xep4-cross-rank": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 1, "cross-rank", 1),
 }
 
 
@@ -157,7 +160,7 @@ def test_sequence_parallel_step_equals_per_sample_reference(case, launches, requ
     """TP = 2 with sequence parallelism over gloo, micro-batches of 16 tokens (cached prefixes,
     packs of odd length padded): log-probs, loss, every gradient of every rank and one SGD step
     match the per-sample reference (asserted in the script)."""
-    _, nproc, ep, _, _, _, placement, tp = _case(case)
+    _, nproc, ep, _, _, cp, placement, tp = _case(case)
     out = launches.check(request.node.name)
     reports = re.findall(r"rank (\d) tp_rank (\d) ep_rank \d: .*?padded packs (\d+) of \d+, .*?placement (\S+), "
                          r"exchanged (\d+), empty passes (\d+)", out)
@@ -167,7 +170,7 @@ def test_sequence_parallel_step_equals_per_sample_reference(case, launches, requ
     empty = {int(r): int(n) for r, *_, n in reports}
     if placement == "cross-rank":
         assert all(p == "cross-rank" and int(x) > 0 for *_, p, x, _ in reports), reports
-        if tp > 1:  # the one exchange group (both CP ranks, each with its TP peer) is the only participant
+        if tp > 1 or cp == 1:  # one exchange group (the CP ranks with their TP peers, or all DP ranks): one participant
             assert sum(empty.values()) == 0, empty
         else:  # two exchange groups of two CP ranks: each group's ranks run the same empty passes
             assert sum(empty.values()) > 0 and empty[0] == empty[1] and empty[2] == empty[3], empty

@@ -15,8 +15,9 @@ with CP = 2 the context-parallel ranks exchange the prefix K/V of their padded p
 
 With ``--placement cross-rank`` and CP = 2 an MoE model's context-parallel ranks split its
 trees and exchange prefix K/V inside passes whose MoE layers exchange tokens over the expert
-group: the expert lockstep takes each exchange group as one participant. TP = 1 runs the same
-checks without tensor or sequence parallelism.
+group: the expert lockstep takes each exchange group as one participant. With CP = 1 the
+trees are split over the data-parallel ranks instead (one exchange group of them all). TP = 1
+runs the same checks without tensor or sequence parallelism.
 
 Usage: sequence_parallel_exactness.py HF_DIR EP DISPATCHER [MICRO_BATCH_TOKENS] [PP] [CP] [PLACEMENT] [TP]
 """
