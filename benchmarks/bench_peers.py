@@ -152,8 +152,8 @@ def is_peer(name: str) -> bool:
 
 # ---------------------------------------------------------------------- workloads
 DEFAULT_WORKLOADS = ["grpo-512x8x512", "stepwise-8x256", "tree", "mixed"]
-"""What a run without ``--workloads`` measures (about 10 minutes on 2 busy cores); the longer
-ones are named explicitly."""
+"""What a run without ``--workloads`` measures (about 10 minutes on 2 busy cores, and about 8 more
+for the default guards, most of them ``tree-8-roots``'s); the longer ones are named explicitly."""
 
 
 def workloads(vocab: int, quick: bool = False) -> Dict[str, Callable[[], SampleBatch]]:
