@@ -238,6 +238,12 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     start-up (not with pipeline stages: a stage cannot run the whole model; placement is
     cross-rank by request there, fragments cut by the FLOP cost model)."""
     whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute, config.placement)
+    if (config.expert_model_parallel_size > 1 and layout.context_parallel_size == 1
+            and config.placement == "auto"):
+        # With experts over the data-parallel ranks, trees are split over them by request only
+        # (--placement cross-rank): ``auto`` keeps them whole, the layout every EP test and
+        # checkpoint was made with (its calibrated choice would change a resumed run's rounding)
+        whole_tree_only = list(whole_tree_only) + ["expert parallelism without --placement cross-rank"]
     placement = "whole-tree" if whole_tree_only else config.placement
     if whole_tree_only and config.placement == "cross-rank":
         log(f"note: --placement cross-rank is not available with {' and '.join(whole_tree_only)} yet; "
