@@ -214,6 +214,14 @@ class Work:
         claims = [(j, (c / max(n, 1)).astype(np.float32)) for j, c in raw]
         return Work(name, batch, seqs, claims, n)
 
+    @staticmethod
+    def built(name: str, batch: SampleBatch, cost) -> "Work":
+        """:meth:`of`, with the tree's unique tokens and the FLOP-ideal speedup under ``cost``."""
+        work = Work.of(name, batch)
+        tree = build_prefix_tree(batch)
+        work.tree_tokens, work.ideal_speedup = int(tree.num_tree_tokens), float(cost.ideal_speedup(tree))
+        return work
+
     def all_claims(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sample, position, coefficient) of every claim, samples in order."""
         s = np.concatenate([np.full(len(j), i, dtype=np.int64) for i, (j, _) in enumerate(self.claims)])
@@ -1491,9 +1499,7 @@ def run(args, log=print) -> dict:
     log(bench.actor.describe_kernels())
     out = {"meta": meta, "workloads": summaries, "profiles": profiles, "guards": guards, "baseline": None}
     for name in selected:
-        work = Work.of(name, names[name]())
-        tree = build_prefix_tree(work.batch)
-        work.tree_tokens, work.ideal_speedup = int(tree.num_tree_tokens), float(bench.cost.ideal_speedup(tree))
+        work = Work.built(name, names[name](), bench.cost)
         log(f"{name}: {work.batch.num_samples} samples, {work.batch.num_tokens} tokens, {work.tree_tokens} tree "
             f"tokens, ideal {work.ideal_speedup:.2f}x")
         results, order = bench_workload(work, contenders, bench, args, log)
@@ -1512,8 +1518,7 @@ def run(args, log=print) -> dict:
                 + f", optimizer step {profiles[name]['optimizer_step_s']:.3f}s")
         write(args.out_dir, out)  # after every workload: a long run that is stopped keeps what it measured
     for name in guard_only:  # the guard alone, no contenders
-        work = Work.of(name, names[name]())
-        work.tree_tokens = int(build_prefix_tree(work.batch).num_tree_tokens)
+        work = Work.built(name, names[name](), bench.cost)
         log(f"{name} (guard only): {work.batch.num_samples} samples, {work.batch.num_tokens} tokens, "
             f"{work.tree_tokens} tree tokens")
         guards[name] = guard(work, bench, args, log)
@@ -1521,8 +1526,7 @@ def run(args, log=print) -> dict:
     if args.baseline_profile:
         if args.baseline_profile not in names:
             raise SystemExit(f"unknown workload {args.baseline_profile}; choose from {', '.join(names)}")
-        work = Work.of(args.baseline_profile, names[args.baseline_profile]())
-        work.ideal_speedup = float(bench.cost.ideal_speedup(build_prefix_tree(work.batch)))
+        work = Work.built(args.baseline_profile, names[args.baseline_profile](), bench.cost)
         log(f"baseline profile on {work.name}")
         out["baseline"] = baseline_profile(work, bench, all_c["hf-per-sample"], args, log)
         write(args.out_dir, out)

@@ -1,8 +1,9 @@
 """Smoke test of benchmarks/bench_peers.py --quick on tiny workloads: it runs, writes its tables,
 every contender that ran computed the reference gradients, the timed steps are interleaved
 (A B C ... A B C ...), every timed contender has a spread and a peak-memory figure, and the
-guard (on a selected workload and on one it runs alone) and the baseline profile report their rows. No timing is asserted (the optional peers are
-skipped when their packages are absent, as in CI)."""
+guard (on a selected workload and on one it runs alone) and the baseline profile report their
+rows. No timing is asserted (the optional peers are skipped when their packages are absent, as
+in CI)."""
 
 import json
 import os
