@@ -14,6 +14,10 @@ SHARING_MODES = ("tree", "tree-dup", "none")
 PLACEMENTS = ("auto", "whole-tree", "cross-rank")
 """Trees over the ranks of an exchange group (``megatron_psrl.tree.planner``)."""
 
+CROSS_GROUP_PREFIX = ("auto", "transfer", "recompute")
+"""How the parts of a tree split between exchange groups get the path they share: the
+cheaper per part, sent from one rank, or recomputed by every part (``megatron_psrl.tree.hierarchical``)."""
+
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 """Aggregations of the per-claim loss over the global batch (docs/loss.md)."""
 

@@ -19,7 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Only light imports before the arguments are parsed (``--help`` answers at once); the model
 # stack (megatron-core, torch) is imported in main().
 from megatron_psrl.cli import HelpFormatter, add_checksum_flag, apply_checksum_flag, positive_int, run_cli  # noqa: E402
-from megatron_psrl.options import ATTENTION_BACKENDS, DEFAULT_TIMEOUT_MINUTES, PLACEMENTS  # noqa: E402
+from megatron_psrl.options import (  # noqa: E402
+    ATTENTION_BACKENDS,
+    CROSS_GROUP_PREFIX,
+    DEFAULT_TIMEOUT_MINUTES,
+    PLACEMENTS,
+)
 from megatron_psrl.training.arguments import parse_bytes  # noqa: E402
 
 
@@ -40,6 +45,9 @@ def parse_args(argv=None):
                    help="ranks of a CP group share the fragments of the same trees (prefix K/V exchanged)")
     p.add_argument("--placement", default="auto", choices=PLACEMENTS,
                    help="trees over an exchange group (CP group, else DP group): whole-tree, cross-rank or auto")
+    p.add_argument("--cross-group-prefix", default="auto", choices=CROSS_GROUP_PREFIX,
+                   help="the parts of a tree split between exchange groups: recompute the prefix they share, "
+                        "transfer it from one rank, or auto (the cheaper by the start-up link measurement)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when available")
     p.add_argument("--dtype", default=None, help="GPU compute dtype (default: the checkpoint's); CPU is always fp32")
     p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
@@ -92,7 +100,8 @@ def main(argv=None) -> int:
         device=args.device, dtype=str(parse_dtype(dtype)).replace("torch.", ""),
         attention_backend=args.attention_backend or "auto", micro_batch_tokens=args.micro_batch_tokens,
         kv_cache_budget=args.kv_cache_budget, prefix_sharing="none" if args.no_prefix_sharing else "tree",
-        placement=args.placement, allow_rope_extrapolation=args.allow_rope_extrapolation,
+        placement=args.placement, cross_group_prefix=args.cross_group_prefix,
+        allow_rope_extrapolation=args.allow_rope_extrapolation,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     actor = PolicyActor(source, config, for_training=False)

@@ -33,6 +33,7 @@ from megatron_psrl.compat import install_cpu_recompute_shims, seed_model_paralle
 from megatron_psrl.distributed.setup import (
     ParallelLayout,
     exchange_group_of,
+    gradient_group,
     initialize_parallel,
 )
 from megatron_psrl.engine.calibration import calibrate_for_planning
@@ -281,6 +282,8 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
                          loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute)
     runner.last_layer_row_skip = config.last_layer_row_skip
     runner.overlap_kv_exchange = config.overlap_kv_exchange
+    if layout.placement_size > 1:  # (prefix heads sent between exchange groups travel over it)
+        runner.transfer_group = gradient_group()
     if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0):
         from megatron_psrl.model.moe_losses import RouterLosses
 

@@ -89,10 +89,13 @@ class MeasuredCosts:
         share measured at a micro-batch's size)."""
         overlap = self.overlap_kv_exchange if overlap is None else overlap
         exposed = min(1.0, max(0.0, self.exchange_exposed_fraction)) if overlap else 1.0
+        # A prefix head sent between groups travels once, all layers together, not overlapped:
+        # its bytes at the measured link speed, a send and a receive of latency.
         return dict(cost_model=self.cost_model(), kv_bytes_per_token=kv_bytes_per_token,
                     cost_per_exchanged_byte=self.seconds_per_byte * exposed,
                     cost_per_exchange=2 * num_layers * self.seconds_per_exchange * exposed,
-                    cost_per_micro_batch=self.seconds_per_micro_batch)
+                    cost_per_micro_batch=self.seconds_per_micro_batch,
+                    cost_per_transferred_byte=self.seconds_per_byte, cost_per_transfer=2 * self.seconds_per_exchange)
 
     def predict(self, tokens: float, keys: float, rows: float, micro_batches: int = 1) -> float:
         return (self.seconds_per_token * tokens + self.seconds_per_key * keys + self.seconds_per_row * rows

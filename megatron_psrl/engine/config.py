@@ -18,6 +18,7 @@ from megatron_psrl.dtypes import DTYPES
 from megatron_psrl.engine.optimizer import OptimizerSettings
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.options import (
+    CROSS_GROUP_PREFIX,
     DEFAULT_CKPT_FORMAT,
     MOE_LOAD_BALANCING_TYPES,
     MOE_TOKEN_DISPATCHERS,
@@ -158,6 +159,13 @@ class ActorConfig:
     shares, when the planner predicts a shorter step (``--no-split-trees-across-groups``
     keeps every tree in one group; docs/architecture.md)."""
 
+    cross_group_prefix: str = "auto"
+    """How the parts of a tree split between groups get the prefix they share
+    (``--cross-group-prefix``): ``recompute`` (each part computes it), ``transfer`` (one rank
+    computes it and sends its K/V; the readers' dK/dV come back) or ``auto`` (per part, the
+    cheaper by the start-up measurement of the links; recompute where none was measured).
+    Always recomputed with pipeline stages, activation recomputation and MoE models."""
+
     cost_profile: Optional[str] = None
     """File keeping the start-up cost measurement for later runs."""
 
@@ -206,6 +214,9 @@ class ActorConfig:
             raise ConfigurationError(f"prefix_sharing must be one of {SHARING_MODES}, got {self.prefix_sharing!r}")
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.cross_group_prefix not in CROSS_GROUP_PREFIX:
+            raise ConfigurationError(f"cross_group_prefix must be one of {CROSS_GROUP_PREFIX}, "
+                                     f"got {self.cross_group_prefix!r}")
         check_ckpt_format(self.ckpt_format)
         if self.ckpt_format == "legacy" and self.expert_model_parallel_size > 1:
             raise ConfigurationError(f"--ckpt-format legacy cannot hold the experts of --expert-model-parallel-size "

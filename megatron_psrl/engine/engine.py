@@ -32,7 +32,7 @@ from megatron_psrl.engine.calibration import MeasuredCosts
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.logprobs import per_sample_logprobs, run_logprobs
 from megatron_psrl.engine.optimizer import StepOutcome
-from megatron_psrl.engine.planning import memory_plans, plan_with_memory
+from megatron_psrl.engine.planning import memory_plans, plan_with_memory, transfer_reasons
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory, plan_memory_group
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
@@ -44,7 +44,7 @@ from megatron_psrl.model.stages import stage_counts, virtual_stages
 from megatron_psrl.rl.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.cost import CostModel
-from megatron_psrl.tree.plan import StepPlan
+from megatron_psrl.tree.plan import StepPlan, token_aliases
 from megatron_psrl.tree.planner import PlannerConfig
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
@@ -157,10 +157,14 @@ class Engine:
         c = self.config
         costs = (self.measured.planner_settings(self.geometry.num_layers, 2 * self.geometry.bytes_per_token)
                  if self.measured else dict(cost_model=self.cost_model))
+        cross_group_prefix = c.cross_group_prefix
+        if transfer_reasons(self.layout.pipeline_parallel_size, self.recompute, self.arch.is_moe):
+            cross_group_prefix = "recompute"
         return PlannerConfig(micro_batch_tokens=c.micro_batch_tokens, data_parallel_size=self.layout.placement_size,
                              sharing=prefix_sharing or c.prefix_sharing, exchange_group_size=self.exchange_group_size,
                              placement=self.placement, local_rank=self.layout.placement_rank,
-                             split_trees_across_groups=c.split_trees_across_groups, **costs)
+                             split_trees_across_groups=c.split_trees_across_groups,
+                             cross_group_prefix=cross_group_prefix, **costs)
 
     def plan(self, batch: SampleBatch, times: Optional[Dict[str, float]] = None
              ) -> Tuple[PrefixTree, StepPlan, Optional[MemoryPlan], str]:
@@ -231,8 +235,8 @@ class Engine:
         metrics.update(plan_metrics(plan, self.geometry, self.measured))
         if self.layout.pipeline_parallel_size > 1:
             metrics.update(pipeline_bubble=self.runner.last_bubble, pipeline_schedule=self.runner.last_schedule)
-        logprobs = (per_sample_logprobs(plan.tree, out.logprobs, gradient_group(), fill=np.nan)
-                    if return_logprobs else None)
+        logprobs = (per_sample_logprobs(plan.tree, out.logprobs, gradient_group(), fill=np.nan,
+                                        aliases=token_aliases(plan.transfers)) if return_logprobs else None)
         return StepResult(loss=total, metrics=metrics, logprobs=logprobs)
 
     def _count_routes(self, plan: StepPlan) -> None:
@@ -388,6 +392,8 @@ def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[Measur
         "exchanged_bytes": plan.exchanged_bytes(2 * geometry.bytes_per_token),
         "tokens_duplicated": plan.mechanism_counts()["duplicated_tokens"],
         "tokens_recomputed_across_groups": plan.split_tokens_recomputed,
+        "tokens_transferred_across_groups": plan.transferred_tokens(),
+        "transferred_bytes": plan.transfer_bytes(2 * geometry.bytes_per_token),
     }
     if measured is not None:
         planned = plan.planned_groups if plan.planned_groups is not None else range(len(plan.placements))

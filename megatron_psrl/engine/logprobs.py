@@ -8,7 +8,7 @@ for i >= 1 and ``logprobs[0] = 0.0``. With sharing every distinct prefix is comp
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
-from megatron_psrl.engine.planning import plan_with_memory, whole_tree_reasons
+from megatron_psrl.engine.planning import plan_with_memory, transfer_reasons, whole_tree_reasons
 from megatron_psrl.engine.runners import make_runner
 from megatron_psrl.engine.step import ComputedLogprobs, StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory
@@ -27,6 +27,7 @@ from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES
 from megatron_psrl.model.stages import split_of_config
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.cost import CostModel
+from megatron_psrl.tree.plan import token_aliases
 from megatron_psrl.tree.planner import PlannerConfig
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
@@ -46,6 +47,7 @@ def compute_logprobs(
     exchange_group=None,
     loss_head_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     planner_settings: Optional[dict] = None,
+    cross_group_prefix: str = "auto",
 ) -> List[np.ndarray]:
     """float32 log-prob arrays, one per sample, aligned with its tokens (index 0 is 0.0), of a
     bare megatron model (an engine's is :meth:`~megatron_psrl.engine.engine.Engine.compute_logprobs`).
@@ -56,7 +58,8 @@ def compute_logprobs(
     tensor-parallel ranks split the model; every rank returns the full result. Samples longer
     than the model's ``max_position_embeddings`` are refused unless ``allow_rope_extrapolation``.
     ``planner_settings`` (from a cost calibration, ``MeasuredCosts.planner_settings``) replace
-    ``cost_model`` for the placement decision.
+    ``cost_model`` for the placement decision; ``cross_group_prefix``: trees split between
+    exchange groups recompute or receive their shared prefix (``PlannerConfig``).
     """
     device = device or next(model.parameters()).device
     if arch.sliding_window is not None:
@@ -83,12 +86,16 @@ def compute_logprobs(
     plan_geometry = KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, len(chunks))
     if whole_tree_reasons(pp, recompute=False, placement=placement):
         placement = "whole-tree"
+    if transfer_reasons(pp, recompute=False, moe=arch.is_moe):
+        cross_group_prefix = "recompute"
     config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,
-                           placement=placement, local_rank=me, **(planner_settings or dict(cost_model=cost_model)))
+                           placement=placement, local_rank=me, cross_group_prefix=cross_group_prefix,
+                           **(planner_settings or dict(cost_model=cost_model)))
     runner = make_runner(model, arch.vocab_size, device, attention_backend, BlockKVCache(geometry, kv_cache_budget),
                          exchange_group=exchange_group, loss_head_chunk_bytes=loss_head_chunk_bytes)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True) if ranks > 1 else None
+    runner.transfer_group = group
     return run_logprobs(runner, plan_geometry, batch, config, kv_cache_budget, me, group)
 
 
@@ -112,27 +119,29 @@ def run_logprobs(runner: StepRunner, plan_geometry: KVGeometry, batch: SampleBat
     finally:
         model.train(was_training)
         runner.kv_cache.release_pool()
-    logprobs = per_sample_logprobs(plan.tree, local, group, fill=0.0)
+    aliases = token_aliases(plan.transfers)
+    logprobs = per_sample_logprobs(plan.tree, local, group, fill=0.0, aliases=aliases)
     if not with_entropy:
         return logprobs
     index, _ = local.arrays()
-    return logprobs, per_sample_values(plan.tree, index, local.entropy_array(), group, fill=0.0)
+    return logprobs, per_sample_values(plan.tree, index, local.entropy_array(), group, fill=0.0, aliases=aliases)
 
 
-def per_sample_logprobs(tree: PrefixTree, computed: ComputedLogprobs, group=None, fill: float = 0.0
-                        ) -> List[np.ndarray]:
+def per_sample_logprobs(tree: PrefixTree, computed: ComputedLogprobs, group=None, fill: float = 0.0,
+                        aliases: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> List[np.ndarray]:
     """Per-sample float32 arrays from the tree-token log-probs ``computed`` on this rank and on
     every rank of ``group`` (one gather of index / value arrays): ``fill`` where no rank
-    computed one, 0.0 at position 0 (no log-prob there)."""
+    computed one, 0.0 at position 0 (no log-prob there). ``aliases``: ``(tokens, tokens whose
+    values they take)``, the copies of transferred heads (``StepPlan.transfers``)."""
     index, values = computed.arrays()
-    return per_sample_values(tree, index, values, group, fill)
+    return per_sample_values(tree, index, values, group, fill, aliases)
 
 
-def per_sample_values(tree: PrefixTree, index: np.ndarray, values: np.ndarray, group=None, fill: float = 0.0
-                      ) -> List[np.ndarray]:
+def per_sample_values(tree: PrefixTree, index: np.ndarray, values: np.ndarray, group=None, fill: float = 0.0,
+                      aliases: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> List[np.ndarray]:
     """Per-sample float32 arrays of per-tree-token ``values`` computed at tree tokens ``index``
     on this rank and on every rank of ``group`` (one gather): ``fill`` where no rank computed
-    one, 0.0 at position 0."""
+    one, 0.0 at position 0; tokens ``aliases[0]`` take the values of ``aliases[1]``."""
     if group is not None and dist.get_world_size(group) > 1:
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, (index, values), group=group)
@@ -141,6 +150,8 @@ def per_sample_values(tree: PrefixTree, index: np.ndarray, values: np.ndarray, g
     batch = tree.batch
     per_tree_token = np.full(tree.num_tree_tokens, fill, dtype=np.float32)
     per_tree_token[index] = values
+    if aliases is not None and len(aliases[0]):  # heads a copy imported: the home copy computed them
+        per_tree_token[aliases[0]] = per_tree_token[aliases[1]]
     flat = per_tree_token[tree.sample_token_index]
     flat[batch.offsets[:-1]] = 0.0
     return [flat[batch.offsets[s]:batch.offsets[s + 1]].copy() for s in range(batch.num_samples)]

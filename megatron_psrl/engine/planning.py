@@ -25,6 +25,16 @@ def whole_tree_reasons(pipeline_parallel_size: int, recompute: bool, placement: 
                                 ("activation recomputation", recompute)) if on]
 
 
+def transfer_reasons(pipeline_parallel_size: int, recompute: bool, moe: bool) -> List[str]:
+    """Why the parts of a tree split between exchange groups recompute the prefix they share
+    instead of receiving it (empty: they may receive it). The pipeline runner does not run
+    transfers (each stage would send its layers'); a recomputed layer would run its forward
+    again without the received K/V in place; an MoE model weighs its router losses by the
+    samples through each token of a part, which a received head would miss."""
+    return [why for why, on in (("pipeline parallelism", pipeline_parallel_size > 1),
+                                ("activation recomputation", recompute), ("MoE models", moe)) if on]
+
+
 def memory_plans(plan: StepPlan, group_memory: GroupMemory) -> List[Optional[MemoryPlan]]:
     """Every rank's memory plan: None for a rank that caches nothing and needs no decisions."""
     memories: List[Optional[MemoryPlan]] = [None] * len(plan.ranks)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start, return_replica_grads
+from megatron_psrl.engine.head_transfer import HeadTransfers
 from megatron_psrl.engine.transfer import DeviceSums, host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.memory_plan import MemoryPlan
@@ -330,6 +331,10 @@ class StepRunner:
         self.kv_cache = kv_cache
         self.exchange_group = exchange_group
         """Process group of the ranks that exchange prefix K/V (cross-rank plans)."""
+        self.transfer_group = None
+        """The data x context parallel group, over which prefix heads travel between exchange
+        groups (:mod:`megatron_psrl.engine.head_transfer`; a rank's index in it is its placement
+        rank); needed by plans with transfers."""
         self._gather_in_backward = False
         """This step's memory plan has readers gather cached K/V again in backward."""
         self.expert_group = _expert_parallel_group(model)
@@ -523,6 +528,14 @@ class StepRunner:
                 for j, layer in enumerate(layers):
                     cache.accumulate_grad(s, layer, chunk[:, j, 0], chunk[:, j, 1])
 
+    def _start_transfers(self, plan: StepPlan, rank: int, with_grads: bool) -> Optional[HeadTransfers]:
+        """This rank's part in the step's prefix transfers (posts its first messages), or None."""
+        if not plan.transfers:
+            return None
+        if self.transfer_group is None:
+            raise RuntimeError("a plan with prefix transfers needs the runner's transfer_group")
+        return HeadTransfers(plan, rank, self.kv_cache, self.transfer_group, with_grads)
+
     # ------------------------------------------------------------------ expert parallelism
     @staticmethod
     def _train_passes(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Tuple[str, int]]:
@@ -531,6 +544,8 @@ class StepRunner:
         forward whose graph is dropped (recomputed by a ``P`` at its backward)."""
         passes = []
         for op, i in rank_plan.schedule:
+            if not rank_plan.micro_batches[i].computes:
+                continue  # (a transfer micro-batch runs no model)
             keep = memory.keep_graph.get(i, True) if memory is not None else True
             if op == "forward_backward":
                 passes.append(("P", i))
@@ -593,7 +608,8 @@ class StepRunner:
         rank_plan = plan.ranks[rank]
         # Normalisation over the whole global batch, from the original samples.
         coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
-        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs())
+        out = StepOutput(num_micro_batches=sum(mb.computes for mb in rank_plan.micro_batches),
+                         logprobs=ComputedLogprobs())
         cache = self.kv_cache
         self._gather_in_backward = memory is not None and memory.gathers_in_backward
         if rank_plan.sources:
@@ -617,8 +633,21 @@ class StepRunner:
         lock = self._start_lockstep(self._train_passes(rank_plan, memory), self._lockstep_participant(plan, rank))
         if self.router_losses is not None:
             self.router_losses.begin_step(plan.tree, loss_scale)
+        transfers = self._start_transfers(plan, rank, with_grads=True)
         for step_idx, (op, i) in enumerate(rank_plan.schedule):
             mb = rank_plan.micro_batches[i]
+            if not mb.computes:  # an import receives heads (and returns their gradients); idle: nothing
+                if mb.role == "import" and op == "forward":
+                    for s in mb.produces:
+                        cache.allocate(s, rank_plan.sources[s].length, kinds=rank_plan.sources[s].kinds)
+                    transfers.receive(i)
+                elif mb.role == "import":
+                    transfers.return_grads(i)
+                    for s in mb.produces:
+                        cache.free(s, ("gk", "gv", "k", "v"))
+                for s in release_kv_after.get(step_idx, ()):
+                    cache.free(s, ("k", "v"))
+                continue
             if op in ("forward", "forward_backward"):
                 pack = rank_plan.pack(plan.index, i)
                 out.tokens_computed += pack.num_tokens
@@ -645,7 +674,11 @@ class StepRunner:
                     pending[i] = (loss, hook.captured if hook is not None else [], None)
                 else:
                     pending[i] = (None, None, pack)
+                if transfers is not None:
+                    transfers.after_forward(i)
             else:  # backward of a producer
+                if transfers is not None:
+                    transfers.collect_grads(i)
                 self._return_replica_grads(rank_plan, i)
                 loss, captured, pack = pending.pop(i)
                 lock("P" if captured is None else "B")  # (a recomputation's backward is part of its P pass)
@@ -674,6 +707,8 @@ class StepRunner:
                 cache.free(s, ("k", "v"))
         self._finish_lockstep()
         self._end_replay()
+        if transfers is not None:
+            transfers.finish()
         if rank_plan.sources:
             cache.end_step()
         totals = sums.read()
@@ -718,31 +753,41 @@ class StepRunner:
         their last reader: the log-prob of every row, or (``claims_loss``) only of claimed rows,
         handed to ``claims_loss``."""
         rank_plan = plan.ranks[rank]
-        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs(with_entropy))
+        out = StepOutput(num_micro_batches=sum(mb.computes for mb in rank_plan.micro_batches),
+                         logprobs=ComputedLogprobs(with_entropy))
         cache = self.kv_cache
         if rank_plan.sources:
             if memory is None:
                 raise RuntimeError("a plan with cached prefixes needs a memory plan (plan_forward_memory)")
             cache.begin_step(memory.block_size, memory.pool_blocks)
         last_reader = memory.kv_release_step if rank_plan.sources else {}
-        lock = self._start_lockstep([("N", i) for i in range(len(rank_plan.micro_batches))],
+        lock = self._start_lockstep([("N", i) for i, mb in enumerate(rank_plan.micro_batches) if mb.computes],
                                     self._lockstep_participant(plan, rank))
+        transfers = self._start_transfers(plan, rank, with_grads=False)
         for i in range(len(rank_plan.micro_batches)):
             mb = rank_plan.micro_batches[i]
-            lock("N")
             for s in mb.produces:
                 if s in last_reader:  # read on this rank later (an owner read only elsewhere holds nothing)
                     cache.allocate(s, rank_plan.sources[s].length, kinds=("k", "v"))
+            if not mb.computes:
+                if mb.role == "import":
+                    transfers.receive(i)
+                continue
+            lock("N")
             pack = rank_plan.pack(plan.index, i)
             out.tokens_computed += pack.num_tokens
             rows = np.arange(len(pack.logit_rows)) if claims_loss is None else self._claimed_rows(plan, pack)
             self._forward(plan, rank_plan, i, pack, rows=rows, loss_cfg=claims_loss, coefficients=coefficients,
                           grad=False, store=True, capture=False, record=out.logprobs)
+            if transfers is not None:
+                transfers.after_forward(i)
             for s in mb.reads:
                 if last_reader[s] == i:
                     cache.free(s, ("k", "v"))
         self._finish_lockstep()
         self._end_replay()
+        if transfers is not None:
+            transfers.finish()
         if rank_plan.sources:
             cache.end_step()
         return self._finish(out)

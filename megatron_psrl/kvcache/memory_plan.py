@@ -269,7 +269,7 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
     kept, until its backward): copies gathered from the cache and K/V received from other
     ranks in the same step (cross-rank peers, always kept as copies). Gathered again in
     backward, cached prefixes cost one layer's K/V copies and their fp32 gradients at a time."""
-    graph = {i: mb.num_tokens * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
+    graph = {i: len(mb.computed_tokens) * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
     kv = 2 * geometry.bytes_per_token  # K and V, all layers of this stage
     cached = {i: kv * sum(plan.sources[s].length for s in mb.reads) for i, mb in enumerate(plan.micro_batches)}
     peers = {i: kv * sum(p.length for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
@@ -321,7 +321,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     block_bytes = geometry.block_bytes(block_size)
     forward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "forward"}
     backward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "backward"}
-    producers = sorted(forward_at)
+    # (an import holds no graph: it receives K/V; an idle step holds nothing)
+    producers = sorted(i for i in forward_at if all(p.micro_batches[i].computes for p in plans))
     keep = {p: True for p in producers}
     tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward, head_bytes) for p in plans]
 
@@ -395,8 +396,10 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
     after their last reader; no gradient blocks, no retained graphs."""
     block_size = choose_block_size([s.length for s in plan.sources.values()])
     block_bytes = geometry.block_bytes(block_size)
-    # Only sources read on this rank hold K/V (an owner read only by other ranks holds nothing).
+    # Only sources read on this rank hold K/V (an owner read only by other ranks holds nothing);
+    # an exported head holds them until it has been sent, after its producer's forward.
     last_read = {s: max(src.consumers) for s, src in plan.sources.items() if src.consumers}
+    last_read.update({s: src.producer for s, src in plan.sources.items() if src.exported is not None})
     read_bytes = _byte_tables(plan, geometry, 0).running_reads
     blocks, held, peak_blocks = 0, [], 0
     for i, mb in enumerate(plan.micro_batches):
@@ -404,6 +407,8 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
         held.append(blocks * block_bytes + read_bytes[i])
         peak_blocks = max(peak_blocks, blocks)
         blocks -= sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.reads if last_read[s] == i)
+        blocks -= sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.produces
+                      if plan.sources[s].exported is not None)
     peak = max(held, default=0)
     if peak > budget_bytes:
         raise CacheBudgetError(

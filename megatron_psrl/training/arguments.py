@@ -10,6 +10,7 @@ from megatron_psrl.cli import HelpFormatter, add_checksum_flag
 from megatron_psrl.options import (
     ATTENTION_BACKENDS,
     CKPT_FORMATS,
+    CROSS_GROUP_PREFIX,
     DEFAULT_CKPT_FORMAT,
     DEFAULT_TIMEOUT_MINUTES,
     LOSS_AGGREGATIONS,
@@ -163,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-split-trees-across-groups", dest="split_trees_across_groups", action="store_false",
                    help="keep every tree inside one exchange group (by default a tree larger than a group's share "
                         "is split between groups, each part recomputing the prefix it shares)")
+    g.add_argument("--cross-group-prefix", default="auto", choices=CROSS_GROUP_PREFIX,
+                   help="how the parts of a tree split between exchange groups get the prefix they share: "
+                        "recompute (each part computes it), transfer (one rank computes it and sends its K/V) or "
+                        "auto (per part, the cheaper by the start-up link measurement; recompute without one)")
     g.add_argument("--cost-profile", default=None,
                    help="file keeping the start-up cost measurement of this model/device/layout for later runs")
 

@@ -24,10 +24,17 @@ branch points, as for mechanism 2) reach the fragment in one of three ways:
 Every tree token is computed once. Every rank of the group runs the same schedule (forward
 of step m, or forward+backward, or the deferred backward of a producer step), so collectives
 always match.
+
+A tree split between groups (:mod:`megatron_psrl.tree.hierarchical`) may receive the head of
+its path instead of computing it (:class:`~megatron_psrl.tree.plan.PrefixTransfer`): the
+stream then starts after the head, and the schedule with *transfer steps* that hold no
+exchange: first the heads the group's first rank computes and sends (the other ranks idle),
+then one step in which every rank that reads a head receives it (an ``import`` micro-batch).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -48,12 +55,28 @@ TokenCost = Callable[[np.ndarray], np.ndarray]
 """Cost of computing each given tree token once (its GEMMs and its attention over its keys)."""
 
 
-def group_stream(index: TreeIndex, units: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+@dataclass
+class CrossRankHeads:
+    """A group's part in the step's prefix transfers (the tree tokens of its copies)."""
+
+    imports: Dict[int, Tuple[int, int, int]] = field(default_factory=dict)
+    """Top-level node of a copy -> ``(transfer, import, head length)``: the stream skips the head."""
+
+    exports: List[Tuple[int, int, int]] = field(default_factory=list)
+    """``(transfer, start, length)`` of the heads the group's first rank computes and sends
+    (the home copy's head is then local on that rank, imported by the others)."""
+
+
+def group_stream(index: TreeIndex, units: np.ndarray, skip: Optional[Dict[int, int]] = None
+                 ) -> Tuple[np.ndarray, np.ndarray]:
     """The depth-first token stream of the trees ``units`` (ascending tree tokens) and the
-    stream positions where each tree starts (plus the end)."""
+    stream positions where each tree starts (plus the end). ``skip``: top-level node -> tokens
+    at its start left out (a head received instead of computed)."""
     tree = index.tree
     starts = np.sort(tree.node_offset[units])
     ends = tree.node_offset[tree.node_subtree_end[index.token_node[starts]]]
+    if skip:
+        starts = starts + np.array([skip.get(int(index.token_node[a]), 0) for a in starts], dtype=np.int64)
     stream = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(starts, ends)]) if len(starts) \
         else np.zeros(0, np.int64)
     unit_bounds = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
@@ -87,11 +110,11 @@ def equal_cost_cuts(cum: np.ndarray, num_fragments: int, unit_bounds: np.ndarray
 
 def plan_group_cross_rank(
     index: TreeIndex, units: np.ndarray, budget: int, group_size: int, token_cost: TokenCost, snap: float = 0.02,
-    micro_batch_cost: float = 0.0,
+    micro_batch_cost: float = 0.0, heads: Optional[CrossRankHeads] = None,
 ) -> Optional[List[RankPlan]]:
     """The cross-rank plan of one exchange group (see the module docstring), or None when the
-    trees have fewer tokens than the group has ranks."""
-    stream, unit_bounds = group_stream(index, units)
+    trees have fewer tokens than the group has ranks. ``heads``: the group's prefix transfers."""
+    stream, unit_bounds = group_stream(index, units, {u: h[2] for u, h in heads.imports.items()} if heads else None)
     n, g = len(stream), group_size
     if n < g:
         return None
@@ -105,35 +128,79 @@ def plan_group_cross_rank(
         if num + g > n:  # fragments of one token would not fit either: no cross-rank plan
             return None
         num += g
-    return _build(index, stream, bounds, g, cost, micro_batch_cost)
+    return _build(index, stream, bounds, g, cost, micro_batch_cost, heads, budget, token_cost)
 
 
 def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cost: np.ndarray,
-           micro_batch_cost: float) -> List[RankPlan]:
+           micro_batch_cost: float, heads: Optional[CrossRankHeads] = None, budget: int = 0,
+           token_cost: Optional[TokenCost] = None) -> List[RankPlan]:
     subtree_end = index.subtree_end
+    heads = heads or CrossRankHeads()
     num = len(bounds) - 1
-    steps = num // g
+    # Transfer steps first: the exported heads (on group rank 0, first-fit into micro-batches),
+    # then one import step if any copy's head is received.
+    export_bins: List[List[Tuple[int, int, int]]] = []
+    for t, start, length in heads.exports:
+        target = next((b for b in export_bins if sum(x[2] for x in b) + length <= budget), None)
+        if target is None:
+            export_bins.append([])
+            target = export_bins[-1]
+        target.append((t, start, length))
+    export_step = {t: m for m, b in enumerate(export_bins) for t, _, _ in b}
+    local = {u for u, (t, j, _) in heads.imports.items() if j == 0 and t in export_step}
+    import_step = len(export_bins) if heads.imports else None
+    first_step = len(export_bins) + (1 if heads.imports else 0)
+    steps = num // g + first_step
     rank_of = np.arange(num) % g
-    step_of = np.arange(num) // g
-    first = stream[bounds[:-1]]
+    step_of = np.arange(num) // g + first_step
 
-    # What every fragment needs from earlier fragments (all on the path to its first token).
-    deps = chunk_dependencies(index, [stream[bounds[f]:bounds[f + 1]] for f in range(num)])
+    # What every fragment needs from earlier fragments or heads (all on the path to its first
+    # token): the heads are chunks of the stream too, ahead of their trees' fragments.
+    fragments = [stream[bounds[f]:bounds[f + 1]] for f in range(num)]
+    tree = index.tree
+    head_chunks = {}  # first token -> (unit, transfer, import, length)
+    for u, (t, j, length) in heads.imports.items():
+        a = int(tree.node_offset[u])
+        head_chunks[a] = (u, t, j, length)
+    chunks = sorted([(int(c[0]), ("fragment", f)) for f, c in enumerate(fragments)]
+                    + [(a, ("head", a)) for a in head_chunks])
+    deps = chunk_dependencies(index, [fragments[k[1]] if k[0] == "fragment" else
+                                      np.arange(k[1], k[1] + head_chunks[k[1]][3], dtype=np.int64)
+                                      for _, k in chunks])
+    first = np.array([a for a, _ in chunks], dtype=np.int64)
+    kind_of = [k for _, k in chunks]
+    fragment_at = np.array([k[1] if k[0] == "fragment" else -1 for k in kind_of], dtype=np.int64)
 
-    mbs = [[MicroBatchSpec(index=m, tokens=stream[bounds[m * g + r]:bounds[m * g + r + 1]].copy(),
-                           owned=np.ones(int(bounds[m * g + r + 1] - bounds[m * g + r]), bool))
-            for m in range(steps)] for r in range(g)]
+    def spec(m: int, r: int) -> MicroBatchSpec:
+        if m < len(export_bins):
+            if r == 0:
+                tok = np.concatenate([np.arange(a, a + n, dtype=np.int64) for _, a, n in export_bins[m]])
+                return MicroBatchSpec(index=m, tokens=tok, owned=np.ones(len(tok), bool))
+            return MicroBatchSpec(index=m, tokens=np.zeros(0, np.int64), owned=np.zeros(0, bool), role="idle")
+        if m == import_step:  # becomes an import where the rank receives a head
+            return MicroBatchSpec(index=m, tokens=np.zeros(0, np.int64), owned=np.zeros(0, bool), role="idle")
+        f = (m - first_step) * g + r
+        return MicroBatchSpec(index=m, tokens=stream[bounds[f]:bounds[f + 1]].copy(),
+                              owned=np.ones(int(bounds[f + 1] - bounds[f]), bool))
+
+    mbs = [[spec(m, r) for m in range(steps)] for r in range(g)]
     sources: List[Dict[int, CachedSource]] = [{} for _ in range(g)]
     exchanges = [[StepExchange() for _ in range(steps)] for _ in range(g)]
     readers: Dict[int, set] = {}  # producer step -> steps reading its sources (any rank)
+    imported: Dict[Tuple[int, int, int], None] = {}  # (rank, transfer, import) received
 
     def new_source(r: int, **kw) -> CachedSource:
         src = CachedSource(source_id=len(sources[r]), **kw)
         sources[r][src.source_id] = src
         return src
 
-    for p in range(num):
-        q, mp = int(rank_of[p]), int(step_of[p])
+    for p in range(len(chunks)):
+        if kind_of[p][0] == "head":
+            _link_head(index, deps, p, first, fragment_at, rank_of, step_of, head_chunks[kind_of[p][1]], local,
+                       export_step, import_step, mbs, new_source, readers, imported)
+            continue
+        fp = kind_of[p][1]
+        q, mp = int(rank_of[fp]), int(step_of[fp])
         if p in deps.remote:
             mb = mbs[q][mp]
             mb.remote_targets = np.concatenate([mb.remote_targets, deps.remote[p]])
@@ -141,45 +208,62 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
             continue
         for chain in split_chains(index, deps.needed[p], deps.attach[p]):
             last = int(chain[-1])
-            later_firsts = first[p + 1:]
-            consumers = (p + 1 + np.flatnonzero((later_firsts > last) & (later_firsts < subtree_end[last]))).tolist()
-            local = sorted(int(step_of[f]) for f in consumers if rank_of[f] == q)
+            later = p + 1 + np.flatnonzero((first[p + 1:] > last) & (first[p + 1:] < subtree_end[last]))
+            consumers = [int(fragment_at[c]) for c in later if fragment_at[c] >= 0]
+            local_steps = sorted(int(step_of[f]) for f in consumers if rank_of[f] == q)
             by_rank: Dict[int, List[int]] = {}
             for f in consumers:
                 if rank_of[f] != q:
                     by_rank.setdefault(int(rank_of[f]), []).append(int(step_of[f]))
             owner = None
-            if local or any(s > mp for steps_r in by_rank.values() for s in steps_r):
-                owner = new_source(q, producer=mp, tokens=chain, consumers=local,
-                                   kinds=("k", "v", "gk", "gv") if local else ("gk", "gv"))
+            if local_steps or any(st > mp for steps_r in by_rank.values() for st in steps_r):
+                owner = new_source(q, producer=mp, tokens=chain, consumers=local_steps,
+                                   kinds=("k", "v", "gk", "gv") if local_steps else ("gk", "gv"))
                 mbs[q][mp].produces.append(owner.source_id)
-                for s in local:
-                    mbs[q][s].reads.append(owner.source_id)
-                readers.setdefault(mp, set()).update(local)
+                for st in local_steps:
+                    mbs[q][st].reads.append(owner.source_id)
+                readers.setdefault(mp, set()).update(local_steps)
             for r in sorted(by_rank):
-                later = sorted(s for s in by_rank[r] if s > mp)
+                later_steps = sorted(st for st in by_rank[r] if st > mp)
                 use = ChainUse(length=len(chain))
                 if mp in by_rank[r]:
                     use.peer = len(mbs[r][mp].peer_reads)
                     mbs[r][mp].peer_reads.append(PeerRead(src_rank=q, length=len(chain), last_token=last))
-                if later:
-                    replica = new_source(r, producer=mp, tokens=chain, consumers=later, replica_of=(q, owner.source_id))
+                if later_steps:
+                    replica = new_source(r, producer=mp, tokens=chain, consumers=later_steps,
+                                         replica_of=(q, owner.source_id))
                     use.replica = replica.source_id
                     mbs[r][mp].produces.append(replica.source_id)
-                    for s in later:
-                        mbs[r][s].reads.append(replica.source_id)
+                    for st in later_steps:
+                        mbs[r][st].reads.append(replica.source_id)
                     exchanges[r][mp].grad_send.setdefault(q, []).append(replica.source_id)
                     exchanges[q][mp].grad_recv.setdefault(r, []).append(owner.source_id)
-                    readers.setdefault(mp, set()).update(later)
+                    readers.setdefault(mp, set()).update(later_steps)
                 exchanges[q][mp].send.setdefault(r, []).append(chain)
                 exchanges[r][mp].recv.setdefault(q, []).append(use)
 
+    for m, b in enumerate(export_bins):  # rank 0's exported sources, and the log-prob of each head's next token
+        mb = mbs[0][m]
+        for t, start, length in b:
+            src = new_source(0, producer=m, tokens=np.arange(start, start + length, dtype=np.int64), exported=t)
+            mb.produces.append(src.source_id)
+            mb.remote_targets = np.union1d(mb.remote_targets, [start + length]).astype(np.int64)
+    for r, t, j in imported:  # an import micro-batch receives the whole head of every copy it reads
+        h = heads.imports[next(u for u, v in heads.imports.items() if v[:2] == (t, j))]
+        a = int(tree.node_offset[next(u for u, v in heads.imports.items() if v[:2] == (t, j))])
+        mb = mbs[r][import_step]
+        mb.role = "import"
+        mb.tokens = np.union1d(mb.tokens, np.arange(a, a + h[2], dtype=np.int64)).astype(np.int64)
+        mb.owned = np.zeros(len(mb.tokens), bool)
+
     # One schedule for the whole group: a step whose sources anyone reads later defers its
-    # backward (on every rank) until all those readers are done.
+    # backward (on every rank) until all those readers are done; exported heads' backwards
+    # close it (their readers in other groups return the gradients when they are done).
     pseudo = {i: CachedSource(source_id=i, producer=m, tokens=np.zeros(1, np.int64), consumers=sorted(rs))
               for i, (m, rs) in enumerate(sorted(readers.items())) if rs}
-    schedule = build_schedule(mbs[0], pseudo)
+    schedule = build_schedule(mbs[0], pseudo, last=list(range(len(export_bins))))
     fragment_cost = np.array([cost[bounds[f]:bounds[f + 1]].sum() for f in range(num)])
+    export_cost = float(sum(token_cost(mbs[0][m].tokens).sum() for m in range(len(export_bins))))
     plans = []
     forward = [any(exchanges[x][m].send for x in range(g)) for m in range(steps)]
     backward = [any(exchanges[x][m].grad_send for x in range(g)) for m in range(steps)]
@@ -190,15 +274,46 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
             mbs[r][m].exchange = ex if (forward[m] or backward[m]) else None
             srcs = sources[r]
             mbs[r][m].reads = sorted(set(mbs[r][m].reads), key=lambda s: srcs[s].last_token)
+        extra = export_cost if r == 0 else 0.0
         plans.append(RankPlan(micro_batches=mbs[r], sources=sources[r], schedule=list(schedule),
-                              planned_cost=float(fragment_cost[r::g].sum()) + micro_batch_cost * steps,
+                              planned_cost=float(fragment_cost[r::g].sum()) + extra + micro_batch_cost * steps,
                               group_rank=r, cross_rank=True))
     return plans
 
 
+def _link_head(index: TreeIndex, deps, p: int, first: np.ndarray, fragment_at: np.ndarray, rank_of: np.ndarray,
+               step_of: np.ndarray, head, local: set, export_step: Dict[int, int], import_step: Optional[int],
+               mbs, new_source, readers: Dict[int, set], imported: Dict) -> None:
+    """The sources a head chunk gives the fragments that read it: on the home rank the home
+    copy's head is local (made by its export step); every other reading rank imports it."""
+    u, t, j, _ = head
+    if p not in deps.needed:
+        return
+    for chain in split_chains(index, deps.needed[p], deps.attach[p]):
+        last = int(chain[-1])
+        later = p + 1 + np.flatnonzero((first[p + 1:] > last) & (first[p + 1:] < index.subtree_end[last]))
+        by_rank: Dict[int, List[int]] = {}
+        for c in later:
+            f = int(fragment_at[c])
+            if f >= 0:
+                by_rank.setdefault(int(rank_of[f]), []).append(int(step_of[f]))
+        for r, steps in sorted(by_rank.items()):
+            steps = sorted(steps)
+            if r == 0 and u in local:
+                producer, kw = export_step[t], {}
+            else:
+                producer, kw = import_step, {"imported": (t, j)}
+                imported[(r, t, j)] = None
+            src = new_source(r, producer=producer, tokens=chain, consumers=steps, **kw)
+            mbs[r][producer].produces.append(src.source_id)
+            for st in steps:
+                mbs[r][st].reads.append(src.source_id)
+            readers.setdefault(producer, set()).update(steps)
+
+
 def step_costs(plans: List[RankPlan], token_cost: TokenCost) -> np.ndarray:
     """``[steps, ranks]`` cost of every rank's fragment in every step of a cross-rank plan."""
-    return np.array([[float(token_cost(mb.tokens).sum()) for mb in p.micro_batches] for p in plans]).T
+    return np.array([[float(token_cost(mb.computed_tokens).sum()) for mb in p.micro_batches] for p in plans]).T
 
 
 def exchange_tokens(plans: List[RankPlan]) -> int:

@@ -6,36 +6,46 @@ its ranks. A batch that is one giant tree (step-wise trajectories under one syst
 search tree per task) would then keep every other group idle: with groups of 8 on 1,024
 GPUs, 128x the balanced step.
 
-Here such a tree is split *between* groups by duplicating its shared prefix: its samples are
-partitioned by subtree, and every group that receives a part computes the part's path from
-the root itself (recompute instead of transfer). Inside a group the parts it received are one
-tree again, shared as usual (whole-tree or cross-rank placement). This stays exact for the
-same reason ``--prefix-sharing tree-dup`` is exact: loss claims belong to samples, every
-sample lands in exactly one group, so every claim is counted once; a duplicated prefix token
-gets, in each group, the gradient of that group's descendants, and the data-parallel gradient
-sum adds them.
+Here such a tree is split *between* groups: its samples are partitioned by subtree, and every
+group that receives a part holds a copy of the part's path from the root. Inside a group the
+parts it received are one tree again, shared as usual (whole-tree or cross-rank placement).
+The shared path above the split points reaches each copy in one of two ways, chosen per copy
+by the cost model (:func:`plan_transfers`):
 
-What it costs is the duplicated prefix: the path from the root down to each split point, once
-per extra group that holds a part. The split is taken only where the cost model predicts a
-shorter step (the largest group's cost, duplicates included). Sending the prefix K/V between
-groups instead (over the inter-node links) is not offered: for the batches agentic RL
-produces the shared prefix is a small part of the tree (a 512-token system prompt under
-trajectories of 32k-128k tokens), so recomputing it is cheaper than one round trip of its K/V
-and their gradients over InfiniBand would be, and it needs no exchange schedule between groups.
+- *recompute*: the copy computes it. Exact for the same reason ``--prefix-sharing tree-dup``
+  is: loss claims belong to samples, every sample lands in exactly one group, so every claim
+  is counted once; a duplicated prefix token gets, in each group, the gradient of that
+  group's descendants, and the data-parallel gradient sum adds them.
+- *transfer*: the first copy's group computes the head of the path once (its first rank, the
+  *home*), and sends its K/V to the ranks that read another copy's head
+  (:class:`~megatron_psrl.tree.plan.PrefixTransfer`); their dK/dV come back before the home's
+  backward. The copy's loss claims on its head (and on the token after it, which its
+  predecessor's hidden state predicts) move to the home copy's same tokens: the same tokens
+  after the same prefix, so the same log-probs; each claim keeps its sample's advantage and
+  weight. Sending costs the head's K/V and their gradients over the link between groups, times
+  the ranks it goes to; recomputing costs the head's forward and backward in every copy.
 
     tree (one root, too big for a group)          after the split (2 groups)
         P ── a ── a1                              group 0:  P ── a ── a1
           │     └ a2                                              └ a2
-          └ b ── b1                               group 1:  P' ── b ── b1     (P' = P recomputed)
+          └ b ── b1                               group 1:  P' ── b ── b1
+                                                  recompute: P' computed again in group 1;
+                                                  transfer: P's K/V sent to group 1, dK/dV back
+
+The split is taken only where the cost model predicts a shorter step (the largest group's
+cost, recomputed or transferred prefixes included).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
+from megatron_psrl.tree.plan import HeadImport, PrefixTransfer, token_aliases
 from megatron_psrl.tree.prefix_tree import PrefixTree, node_level
 
 Assign = Callable[[np.ndarray, int], np.ndarray]
@@ -114,12 +124,13 @@ def sample_groups(tree: PrefixTree, units: np.ndarray, unit_group: np.ndarray) -
     return group[tree.sample_node]
 
 
-def regroup_tree(tree: PrefixTree, sample_group: np.ndarray) -> Tuple[PrefixTree, np.ndarray]:
+def regroup_tree(tree: PrefixTree, sample_group: np.ndarray, with_origin: bool = False):
     """The prefix tree in which samples of different groups share nothing: every group gets
     its own copy of the nodes its samples run through (the node structure is kept, so it holds
     for any tree, a route-keyed one included). Returns it and the group of every top-level
-    node. Nodes are ordered by group, then in the old preorder (a preorder restricted to a set
-    closed under ancestors is a preorder of that set)."""
+    node (and, ``with_origin``, the old tree token of every new one). Nodes are ordered by
+    group, then in the old preorder (a preorder restricted to a set closed under ancestors is
+    a preorder of that set)."""
     m = tree.num_nodes
     parent = tree.node_parent.astype(np.int64)
     # (group, node) keys every group needs: its samples' end nodes and all their ancestors.
@@ -202,13 +213,155 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray) -> Tuple[PrefixTree
         claim_flat=tree.claim_flat[order],
         claim_offsets=claim_offsets,
     )
+    if with_origin:
+        return regrouped, group[new_parent < 0], old_tokens
     return regrouped, group[new_parent < 0]
 
 
+@dataclass
+class TransferCosts:
+    """What the choice between sending and recomputing a split tree's shared head weighs."""
+
+    mode: str
+    """``auto`` (per copy, the cheaper), ``transfer`` (every copy that can) or ``recompute``."""
+
+    max_tokens: int
+    """Longest head sent (the micro-batch budget: the home computes it in one micro-batch)."""
+
+    head_cost: Callable[[int], float]
+    """Cost of computing a root path's first n tokens (forward and backward)."""
+
+    cost_per_token: float = 0.0
+    """Cost of sending one token's K/V (all layers) to one rank and its dK/dV back."""
+
+    cost_per_transfer: float = 0.0
+    """Fixed cost of one transfer (latency of the sends and receives)."""
+
+    ranks_per_copy: int = 1
+    """Ranks of a copy's group that read its head (the group size when its ranks may split
+    the copy between them, else 1): the home sends the head to each."""
+
+    def cheaper(self, length: int, fan_out: int) -> bool:
+        """Sending a head of ``length`` tokens to ``fan_out`` ranks costs less than recomputing it
+        (``auto`` without a link cost, which only a measurement gives: recompute)."""
+        if self.mode != "auto":
+            return self.mode == "transfer"
+        if self.cost_per_token <= 0 and self.cost_per_transfer <= 0:
+            return False
+        send = self.cost_per_transfer + self.cost_per_token * length * fan_out
+        return send < self.head_cost(length)
+
+
+def _unbranched_chain(tree: PrefixTree, root: int) -> int:
+    """Tokens of the chain from top-level node ``root`` down to its first branch point (or leaf),
+    inclusive: nodes with a single child follow each other in preorder."""
+    n = root
+    end = int(tree.node_subtree_end[root])
+    while n + 1 < end and int(tree.node_subtree_end[n + 1]) == end:  # node n + 1 is n's only child
+        n += 1
+    return int(tree.node_offset[n + 1] - tree.node_offset[root])
+
+
+def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_group: np.ndarray, group_size: int,
+                   costs: TransferCosts) -> List[PrefixTransfer]:
+    """The heads sent between the copies of every split tree (module docstring), per copy the
+    cheaper of sending and recomputing.
+
+    ``origin``: the old tree token of every regrouped token; ``root_group``: the group of every
+    top-level node (copies of one tree in one group are on different ranks). The home copy is
+    the first copy of each tree (its group's first rank computes the export). A copy can import
+    the part of its unbranched root chain that the home copy's holds too, but for the last
+    token of that common chain: the token after the head must be in the home copy (its claims
+    move there). Heads are at most ``costs.max_tokens`` long."""
+    if costs.mode == "recompute":
+        return []
+    roots = np.flatnonzero(regrouped.node_parent < 0)
+    starts = regrouped.node_offset[roots]
+    first_old = origin[starts]  # copies of one tree start at the same old token
+    order = np.lexsort((np.arange(len(roots)), first_old))
+    transfers: List[PrefixTransfer] = []
+    bounds = np.flatnonzero(np.diff(first_old[order])) + 1
+    for members in np.split(order, bounds):
+        if len(members) < 2:
+            continue
+        home = int(members[0])  # the lowest group (roots are ordered by group)
+        h_start = int(starts[home])
+        h_chain = _unbranched_chain(regrouped, int(roots[home]))
+        candidates = []
+        for c in members[1:].tolist():
+            c_start = int(starts[c])
+            chain = min(_unbranched_chain(regrouped, int(roots[c])), h_chain)
+            same = origin[c_start:c_start + chain] == origin[h_start:h_start + chain]
+            common = int(np.argmin(same)) if not same.all() else chain
+            length = min(common - 1, costs.max_tokens)
+            if length >= 1:
+                candidates.append((length, c_start, int(root_group[c])))
+        candidates.sort(key=lambda x: (-x[0], x[1]))
+        # The home sends to every importing rank: the longest heads gain the most from sending,
+        # so take the most copies whose shortest head is still cheaper to send at that fan-out.
+        home_group = int(root_group[home])
+        chosen = 0
+        for n in range(len(candidates), 0, -1):
+            fan_out = n * costs.ranks_per_copy + (costs.ranks_per_copy - 1)  # (+ the home copy's other ranks)
+            if costs.cheaper(candidates[n - 1][0], fan_out):
+                chosen = n
+                break
+        if not chosen:
+            continue
+        picked = candidates[:chosen]
+        length = max(x[0] for x in picked)
+        imports = [HeadImport(group=home_group, start=h_start, length=length)]
+        imports += [HeadImport(group=g, start=start, length=k) for k, start, g in sorted(picked, key=lambda x: x[1])]
+        transfers.append(PrefixTransfer(home_rank=home_group * group_size, start=h_start, length=length,
+                                        imports=imports))
+    return transfers
+
+
+def move_head_claims(tree: PrefixTree, transfers: List[PrefixTransfer]) -> PrefixTree:
+    """``tree`` with the loss claims of every importing copy's head (and of the token after it)
+    moved to the home copy's same tokens (:class:`~megatron_psrl.tree.plan.PrefixTransfer`);
+    claims stay sorted by tree token, then sample."""
+    copy_tokens, home_tokens = token_aliases(transfers)
+    if not len(copy_tokens):
+        return tree
+    target = np.arange(tree.num_tree_tokens, dtype=np.int64)
+    target[copy_tokens] = home_tokens
+    claim_token = target[tree.claim_token]
+    moved = np.flatnonzero(claim_token != tree.claim_token)
+    if not len(moved):
+        return tree
+    # Only the home tokens' claims change order: sort those by (token, sample), keep the rest.
+    order = np.argsort(claim_token, kind="stable")
+    touched = np.isin(claim_token[order], home_tokens)
+    idx = order[touched]
+    order[touched] = idx[np.lexsort((tree.claim_sample[idx], claim_token[idx]))]
+    claim_offsets = np.zeros(tree.num_tree_tokens + 1, dtype=np.int64)
+    np.cumsum(np.bincount(claim_token, minlength=tree.num_tree_tokens), out=claim_offsets[1:])
+    return dataclasses.replace(tree, claim_token=claim_token[order], claim_sample=tree.claim_sample[order],
+                               claim_flat=tree.claim_flat[order], claim_offsets=claim_offsets)
+
+
+@dataclass
+class GroupSplit:
+    """A forest with its trees split between groups (:func:`split_across_groups`)."""
+
+    tree: PrefixTree
+    """The regrouped tree (claims of imported heads moved to their home copies)."""
+
+    bin_of: np.ndarray
+    """int64 ``[top-level nodes]``: the bin (group, or rank where groups place trees whole) of every tree."""
+
+    transfers: List[PrefixTransfer]
+    """Heads sent instead of recomputed."""
+
+
 def split_across_groups(tree: PrefixTree, node_cost: np.ndarray, subtree_cost: np.ndarray, num_groups: int,
-                        assign: Assign) -> Optional[Tuple[PrefixTree, np.ndarray]]:
-    """``(regrouped tree, group of every top-level node)`` when splitting trees across the
-    groups shortens the predicted step (module docstring), else None (plan as before)."""
+                        assign: Assign, transfer: Optional[TransferCosts] = None,
+                        bins_per_group: int = 1, group_size: int = 1) -> Optional[GroupSplit]:
+    """The forest with trees split across ``num_groups`` bins when that shortens the predicted
+    step (module docstring), else None (plan as before). ``transfer``: may a copy receive its
+    head instead of recomputing it (None: always recompute); bins are ``bins_per_group`` to a
+    group of ``group_size`` ranks."""
     if num_groups < 2:
         return None
     roots = np.flatnonzero(tree.node_parent < 0)
@@ -218,6 +371,8 @@ def split_across_groups(tree: PrefixTree, node_cost: np.ndarray, subtree_cost: n
     units, prefix = split_units(tree, node_cost, subtree_cost, num_groups)
     if len(units) == len(roots):
         return None
+    if transfer is not None and transfer.mode != "recompute":
+        prefix = _cheaper_prefix_costs(tree, units, prefix, transfer)
     cost = subtree_cost[units] + prefix
     unit_group = assign(cost, num_groups)
     # A group holding several parts of one tree computes the prefix they share once: the
@@ -226,4 +381,37 @@ def split_across_groups(tree: PrefixTree, node_cost: np.ndarray, subtree_cost: n
     whole_span = _group_loads(whole, assign(whole, num_groups), num_groups).max()
     if split_span >= SPLIT_GAIN * whole_span:
         return None
-    return regroup_tree(tree, sample_groups(tree, units, unit_group))
+    regrouped, bin_of, origin = regroup_tree(tree, sample_groups(tree, units, unit_group), with_origin=True)
+    transfers = []
+    if transfer is not None:
+        transfers = plan_transfers(regrouped, origin, bin_of // bins_per_group, group_size, transfer)
+        regrouped = move_head_claims(regrouped, transfers)
+    return GroupSplit(regrouped, bin_of, transfers)
+
+
+def _cheaper_prefix_costs(tree: PrefixTree, units: np.ndarray, prefix: np.ndarray,
+                          transfer: TransferCosts) -> np.ndarray:
+    """Every unit's path cost, with its head (up to ``transfer.max_tokens`` tokens, all of the
+    path but its last token) sent instead of recomputed where that is cheaper, the home
+    sending to every other unit of the tree's ranks (an estimate: :func:`plan_transfers`
+    decides per copy once the units are placed)."""
+    depth = tree.node_depth[units].astype(np.int64)  # tokens on the path above the unit
+    root_of = _top_level_of(tree, units)
+    per_tree = np.bincount(np.searchsorted(np.unique(root_of), root_of))
+    copies = per_tree[np.searchsorted(np.unique(root_of), root_of)]
+    out = prefix.copy()
+    for u in range(len(units)):
+        head = int(min(depth[u] - 1, transfer.max_tokens))
+        if head < 1:
+            continue
+        fan_out = int(copies[u]) * transfer.ranks_per_copy
+        if transfer.cheaper(head, fan_out):
+            send = transfer.cost_per_transfer + transfer.cost_per_token * head * fan_out
+            out[u] = max(prefix[u] - transfer.head_cost(head), 0.0) + send
+    return out
+
+
+def _top_level_of(tree: PrefixTree, nodes: np.ndarray) -> np.ndarray:
+    """The top-level node (tree root) above every node: the last root at or before it in preorder."""
+    roots = np.flatnonzero(tree.node_parent < 0)
+    return roots[np.searchsorted(roots, nodes, side="right") - 1]

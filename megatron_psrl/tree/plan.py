@@ -17,7 +17,12 @@ consume it. This module holds the plan's data types, the forward/backward schedu
   micro-batch order;
 - inside a cross-rank group every rank runs the same schedule, and every exchange matches on
   both sides: what one rank sends the other receives (same chains, same lengths, put to the
-  use the receiver's plan names), and replica gradients go back to the source they copy.
+  use the receiver's plan names), and replica gradients go back to the source they copy;
+- a prefix head sent between ranks (:class:`PrefixTransfer`, a tree split between exchange
+  groups) is computed once, by its home rank, into one exported source; every source imported
+  from it lies inside the head of the copy that reads it, and on every rank the forwards of
+  exported heads come before any import, the backwards of imports before any exported head's
+  (so no rank waits for another that waits for it).
 
 Whether the KV cache holds the plan is the memory plan's business: ``plan_memory`` raises
 :class:`~megatron_psrl.kvcache.CacheBudgetError` when no decision fits ``--kv-cache-budget``.
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -74,6 +79,15 @@ class CachedSource:
     kinds: Tuple[str, ...] = ("k", "v", "gk", "gv")
     """Cache blocks it needs: an owner whose prefix only other ranks read keeps dK/dV only."""
 
+    exported: Optional[int] = None
+    """Prefix transfer (index in ``StepPlan.transfers``) whose head this is, on the home rank:
+    after the producer's forward its K/V go to the ranks that import the head; their dK/dV
+    come back and are added before the producer's backward."""
+
+    imported: Optional[Tuple[int, int]] = None
+    """``(transfer, import)``: K/V received from the transfer's home rank by ``producer`` (an
+    ``import`` micro-batch) instead of computed; its dK/dV go back in that micro-batch's backward."""
+
     @property
     def length(self) -> int:
         return int(self.tokens.shape[0])
@@ -113,9 +127,25 @@ class MicroBatchSpec:
     exchange: Optional["StepExchange"] = None
     """Cross-rank: what this rank sends and receives in this step (None: no exchange)."""
 
+    role: Optional[str] = None
+    """None: runs the model. ``import``: runs no model; receives the K/V of prefix heads that
+    other ranks compute (:class:`PrefixTransfer`) into the sources it produces (its tokens, none
+    owned), and sends their dK/dV back in its backward. ``idle``: nothing (a rank of a
+    cross-rank group in a transfer step that is not its own)."""
+
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def computes(self) -> bool:
+        """The model runs on this micro-batch (not an ``import`` or ``idle`` one)."""
+        return self.role is None
+
+    @property
+    def computed_tokens(self) -> np.ndarray:
+        """The tokens the model runs on here (none for a transfer role)."""
+        return self.tokens if self.role is None else self.tokens[:0]
 
 
 @dataclass
@@ -170,6 +200,74 @@ class StepExchange:
 
     def recv_counts(self, group_size: int) -> List[int]:
         return [int(sum(u.length for u in self.recv.get(r, []))) for r in range(group_size)]
+
+
+@dataclass
+class HeadImport:
+    """One copy of a split tree that receives the tree's head (:class:`PrefixTransfer`)."""
+
+    group: int
+    """Exchange group holding the copy. Each of its ranks but the home rank tells the home
+    whether it imports the head (it does when a micro-batch of its own reads it)."""
+
+    start: int
+    """Tree token at position 0 of the copy: its tokens ``start .. start + length - 1`` are the
+    head (position i mirrors row i of the export)."""
+
+    length: int
+    """Head tokens imported (at most the export's)."""
+
+    def tokens(self) -> np.ndarray:
+        return np.arange(self.start, self.start + self.length, dtype=np.int64)
+
+
+@dataclass
+class PrefixTransfer:
+    """The head of a tree split between exchange groups, computed once and sent, not recomputed.
+
+    Splitting a tree gives every group that holds a part its own copy of the shared root path
+    (:mod:`megatron_psrl.tree.hierarchical`). For a transferred head, the home rank (the first
+    rank of the first copy's group) computes the first ``length`` tokens of its copy in an
+    *exported* source, and every other rank whose micro-batches read the head of a copy (the
+    home copy's other ranks included) receives their K/V (all layers) instead of computing
+    them; the readers' dK/dV go back to the home rank, which adds them before the exported
+    source's backward. The loss claims (and log-probs) of an importing copy's head tokens, and of
+    the token after it, were moved to the home copy's tokens (they predict the same tokens from
+    the same prefix), since the importer has no hidden states there."""
+
+    home_rank: int
+    """Placement rank that computes and sends the head."""
+
+    start: int
+    """Tree token at position 0 of the home copy (the export is ``start .. start + length - 1``)."""
+
+    length: int
+    """Tokens of the exported head (the longest imported one)."""
+
+    imports: List[HeadImport] = field(default_factory=list)
+    """Every copy that receives the head (the home copy first, for its group's other ranks)."""
+
+    def tokens(self) -> np.ndarray:
+        return np.arange(self.start, self.start + self.length, dtype=np.int64)
+
+    def aliases(self) -> Tuple[np.ndarray, np.ndarray]:
+        """``(copy tokens, home tokens)``: the tokens of other copies whose log-probs the home copy
+        computes (positions 1 .. length of each importing copy: its head and the token after)."""
+        pairs = [(np.arange(h.start + 1, h.start + h.length + 1), np.arange(self.start + 1, self.start + h.length + 1))
+                 for h in self.imports if h.start != self.start]
+        if not pairs:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return (np.concatenate([p[0] for p in pairs]).astype(np.int64),
+                np.concatenate([p[1] for p in pairs]).astype(np.int64))
+
+
+def token_aliases(transfers: List[PrefixTransfer]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(copy tokens, home tokens)`` of every transfer (:meth:`PrefixTransfer.aliases`)."""
+    parts = [t.aliases() for t in transfers]
+    parts = [p for p in parts if len(p[0])]
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 @dataclass
@@ -235,11 +333,20 @@ class StepPlan:
 
     split_tokens_recomputed: int = 0
     """Tree tokens computed more than once because trees were split between exchange groups
-    (:mod:`megatron_psrl.tree.hierarchical`): each part's shared prefix, once per extra part."""
+    (:mod:`megatron_psrl.tree.hierarchical`): each part's shared prefix, once per extra part
+    that does not import it."""
+
+    transfers: List[PrefixTransfer] = field(default_factory=list)
+    """Heads of split trees sent between ranks instead of recomputed (the same list on every
+    rank, from the assignment of trees to groups)."""
+
+    def transferred_tokens(self) -> int:
+        """Tokens of heads that copies import instead of computing (each copy's head once)."""
+        return int(sum(h.length for t in self.transfers for h in t.imports if h.start != t.start))
 
     def tokens_computed(self, rank: Optional[int] = None) -> int:
         ranks = self.ranks if rank is None else [self.ranks[rank]]
-        return int(sum(mb.num_tokens for r in ranks for mb in r.micro_batches))
+        return int(sum(len(mb.computed_tokens) for r in ranks for mb in r.micro_batches))
 
     def num_micro_batches(self, rank: Optional[int] = None) -> int:
         ranks = self.ranks if rank is None else [self.ranks[rank]]
@@ -266,9 +373,16 @@ class StepPlan:
                       for ids in mb.exchange.grad_send.values() for s in ids)
         return int((2 * self.exchanged_tokens() + replica) * kv_bytes_per_token)
 
+    def transfer_bytes(self, kv_bytes_per_token: float) -> int:
+        """Bytes the planned ranks receive as imported heads (each rank the whole head of every copy
+        it reads) and send back as their gradients."""
+        rows = sum(self.transfers[t].imports[j].length for r in self.ranks
+                   for t, j in {src.imported for src in r.sources.values() if src.imported is not None})
+        return int(2 * rows * kv_bytes_per_token)
+
     def mechanism_counts(self) -> Dict[str, int]:
         """How many cached sources / duplicated tokens the plan uses (for logs)."""
-        duplicated = sum(int((~mb.owned).sum()) for r in self.ranks for mb in r.micro_batches)
+        duplicated = sum(int((~mb.owned).sum()) for r in self.ranks for mb in r.micro_batches if mb.computes)
         return {
             "cached_sources": sum(len(r.sources) for r in self.ranks),
             "cached_source_tokens": sum(s.length for r in self.ranks for s in r.sources.values()),
@@ -277,37 +391,53 @@ class StepPlan:
 
 
 # ---------------------------------------------------------------------- schedule
-def build_schedule(mbs: List[MicroBatchSpec], sources: Dict[int, CachedSource]) -> List[Tuple[str, int]]:
+def build_schedule(mbs: List[MicroBatchSpec], sources: Dict[int, CachedSource],
+                   last: Sequence[int] = ()) -> List[Tuple[str, int]]:
     """Forward in order; backward of a producer as soon as all its readers are done.
 
     A micro-batch nobody reads from runs ``forward_backward``; a producer runs ``forward``, and
     its ``backward`` follows the backward of its last reader (cross-rank plans pass one pseudo
-    source per producer step, read by the steps that read any of its sources on any rank)."""
+    source per producer step, read by the steps that read any of its sources on any rank).
+    ``last``: micro-batches whose backward waits for everything else (an exported prefix head,
+    whose readers on other ranks return its gradients when they are done): they run
+    ``forward``, and their backwards close the schedule (then whatever waited for them)."""
     readers: Dict[int, set] = {}
     for src in sources.values():
         readers.setdefault(src.producer, set()).update(src.consumers)
     for p, r in readers.items():
         if any(c <= p for c in r):
             raise PlanningError("a cached source is read before it is computed")
+    deferred = set(last)
     done: set = set()
     waiting: List[int] = []
     steps: List[Tuple[str, int]] = []
+
+    def flush() -> None:
+        progressed = True
+        while progressed:
+            progressed = False
+            for p in sorted(waiting, reverse=True):
+                if p not in deferred and readers.get(p, set()) <= done:
+                    steps.append(("backward", p))
+                    done.add(p)
+                    waiting.remove(p)
+                    progressed = True
+
     for i in range(len(mbs)):
-        if readers.get(i):
+        if readers.get(i) or i in deferred:
             steps.append(("forward", i))
             waiting.append(i)
             continue
         steps.append(("forward_backward", i))
         done.add(i)
-        progressed = True
-        while progressed:
-            progressed = False
-            for p in sorted(waiting, reverse=True):
-                if readers[p] <= done:
-                    steps.append(("backward", p))
-                    done.add(p)
-                    waiting.remove(p)
-                    progressed = True
+        flush()
+    for p in sorted(deferred, reverse=True):
+        if p in waiting and readers.get(p, set()) <= done:
+            steps.append(("backward", p))
+            done.add(p)
+            waiting.remove(p)
+    deferred = set()
+    flush()
     if waiting:
         raise PlanningError(f"micro-batches {waiting} never became ready for backward")
     return steps
@@ -351,6 +481,7 @@ def check_plan(plan: StepPlan) -> None:
         _check_rank(index, rank_plan, budget, f"rank {r}", owned, targets)
     for group in plan.groups:
         _check_group(plan, group)
+    _check_transfers(plan)
     _check_coverage(plan, owned, targets)
 
 
@@ -381,6 +512,9 @@ def _check_rank(index: TreeIndex, rank_plan: RankPlan, budget: int, where: str,
         at = f"{where} micro-batch {i}"
         tok = mb.tokens
         _require(mb.index == i, f"{at} has index {mb.index}")
+        if not mb.computes:
+            _check_transfer_micro_batch(rank_plan, i, at, num_tokens)
+            continue
         _require(tok.ndim == 1 and 0 < len(tok) <= budget,
                  f"{at} holds {len(tok)} tokens (the budget is 1 to {budget})")
         _require(tok[0] >= 0 and tok[-1] < num_tokens, f"{at} holds tokens outside the tree's {num_tokens}")
@@ -419,11 +553,39 @@ def _check_rank(index: TreeIndex, rank_plan: RankPlan, budget: int, where: str,
         if src.replica_of is None:
             _require(bool(_contains(mbs[src.producer].tokens, chain).all()),
                      f"{at}: its producer micro-batch {src.producer} does not compute its tokens")
+        _require((src.imported is not None) == (mbs[src.producer].role == "import"),
+                 f"{at}: imported {src.imported}, but its producer micro-batch {src.producer} has role "
+                 f"{mbs[src.producer].role!r}")
+        if src.exported is not None:
+            _require(not src.consumers and src.replica_of is None and src.imported is None,
+                     f"{at} is an exported head, read on this rank (or a copy)")
         for c in src.consumers:
             _require(0 <= c < n and s in mbs[c].reads, f"{at}: its consumer {c} does not read it")
     _check_schedule(rank_plan, where)
     for i, mb in enumerate(mbs):
-        _check_keys(index, rank_plan, i, f"{where} micro-batch {i}")
+        if mb.computes:
+            _check_keys(index, rank_plan, i, f"{where} micro-batch {i}")
+
+
+def _check_transfer_micro_batch(rank_plan: RankPlan, i: int, at: str, num_tokens: int) -> None:
+    """An ``import`` micro-batch receives (owns nothing, reads nothing, computes no log-prob);
+    an ``idle`` one is empty."""
+    mb = rank_plan.micro_batches[i]
+    _require(mb.role in ("import", "idle"), f"{at} has the role {mb.role!r}")
+    _require(not mb.reads and not mb.peer_reads and mb.exchange is None and not len(mb.remote_targets),
+             f"{at} ({mb.role}) reads, exchanges or computes log-probs")
+    _require(not mb.owned.any() and mb.owned.shape == mb.tokens.shape, f"{at} ({mb.role}) owns tokens")
+    if mb.role == "idle":
+        _require(not len(mb.tokens) and not mb.produces, f"{at} is idle but holds tokens or produces sources")
+        return
+    tok = mb.tokens
+    _require(len(tok) > 0 and bool((np.diff(tok) > 0).all()) and tok[0] >= 0 and tok[-1] < num_tokens,
+             f"{at}: its imported tokens are not ascending tree tokens")
+    _require(bool(mb.produces), f"{at} imports but produces no source")
+    for s in mb.produces:
+        src = rank_plan.sources.get(s)
+        _require(src is not None and src.imported is not None and bool(_contains(tok, src.tokens).all()),
+                 f"{at} produces source {s}, which is not imported into its tokens")
 
 
 def _check_schedule(rank_plan: RankPlan, where: str) -> None:
@@ -604,12 +766,18 @@ def _check_coverage(plan: StepPlan, owned: List[np.ndarray], targets: List[np.nd
                                  f"{int(index.position[t])}) are computed {int(computed[t])} times, not once"
                                  f"{_where_computed(plan, t)}")
     expected = (index.pred >= 0).astype(np.int64)
+    imported = _imported_tokens(plan)
+    if len(imported):  # computed by the home copy instead (their claims moved there)
+        after = np.flatnonzero(np.isin(index.pred, imported))  # the token after a head: its predecessor is not here
+        expected[imported] = 0
+        expected[after] = 0
     bad = np.flatnonzero(computed != expected)
     if len(bad):
         t = int(bad[0])
         raise PlanInvariantError(f"the log-prob of tree token {t} (position {int(index.position[t])}) is computed "
                                  f"{int(computed[t])} times, not {int(expected[t])}{_where_computed(plan, t)}")
     count = np.bincount(np.concatenate(owned), minlength=num_tokens) if owned else np.zeros(num_tokens, np.int64)
+    count[imported] += 1  # received, not computed
     bad = np.flatnonzero(count != 1)
     if len(bad):
         t = int(bad[0])
@@ -627,3 +795,54 @@ def _where_computed(plan: StepPlan, t: int) -> str:
             if t in local or t in mb.remote_targets:
                 places.append(f"rank {r} micro-batch {i}")
     return f" ({', '.join(places)})" if places else ""
+
+
+def _imported_tokens(plan: StepPlan) -> np.ndarray:
+    """Tree tokens of the heads that copies other than the home copy import (nobody computes
+    them: the home copy's tokens stand for them), each once."""
+    entries = {src.imported for r in plan.ranks for src in r.sources.values() if src.imported is not None}
+    parts = [plan.transfers[t].imports[j].tokens() for t, j in sorted(entries)
+             if plan.transfers[t].imports[j].start != plan.transfers[t].start]
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
+def _check_transfers(plan: StepPlan) -> None:
+    """Every transfer's head is exported once, by its home rank; every imported source lies in
+    the head of a copy its rank's group holds; and on every rank exported heads run forward
+    before any import and backward after every import's backward (no waiting cycle)."""
+    g = int(plan.config.exchange_group_size)
+    for t, transfer in enumerate(plan.transfers):
+        at = f"transfer {t}"
+        _require(0 <= transfer.home_rank < len(plan.ranks), f"{at}: home rank {transfer.home_rank}")
+        exported = [s for s in plan.ranks[transfer.home_rank].sources.values() if s.exported == t]
+        _require(len(exported) == 1 and np.array_equal(exported[0].tokens, transfer.tokens()),
+                 f"{at}: its home rank {transfer.home_rank} exports {len(exported)} sources, not its head")
+        for r, rank_plan in enumerate(plan.ranks):
+            if r != transfer.home_rank:
+                _require(not any(s.exported == t for s in rank_plan.sources.values()),
+                         f"{at}: rank {r} exports it, but rank {transfer.home_rank} is its home")
+        _require(bool(transfer.imports) and transfer.imports[0].start == transfer.start,
+                 f"{at}: its first import is not the home copy")
+        for h in transfer.imports:
+            _require(0 < h.length <= transfer.length, f"{at}: a copy imports {h.length} of {transfer.length} tokens")
+    for r, rank_plan in enumerate(plan.ranks):
+        fwd = {i: k for k, (op, i) in enumerate(rank_plan.schedule) if op in FORWARD_OPS}
+        bwd = {i: k for k, (op, i) in enumerate(rank_plan.schedule) if op in BACKWARD_OPS}
+        imports = {src.producer for src in rank_plan.sources.values() if src.imported is not None}
+        exports = {src.producer for src in rank_plan.sources.values() if src.exported is not None}
+        for s, src in rank_plan.sources.items():
+            if src.imported is None:
+                continue
+            t, j = src.imported
+            _require(0 <= t < len(plan.transfers) and 0 <= j < len(plan.transfers[t].imports),
+                     f"rank {r} source {s} imports {src.imported}, which is not a transfer")
+            head = plan.transfers[t].imports[j]
+            _require(head.group == r // g and r != plan.transfers[t].home_rank,
+                     f"rank {r} source {s} imports the head of a copy of group {head.group}")
+            _require(bool(((src.tokens >= head.start) & (src.tokens < head.start + head.length)).all()),
+                     f"rank {r} source {s} is imported but lies outside the head it imports")
+        for e in exports:
+            for i in imports:
+                _require(fwd[e] < fwd[i] and bwd[i] < bwd[e],
+                         f"rank {r}: the exported head of micro-batch {e} and the import of micro-batch {i} are "
+                         "not ordered export forward, import forward, import backward, export backward")

@@ -39,21 +39,22 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron_psrl.errors import ConfigurationError
-from megatron_psrl.options import PLACEMENTS, SHARING_MODES
+from megatron_psrl.options import CROSS_GROUP_PREFIX, PLACEMENTS, SHARING_MODES
 from megatron_psrl.tree.chunks import chunk_dependencies, split_chains
 from megatron_psrl.tree.cost import CostModel, claimed_tokens
-from megatron_psrl.tree.cross_rank import plan_group_cross_rank
-from megatron_psrl.tree.hierarchical import split_across_groups
+from megatron_psrl.tree.cross_rank import CrossRankHeads, plan_group_cross_rank
+from megatron_psrl.tree.hierarchical import TransferCosts, split_across_groups
 from megatron_psrl.tree.packing import TreeIndex
 from megatron_psrl.tree.plan import (
     CachedSource,
     MicroBatchSpec,
     PlanningError,
+    PrefixTransfer,
     RankPlan,
     StepPlan,
     build_schedule,
@@ -128,8 +129,22 @@ class PlannerConfig:
 
     split_trees_across_groups: bool = True
     """A tree larger than one exchange group's fair share of the step is split between
-    groups, each recomputing the shared prefix of its part, when the cost model predicts a
-    shorter step (:mod:`megatron_psrl.tree.hierarchical`); False keeps every tree in one group."""
+    groups when the cost model predicts a shorter step (:mod:`megatron_psrl.tree.hierarchical`);
+    False keeps every tree in one group."""
+
+    cross_group_prefix: str = "auto"
+    """How the copies of a tree split between groups get the shared head of their path:
+    ``recompute`` (each copy computes it), ``transfer`` (the home rank computes it once and
+    sends its K/V; every copy that can imports it) or ``auto`` (per copy, the cheaper by the
+    cost model). Only with ``sharing="tree"``; the caller passes ``recompute`` where the step
+    runner cannot send heads (pipeline stages, MoE models, activation recomputation)."""
+
+    cost_per_transferred_byte: Optional[float] = None
+    """Cost-model units of sending one byte of a head between groups (None: the exchange's,
+    ``cost_per_exchanged_byte``)."""
+
+    cost_per_transfer: Optional[float] = None
+    """Cost-model units of the fixed cost of one head transfer (None: ``cost_per_exchange``)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
@@ -147,6 +162,9 @@ class PlannerConfig:
             raise ConfigurationError(f"local_rank {self.local_rank} is not one of the {self.data_parallel_size} ranks")
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.cross_group_prefix not in CROSS_GROUP_PREFIX:
+            raise ConfigurationError(f"cross_group_prefix must be one of {CROSS_GROUP_PREFIX}, "
+                                     f"got {self.cross_group_prefix!r}")
 
 
 # ====================================================================== entry point
@@ -163,10 +181,13 @@ class GroupAssignment:
 
     unit_cost: np.ndarray
     """float64 ``[top-level nodes of tree]``: every tree's cost (what the groups were balanced on;
-    the retries plan with the same cost model)."""
+    the retries plan with the same cost model), without a head it imports."""
 
     recomputed: int = 0
-    """Tree tokens added by splitting trees between groups."""
+    """Tree tokens added by splitting trees between groups that no copy imports."""
+
+    transfers: List[PrefixTransfer] = field(default_factory=list)
+    """Heads of split trees sent between ranks instead of recomputed."""
 
 
 def assign_groups(tree: PrefixTree, config: PlannerConfig) -> GroupAssignment:
@@ -178,18 +199,66 @@ def assign_groups(tree: PrefixTree, config: PlannerConfig) -> GroupAssignment:
     g = config.exchange_group_size
     num_groups = config.data_parallel_size // g
     # Trees too big for one group are split between groups (or, where a group places trees
-    # whole on its ranks, between ranks), recomputing the prefix each part shares.
+    # whole on its ranks, between ranks), recomputing or receiving the prefix each part shares.
     bins_per_group = 1 if (config.sharing == "tree" and config.placement != "whole-tree") else g
     if config.split_trees_across_groups and config.sharing != "none" and num_groups * bins_per_group > 1:
+        transfer = _transfer_costs(config, bins_per_group) if config.sharing == "tree" else None
         split = split_across_groups(tree, *_node_and_subtree_costs(tree, config.cost_model),
-                                    num_groups * bins_per_group, _assign_lpt)
+                                    num_groups * bins_per_group, _assign_lpt, transfer, bins_per_group, g)
         if split is not None:
-            regrouped, bin_of = split
-            unit_cost = _unit_costs(regrouped, np.flatnonzero(regrouped.node_parent < 0), config.cost_model)
-            return GroupAssignment(regrouped, bin_of // bins_per_group, unit_cost,
-                                   regrouped.num_tree_tokens - tree.num_tree_tokens)
+            regrouped = split.tree
+            roots = np.flatnonzero(regrouped.node_parent < 0)
+            unit_cost = _unit_costs(regrouped, roots, config.cost_model)
+            imported = 0
+            for t in split.transfers:
+                for j, h in enumerate(t.imports):  # every copy's head is the home rank's work (its export)
+                    unit_cost[np.searchsorted(regrouped.node_offset[roots], h.start)] -= transfer.head_cost(h.length)
+                    imported += h.length if j else 0
+            return GroupAssignment(regrouped, split.bin_of // bins_per_group, unit_cost,
+                                   regrouped.num_tree_tokens - tree.num_tree_tokens - imported, split.transfers)
     unit_cost = _unit_costs(tree, np.flatnonzero(tree.node_parent < 0), config.cost_model)
     return GroupAssignment(tree, _assign_lpt(unit_cost, num_groups), unit_cost)
+
+
+def _transfer_costs(config: PlannerConfig, bins_per_group: int) -> TransferCosts:
+    """The cost model's view of sending a split tree's head (:class:`TransferCosts`)."""
+    cost_model = config.cost_model
+    per_byte = config.cost_per_exchanged_byte if config.cost_per_transferred_byte is None \
+        else config.cost_per_transferred_byte
+    fixed = config.cost_per_exchange if config.cost_per_transfer is None else config.cost_per_transfer
+
+    def head_cost(n: int) -> float:
+        return float(n) if cost_model is None else float(cost_model.cost(n, n * (n + 1) // 2, 0))
+
+    g = config.exchange_group_size
+    return TransferCosts(mode=config.cross_group_prefix, max_tokens=config.micro_batch_tokens, head_cost=head_cost,
+                         cost_per_token=2 * config.kv_bytes_per_token * per_byte, cost_per_transfer=fixed,
+                         ranks_per_copy=g if bins_per_group == 1 else 1)
+
+
+@dataclass
+class GroupHeads:
+    """The prefix transfers one exchange group takes part in (tree tokens of its copies)."""
+
+    imports: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    """Top-level node of a copy the group holds -> ``(transfer, import)`` of its head."""
+
+    exports: List[int] = field(default_factory=list)
+    """Transfers whose head the group's first rank computes and sends."""
+
+
+def group_heads(transfers: List[PrefixTransfer], roots: np.ndarray, node_offset: np.ndarray, group: int,
+                group_size: int) -> GroupHeads:
+    """What ``group`` sends and receives of the step's transfers."""
+    heads = GroupHeads()
+    starts = node_offset[roots]
+    for t, transfer in enumerate(transfers):
+        if transfer.home_rank // group_size == group:
+            heads.exports.append(t)
+        for j, h in enumerate(transfer.imports):
+            if h.group == group:
+                heads.imports[int(roots[np.searchsorted(starts, h.start)])] = (t, j)
+    return heads
 
 
 def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[GroupAssignment] = None) -> StepPlan:
@@ -205,7 +274,7 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
     # A local plan reads the per-token arrays of its own group's trees only.
     index = TreeIndex(tree, None if local_group is None else roots[group_of == local_group])
     plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=assignment.recomputed,
-                    planned_groups=None if local_group is None else [local_group])
+                    planned_groups=None if local_group is None else [local_group], transfers=assignment.transfers)
     token_cost = token_cost_function(index, config.cost_model)
     by_group = np.argsort(group_of, kind="stable")  # every group's units, in ascending order
     group_bounds = np.searchsorted(group_of[by_group], np.arange(num_groups + 1))
@@ -215,12 +284,14 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
         if local_group is not None and group != local_group:
             _add_unplanned_group(plan, group, g, float(costs.sum()))
             continue
-        whole_layouts, whole_costs = _layout_whole_trees(index, units, costs, g, config)
+        heads = group_heads(plan.transfers, roots, tree.node_offset, group, g) if plan.transfers else GroupHeads()
+        whole_layouts, whole_costs = _layout_whole_trees(index, units, costs, g, config, heads, plan.transfers)
         whole_span = max(whole_costs)
         cross = None
         if g > 1 and config.sharing == "tree" and config.placement != "whole-tree":
             cross = plan_group_cross_rank(index, units, config.micro_batch_tokens, g, token_cost,
-                                          micro_batch_cost=config.cost_per_micro_batch)
+                                          micro_batch_cost=config.cost_per_micro_batch,
+                                          heads=_cross_rank_heads(heads, plan.transfers))
         cross_span = _cross_rank_makespan(cross, token_cost, config) if cross is not None else math.inf
         use_cross = cross is not None and (config.placement == "cross-rank" or cross_span < 0.97 * whole_span)
         ranks = cross if use_cross else _materialize_whole_trees(index, whole_layouts, whole_costs)
@@ -286,17 +357,63 @@ def token_cost_function(index: TreeIndex, cost_model: Optional[CostModel]):
     return cost
 
 
-def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, g: int,
-                        config: PlannerConfig) -> Tuple[list, List[float]]:
+def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, g: int, config: PlannerConfig,
+                        heads: Optional[GroupHeads] = None, transfers: Sequence[PrefixTransfer] = ()
+                        ) -> Tuple[list, List[float]]:
     """Every tree on one rank of the group, LPT by cost: the layout of every rank's
     micro-batches (:func:`_layout_rank`) and its planned cost,
-    without building the rank plans (planning keeps them only when the group uses them)."""
-    assignment = _assign_lpt(costs, g)
+    without building the rank plans (planning keeps them only when the group uses them).
+    ``heads``: the group's prefix transfers; the first rank computes the exported heads."""
+    heads = heads or GroupHeads()
+    exports = [(t, transfers[t].start, transfers[t].length) for t in heads.exports]
+    export_cost = float(sum(_head_cost(index, start, length, config) for _, start, length in exports))
+    assignment = _assign_lpt(costs, g, initial=[export_cost] + [0.0] * (g - 1))
+    # Duplication (the KV-budget fallback) caches nothing: every copy computes its head itself,
+    # but the home rank still sends its heads to the other groups' ranks, and the home copy's
+    # micro-batches hold the exported head as context (the export owns it).
+    duplicating = config.sharing != "tree"
     layouts, planned = [], []
     for r in range(g):
-        layouts.append(_layout_rank(index, units[assignment == r], config))
-        planned.append(float(costs[assignment == r].sum() + config.cost_per_micro_batch * len(layouts[-1][0])))
+        mine = units[assignment == r]
+        rank_heads = RankHeads(exports=exports if r == 0 else [])
+        if duplicating:
+            rank_heads.computed_elsewhere = [(start, start + length) for _, start, length in exports]
+            layouts.append(_layout_rank(index, mine, config, rank_heads))
+            planned.append(float(costs[assignment == r].sum() + config.cost_per_micro_batch * len(layouts[-1][0])
+                                 + (export_cost if r == 0 else 0.0)))
+            continue
+        for u in mine.tolist():
+            if u in heads.imports:
+                t, j = heads.imports[u]
+                h = transfers[t].imports[j]
+                if r == 0 and t in heads.exports:
+                    if j == 0:  # the home copy on the home rank: its head is the export itself
+                        rank_heads.local[u] = (t, h.length)
+                    continue  # (another copy on the home rank computes its head: no rank imports from itself)
+                rank_heads.imports[u] = (t, j, h.length)
+        layouts.append(_layout_rank(index, mine, config, rank_heads))
+        computing = sum(b.role != "import" for b in layouts[-1][0])
+        planned.append(float(costs[assignment == r].sum() + config.cost_per_micro_batch * computing
+                             + (export_cost if r == 0 else 0.0)))
     return layouts, planned
+
+
+def _head_cost(index: TreeIndex, start: int, length: int, config: PlannerConfig) -> float:
+    """Cost of computing a copy's head (the tokens ``start .. start + length - 1``)."""
+    tree = index.tree
+    if config.cost_model is None:
+        return float(length)
+    claimed = np.diff(tree.claim_offsets[start:start + length + 1]) > 0
+    return float(config.cost_model.cost(length, length * (length + 1) // 2, int(claimed.sum())))
+
+
+def _cross_rank_heads(heads: GroupHeads, transfers: Sequence[PrefixTransfer]) -> Optional["CrossRankHeads"]:
+    """The group's transfers as the cross-rank planner takes them (None: no transfer)."""
+    if not heads.imports and not heads.exports:
+        return None
+    return CrossRankHeads(
+        imports={u: (t, j, transfers[t].imports[j].length) for u, (t, j) in heads.imports.items()},
+        exports=[(t, transfers[t].start, transfers[t].length) for t in heads.exports])
 
 
 def _materialize_whole_trees(index: TreeIndex, layouts: list, planned: List[float]) -> List[RankPlan]:
@@ -312,7 +429,7 @@ def _cross_rank_makespan(ranks: List[RankPlan], token_cost, config: PlannerConfi
     slowest fragment, plus the exposed exchange (forward K/V, their gradients back)."""
     span = 0.0
     for m in range(len(ranks[0].micro_batches)):
-        compute = max(float(token_cost(r.micro_batches[m].tokens).sum()) for r in ranks)
+        compute = max(float(token_cost(r.micro_batches[m].computed_tokens).sum()) for r in ranks)
         ex = ranks[0].micro_batches[m].exchange
         moved = 0
         if ex is not None:
@@ -336,12 +453,14 @@ def _unit_costs(tree: PrefixTree, roots: np.ndarray, cost_model: Optional[CostMo
     return cost_model.subtree_costs(tree)[roots]
 
 
-def _assign_lpt(costs: np.ndarray, num_ranks: int) -> np.ndarray:
-    """Longest-processing-time-first assignment of units to ranks; deterministic."""
+def _assign_lpt(costs: np.ndarray, num_ranks: int, initial: Optional[Sequence[float]] = None) -> np.ndarray:
+    """Longest-processing-time-first assignment of units to ranks (starting from the loads
+    ``initial``, default none); deterministic."""
     assignment = np.zeros(len(costs), dtype=np.int64)
     # (load, rank) min-heap: the least-loaded rank, the lowest index among equal loads (as
     # ``np.argmin`` over the loads would pick), in O(log ranks) per unit.
-    heap = [(0.0, r) for r in range(num_ranks)]
+    heap = [(float(initial[r]) if initial is not None else 0.0, r) for r in range(num_ranks)]
+    heapq.heapify(heap)
     values = costs.tolist()
     for u in np.argsort(-costs, kind="stable").tolist():
         load, r = heap[0]
@@ -359,29 +478,87 @@ class _Bin:
     context: List[np.ndarray] = field(default_factory=list)  # duplicated tokens (not owned)
     size: int = 0
     small_trees: int = 0  # whole small trees packed in
+    role: Optional[str] = None  # "import" (receives heads: ranges not owned) or "export" (computes them)
+    heads: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (transfer, import, start, length)
 
 
-def _layout_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig):
+@dataclass
+class RankHeads:
+    """One rank's part in the group's prefix transfers (:class:`GroupHeads`)."""
+
+    imports: Dict[int, Tuple[int, int, int]] = field(default_factory=dict)
+    """Top-level node of a copy on this rank -> ``(transfer, import, head length)`` it receives."""
+
+    local: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    """The home copy on its home rank -> ``(transfer, head length)``: its head is the export."""
+
+    exports: List[Tuple[int, int, int]] = field(default_factory=list)
+    """``(transfer, start, length)`` of every head this rank computes and sends."""
+
+    computed_elsewhere: List[Tuple[int, int]] = field(default_factory=list)
+    """Token ranges of the group's exported heads that this rank's micro-batches hold as
+    context only (duplication, ``tree-dup``: the export computes and owns them)."""
+
+
+def _layout_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig, heads: Optional[RankHeads] = None):
     """The micro-batches of one rank as token ranges (bins) and its mechanism-2 streams: all
-    the whole-tree placement's predicted cost needs (the number of micro-batches)."""
+    the whole-tree placement's predicted cost needs (the number of micro-batches).
+
+    A copy whose head this rank receives (or, on the home rank, exports) is a stream whose
+    first chunk is the head, in the import bin (or its export bin): its pieces become sources
+    the rest reads."""
     tree = index.tree
+    heads = heads or RankHeads()
     budget = config.micro_batch_tokens
     unit_start = tree.node_offset[units]
     unit_end = tree.node_offset[tree.node_subtree_end[units]]
     unit_size = unit_end - unit_start
-    small = unit_size <= budget
     bins: List[_Bin] = []
+    export_bin: Dict[int, int] = {}
+    for t, start, length in heads.exports:  # the exported heads, first-fit into export micro-batches
+        target = next((i for i, b in enumerate(bins) if b.size + length <= budget), None)
+        if target is None:
+            bins.append(_Bin(role="export"))
+            target = len(bins) - 1
+        bins[target].ranges.append((start, start + length))
+        bins[target].size += length
+        bins[target].heads.append((t, 0, start, length))
+        export_bin[t] = target
+    import_bin: Optional[int] = None
+    with_head = np.array([int(u) in heads.imports or int(u) in heads.local for u in units], dtype=bool)
+    small = (unit_size <= budget) & ~with_head
     streams: List[List[int]] = []  # chunk boundaries of every mechanism-2 stream
     stream_bins: List[List[int]] = []
     for u in np.flatnonzero(~small):
         root = int(units[u])
+        a, z = int(unit_start[u]), int(unit_end[u])
+        if with_head[u]:
+            if root in heads.local:
+                t, length = heads.local[root]
+                head_bin = export_bin[t]
+            else:
+                t, j, length = heads.imports[root]
+                if import_bin is None:
+                    bins.append(_Bin(role="import"))
+                    import_bin = len(bins) - 1
+                bins[import_bin].ranges.append((a, a + length))
+                bins[import_bin].heads.append((t, j, a, length))
+                head_bin = import_bin
+            bounds = [a] + _stream_chunks(index, a + length, z, budget, config.snap_fraction,
+                                          config.cut_at_branch_switches)
+            ids = [head_bin]
+            for lo, hi in zip(bounds[1:-1], bounds[2:]):
+                bins.append(_Bin(ranges=[(lo, hi)], size=hi - lo))
+                ids.append(len(bins) - 1)
+            streams.append(bounds)
+            stream_bins.append(ids)
+            continue
         mechanism = _choose_mechanism(index, root, config)
         if mechanism == "stream":
-            bounds = _stream_chunks(index, int(unit_start[u]), int(unit_end[u]), budget, config.snap_fraction,
-                                    config.cut_at_branch_switches)
+            bounds = _stream_chunks(index, a, z, budget, config.snap_fraction, config.cut_at_branch_switches)
             ids = []
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                bins.append(_Bin(ranges=[(a, b)], size=b - a))
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                bins.append(_Bin(ranges=[(lo, hi)], size=hi - lo))
                 ids.append(len(bins) - 1)
             streams.append(bounds)
             stream_bins.append(ids)
@@ -391,30 +568,76 @@ def _layout_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig):
     max_trees = config.max_trees_per_micro_batch or len(units) + 1
     for u in sorted(np.flatnonzero(small), key=lambda u: (-unit_size[u], u)):
         size = int(unit_size[u])
-        target = next((b for b in bins if b.size + size <= budget and b.small_trees < max_trees), None)
+        target = next((b for b in bins if b.role is None and b.size + size <= budget and b.small_trees < max_trees),
+                      None)
         if target is None:
             target = _Bin()
             bins.append(target)
         target.ranges.append((int(unit_start[u]), int(unit_end[u])))
         target.size += size
         target.small_trees += 1
-    return bins, streams, stream_bins
+    for lo, hi in heads.computed_elsewhere:
+        for b in bins:
+            if b.role is None:
+                _disown(b, lo, hi)
+    return bins, streams, stream_bins, bool(heads.computed_elsewhere)
+
+
+def _disown(b: _Bin, lo: int, hi: int) -> None:
+    """Tokens ``lo .. hi - 1`` of the bin's owned ranges become context (computed, owned elsewhere)."""
+    kept = []
+    for a, z in b.ranges:
+        if z <= lo or a >= hi:
+            kept.append((a, z))
+            continue
+        b.context.append(np.arange(max(a, lo), min(z, hi), dtype=np.int64))
+        kept += [r for r in ((a, lo), (hi, z)) if r[1] > r[0]]
+    b.ranges = kept
 
 
 def _materialize_rank(index: TreeIndex, layout) -> RankPlan:
     """The rank plan of a layout (:func:`_layout_rank`): specs, cached sources, order, schedule."""
-    bins, streams, stream_bins = layout
+    bins, streams, stream_bins, duplicating = layout
     micro_batches = [_bin_to_spec(i, b) for i, b in enumerate(bins)]
     sources: Dict[int, CachedSource] = {}
     for bounds, ids in zip(streams, stream_bins):
         _link_stream(index, bounds, ids, micro_batches, sources)
+    _mark_transfers(bins, micro_batches, sources, predicts_next=not duplicating)
     order = _forward_order(bins)
     micro_batches, sources = _renumber(micro_batches, sources, order)
-    return RankPlan(micro_batches=micro_batches, sources=sources, schedule=build_schedule(micro_batches, sources))
+    exports = [i for i, mb in enumerate(micro_batches) if any(sources[s].exported is not None for s in mb.produces)]
+    return RankPlan(micro_batches=micro_batches, sources=sources,
+                    schedule=build_schedule(micro_batches, sources, last=exports))
+
+
+def _mark_transfers(bins: List[_Bin], mbs: List[MicroBatchSpec], sources: Dict[int, CachedSource],
+                    predicts_next: bool = True) -> None:
+    """Sources of an import bin are imported (each from the head it lies in; an import computes
+    no log-prob), and every export bin produces one exported source per head it computes and
+    (``predicts_next``, unless its home copy is duplicated) the log-prob of the token after it."""
+    for i, b in enumerate(bins):
+        if b.role == "import":
+            mbs[i].remote_targets = np.zeros(0, np.int64)  # the home copy predicts the token after a head
+            for s in mbs[i].produces:
+                first = int(sources[s].tokens[0])
+                t, j, _, _ = next(h for h in b.heads if h[2] <= first < h[2] + h[3])
+                sources[s].imported = (t, j)
+        elif b.role == "export":
+            for t, _, start, length in b.heads:
+                sid = max(sources, default=-1) + 1
+                sources[sid] = CachedSource(source_id=sid, producer=i, tokens=np.arange(start, start + length,
+                                                                                    dtype=np.int64),
+                                            exported=t)
+                mbs[i].produces.append(sid)
+                if predicts_next:  # the token after the head: whoever holds the copy receives, not computes, its predecessor
+                    mbs[i].remote_targets = np.union1d(mbs[i].remote_targets, [start + length]).astype(np.int64)
 
 
 def _bin_to_spec(i: int, b: _Bin) -> MicroBatchSpec:
     owned_tokens = np.concatenate([np.arange(a, z, dtype=np.int64) for a, z in b.ranges]) if b.ranges else np.zeros(0, np.int64)
+    if b.role == "import":
+        tokens = np.sort(owned_tokens)
+        return MicroBatchSpec(index=i, tokens=tokens, owned=np.zeros(len(tokens), bool), role="import")
     if b.context:
         ctx = np.setdiff1d(np.concatenate(b.context), owned_tokens)
         tokens = np.concatenate([owned_tokens, ctx])
@@ -597,8 +820,14 @@ def _children_lists(tree: PrefixTree) -> List[List[int]]:
 # ---------------------------------------------------------------------- order and schedule
 def _forward_order(bins: List[_Bin]) -> List[int]:
     """Depth-first order of the micro-batches' primary content (a chunk, or the first tree
-    packed), so producers come before readers; small trees added later do not reorder."""
-    return sorted(range(len(bins)), key=lambda i: (bins[i].ranges[0][0] if bins[i].ranges else math.inf, i))
+    packed), so producers come before readers; small trees added later do not reorder.
+    Exported heads first (other ranks wait for them), an import before the heads it receives."""
+    def key(i: int):
+        b = bins[i]
+        first = min(a for a, _ in b.ranges) if b.role == "import" else (b.ranges[0][0] if b.ranges else math.inf)
+        return (b.role != "export", first, i)
+
+    return sorted(range(len(bins)), key=key)
 
 
 def _renumber(mbs, sources, order):

@@ -21,11 +21,16 @@ from megatron_psrl.model import ModelArchitecture
 LOSS = ["--clip-eps", "0.2", "--kl-coef", "0.05", "--entropy-coef", "0.01", "--loss-agg", "seq-mean-token-mean"]
 
 
-CASES = {  # id: (batch, ranks, CP size)
-    "dp2-one-tree": ("one-tree", 2, 1),
-    "cp2-chain": ("chain", 2, 2),
-    "cp2xdp2-mixed": ("mixed", 4, 2),
-    "cp2xdp2-one-tree-split": ("one-tree", 4, 2),
+CASES = {  # id: (batch, ranks, CP size, placement, how a tree split between groups gets its shared prefix)
+    "dp2-one-tree": ("one-tree", 2, 1, "cross-rank", "auto"),
+    "cp2-chain": ("chain", 2, 2, "cross-rank", "auto"),
+    "cp2xdp2-mixed": ("mixed", 4, 2, "cross-rank", "auto"),
+    # one tree over two exchange groups (the CP groups): the shared prefix computed in both...
+    "cp2xdp2-one-tree-split": ("one-tree", 4, 2, "cross-rank", "recompute"),
+    # ... or computed once and its K/V sent to the other group (dK/dV back)
+    "cp2xdp2-one-tree-transfer": ("one-tree", 4, 2, "cross-rank", "transfer"),
+    # trees whole on two ranks of one group: the tree split between them, its prefix sent
+    "dp2-whole-tree-transfer": ("one-tree", 2, 1, "whole-tree", "transfer"),
 }
 
 
@@ -38,20 +43,19 @@ def launches(tmp_path_factory, request):
               if f"test_one_sgd_step_and_logprobs_match_reference[{i}]" in selected_test_names(request)}
     shared = SharedLaunches(wanted)
     folders = {}
-    for case_id, (kind, nproc, cp) in CASES.items():
+    for case_id, (kind, nproc, cp, placement, prefix) in CASES.items():
         folders[case_id] = root = tmp_path_factory.mktemp(case_id)
+        layout = ["--context-parallel-size", str(cp), "--placement", placement, "--cross-group-prefix", prefix]
 
-        def train_args(kind=kind, cp=cp, root=root):
+        def train_args(kind=kind, layout=layout, root=root):
             data = write_samples(cross_rank_batch(kind), root / "batch.jsonl")
             return ["--hf-dir", _hf_dir(kind, tmp_path_factory), "--data", str(data), "--micro-batch-tokens", "64",
-                    "--context-parallel-size", str(cp), "--placement", "cross-rank", "--optimizer", "sgd", "--lr",
-                    "1.0", "--clip-grad", "0", "--train-iters", "1", "--save", str(root / "ckpt"), "--log-json",
-                    str(root / "log.jsonl"), *LOSS]
+                    *layout, "--optimizer", "sgd", "--lr", "1.0", "--clip-grad", "0", "--train-iters", "1", "--save",
+                    str(root / "ckpt"), "--log-json", str(root / "log.jsonl"), *LOSS]
 
-        def logprob_args(kind=kind, cp=cp, root=root):
+        def logprob_args(kind=kind, layout=layout, root=root):
             return ["--hf-dir", _hf_dir(kind, tmp_path_factory), "--data", str(root / "batch.jsonl"), "--out",
-                    str(root / "lp.jsonl"), "--micro-batch-tokens", "64", "--context-parallel-size", str(cp),
-                    "--placement", "cross-rank"]
+                    str(root / "lp.jsonl"), "--micro-batch-tokens", "64", *layout]
 
         shared.add(f"{case_id}/train", nproc, os.path.join(REPO_ROOT, "pretrain_agent_rl.py"), train_args)
         shared.add(f"{case_id}/logprobs", nproc, os.path.join(REPO_ROOT, "tools", "compute_logprobs.py"), logprob_args)
@@ -70,16 +74,22 @@ def _hf_dir(kind, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,nproc,cp", list(CASES.values()), ids=list(CASES))
-def test_one_sgd_step_and_logprobs_match_reference(launches, tmp_path_factory, request, kind, nproc, cp):
+@pytest.mark.parametrize("kind,nproc,cp,placement,prefix", list(CASES.values()), ids=list(CASES))
+def test_one_sgd_step_and_logprobs_match_reference(launches, tmp_path_factory, request, kind, nproc, cp, placement,
+                                                   prefix):
     hf_dir, ref_loss, ref_grads, ref_logprobs = cross_rank_reference("llama", kind, tmp_path_factory)
     arch = ModelArchitecture.from_hf_dir(hf_dir)
     root = launches(request.node.callspec.id)
     log, ckpt = root / "log.jsonl", root / "ckpt"
     rec = json.loads(log.read_text().splitlines()[0])
-    assert rec["placement"] == "cross-rank" and rec["exchanged_bytes"] > 0
-    # one tree, two exchange groups (the CP groups): split between them, the shared prefix computed in both
-    assert (rec["tokens_recomputed_across_groups"] > 0) == (kind == "one-tree" and 1 < cp < nproc)
+    assert rec["placement"] == placement and (rec["exchanged_bytes"] > 0) == (placement == "cross-rank")
+    # one tree over two groups (the CP groups), or over the two ranks of a group placing trees
+    # whole: split between them, the shared prefix computed in both or sent from one
+    split = kind == "one-tree" and (1 < cp < nproc or placement == "whole-tree")
+    # (a sent prefix is the root chain the parts share; below a branch point it is recomputed)
+    assert (rec["tokens_recomputed_across_groups"] > 0) == (split and prefix == "recompute") or prefix == "transfer"
+    assert (rec["tokens_transferred_across_groups"] > 0) == (split and prefix == "transfer")
+    assert (rec["transferred_bytes"] > 0) == (split and prefix == "transfer")
     assert rec["loss"] == pytest.approx(ref_loss, rel=1e-5)
     before = hf_full_state_dict(hf_dir, arch)
     _, after = load_full_state_dict(str(ckpt))
