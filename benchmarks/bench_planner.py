@@ -274,6 +274,8 @@ class ScaleResult:
     plan_s: float
     local_s: float  # planning one rank's group only (PlannerConfig.local_rank), the slowest of three
     recomputed: float  # tokens computed again (trees split across groups) / unique tokens
+    transferred: float = 0.0  # tokens of heads sent between groups instead (once per receiving copy) / unique tokens
+    transfer_s: float = 0.0  # the busiest home rank's sends (heads to every importing rank) at InfiniBand speed
     plan: Optional[StepPlan] = None
 
     @property
@@ -311,7 +313,10 @@ def simulate(tree: PrefixTree, workload: str, trajectories: int, model: SimModel
         cost_per_exchanged_byte=flops / (link_gbps * 1e9),
         cost_per_exchange=flops * 2 * model.dims.num_layers * args.exchange_latency_us * 1e-6,
         cost_per_micro_batch=flops * args.micro_batch_overhead_ms * 1e-3,
-        split_trees_across_groups=not args.no_split_trees_across_groups)
+        split_trees_across_groups=not args.no_split_trees_across_groups,
+        # heads of trees split between groups travel between nodes: InfiniBand, one send and receive
+        cross_group_prefix=args.cross_group_prefix, cost_per_transferred_byte=flops / (args.ib_gbps * 1e9),
+        cost_per_transfer=flops * 2 * args.exchange_latency_us * 1e-6)
     t0 = time.process_time()  # CPU seconds: wall time on a shared machine includes others' work
     plan = plan_step(tree, config)
     plan_s = time.process_time() - t0
@@ -332,12 +337,26 @@ def simulate(tree: PrefixTree, workload: str, trajectories: int, model: SimModel
         makespan_s=float(max(plan.predicted_makespan)) / flops, perfect_s=total / ranks / flops,
         exchanged_mean=float(sent.mean()), exchanged_max=float(sent.max()),
         exchange_s=float(sent.max()) / (link_gbps * 1e9), plan_s=plan_s, local_s=local_s,
-        recomputed=plan.tree.num_tree_tokens / tree.num_tree_tokens - 1.0, plan=plan if keep_plan else None)
+        recomputed=plan.split_tokens_recomputed / tree.num_tree_tokens,
+        transferred=plan.transferred_tokens() / tree.num_tree_tokens,
+        transfer_s=home_send_bytes(plan, kvb) / (args.ib_gbps * 1e9), plan=plan if keep_plan else None)
+
+
+def home_send_bytes(plan: StepPlan, kv_bytes_per_token: float) -> float:
+    """The busiest home rank's bytes sent in a step: every head to every rank that imports it
+    (its K/V; their gradients come back as many), counted from the planned ranks' imports."""
+    sent: Dict[int, float] = {}
+    for r in plan.ranks:
+        for t, j in {src.imported for src in r.sources.values() if src.imported is not None}:
+            home = plan.transfers[t].home_rank
+            sent[home] = sent.get(home, 0.0) + plan.transfers[t].imports[j].length * kv_bytes_per_token
+    return max(sent.values(), default=0.0)
 
 
 HEADER = ("| model | workload | ranks | trajectories | unique tokens / rank | micro-batches / rank | "
           "cross-rank groups | planned makespan s | perfect s | imbalance | exchanged GiB / rank (mean, max) | "
-          "exchange s (max rank) | recomputed | plan CPU s (all groups) | plan CPU s (one rank) |")
+          "exchange s (max rank) | recomputed | sent heads (home send s) | plan CPU s (all groups) | "
+          "plan CPU s (one rank) |")
 
 
 def format_row(r: ScaleResult) -> str:
@@ -345,7 +364,8 @@ def format_row(r: ScaleResult) -> str:
     return (f"| {r.model} | {r.workload} | {r.ranks} | {r.trajectories} | {r.tree_tokens / r.ranks / 1e3:.1f}k | "
             f"{r.micro_batches_per_rank:.2f} | {r.cross_groups}/{r.groups} | {r.makespan_s:.2f} | "
             f"{r.perfect_s:.2f} | {r.imbalance:.3f} | {r.exchanged_mean / gib:.2f}, {r.exchanged_max / gib:.2f} | "
-            f"{r.exchange_s:.3f} | {100 * r.recomputed:.2f}% | {r.plan_s:.2f} | {r.local_s:.2f} |")
+            f"{r.exchange_s:.3f} | {100 * r.recomputed:.2f}% | {100 * r.transferred:.2f}% ({r.transfer_s:.3f}) | "
+            f"{r.plan_s:.2f} | {r.local_s:.2f} |")
 
 
 def run_scale(args: argparse.Namespace) -> None:
@@ -353,7 +373,8 @@ def run_scale(args: argparse.Namespace) -> None:
     print(f"Planner at scale: token unit {args.token_unit}, micro-batch budget {args.micro_batch_tokens} tokens, "
           f"exchange groups of {args.group_size} ({link}; NVLink {args.nvlink_gbps:g} GB/s, InfiniBand "
           f"{args.ib_gbps:g} GB/s per GPU), {args.gpu_tflops:g} TFLOP/s achieved per GPU, "
-          f"placement {args.placement}, {args.trajectories_per_rank:g} trajectories per rank.")
+          f"placement {args.placement}, {args.trajectories_per_rank:g} trajectories per rank, shared heads of "
+          f"split trees: {args.cross_group_prefix}.")
     print()
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
@@ -413,6 +434,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exchange-latency-us", type=float, default=20.0, help="per layer and direction")
     p.add_argument("--micro-batch-overhead-ms", type=float, default=0.0)
     p.add_argument("--placement", choices=("auto", "whole-tree", "cross-rank"), default="auto")
+    p.add_argument("--cross-group-prefix", choices=("auto", "transfer", "recompute"), default="auto",
+                   help="trees split between groups: send the shared head over InfiniBand or recompute it "
+                        "(auto: per copy, the cheaper)")
     p.add_argument("--no-split-trees-across-groups", action="store_true",
                    help="keep every tree inside one exchange group (the planner before hierarchical placement)")
     p.add_argument("--seed", type=int, default=0)

@@ -392,7 +392,7 @@ def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[Measur
         "exchanged_bytes": plan.exchanged_bytes(2 * geometry.bytes_per_token),
         "tokens_duplicated": plan.mechanism_counts()["duplicated_tokens"],
         "tokens_recomputed_across_groups": plan.split_tokens_recomputed,
-        "tokens_transferred_across_groups": plan.transferred_tokens(),
+        "tokens_transferred_across_groups": plan.head_tokens_sent(),
         "transferred_bytes": plan.transfer_bytes(2 * geometry.bytes_per_token),
     }
     if measured is not None:

@@ -83,4 +83,5 @@ def plan_with_memory(
             plan = plan_step(tree, dataclasses.replace(config, sharing="tree-dup", placement="whole-tree"), assignment)
         except PlanningError as dup_exc:
             raise CacheBudgetError(f"{exc}; and without caching: {dup_exc}") from None
-        return plan, [None] * len(plan.ranks), "tree-dup"
+        # (a home rank still sends the heads other groups receive: their K/V pass through its cache)
+        return plan, memory_plans(plan, group_memory) if plan.transfers else [None] * len(plan.ranks), "tree-dup"

@@ -156,17 +156,25 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
 
     # What every fragment needs from earlier fragments or heads (all on the path to its first
     # token): the heads are chunks of the stream too, ahead of their trees' fragments.
-    fragments = [stream[bounds[f]:bounds[f + 1]] for f in range(num)]
     tree = index.tree
     head_chunks = {}  # first token -> (unit, transfer, import, length)
     for u, (t, j, length) in heads.imports.items():
         a = int(tree.node_offset[u])
         head_chunks[a] = (u, t, j, length)
-    chunks = sorted([(int(c[0]), ("fragment", f)) for f, c in enumerate(fragments)]
-                    + [(a, ("head", a)) for a in head_chunks])
-    deps = chunk_dependencies(index, [fragments[k[1]] if k[0] == "fragment" else
-                                      np.arange(k[1], k[1] + head_chunks[k[1]][3], dtype=np.int64)
-                                      for _, k in chunks])
+    # A fragment that runs into a tree whose head it does not hold has outside ancestors that
+    # are not on the path to its first token: dependencies are found per tree piece of it.
+    pieces = []  # (first token, ("fragment", f), tokens)
+    starts = np.sort(np.asarray(list(head_chunks), dtype=np.int64))
+    for f in range(num):
+        c = stream[bounds[f]:bounds[f + 1]]
+        cut = np.flatnonzero(np.diff(np.searchsorted(starts, c, side="right"))) + 1 if len(starts) else []
+        for part in np.split(c, cut):
+            pieces.append((int(part[0]), ("fragment", f), part))
+    chunks = sorted([(a, k, part) for a, k, part in pieces]
+                    + [(a, ("head", a), np.arange(a, a + head_chunks[a][3], dtype=np.int64)) for a in head_chunks],
+                    key=lambda x: x[0])
+    deps = chunk_dependencies(index, [part for _, _, part in chunks])
+    chunks = [(a, k) for a, k, _ in chunks]
     first = np.array([a for a, _ in chunks], dtype=np.int64)
     kind_of = [k for _, k in chunks]
     fragment_at = np.array([k[1] if k[0] == "fragment" else -1 for k in kind_of], dtype=np.int64)

@@ -243,13 +243,17 @@ class TransferCosts:
 
     def cheaper(self, length: int, fan_out: int) -> bool:
         """Sending a head of ``length`` tokens to ``fan_out`` ranks costs less than recomputing it
-        (``auto`` without a link cost, which only a measurement gives: recompute)."""
+        (``auto`` without a link cost, which only a measurement gives: recompute).
+
+        What each side costs the step's critical path: the home's link sends the head to every
+        importing rank in turn, so the last one waits for all of them; recomputing costs each
+        rank of a copy its share of the head (the copy's ranks split it between them)."""
         if self.mode != "auto":
             return self.mode == "transfer"
         if self.cost_per_token <= 0 and self.cost_per_transfer <= 0:
             return False
         send = self.cost_per_transfer + self.cost_per_token * length * fan_out
-        return send < self.head_cost(length)
+        return send < self.head_cost(length) / self.ranks_per_copy
 
 
 def _unbranched_chain(tree: PrefixTree, root: int) -> int:

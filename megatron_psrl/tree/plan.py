@@ -340,9 +340,17 @@ class StepPlan:
     """Heads of split trees sent between ranks instead of recomputed (the same list on every
     rank, from the assignment of trees to groups)."""
 
-    def transferred_tokens(self) -> int:
-        """Tokens of heads that copies import instead of computing (each copy's head once)."""
+    def head_tokens_sent(self) -> int:
+        """Tokens of the heads the step's copies receive instead of computing, over every group
+        (each copy's head once; the transfers are the same on every rank)."""
         return int(sum(h.length for t in self.transfers for h in t.imports if h.start != t.start))
+
+    def transferred_tokens(self) -> int:
+        """Tokens of heads that copies in the planned groups import instead of computing (each
+        copy's head once; a copy on its home rank computes its head)."""
+        entries = {src.imported for r in self.ranks for src in r.sources.values() if src.imported is not None}
+        return int(sum(self.transfers[t].imports[j].length for t, j in entries
+                       if self.transfers[t].imports[j].start != self.transfers[t].start))
 
     def tokens_computed(self, rank: Optional[int] = None) -> int:
         ranks = self.ranks if rank is None else [self.ranks[rank]]

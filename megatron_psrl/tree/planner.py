@@ -166,6 +166,16 @@ class PlannerConfig:
             raise ConfigurationError(f"cross_group_prefix must be one of {CROSS_GROUP_PREFIX}, "
                                      f"got {self.cross_group_prefix!r}")
 
+    @property
+    def transfer_cost_per_byte(self) -> float:
+        """Cost-model units of sending one byte of a head between groups."""
+        return self.cost_per_exchanged_byte if self.cost_per_transferred_byte is None else self.cost_per_transferred_byte
+
+    @property
+    def transfer_fixed_cost(self) -> float:
+        """Cost-model units of the fixed cost of one head transfer."""
+        return self.cost_per_exchange if self.cost_per_transfer is None else self.cost_per_transfer
+
 
 # ====================================================================== entry point
 @dataclass
@@ -223,16 +233,14 @@ def assign_groups(tree: PrefixTree, config: PlannerConfig) -> GroupAssignment:
 def _transfer_costs(config: PlannerConfig, bins_per_group: int) -> TransferCosts:
     """The cost model's view of sending a split tree's head (:class:`TransferCosts`)."""
     cost_model = config.cost_model
-    per_byte = config.cost_per_exchanged_byte if config.cost_per_transferred_byte is None \
-        else config.cost_per_transferred_byte
-    fixed = config.cost_per_exchange if config.cost_per_transfer is None else config.cost_per_transfer
 
     def head_cost(n: int) -> float:
         return float(n) if cost_model is None else float(cost_model.cost(n, n * (n + 1) // 2, 0))
 
     g = config.exchange_group_size
     return TransferCosts(mode=config.cross_group_prefix, max_tokens=config.micro_batch_tokens, head_cost=head_cost,
-                         cost_per_token=2 * config.kv_bytes_per_token * per_byte, cost_per_transfer=fixed,
+                         cost_per_token=2 * config.kv_bytes_per_token * config.transfer_cost_per_byte,
+                         cost_per_transfer=config.transfer_fixed_cost,
                          ranks_per_copy=g if bins_per_group == 1 else 1)
 
 
@@ -393,9 +401,16 @@ def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, 
                 rank_heads.imports[u] = (t, j, h.length)
         layouts.append(_layout_rank(index, mine, config, rank_heads))
         computing = sum(b.role != "import" for b in layouts[-1][0])
+        received = sum(_receive_cost(config, length) for _, _, length in rank_heads.imports.values())
         planned.append(float(costs[assignment == r].sum() + config.cost_per_micro_batch * computing
-                             + (export_cost if r == 0 else 0.0)))
+                             + (export_cost if r == 0 else 0.0) + received))
     return layouts, planned
+
+
+def _receive_cost(config: PlannerConfig, length: int) -> float:
+    """Cost-model units of receiving a head of ``length`` tokens and returning its gradients
+    (the link time; not the wait for the home's forward, which runs at the start of its step)."""
+    return config.transfer_fixed_cost + 2 * length * config.kv_bytes_per_token * config.transfer_cost_per_byte
 
 
 def _head_cost(index: TreeIndex, start: int, length: int, config: PlannerConfig) -> float:
@@ -429,7 +444,9 @@ def _cross_rank_makespan(ranks: List[RankPlan], token_cost, config: PlannerConfi
     slowest fragment, plus the exposed exchange (forward K/V, their gradients back)."""
     span = 0.0
     for m in range(len(ranks[0].micro_batches)):
-        compute = max(float(token_cost(r.micro_batches[m].computed_tokens).sum()) for r in ranks)
+        compute = max(float(token_cost(r.micro_batches[m].computed_tokens).sum())
+                      + (_receive_cost(config, len(r.micro_batches[m].tokens)) if r.micro_batches[m].role == "import"
+                         else 0.0) for r in ranks)
         ex = ranks[0].micro_batches[m].exchange
         moved = 0
         if ex is not None:

@@ -14,7 +14,8 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_planner.py")
 
 COLUMNS = ["model", "workload", "ranks", "trajectories", "unique tokens / rank", "micro-batches / rank",
            "cross-rank groups", "planned makespan s", "perfect s", "imbalance",
-           "exchanged GiB / rank (mean, max)", "exchange s (max rank)", "recomputed", "plan CPU s (all groups)",
+           "exchanged GiB / rank (mean, max)", "exchange s (max rank)", "recomputed", "sent heads (home send s)",
+           "plan CPU s (all groups)",
            "plan CPU s (one rank)"]
 
 
