@@ -266,19 +266,22 @@ def _unbranched_chain(tree: PrefixTree, root: int) -> int:
     return int(tree.node_offset[n + 1] - tree.node_offset[root])
 
 
-def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_group: np.ndarray, group_size: int,
-                   costs: TransferCosts) -> List[PrefixTransfer]:
+def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_bin: np.ndarray, bins_per_group: int,
+                   group_size: int, costs: TransferCosts) -> List[PrefixTransfer]:
     """The heads sent between the copies of every split tree (module docstring), per copy the
     cheaper of sending and recomputing.
 
-    ``origin``: the old tree token of every regrouped token; ``root_group``: the group of every
-    top-level node (copies of one tree in one group are on different ranks). The home copy is
-    the first copy of each tree (its group's first rank computes the export). A copy can import
+    ``origin``: the old tree token of every regrouped token; ``root_bin``: the bin of every
+    top-level node, ``bins_per_group`` to a group (one per rank where groups place trees whole,
+    each copy then on the rank of its bin). The home copy is the first copy of each tree; the
+    export is computed by its rank, or by its group's first rank where the group may split
+    trees between its ranks. A copy can import
     the part of its unbranched root chain that the home copy's holds too, but for the last
     token of that common chain: the token after the head must be in the home copy (its claims
     move there). Heads are at most ``costs.max_tokens`` long."""
     if costs.mode == "recompute":
         return []
+    root_group = root_bin // bins_per_group
     roots = np.flatnonzero(regrouped.node_parent < 0)
     starts = regrouped.node_offset[roots]
     first_old = origin[starts]  # copies of one tree start at the same old token
@@ -316,7 +319,8 @@ def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_group: np.nda
         length = max(x[0] for x in picked)
         imports = [HeadImport(group=home_group, start=h_start, length=length)]
         imports += [HeadImport(group=g, start=start, length=k) for k, start, g in sorted(picked, key=lambda x: x[1])]
-        transfers.append(PrefixTransfer(home_rank=home_group * group_size, start=h_start, length=length,
+        home_rank = int(root_bin[home]) if bins_per_group == group_size else home_group * group_size
+        transfers.append(PrefixTransfer(home_rank=home_rank, start=h_start, length=length,
                                         imports=imports))
     return transfers
 
@@ -388,7 +392,7 @@ def split_across_groups(tree: PrefixTree, node_cost: np.ndarray, subtree_cost: n
     regrouped, bin_of, origin = regroup_tree(tree, sample_groups(tree, units, unit_group), with_origin=True)
     transfers = []
     if transfer is not None:
-        transfers = plan_transfers(regrouped, origin, bin_of // bins_per_group, group_size, transfer)
+        transfers = plan_transfers(regrouped, origin, bin_of, bins_per_group, group_size, transfer)
         regrouped = move_head_claims(regrouped, transfers)
     return GroupSplit(regrouped, bin_of, transfers)
 

@@ -199,6 +199,11 @@ class GroupAssignment:
     transfers: List[PrefixTransfer] = field(default_factory=list)
     """Heads of split trees sent between ranks instead of recomputed."""
 
+    rank_of: Optional[np.ndarray] = None
+    """int64 ``[top-level nodes]``: the rank in its group of every tree, where trees were split
+    down to single ranks of groups that place them whole (the split's balance; a transfer's
+    home is its home copy's rank); None: each group places its trees."""
+
 
 def assign_groups(tree: PrefixTree, config: PlannerConfig) -> GroupAssignment:
     """Trees to exchange groups. Plans made again with another placement or sharing mode (the
@@ -225,7 +230,8 @@ def assign_groups(tree: PrefixTree, config: PlannerConfig) -> GroupAssignment:
                     unit_cost[np.searchsorted(regrouped.node_offset[roots], h.start)] -= transfer.head_cost(h.length)
                     imported += h.length if j else 0
             return GroupAssignment(regrouped, split.bin_of // bins_per_group, unit_cost,
-                                   regrouped.num_tree_tokens - tree.num_tree_tokens - imported, split.transfers)
+                                   regrouped.num_tree_tokens - tree.num_tree_tokens - imported, split.transfers,
+                                   rank_of=split.bin_of % g if bins_per_group == g > 1 else None)
     unit_cost = _unit_costs(tree, np.flatnonzero(tree.node_parent < 0), config.cost_model)
     return GroupAssignment(tree, _assign_lpt(unit_cost, num_groups), unit_cost)
 
@@ -251,8 +257,9 @@ class GroupHeads:
     imports: Dict[int, Tuple[int, int]] = field(default_factory=dict)
     """Top-level node of a copy the group holds -> ``(transfer, import)`` of its head."""
 
-    exports: List[int] = field(default_factory=list)
-    """Transfers whose head the group's first rank computes and sends."""
+    exports: Dict[int, int] = field(default_factory=dict)
+    """Transfer -> the group rank that computes and sends its head (the first, or the home
+    copy's where the group places trees whole)."""
 
 
 def group_heads(transfers: List[PrefixTransfer], roots: np.ndarray, node_offset: np.ndarray, group: int,
@@ -262,7 +269,7 @@ def group_heads(transfers: List[PrefixTransfer], roots: np.ndarray, node_offset:
     starts = node_offset[roots]
     for t, transfer in enumerate(transfers):
         if transfer.home_rank // group_size == group:
-            heads.exports.append(t)
+            heads.exports[t] = transfer.home_rank % group_size
         for j, h in enumerate(transfer.imports):
             if h.group == group:
                 heads.imports[int(roots[np.searchsorted(starts, h.start)])] = (t, j)
@@ -293,7 +300,9 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
             _add_unplanned_group(plan, group, g, float(costs.sum()))
             continue
         heads = group_heads(plan.transfers, roots, tree.node_offset, group, g) if plan.transfers else GroupHeads()
-        whole_layouts, whole_costs = _layout_whole_trees(index, units, costs, g, config, heads, plan.transfers)
+        ranks_of = assignment.rank_of[members] if assignment.rank_of is not None else None
+        whole_layouts, whole_costs = _layout_whole_trees(index, units, costs, g, config, heads, plan.transfers,
+                                                         ranks_of)
         whole_span = max(whole_costs)
         cross = None
         if g > 1 and config.sharing == "tree" and config.placement != "whole-tree":
@@ -366,16 +375,18 @@ def token_cost_function(index: TreeIndex, cost_model: Optional[CostModel]):
 
 
 def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, g: int, config: PlannerConfig,
-                        heads: Optional[GroupHeads] = None, transfers: Sequence[PrefixTransfer] = ()
-                        ) -> Tuple[list, List[float]]:
-    """Every tree on one rank of the group, LPT by cost: the layout of every rank's
-    micro-batches (:func:`_layout_rank`) and its planned cost,
-    without building the rank plans (planning keeps them only when the group uses them).
-    ``heads``: the group's prefix transfers; the first rank computes the exported heads."""
+                        heads: Optional[GroupHeads] = None, transfers: Sequence[PrefixTransfer] = (),
+                        ranks_of: Optional[np.ndarray] = None) -> Tuple[list, List[float]]:
+    """Every tree on one rank of the group, LPT by cost (or on ``ranks_of``, where the split of
+    trees between ranks placed them): the layout of every rank's micro-batches
+    (:func:`_layout_rank`) and its planned cost, without building the rank plans (planning
+    keeps them only when the group uses them). ``heads``: the group's prefix transfers."""
     heads = heads or GroupHeads()
-    exports = [(t, transfers[t].start, transfers[t].length) for t in heads.exports]
-    export_cost = float(sum(_head_cost(index, start, length, config) for _, start, length in exports))
-    assignment = _assign_lpt(costs, g, initial=[export_cost] + [0.0] * (g - 1))
+    exports = [[] for _ in range(g)]
+    for t, r in sorted(heads.exports.items()):
+        exports[r].append((t, transfers[t].start, transfers[t].length))
+    export_cost = [float(sum(_head_cost(index, start, length, config) for _, start, length in e)) for e in exports]
+    assignment = ranks_of if ranks_of is not None else _assign_lpt(costs, g, initial=export_cost)
     # Duplication (the KV-budget fallback) caches nothing: every copy computes its head itself,
     # but the home rank still sends its heads to the other groups' ranks, and the home copy's
     # micro-batches hold the exported head as context (the export owns it).
@@ -383,18 +394,18 @@ def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, 
     layouts, planned = [], []
     for r in range(g):
         mine = units[assignment == r]
-        rank_heads = RankHeads(exports=exports if r == 0 else [])
+        rank_heads = RankHeads(exports=exports[r])
         if duplicating:
-            rank_heads.computed_elsewhere = [(start, start + length) for _, start, length in exports]
+            rank_heads.computed_elsewhere = [(start, start + length) for e in exports for _, start, length in e]
             layouts.append(_layout_rank(index, mine, config, rank_heads))
             planned.append(float(costs[assignment == r].sum() + config.cost_per_micro_batch * len(layouts[-1][0])
-                                 + (export_cost if r == 0 else 0.0)))
+                                 + export_cost[r]))
             continue
         for u in mine.tolist():
             if u in heads.imports:
                 t, j = heads.imports[u]
                 h = transfers[t].imports[j]
-                if r == 0 and t in heads.exports:
+                if heads.exports.get(t) == r:
                     if j == 0:  # the home copy on the home rank: its head is the export itself
                         rank_heads.local[u] = (t, h.length)
                     continue  # (another copy on the home rank computes its head: no rank imports from itself)
@@ -403,7 +414,7 @@ def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, 
         computing = sum(b.role != "import" for b in layouts[-1][0])
         received = sum(_receive_cost(config, length) for _, _, length in rank_heads.imports.values())
         planned.append(float(costs[assignment == r].sum() + config.cost_per_micro_batch * computing
-                             + (export_cost if r == 0 else 0.0) + received))
+                             + export_cost[r] + received))
     return layouts, planned
 
 
@@ -426,9 +437,11 @@ def _cross_rank_heads(heads: GroupHeads, transfers: Sequence[PrefixTransfer]) ->
     """The group's transfers as the cross-rank planner takes them (None: no transfer)."""
     if not heads.imports and not heads.exports:
         return None
+    if any(r != 0 for r in heads.exports.values()):  # (only groups placing trees whole export from other ranks)
+        raise AssertionError("a cross-rank group exports heads from its first rank only")
     return CrossRankHeads(
         imports={u: (t, j, transfers[t].imports[j].length) for u, (t, j) in heads.imports.items()},
-        exports=[(t, transfers[t].start, transfers[t].length) for t in heads.exports])
+        exports=[(t, transfers[t].start, transfers[t].length) for t in sorted(heads.exports)])
 
 
 def _materialize_whole_trees(index: TreeIndex, layouts: list, planned: List[float]) -> List[RankPlan]:
