@@ -49,6 +49,7 @@ from megatron_psrl.tree.plan import (
     RankPlan,
     StepExchange,
     build_schedule,
+    export_head,
 )
 
 TokenCost = Callable[[np.ndarray], np.ndarray]
@@ -195,7 +196,7 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
     sources: List[Dict[int, CachedSource]] = [{} for _ in range(g)]
     exchanges = [[StepExchange() for _ in range(steps)] for _ in range(g)]
     readers: Dict[int, set] = {}  # producer step -> steps reading its sources (any rank)
-    imported: Dict[Tuple[int, int, int], None] = {}  # (rank, transfer, import) received
+    imported: Dict[Tuple[int, int, int], Tuple[int, int]] = {}  # (rank, transfer, import) -> the head received
 
     def new_source(r: int, **kw) -> CachedSource:
         src = CachedSource(source_id=len(sources[r]), **kw)
@@ -216,8 +217,7 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
             continue
         for chain in split_chains(index, deps.needed[p], deps.attach[p]):
             last = int(chain[-1])
-            later = p + 1 + np.flatnonzero((first[p + 1:] > last) & (first[p + 1:] < subtree_end[last]))
-            consumers = [int(fragment_at[c]) for c in later if fragment_at[c] >= 0]
+            consumers = _reading_fragments(p, last, first, subtree_end, fragment_at)
             local_steps = sorted(int(step_of[f]) for f in consumers if rank_of[f] == q)
             by_rank: Dict[int, List[int]] = {}
             for f in consumers:
@@ -251,17 +251,12 @@ def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cos
                 exchanges[r][mp].recv.setdefault(q, []).append(use)
 
     for m, b in enumerate(export_bins):  # rank 0's exported sources, and the log-prob of each head's next token
-        mb = mbs[0][m]
         for t, start, length in b:
-            src = new_source(0, producer=m, tokens=np.arange(start, start + length, dtype=np.int64), exported=t)
-            mb.produces.append(src.source_id)
-            mb.remote_targets = np.union1d(mb.remote_targets, [start + length]).astype(np.int64)
-    for r, t, j in imported:  # an import micro-batch receives the whole head of every copy it reads
-        h = heads.imports[next(u for u, v in heads.imports.items() if v[:2] == (t, j))]
-        a = int(tree.node_offset[next(u for u, v in heads.imports.items() if v[:2] == (t, j))])
-        mb = mbs[r][import_step]
+            export_head(mbs[0][m], sources[0], len(sources[0]), m, t, start, length)
+    for r, (start, length) in imported.items():  # an import micro-batch receives the whole head of every copy it reads
+        mb = mbs[r[0]][import_step]
         mb.role = "import"
-        mb.tokens = np.union1d(mb.tokens, np.arange(a, a + h[2], dtype=np.int64)).astype(np.int64)
+        mb.tokens = np.union1d(mb.tokens, np.arange(start, start + length, dtype=np.int64)).astype(np.int64)
         mb.owned = np.zeros(len(mb.tokens), bool)
 
     # One schedule for the whole group: a step whose sources anyone reads later defers its
@@ -294,29 +289,33 @@ def _link_head(index: TreeIndex, deps, p: int, first: np.ndarray, fragment_at: n
                mbs, new_source, readers: Dict[int, set], imported: Dict) -> None:
     """The sources a head chunk gives the fragments that read it: on the home rank the home
     copy's head is local (made by its export step); every other reading rank imports it."""
-    u, t, j, _ = head
+    u, t, j, length = head
     if p not in deps.needed:
         return
     for chain in split_chains(index, deps.needed[p], deps.attach[p]):
-        last = int(chain[-1])
-        later = p + 1 + np.flatnonzero((first[p + 1:] > last) & (first[p + 1:] < index.subtree_end[last]))
         by_rank: Dict[int, List[int]] = {}
-        for c in later:
-            f = int(fragment_at[c])
-            if f >= 0:
-                by_rank.setdefault(int(rank_of[f]), []).append(int(step_of[f]))
+        for f in _reading_fragments(p, int(chain[-1]), first, index.subtree_end, fragment_at):
+            by_rank.setdefault(int(rank_of[f]), []).append(int(step_of[f]))
         for r, steps in sorted(by_rank.items()):
             steps = sorted(steps)
             if r == 0 and u in local:
                 producer, kw = export_step[t], {}
             else:
                 producer, kw = import_step, {"imported": (t, j)}
-                imported[(r, t, j)] = None
+                imported[(r, t, j)] = (int(index.tree.node_offset[u]), length)
             src = new_source(r, producer=producer, tokens=chain, consumers=steps, **kw)
             mbs[r][producer].produces.append(src.source_id)
             for st in steps:
                 mbs[r][st].reads.append(src.source_id)
             readers.setdefault(producer, set()).update(steps)
+
+
+def _reading_fragments(p: int, last: int, first: np.ndarray, subtree_end: np.ndarray,
+                       fragment_at: np.ndarray) -> List[int]:
+    """The fragments whose chunks after chunk ``p`` (in token order) descend from tree token
+    ``last``: those that read a chain ending there."""
+    later = p + 1 + np.flatnonzero((first[p + 1:] > last) & (first[p + 1:] < subtree_end[last]))
+    return [int(fragment_at[c]) for c in later if fragment_at[c] >= 0]
 
 
 def step_costs(plans: List[RankPlan], token_cost: TokenCost) -> np.ndarray:

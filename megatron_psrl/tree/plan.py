@@ -261,6 +261,21 @@ class PrefixTransfer:
                 np.concatenate([p[1] for p in pairs]).astype(np.int64))
 
 
+def export_head(mb: "MicroBatchSpec", sources: Dict[int, "CachedSource"], source_id: int, producer: int,
+                transfer: int, start: int, length: int, predicts_next: bool = True) -> "CachedSource":
+    """Make micro-batch ``producer`` (``mb``) export the head ``start .. start + length - 1`` of
+    ``transfer`` as source ``source_id``; with ``predicts_next`` it also computes the log-prob of
+    the token after the head, which no rank that receives the head can (its predecessor's hidden
+    state is here only)."""
+    src = CachedSource(source_id=source_id, producer=producer,
+                       tokens=np.arange(start, start + length, dtype=np.int64), exported=transfer)
+    sources[source_id] = src
+    mb.produces.append(source_id)
+    if predicts_next:
+        mb.remote_targets = np.union1d(mb.remote_targets, [start + length]).astype(np.int64)
+    return src
+
+
 def token_aliases(transfers: List[PrefixTransfer]) -> Tuple[np.ndarray, np.ndarray]:
     """``(copy tokens, home tokens)`` of every transfer (:meth:`PrefixTransfer.aliases`)."""
     parts = [t.aliases() for t in transfers]

@@ -58,6 +58,7 @@ from megatron_psrl.tree.plan import (
     RankPlan,
     StepPlan,
     build_schedule,
+    export_head,
     maybe_check_plan,
 )
 from megatron_psrl.tree.prefix_tree import PrefixTree
@@ -654,13 +655,7 @@ def _mark_transfers(bins: List[_Bin], mbs: List[MicroBatchSpec], sources: Dict[i
                 sources[s].imported = (t, j)
         elif b.role == "export":
             for t, _, start, length in b.heads:
-                sid = max(sources, default=-1) + 1
-                sources[sid] = CachedSource(source_id=sid, producer=i, tokens=np.arange(start, start + length,
-                                                                                    dtype=np.int64),
-                                            exported=t)
-                mbs[i].produces.append(sid)
-                if predicts_next:  # the token after the head: whoever holds the copy receives, not computes, its predecessor
-                    mbs[i].remote_targets = np.union1d(mbs[i].remote_targets, [start + length]).astype(np.int64)
+                export_head(mbs[i], sources, max(sources, default=-1) + 1, i, t, start, length, predicts_next)
 
 
 def _bin_to_spec(i: int, b: _Bin) -> MicroBatchSpec:
