@@ -404,9 +404,8 @@ def _cheaper_prefix_costs(tree: PrefixTree, units: np.ndarray, prefix: np.ndarra
     sending to every other unit of the tree's ranks (an estimate: :func:`plan_transfers`
     decides per copy once the units are placed)."""
     depth = tree.node_depth[units].astype(np.int64)  # tokens on the path above the unit
-    root_of = _top_level_of(tree, units)
-    per_tree = np.bincount(np.searchsorted(np.unique(root_of), root_of))
-    copies = per_tree[np.searchsorted(np.unique(root_of), root_of)]
+    _, tree_of, per_tree = np.unique(_top_level_of(tree, units), return_inverse=True, return_counts=True)
+    copies = per_tree[tree_of]
     out = prefix.copy()
     for u in range(len(units)):
         head = int(min(depth[u] - 1, transfer.max_tokens))

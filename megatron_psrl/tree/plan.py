@@ -226,8 +226,8 @@ class PrefixTransfer:
     """The head of a tree split between exchange groups, computed once and sent, not recomputed.
 
     Splitting a tree gives every group that holds a part its own copy of the shared root path
-    (:mod:`megatron_psrl.tree.hierarchical`). For a transferred head, the home rank (the first
-    rank of the first copy's group) computes the first ``length`` tokens of its copy in an
+    (:mod:`megatron_psrl.tree.hierarchical`). For a transferred head, the home rank
+    (:attr:`home_rank`) computes the first ``length`` tokens of its copy in an
     *exported* source, and every other rank whose micro-batches read the head of a copy (the
     home copy's other ranks included) receives their K/V (all layers) instead of computing
     them; the readers' dK/dV go back to the home rank, which adds them before the exported
@@ -236,7 +236,8 @@ class PrefixTransfer:
     the same prefix), since the importer has no hidden states there."""
 
     home_rank: int
-    """Placement rank that computes and sends the head."""
+    """Placement rank that computes and sends the head: the first rank of the home copy's group,
+    or, where that group places trees whole, the rank holding the home copy."""
 
     start: int
     """Tree token at position 0 of the home copy (the export is ``start .. start + length - 1``)."""
