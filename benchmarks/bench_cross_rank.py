@@ -37,9 +37,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_psrl.data.synthetic import make_mixed, make_stepwise, make_tree_rollouts  # noqa: E402
-from megatron_psrl.tree import CostModel, build_prefix_tree  # noqa: E402
-from megatron_psrl.tree.cost import NAMED_MODEL_DIMS  # noqa: E402
-from megatron_psrl.tree.planner import compare_placements  # noqa: E402
+from megatron_psrl.schedule.cost import NAMED_MODEL_DIMS, CostModel
+from megatron_psrl.schedule.planner import compare_placements  # noqa: E402
+from megatron_psrl.tree import build_prefix_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = {
@@ -146,14 +146,15 @@ def overlap_worker(args) -> None:
     from megatron_psrl.distributed.setup import initialize_parallel
     from megatron_psrl.engine import step as step_module
     from megatron_psrl.engine.calibration import discard_gradients
-    from megatron_psrl.engine.planning import plan_with_memory
     from megatron_psrl.engine.step import StepRunner
-    from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory_group
+    from megatron_psrl.kvcache import BlockKVCache, KVGeometry
     from megatron_psrl.model import tiny_config
     from megatron_psrl.model.architecture import ModelArchitecture
     from megatron_psrl.model.builder import build_model
     from megatron_psrl.rl.loss import LossConfig
-    from megatron_psrl.tree.planner import PlannerConfig
+    from megatron_psrl.schedule.config import PlannerConfig
+    from megatron_psrl.schedule.memory import activation_bytes_per_token, plan_memory_group
+    from megatron_psrl.schedule.with_memory import plan_with_memory
 
     torch.set_num_threads(1)
     layout = initialize_parallel(1, 1, seed=0, device="cpu")
@@ -187,12 +188,12 @@ def overlap_worker(args) -> None:
         return wrapper
 
     # Synchronous: the whole per-layer all-to-all (ExchangeKV forward and backward). Overlapped:
-    # starting the transfers (KVTransfer(), return_grad) and waiting for them (wait,
+    # starting the transfers (ExchangeInFlight(), return_grad) and waiting for them (wait,
     # returned_grad). The replica-gradient return (once per deferred backward, synchronous in
     # both) is not counted.
     kv_exchange._all_to_all = timed(kv_exchange._all_to_all)
     for name in ("__init__", "wait", "return_grad", "returned_grad"):
-        setattr(kv_exchange.KVTransfer, name, timed(getattr(kv_exchange.KVTransfer, name)))
+        setattr(kv_exchange.ExchangeInFlight, name, timed(getattr(kv_exchange.ExchangeInFlight, name)))
     replica_return = step_module.return_replica_grads
 
     def uncounted_replica_return(*a, **kw):
@@ -243,7 +244,7 @@ def overlap_worker(args) -> None:
             "sync": lambda: kv_exchange._all_to_all(send, counts, counts, group),
             "attention": lambda: partial_attention_forward(q, kk, vv, True, hn ** -0.5),
             "overlapped": lambda: (lambda t: (partial_attention_forward(q, kk, vv, True, hn ** -0.5), t.wait()))(
-                kv_exchange.KVTransfer(send, counts, counts, group)),
+                kv_exchange.ExchangeInFlight(send, counts, counts, group)),
         }
         times = {name: [] for name in runs}
         for r in range(args.overlap_repeats * 4):

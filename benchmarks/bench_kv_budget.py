@@ -34,10 +34,12 @@ quiet_expected_import_warnings()
 import torch  # noqa: E402
 
 from megatron_psrl.data import make_workload  # noqa: E402
-from megatron_psrl.kvcache import CacheBudgetError, KVGeometry, activation_bytes_per_token, plan_memory  # noqa: E402
+from megatron_psrl.kvcache import CacheBudgetError, KVGeometry
 from megatron_psrl.model import ModelArchitecture, tiny_config  # noqa: E402
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import activation_bytes_per_token, plan_memory
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
-from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
 
 
 def minimal_budget(rank, geometry, act_bytes, high: int, gathers: bool) -> int:

@@ -37,9 +37,10 @@ from step_bench import Bench, write_results  # noqa: E402
 
 from megatron_psrl.data import samples_from_dicts  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
-from megatron_psrl.kvcache import activation_bytes_per_token, simulated_peak_bytes  # noqa: E402
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import activation_bytes_per_token, simulated_peak_bytes
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
-from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
 
 
 def stepwise_search_trees(num_tasks: int, trunk_turns: int, branches: int, branch_turns: int, vocab: int,

@@ -122,13 +122,13 @@ from megatron_psrl.data.samples import SampleBatch  # noqa: E402
 from megatron_psrl.engine.config import ActorConfig  # noqa: E402
 from megatron_psrl.engine.memory import PeakMemory  # noqa: E402
 from megatron_psrl.engine.runners import make_runner  # noqa: E402
-from megatron_psrl.kvcache import plan_memory  # noqa: E402
 from megatron_psrl.model.adapters import get_adapter  # noqa: E402
 from megatron_psrl.model.tiny import tiny_config  # noqa: E402
 from megatron_psrl.rl.actor import PolicyActor  # noqa: E402
 from megatron_psrl.rl.loss import LossConfig  # noqa: E402
+from megatron_psrl.schedule.memory import plan_memory
+from megatron_psrl.schedule.planner import plan_step  # noqa: E402
 from megatron_psrl.tree import build_prefix_tree  # noqa: E402
-from megatron_psrl.tree.planner import plan_step  # noqa: E402
 
 # The model of issue 13 (tiny-llama's h256 / i512 / 4 layers, with 8 heads of 32, 4 KV heads, vocab 2048).
 PEER_MODEL = dict(tiny_config("tiny-llama"), num_attention_heads=8, num_key_value_heads=4, head_dim=32,
@@ -1196,7 +1196,7 @@ def baseline_profile(work: Work, bench: PeerBench, per_sample: Contender, args, 
     computed token, FLOPs and the attention / GEMM / rest split of one profiled step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_psrl.tree.cost import batch_key_pairs, tree_key_pairs
+    from megatron_psrl.tree.key_pairs import batch_key_pairs, tree_key_pairs
 
     tree = build_prefix_tree(work.batch)
     lens = np.diff(work.batch.offsets)

@@ -48,9 +48,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_psrl.tree.cost import NAMED_MODEL_DIMS, CostModel, ModelDims  # noqa: E402
-from megatron_psrl.tree.plan import StepPlan, check_plan  # noqa: E402
-from megatron_psrl.tree.planner import PlannerConfig, plan_step  # noqa: E402
+from megatron_psrl.schedule.check import check_plan
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.cost import NAMED_MODEL_DIMS, CostModel, ModelDims
+from megatron_psrl.schedule.plan import StepPlan
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree.prefix_tree import PrefixTree  # noqa: E402
 
 # ====================================================================== models

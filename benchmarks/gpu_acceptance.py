@@ -261,10 +261,10 @@ def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False)
     no optimizer), the way the engine runs one; returns its time, loss and, with ``measure``,
     its measured peak and the plan's prediction of it."""
     from megatron_psrl.engine.memory import PeakMemory
-    from megatron_psrl.kvcache import plan_memory, step_peak_bytes
     from megatron_psrl.rl.loss import LossConfig
+    from megatron_psrl.schedule.memory import plan_memory, step_peak_bytes
+    from megatron_psrl.schedule.planner import plan_step
     from megatron_psrl.tree import build_prefix_tree
-    from megatron_psrl.tree.planner import plan_step
 
     # Gradients stay allocated between steps (set_to_none=False after the first): the peak is
     # then the step's own memory, what the plan predicts, not the weights' gradient buffers.

@@ -16,10 +16,10 @@ from megatron_psrl.engine.builder import build_engine
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.memory import PeakMemory
 from megatron_psrl.engine.runners import make_runner
-from megatron_psrl.kvcache import plan_memory
 from megatron_psrl.rl.loss import LossConfig
+from megatron_psrl.schedule.memory import plan_memory
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.planner import plan_step
 
 
 class Bench:

@@ -12,11 +12,11 @@ SHARING_MODES = ("tree", "tree-dup", "none")
 """Prefix sharing: mechanisms 1 + 2, mechanism 1 with prefix duplication, none (the baseline)."""
 
 PLACEMENTS = ("auto", "whole-tree", "cross-rank")
-"""Trees over the ranks of an exchange group (``megatron_psrl.tree.planner``)."""
+"""Trees over the ranks of an exchange group (``megatron_psrl.schedule.planner``)."""
 
 CROSS_GROUP_PREFIX = ("auto", "transfer", "recompute")
 """How the parts of a tree split between exchange groups get the path they share: the
-cheaper per part, sent from one rank, or recomputed by every part (``megatron_psrl.tree.hierarchical``)."""
+cheaper per part, sent from one rank, or recomputed by every part (``megatron_psrl.schedule.group_split``)."""
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 """Aggregations of the per-claim loss over the global batch (docs/loss.md)."""

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Every step plan the suite makes (here and in the torchrun scripts it starts, which inherit
 # the environment) is checked against the plan's invariants when it is made
-# (megatron_psrl/tree/plan.py, ``check_plan``).
+# (megatron_psrl/schedule/plan.py, ``check_plan``).
 os.environ.setdefault("PSRL_CHECK_PLANS", "1")
 
 from helpers.fresh_process import is_fresh_child, run_in_fresh_process  # noqa: E402

@@ -47,9 +47,9 @@ from megatron_psrl.cli import HelpFormatter, call_cli  # noqa: E402
 from megatron_psrl.data.loader import load_samples  # noqa: E402
 from megatron_psrl.data.samples import SampleBatch  # noqa: E402
 from megatron_psrl.engine.engine import cost_model_for  # noqa: E402
-from megatron_psrl.tree import (  # noqa: E402
-    NAMED_MODEL_DIMS,
-    CostModel,
+from megatron_psrl.schedule.cost import NAMED_MODEL_DIMS, CostModel
+from megatron_psrl.schedule.planner import compare_placements  # noqa: E402
+from megatron_psrl.tree import (
     PrefixTree,
     build_prefix_tree,
     node_level,
@@ -57,7 +57,6 @@ from megatron_psrl.tree import (  # noqa: E402
     sample_shared_fraction,
     tree_stats,
 )
-from megatron_psrl.tree.planner import compare_placements  # noqa: E402
 
 LARGE_INPUT_BYTES = 32 << 20
 """Inputs above this size get tqdm progress bars."""

@@ -31,10 +31,10 @@ Overlapped exchange (:func:`exchange_kv_start`, the default; ``--no-overlap-kv-e
 keeps the synchronous :func:`exchange_kv`): the forward all-to-all is started with
 ``async_op=True`` and :class:`ExchangeKVAsync` returns its receive buffer before it is filled;
 the attention computes its queries over the keys it already has (its own fragment, cached
-prefixes), then waits (:meth:`KVTransfer.wait`), then attends to the received rows and merges
+prefixes), then waits (:meth:`ExchangeInFlight.wait`), then attends to the received rows and merges
 both by log-sum-exp (the ``torch`` backend; the others wait before their kernel). In the
 backward the attention computes the received rows' gradients first and starts sending them
-back (:meth:`KVTransfer.return_grad`, again ``async_op=True``) before the rest of its backward;
+back (:meth:`ExchangeInFlight.return_grad`, again ``async_op=True``) before the rest of its backward;
 :class:`ExchangeKVAsync`'s backward waits for them. The same rules hold: the receive buffer
 keeps the padding rows (every split is ``max(count, 1)`` rows, which is what the synchronous
 path sends too), and every rank issues one collective per layer and direction, in layer
@@ -164,7 +164,7 @@ def _unpad_rows(padded: Tensor, counts: Sequence[int]) -> Tensor:
     return torch.cat(kept) if kept else padded[:0]
 
 
-class KVTransfer:
+class ExchangeInFlight:
     """One layer's prefix K/V all-to-all in flight (forward), and the return of the received
     rows' gradients (backward).
 
@@ -255,16 +255,16 @@ class KVTransfer:
 
 class ExchangeKVAsync(torch.autograd.Function):
     """:class:`ExchangeKV` with the transfer in flight when it returns: ``(k, v) -> (k, v,
-    buffer)``, ``buffer`` the padded receive buffer (:class:`KVTransfer`; valid after
+    buffer)``, ``buffer`` the padded receive buffer (:class:`ExchangeInFlight`; valid after
     ``transfer.wait()``; source ``src``'s rows start at ``transfer.offsets[src]``). Its backward
     sends the received rows' gradients back, unless the attention started that already
-    (:meth:`KVTransfer.return_grad`), and adds the returned ones to the rows this rank sent."""
+    (:meth:`ExchangeInFlight.return_grad`), and adds the returned ones to the rows this rank sent."""
 
     @staticmethod
     def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,
                 box: list):
         kv = _rows_to_send(k, v, send_rows)
-        transfer = KVTransfer(kv, send_counts, recv_counts, group)
+        transfer = ExchangeInFlight(kv, send_counts, recv_counts, group)
         box.append(transfer)
         ctx.save_for_backward(send_rows)
         ctx.transfer = transfer
@@ -274,7 +274,7 @@ class ExchangeKVAsync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_k: Optional[Tensor], grad_v: Optional[Tensor], grad_buffer: Optional[Tensor]):
         (send_rows,) = ctx.saved_tensors
-        transfer: KVTransfer = ctx.transfer
+        transfer: ExchangeInFlight = ctx.transfer
         if not transfer.returning_grad:  # the attention did not start it (e.g. no peer read here)
             if grad_buffer is None:
                 shape, dtype, device = transfer.buffer_like
@@ -297,7 +297,7 @@ def exchange_kv_start(k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List
         return k, v, buffer, box[0]
     with torch.no_grad():
         kv = _rows_to_send(k, v, send_rows)
-        transfer = KVTransfer(kv, send_counts, recv_counts, group)
+        transfer = ExchangeInFlight(kv, send_counts, recv_counts, group)
         return k, v, transfer.buffer, transfer
 
 
@@ -308,7 +308,7 @@ class ReceivedKV:
 
     __slots__ = ("transfer", "buffer", "offset", "length")
 
-    def __init__(self, transfer: KVTransfer, buffer: Tensor, offset: int, length: int):
+    def __init__(self, transfer: ExchangeInFlight, buffer: Tensor, offset: int, length: int):
         self.transfer, self.buffer, self.offset, self.length = transfer, buffer, int(offset), int(length)
 
     def materialize(self):

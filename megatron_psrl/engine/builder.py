@@ -40,13 +40,14 @@ from megatron_psrl.engine.calibration import calibrate_for_planning
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, cost_model_for, same_layout
 from megatron_psrl.engine.optimizer import build_optimizer
-from megatron_psrl.engine.planning import whole_tree_reasons
 from megatron_psrl.engine.runners import make_runner
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.model.logits import loss_head_peak_bytes
 from megatron_psrl.model.stages import pipeline_layer_counts, virtual_pipeline_size
+from megatron_psrl.schedule.memory import activation_bytes_per_token
+from megatron_psrl.schedule.with_memory import whole_tree_reasons
 
 Log = Callable[[str], None]
 
@@ -234,7 +235,7 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
 
     Trees are placed whole with recomputation, and with pipeline stages unless ``--placement
     cross-rank`` asks for them to be split over pipelines
-    (:func:`~megatron_psrl.engine.planning.whole_tree_reasons`). Where trees may be split over
+    (:func:`~megatron_psrl.schedule.with_memory.whole_tree_reasons`). Where trees may be split over
     an exchange group, the planner weighs compute against transfers measured on this model at
     start-up (not with pipeline stages: a stage cannot run the whole model; placement is
     cross-rank by request there, fragments cut by the FLOP cost model)."""

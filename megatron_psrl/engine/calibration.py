@@ -12,7 +12,7 @@ run that may place tree fragments across ranks measures, on its own model:
   layer's all-to-all started asynchronously while one layer's attention over a micro-batch's
   keys runs, as the overlapped exchange does (:func:`measure_exchange_overlap`). With the
   overlap on (``--no-overlap-kv-exchange`` turns it off) the planner charges only that share
-  of the exchange (:func:`megatron_psrl.tree.cost.exposed_exchange_cost`).
+  of the exchange (:func:`megatron_psrl.schedule.cost.exposed_exchange_cost`).
 
 The measurements are averaged over all ranks, so every rank plans with the same numbers (the
 plans, and so the collectives, must be identical everywhere). The measuring passes leave no
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from megatron_psrl.attention import TreeAttentionMetadata, causal_plan
 from megatron_psrl.attention.partial import partial_attention_forward
 from megatron_psrl.checkpoint.atomic import atomic_write_text
-from megatron_psrl.distributed.kv_exchange import KVTransfer, return_replica_grads
+from megatron_psrl.distributed.kv_exchange import ExchangeInFlight, return_replica_grads
 from megatron_psrl.errors import CheckpointError
 from megatron_psrl.model.logits import vocab_parallel_logprobs
-from megatron_psrl.tree.cost import CostModel, exposed_exchange_fraction
+from megatron_psrl.schedule.cost import CostModel, exposed_exchange_fraction
 
 
 @dataclass
@@ -204,7 +204,7 @@ def measure_exchange_overlap(group, num_heads: int, num_groups: int, head_dim: i
     sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
 
     def exchange():
-        KVTransfer(send, counts, counts, group).wait()
+        ExchangeInFlight(send, counts, counts, group).wait()
         sync()
 
     def attention():
@@ -212,7 +212,7 @@ def measure_exchange_overlap(group, num_heads: int, num_groups: int, head_dim: i
         sync()
 
     def both():
-        transfer = KVTransfer(send, counts, counts, group)
+        transfer = ExchangeInFlight(send, counts, counts, group)
         partial_attention_forward(q, k, v, True, head_dim ** -0.5)
         transfer.wait()
         sync()

@@ -5,7 +5,7 @@ model and placement, and the process groups (its :class:`ParallelLayout`); it is
 :func:`megatron_psrl.engine.builder.build_engine`. A step, as the engine runs it:
 
 1. :meth:`Engine.plan`: the batch's prefix tree, the step plan (trees over ranks, micro-batches,
-   schedule; :mod:`megatron_psrl.tree.plan`) and this rank's KV memory plan;
+   schedule; :mod:`megatron_psrl.schedule.plan`) and this rank's KV memory plan;
 2. the step runner (:mod:`megatron_psrl.engine.step`, or :mod:`~megatron_psrl.engine.pipeline`
    with pipeline stages) runs this rank's micro-batches; gradients accumulate in the model;
 3. losses and metrics are reduced over the data x context parallel ranks
@@ -32,20 +32,20 @@ from megatron_psrl.engine.calibration import MeasuredCosts
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.logprobs import per_sample_logprobs, run_logprobs
 from megatron_psrl.engine.optimizer import StepOutcome
-from megatron_psrl.engine.planning import memory_plans, plan_with_memory, transfer_reasons
 from megatron_psrl.engine.step import StepRunner
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory, plan_memory_group
-from megatron_psrl.kvcache.memory_plan import MemoryPlan
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.moe import ExpertLoad, expert_load_summary
 from megatron_psrl.model.sequence_parallel import sequence_parallel_group
 from megatron_psrl.model.stages import stage_counts, virtual_stages
 from megatron_psrl.rl.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.memory import MemoryPlan, plan_forward_memory, plan_memory_group
+from megatron_psrl.schedule.plan import StepPlan, token_aliases
+from megatron_psrl.schedule.with_memory import memory_plans, plan_with_memory, transfer_reasons
 from megatron_psrl.tree.build import build_prefix_tree
-from megatron_psrl.tree.cost import CostModel
-from megatron_psrl.tree.plan import StepPlan, token_aliases
-from megatron_psrl.tree.planner import PlannerConfig
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 

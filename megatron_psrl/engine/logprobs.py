@@ -17,18 +17,19 @@ from megatron.core import parallel_state
 
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
-from megatron_psrl.engine.planning import plan_with_memory, transfer_reasons, whole_tree_reasons
 from megatron_psrl.engine.runners import make_runner
 from megatron_psrl.engine.step import ComputedLogprobs, StepRunner
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, plan_forward_memory
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES
 from megatron_psrl.model.stages import split_of_config
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.memory import plan_forward_memory
+from megatron_psrl.schedule.plan import token_aliases
+from megatron_psrl.schedule.with_memory import plan_with_memory, transfer_reasons, whole_tree_reasons
 from megatron_psrl.tree.build import build_prefix_tree
-from megatron_psrl.tree.cost import CostModel
-from megatron_psrl.tree.plan import token_aliases
-from megatron_psrl.tree.planner import PlannerConfig
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 

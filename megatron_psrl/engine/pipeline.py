@@ -49,13 +49,13 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.compat import install_cpu_pipeline_shims
+from megatron_psrl.engine.host_copy import DeviceSums, host_to_device
 from megatron_psrl.engine.step import ComputedLogprobs, StepOutput, StepRunner
-from megatron_psrl.engine.transfer import DeviceSums, host_to_device
 from megatron_psrl.errors import ConfigurationError
-from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.rl.loss import ClaimLoss, claim_coefficients
-from megatron_psrl.tree.plan import StepPlan
+from megatron_psrl.schedule.memory import MemoryPlan
+from megatron_psrl.schedule.plan import StepPlan
 
 Tensor = torch.Tensor
 

@@ -25,15 +25,15 @@ import torch.distributed as dist
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start, return_replica_grads
-from megatron_psrl.engine.head_transfer import HeadTransfers
-from megatron_psrl.engine.transfer import DeviceSums, host_to_device
+from megatron_psrl.engine.head_sends import HeadSends
+from megatron_psrl.engine.host_copy import DeviceSums, host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
-from megatron_psrl.kvcache.memory_plan import MemoryPlan
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_logprobs
 from megatron_psrl.rl.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
-from megatron_psrl.tree.packing import PackedMicroBatch
-from megatron_psrl.tree.plan import RankPlan, StepPlan
+from megatron_psrl.schedule.memory import MemoryPlan
+from megatron_psrl.schedule.packing import PackedMicroBatch
+from megatron_psrl.schedule.plan import RankPlan, StepPlan
 
 Tensor = torch.Tensor
 
@@ -333,7 +333,7 @@ class StepRunner:
         """Process group of the ranks that exchange prefix K/V (cross-rank plans)."""
         self.transfer_group = None
         """The data x context parallel group, over which prefix heads travel between exchange
-        groups (:mod:`megatron_psrl.engine.head_transfer`; a rank's index in it is its placement
+        groups (:mod:`megatron_psrl.engine.head_sends`; a rank's index in it is its placement
         rank); needed by plans with transfers."""
         self._gather_in_backward = False
         """This step's memory plan has readers gather cached K/V again in backward."""
@@ -528,13 +528,13 @@ class StepRunner:
                 for j, layer in enumerate(layers):
                     cache.accumulate_grad(s, layer, chunk[:, j, 0], chunk[:, j, 1])
 
-    def _start_transfers(self, plan: StepPlan, rank: int, with_grads: bool) -> Optional[HeadTransfers]:
+    def _start_transfers(self, plan: StepPlan, rank: int, with_grads: bool) -> Optional[HeadSends]:
         """This rank's part in the step's prefix transfers (posts its first messages), or None."""
         if not plan.transfers:
             return None
         if self.transfer_group is None:
             raise RuntimeError("a plan with prefix transfers needs the runner's transfer_group")
-        return HeadTransfers(plan, rank, self.kv_cache, self.transfer_group, with_grads)
+        return HeadSends(plan, rank, self.kv_cache, self.transfer_group, with_grads)
 
     # ------------------------------------------------------------------ expert parallelism
     @staticmethod

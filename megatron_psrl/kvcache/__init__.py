@@ -1,4 +1,8 @@
-"""The dynamic-block KV cache manager of mechanism 2 (see docs/architecture.md)."""
+"""The dynamic-block KV cache manager of mechanism 2 (see docs/architecture.md).
+
+How many blocks a step needs and which graphs it keeps is planned with the step
+(:mod:`megatron_psrl.schedule.memory`); this package holds the blocks.
+"""
 
 from megatron_psrl.kvcache.manager import (
     BLOCK_SIZE_CLASSES,
@@ -8,34 +12,12 @@ from megatron_psrl.kvcache.manager import (
     KVGeometry,
     choose_block_size,
 )
-from megatron_psrl.kvcache.memory_plan import (
-    ALLOCATOR_MARGIN,
-    MemoryPlan,
-    activation_bytes_per_token,
-    attention_saved_bytes_per_token,
-    plan_forward_memory,
-    plan_memory,
-    plan_memory_group,
-    saved_activation_bytes_per_token,
-    simulated_peak_bytes,
-    step_peak_bytes,
-)
 
 __all__ = [
-    "ALLOCATOR_MARGIN",
     "BLOCK_SIZE_CLASSES",
     "BlockKVCache",
     "CacheBudgetError",
     "CacheMetrics",
     "KVGeometry",
-    "MemoryPlan",
-    "activation_bytes_per_token",
-    "attention_saved_bytes_per_token",
     "choose_block_size",
-    "plan_forward_memory",
-    "plan_memory",
-    "plan_memory_group",
-    "saved_activation_bytes_per_token",
-    "simulated_peak_bytes",
-    "step_peak_bytes",
 ]

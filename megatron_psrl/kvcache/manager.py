@@ -11,7 +11,7 @@ Lifetimes follow reference counts the planner computes: K/V blocks are freed onc
 reader (including a reader that recomputes its forward later) has read them; gradient blocks
 are freed right after the producer's backward has consumed them. The pool never grows past
 the byte budget: :meth:`allocate` raises :class:`CacheBudgetError`, and the memory planner
-(``megatron_psrl.kvcache.memory_plan``) makes sure a plan never asks for more.
+(``megatron_psrl.schedule.memory``) makes sure a plan never asks for more.
 
 The block size is chosen per step from the lengths of the step's sources (``choose_block_size``):
 the size class that minimises padding waste plus a per-block table cost.

@@ -331,7 +331,7 @@ class PolicyActor:
     def save(self, save_dir: str) -> str:
         """Save model and optimizer (none for a ``for_training=False`` actor) as iteration
         ``self.iteration``; every rank calls it. Atomic, one writer per folder."""
-        from megatron_psrl.engine.checkpointing import save_training_checkpoint
+        from megatron_psrl.checkpoint.saving import save_training_checkpoint
 
         fmt = self.config.ckpt_format
         if self.config.optimizer.use_distributed_optimizer and self.optimizer is not None and fmt == "legacy":

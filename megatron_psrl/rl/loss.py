@@ -33,7 +33,7 @@ from typing import Callable, Dict, Optional, Protocol, Tuple
 import numpy as np
 import torch
 
-from megatron_psrl.engine.transfer import host_to_device
+from megatron_psrl.engine.host_copy import host_to_device
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.options import LOSS_AGGREGATIONS
 from megatron_psrl.tree.prefix_tree import PrefixTree

@@ -1,12 +1,14 @@
-"""The global prefix tree of an update batch, its statistics and the cost model."""
+"""The global prefix tree of an update batch: build, keys, per-token index, statistics, chunks.
+
+This package knows the tree only: how a step is planned over it (cost model, placement,
+micro-batches, memory) lives in :mod:`megatron_psrl.schedule`, above it.
+"""
 
 from megatron_psrl.tree.build import build_prefix_tree
-from megatron_psrl.tree.cost import (
-    NAMED_MODEL_DIMS,
-    TINY_MODEL_DIMS,
-    CostModel,
-    ModelDims,
+from megatron_psrl.tree.index import TreeIndex, chain_structure
+from megatron_psrl.tree.key_pairs import (
     batch_key_pairs,
+    claimed_tokens,
     node_key_pairs,
     tree_key_pairs,
     unshared_key_pairs,
@@ -21,15 +23,14 @@ from megatron_psrl.tree.prefix_tree import (
 from megatron_psrl.tree.stats import TreeStats, sample_shared_fraction, tree_stats
 
 __all__ = [
-    "NAMED_MODEL_DIMS",
-    "TINY_MODEL_DIMS",
-    "CostModel",
-    "ModelDims",
     "PrefixTree",
+    "TreeIndex",
     "TreeStats",
     "batch_key_pairs",
     "build_prefix_tree",
+    "chain_structure",
     "check_tree",
+    "claimed_tokens",
     "node_key_pairs",
     "node_level",
     "node_num_children",

@@ -2,8 +2,8 @@
 
 A chunk is a contiguous depth-first range of tree tokens, so all its outside ancestors lie on
 the path to its first token, in earlier chunks. The whole-tree planner (mechanism 2's chunks
-on one rank, :mod:`megatron_psrl.tree.planner`) and the cross-rank planner (fragments on
-several ranks, :mod:`megatron_psrl.tree.cross_rank`) both turn those path pieces into chains
+on one rank, :mod:`megatron_psrl.schedule.planner`) and the cross-rank planner (fragments on
+several ranks, :mod:`megatron_psrl.schedule.cross_rank`) both turn those path pieces into chains
 that later chunks read.
 """
 
@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from megatron_psrl.tree.packing import TreeIndex, chain_structure
+from megatron_psrl.tree.index import TreeIndex, chain_structure
 
 
 def _union_of_paths(index: TreeIndex, tokens, floor: int) -> np.ndarray:

@@ -1,17 +1,17 @@
 """Statistics of a prefix tree: how much an update batch shares, and what it could save.
 
-    stats = tree_stats(build_prefix_tree(batch), CostModel.named("llama3-8b"))
+    stats = tree_stats(build_prefix_tree(batch), CostModel.named("llama3-8b"))  # schedule.cost
     print(stats.ideal_speedup, stats.to_dict())
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from megatron_psrl.tree.cost import CostModel, batch_key_pairs, tree_key_pairs
+from megatron_psrl.tree.key_pairs import batch_key_pairs, tree_key_pairs
 from megatron_psrl.tree.prefix_tree import PrefixTree, node_level, node_num_children
 
 
@@ -73,8 +73,9 @@ class TreeStats:
         return asdict(self)
 
 
-def tree_stats(tree: PrefixTree, cost_model: Optional[CostModel] = None) -> TreeStats:
-    """Statistics of ``tree``; with ``cost_model`` also its FLOPs and ideal speedup."""
+def tree_stats(tree: PrefixTree, cost_model: Optional[Any] = None) -> TreeStats:
+    """Statistics of ``tree``; with ``cost_model`` (a :class:`megatron_psrl.schedule.cost.CostModel`,
+    taken as it comes: the tree sits below the schedule) also its FLOPs and ideal speedup."""
     batch = tree.batch
     lengths = batch.lengths
     children = node_num_children(tree)

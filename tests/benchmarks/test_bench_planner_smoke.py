@@ -50,7 +50,7 @@ def test_synthetic_plans_pass_check_plan():
     """In-process: every workload's plan at 16 ranks in groups of 8 is exact (check_plan), and
     the trees' trajectories and token counts are what the generators say."""
     bench = _bench()
-    from megatron_psrl.tree.plan import check_plan
+    from megatron_psrl.schedule.check import check_plan
 
     args = bench.parse_args(["--quick"])
     for workload in bench.WORKLOADS:

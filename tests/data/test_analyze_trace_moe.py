@@ -11,7 +11,7 @@ import pytest
 
 from megatron_psrl.engine.engine import cost_model_for
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.tree import CostModel
+from megatron_psrl.schedule.cost import CostModel
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 

@@ -36,14 +36,16 @@ from megatron_psrl.data.synthetic import make_grpo
 from megatron_psrl.distributed.setup import initialize_parallel
 from megatron_psrl.engine.logprobs import compute_logprobs
 from megatron_psrl.engine.step import StepRunner
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.model import tiny_config
 from megatron_psrl.model.adapters import get_adapter, unfuse_experts
 from megatron_psrl.model.gpt import PsrlTransformerLayer
 from megatron_psrl.model.moe import moe_layers
 from megatron_psrl.rl.loss import LossConfig
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import activation_bytes_per_token, plan_memory
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 CONFIG = dict(tiny_config("debug-llama"), vocab_size=256)
 LOSS = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")

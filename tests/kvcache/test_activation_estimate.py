@@ -14,9 +14,13 @@ import sys
 import pytest
 from helpers.torchrun import script_env
 
-from megatron_psrl.kvcache import ALLOCATOR_MARGIN, activation_bytes_per_token, saved_activation_bytes_per_token
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.tiny import TINY_CONFIGS, tiny_config
+from megatron_psrl.schedule.memory import (
+    ALLOCATOR_MARGIN,
+    activation_bytes_per_token,
+    saved_activation_bytes_per_token,
+)
 
 pytestmark = pytest.mark.slow  # measurements in fresh processes
 

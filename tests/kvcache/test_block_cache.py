@@ -5,16 +5,11 @@ import pytest
 import torch
 
 from megatron_psrl.data import make_workload
-from megatron_psrl.kvcache import (
-    BlockKVCache,
-    CacheBudgetError,
-    KVGeometry,
-    choose_block_size,
-    plan_memory,
-    simulated_peak_bytes,
-)
+from megatron_psrl.kvcache import BlockKVCache, CacheBudgetError, KVGeometry, choose_block_size
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import plan_memory, simulated_peak_bytes
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 GEOM = KVGeometry(num_layers=3, num_groups=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
 

@@ -8,11 +8,13 @@ import pytest
 from helpers.batches import cross_rank_batch, random_tree_batch
 
 from megatron_psrl.data import make_workload
-from megatron_psrl.kvcache import CacheBudgetError, plan_memory_group
-from megatron_psrl.tree import CostModel, build_prefix_tree
-from megatron_psrl.tree.cross_rank import plan_group_cross_rank
-from megatron_psrl.tree.packing import TreeIndex
-from megatron_psrl.tree.planner import token_cost_function
+from megatron_psrl.kvcache import CacheBudgetError
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.cross_rank import plan_group_cross_rank
+from megatron_psrl.schedule.memory import plan_memory_group
+from megatron_psrl.schedule.planner import token_cost_function
+from megatron_psrl.tree import build_prefix_tree
+from megatron_psrl.tree.index import TreeIndex
 
 
 class _Geometry:  # what the memory plan reads of a KVGeometry

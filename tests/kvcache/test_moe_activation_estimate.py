@@ -19,11 +19,15 @@ from helpers.torchrun import script_env
 from megatron_psrl.attention import TreeAttentionMetadata, tree_plan
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.distributed.setup import initialize_parallel
-from megatron_psrl.kvcache import ALLOCATOR_MARGIN, activation_bytes_per_token, saved_activation_bytes_per_token
-from megatron_psrl.kvcache.memory_plan import moe_saved_bytes_per_token
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.moe import install_moe_runtime
 from megatron_psrl.model.tiny import MOE_CONFIGS, tiny_config
+from megatron_psrl.schedule.memory import (
+    ALLOCATOR_MARGIN,
+    activation_bytes_per_token,
+    moe_saved_bytes_per_token,
+    saved_activation_bytes_per_token,
+)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "measure_moe_activations.py")
 PROMPT, RESPONSES, RESPONSE = 96, 2, 16  # a 128-token tree pack: two responses share a prompt

@@ -21,7 +21,7 @@ from megatron_psrl.attention.backends.varlen import varlen_tree_attention
 from megatron_psrl.attention.partial import partial_attention_backward, partial_attention_forward
 from megatron_psrl.attention.plan import tree_plan
 from megatron_psrl.engine.memory import heap_bytes_in_use
-from megatron_psrl.kvcache import ALLOCATOR_MARGIN, attention_saved_bytes_per_token
+from megatron_psrl.schedule.memory import ALLOCATOR_MARGIN, attention_saved_bytes_per_token
 
 NP, NG, HN, SCALE = 4, 2, 32, 0.125
 PROMPT, RESPONSES, RESPONSE, SYSTEM = 512, 16, 16, 128

@@ -9,9 +9,9 @@ import torch
 from helpers.faults import error_line, leftovers, train
 
 from megatron_psrl.checkpoint.loading import load_full_state_dict
+from megatron_psrl.checkpoint.saving import save_training_checkpoint
 from megatron_psrl.data import samples_from_dicts
 from megatron_psrl.distributed.setup import initialize_parallel
-from megatron_psrl.engine.checkpointing import save_training_checkpoint
 from megatron_psrl.engine.optimizer import OptimizerSettings, TrainingOptimizer
 from megatron_psrl.errors import CheckpointWriteError
 from megatron_psrl.model import tiny_config

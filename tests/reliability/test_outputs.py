@@ -17,8 +17,8 @@ from helpers.faults import SMALL, error_line, leftovers, train
 from megatron_psrl.checkpoint import legacy_format
 from megatron_psrl.checkpoint.layout import TRACKER, read_checkpoint_info
 from megatron_psrl.checkpoint.lock import LOCK_NAME, SaveDirLock
+from megatron_psrl.checkpoint.saving import save_training_checkpoint
 from megatron_psrl.distributed.setup import initialize_parallel
-from megatron_psrl.engine.checkpointing import save_training_checkpoint
 from megatron_psrl.errors import CheckpointWriteError, ConfigurationError
 from megatron_psrl.model import tiny_config
 from megatron_psrl.model.architecture import ModelArchitecture

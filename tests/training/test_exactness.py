@@ -15,10 +15,12 @@ from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_samp
 
 from megatron_psrl.engine.logprobs import compute_logprobs
 from megatron_psrl.engine.step import StepRunner
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.rl.loss import LossConfig
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import activation_bytes_per_token, plan_memory
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 CASES = [
     # (sharing mode, micro-batch tokens, kv budget bytes): M1, baseline, dup, M2 keep, M2 recompute

@@ -1,5 +1,5 @@
 """The planner charges only the exposed part of an overlapped prefix K/V exchange:
-``max(0, exchange - overlappable)`` (``tree/cost.py``), as the share the start-up calibration
+``max(0, exchange - overlappable)`` (``schedule/cost.py``), as the share the start-up calibration
 measures (``MeasuredCosts.exchange_exposed_fraction``), and the whole exchange with
 ``--no-overlap-kv-exchange``."""
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_psrl.distributed.setup import initialize_parallel
 from megatron_psrl.engine.calibration import MeasuredCosts, measure_exchange_overlap
-from megatron_psrl.tree.cost import exposed_exchange_cost, exposed_exchange_fraction
+from megatron_psrl.schedule.cost import exposed_exchange_cost, exposed_exchange_fraction
 
 
 def test_exposed_exchange_cost_is_what_the_overlap_leaves():

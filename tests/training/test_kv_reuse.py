@@ -14,17 +14,12 @@ from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_samp
 from megatron_psrl.data import samples_from_dicts
 from megatron_psrl.engine.memory import PeakMemory
 from megatron_psrl.engine.step import StepRunner
-from megatron_psrl.kvcache import (
-    BlockKVCache,
-    CacheBudgetError,
-    KVGeometry,
-    activation_bytes_per_token,
-    plan_memory,
-    simulated_peak_bytes,
-)
+from megatron_psrl.kvcache import BlockKVCache, CacheBudgetError, KVGeometry
 from megatron_psrl.rl.loss import LossConfig
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import activation_bytes_per_token, plan_memory, simulated_peak_bytes
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 BUDGET = 16  # micro-batch tokens
 
@@ -187,8 +182,8 @@ def test_micro_batches_cut_at_branch_switches_are_exact_and_chosen_before_duplic
     """The search tree planned with micro-batches cut where the stream moves to a sibling
     branch trains exactly; and a budget that only this cut fits makes the trainer's planning
     pick it (sharing stays ``tree``) instead of duplicating prefixes."""
-    from megatron_psrl.engine.planning import plan_with_memory
-    from megatron_psrl.kvcache import plan_memory_group
+    from megatron_psrl.schedule.memory import plan_memory_group
+    from megatron_psrl.schedule.with_memory import plan_with_memory
 
     arch, model = psrl_model
     batch = search_tree_batch()

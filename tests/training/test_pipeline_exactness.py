@@ -22,7 +22,7 @@ from helpers.tolerance import rounding_tolerance
 from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl.data.loader import samples_from_dicts
-from megatron_psrl.engine.planning import whole_tree_reasons
+from megatron_psrl.schedule.with_memory import whole_tree_reasons
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "training", "scripts", "pipeline_step.py")
 FAMILIES = ("llama", "qwen3")

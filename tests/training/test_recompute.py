@@ -103,8 +103,8 @@ def test_full_recomputation_lowers_the_measured_peak():
     import subprocess
     import sys
 
-    from megatron_psrl.kvcache import saved_activation_bytes_per_token
     from megatron_psrl.model.tiny import tiny_config
+    from megatron_psrl.schedule.memory import saved_activation_bytes_per_token
 
     peaks, tokens = {}, {}
     for name, extra in (("none", {}), ("full", RECOMPUTE["full-uniform"])):

@@ -12,14 +12,8 @@ import pytest
 from hypothesis import strategies as st
 
 from megatron_psrl.data.samples import SampleBatch
-from megatron_psrl.tree import (
-    CostModel,
-    build_prefix_tree,
-    check_tree,
-    node_level,
-    node_num_children,
-    tree_stats,
-)
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.tree import build_prefix_tree, check_tree, node_level, node_num_children, tree_stats
 
 
 # ---------------------------------------------------------------------- the naive trie

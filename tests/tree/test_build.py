@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from naive_trie_lib import assert_matches_naive, batches, make_batch
 
 from megatron_psrl.data.samples import SampleBatch
-from megatron_psrl.tree import CostModel, build_prefix_tree, node_level, tree_stats
+from megatron_psrl.schedule.cost import CostModel
 from megatron_psrl.tree import build as build_module
+from megatron_psrl.tree import build_prefix_tree, node_level, tree_stats
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -10,14 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from naive_trie_lib import batches, make_batch
 
-from megatron_psrl.tree import (
-    NAMED_MODEL_DIMS,
-    TINY_MODEL_DIMS,
-    CostModel,
-    build_prefix_tree,
-    sample_shared_fraction,
-    tree_stats,
-)
+from megatron_psrl.schedule.cost import NAMED_MODEL_DIMS, TINY_MODEL_DIMS, CostModel
+from megatron_psrl.tree import build_prefix_tree, sample_shared_fraction, tree_stats
 
 
 def linear_weights(model: CostModel) -> float:

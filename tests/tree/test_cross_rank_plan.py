@@ -8,10 +8,12 @@ import pytest
 from helpers.batches import random_tree_batch
 
 from megatron_psrl.data import make_workload, samples_from_dicts
-from megatron_psrl.tree import CostModel, build_prefix_tree
-from megatron_psrl.tree.cross_rank import plan_group_cross_rank
-from megatron_psrl.tree.packing import TreeIndex
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.cross_rank import plan_group_cross_rank
+from megatron_psrl.schedule.planner import plan_step
+from megatron_psrl.tree import build_prefix_tree
+from megatron_psrl.tree.index import TreeIndex
 
 COST = CostModel.named("tiny")
 

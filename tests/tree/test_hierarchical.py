@@ -1,4 +1,4 @@
-"""Trees split between exchange groups (megatron_psrl.tree.hierarchical): the regrouped tree
+"""Trees split between exchange groups (megatron_psrl.schedule.group_split): the regrouped tree
 holds every sample and every claim exactly once, plans over it pass every invariant, a single
 tree no longer leaves groups idle, and batches that balance already are planned as before."""
 
@@ -7,10 +7,11 @@ import pytest
 from helpers.batches import cross_rank_batch
 
 from megatron_psrl.data.synthetic import make_stepwise
+from megatron_psrl.schedule.check import check_plan
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.group_split import regroup_tree, sample_groups, split_units
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree.build import build_prefix_tree
-from megatron_psrl.tree.hierarchical import regroup_tree, sample_groups, split_units
-from megatron_psrl.tree.plan import check_plan
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 
 def _one_tree():

@@ -10,9 +10,10 @@ from helpers.batches import cross_rank_batch
 
 from megatron_psrl.data.synthetic import make_stepwise
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree.build import build_prefix_tree
-from megatron_psrl.tree.packing import TreeIndex
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
+from megatron_psrl.tree.index import TreeIndex
 
 
 def _rank_view(rank_plan):

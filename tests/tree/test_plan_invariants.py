@@ -1,4 +1,4 @@
-"""``check_plan`` (megatron_psrl/tree/plan.py): every plan the planners make passes it, for every
+"""``check_plan`` (megatron_psrl/schedule/plan.py): every plan the planners make passes it, for every
 workload, budget, sharing mode and data-parallel / exchange-group layout; and every invariant it
 checks is real: a plan corrupted in one way (a claim dropped or duplicated, a reader before its
 producer, a producer's backward before its reader's, a schedule step lost, an exchange on one
@@ -11,11 +11,14 @@ import pytest
 from helpers.batches import cross_rank_batch, random_tree_batch
 
 from megatron_psrl.data import make_workload
-from megatron_psrl.tree import CostModel, build_prefix_tree
-from megatron_psrl.tree import plan as plan_module
-from megatron_psrl.tree.packing import TreeIndex
-from megatron_psrl.tree.plan import PlanInvariantError, PlanningError, check_plan, maybe_check_plan
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
+from megatron_psrl.schedule import check as plan_module
+from megatron_psrl.schedule.check import check_plan, maybe_check_plan
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.plan import PlanInvariantError, PlanningError
+from megatron_psrl.schedule.planner import plan_step
+from megatron_psrl.tree import build_prefix_tree
+from megatron_psrl.tree.index import TreeIndex
 
 COST = CostModel.named("tiny")
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2), (3, 3)]  # (data_parallel_size, exchange_group_size)

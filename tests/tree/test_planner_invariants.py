@@ -11,9 +11,10 @@ import pytest
 from helpers.batches import random_tree_batch
 
 from megatron_psrl.data import make_workload
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.plan import PlanningError
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.plan import PlanningError
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 
 def _ancestors(index, x):
@@ -128,7 +129,8 @@ def test_cutting_at_branch_switches_keeps_one_chain_alive():
     peak of a step-wise tree (all graphs dropped, torch backend's re-gathering)."""
     import torch
 
-    from megatron_psrl.kvcache import KVGeometry, simulated_peak_bytes
+    from megatron_psrl.kvcache import KVGeometry
+    from megatron_psrl.schedule.memory import simulated_peak_bytes
 
     batch = make_workload("stepwise", vocab_size=512, seed=1, num_tokens_target=20000)
     tree = build_prefix_tree(batch)

@@ -1,5 +1,5 @@
 """Heads of trees split between exchange groups sent instead of recomputed
-(``PlannerConfig.cross_group_prefix``, :class:`megatron_psrl.tree.plan.PrefixTransfer`): plans with
+(``PlannerConfig.cross_group_prefix``, :class:`megatron_psrl.schedule.plan.HeadSend`): plans with
 transfers pass every invariant in every layout, compute fewer tokens than recomputing, keep every
 claim (moved to the home copy's same token), plan locally what full planning plans, survive the
 duplication fallback, and ``auto`` sends only where the link is cheaper than the compute."""
@@ -11,10 +11,12 @@ import pytest
 
 from megatron_psrl.data.synthetic import make_stepwise, make_tree_rollouts
 from megatron_psrl.engine.logprobs import per_sample_values
+from megatron_psrl.schedule.check import check_plan
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.plan import token_aliases
+from megatron_psrl.schedule.planner import assign_groups, plan_step
 from megatron_psrl.tree.build import build_prefix_tree
-from megatron_psrl.tree.cost import CostModel
-from megatron_psrl.tree.plan import check_plan, token_aliases
-from megatron_psrl.tree.planner import PlannerConfig, assign_groups, plan_step
 
 LAYOUTS = [(8, 1, "auto"), (8, 2, "whole-tree"), (8, 4, "cross-rank"), (4, 2, "cross-rank"), (4, 2, "auto"),
            (4, 4, "whole-tree")]

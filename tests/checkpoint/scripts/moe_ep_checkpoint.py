@@ -57,7 +57,7 @@ def run(source: str, ep: int, steps: int, save: Optional[str] = None, check: boo
         if save:
             actor.save(save if step == steps - 1 else f"{save}-{actor.iteration}")
     if legacy_probe:
-        from megatron_psrl.engine.checkpointing import save_training_checkpoint
+        from megatron_psrl.checkpoint.saving import save_training_checkpoint
         from megatron_psrl.errors import CheckpointWriteError
 
         try:

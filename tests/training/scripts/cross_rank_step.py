@@ -20,12 +20,14 @@ from megatron_psrl.checkpoint.sharding import merge_state_dicts
 from megatron_psrl.distributed.setup import exchange_group_of, initialize_parallel, shutdown_parallel
 from megatron_psrl.engine.logprobs import compute_logprobs
 from megatron_psrl.engine.optimizer import OptimizerSettings, TrainingOptimizer
-from megatron_psrl.engine.planning import plan_with_memory
 from megatron_psrl.engine.step import StepRunner
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory_group
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.rl.loss import LossConfig
-from megatron_psrl.tree import CostModel, build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.memory import activation_bytes_per_token, plan_memory_group
+from megatron_psrl.schedule.with_memory import plan_with_memory
+from megatron_psrl.tree import build_prefix_tree
 
 p = argparse.ArgumentParser()
 p.add_argument("--hf-dir", required=True)

@@ -16,10 +16,12 @@ from megatron_psrl.distributed.setup import initialize_parallel, shutdown_parall
 from megatron_psrl.engine.logprobs import compute_logprobs
 from megatron_psrl.engine.optimizer import OptimizerSettings, TrainingOptimizer
 from megatron_psrl.engine.step import StepRunner
-from megatron_psrl.kvcache import BlockKVCache, KVGeometry, activation_bytes_per_token, plan_memory
+from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.rl.loss import LossConfig
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import activation_bytes_per_token, plan_memory
+from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.tree import build_prefix_tree
-from megatron_psrl.tree.planner import PlannerConfig, plan_step
 
 p = argparse.ArgumentParser()
 p.add_argument("--hf-dir", required=True)

@@ -1,6 +1,6 @@
 """Prefix heads sent between ranks in a step (a tree split between exchange groups).
 
-A transferred head (:class:`~megatron_psrl.tree.plan.PrefixTransfer`) is computed once, by its
+A transferred head (:class:`~megatron_psrl.schedule.plan.HeadSend`) is computed once, by its
 home rank, in an ordinary micro-batch that produces an *exported* source; every other rank
 whose micro-batches read a copy of that head receives its post-RoPE K/V of every layer in an
 ``import`` micro-batch, and returns the dK/dV its readers accumulated in that micro-batch's
@@ -40,14 +40,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.kvcache.manager import BlockKVCache
-from megatron_psrl.tree.plan import StepPlan
+from megatron_psrl.schedule.plan import StepPlan
 
 Tensor = torch.Tensor
 
 _FLAG, _KV, _GRAD = range(3)
 
 
-class HeadTransfers:
+class HeadSends:
     """One rank's part in a step's prefix transfers (module docstring)."""
 
     def __init__(self, plan: StepPlan, rank: int, cache: BlockKVCache, group, with_grads: bool):

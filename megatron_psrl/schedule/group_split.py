@@ -18,7 +18,7 @@ by the cost model (:func:`plan_transfers`):
   group's descendants, and the data-parallel gradient sum adds them.
 - *transfer*: the first copy's group computes the head of the path once (its first rank, the
   *home*), and sends its K/V to the ranks that read another copy's head
-  (:class:`~megatron_psrl.tree.plan.PrefixTransfer`); their dK/dV come back before the home's
+  (:class:`~megatron_psrl.schedule.plan.HeadSend`); their dK/dV come back before the home's
   backward. The copy's loss claims on its head (and on the token after it, which its
   predecessor's hidden state predicts) move to the home copy's same tokens: the same tokens
   after the same prefix, so the same log-probs; each claim keeps its sample's advantage and
@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_psrl.tree.plan import HeadImport, PrefixTransfer, token_aliases
+from megatron_psrl.schedule.plan import HeadImport, HeadSend, token_aliases
 from megatron_psrl.tree.prefix_tree import PrefixTree, node_level
 
 Assign = Callable[[np.ndarray, int], np.ndarray]
@@ -267,7 +267,7 @@ def _unbranched_chain(tree: PrefixTree, root: int) -> int:
 
 
 def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_bin: np.ndarray, bins_per_group: int,
-                   group_size: int, costs: TransferCosts) -> List[PrefixTransfer]:
+                   group_size: int, costs: TransferCosts) -> List[HeadSend]:
     """The heads sent between the copies of every split tree (module docstring), per copy the
     cheaper of sending and recomputing.
 
@@ -286,7 +286,7 @@ def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_bin: np.ndarr
     starts = regrouped.node_offset[roots]
     first_old = origin[starts]  # copies of one tree start at the same old token
     order = np.lexsort((np.arange(len(roots)), first_old))
-    transfers: List[PrefixTransfer] = []
+    transfers: List[HeadSend] = []
     bounds = np.flatnonzero(np.diff(first_old[order])) + 1
     for members in np.split(order, bounds):
         if len(members) < 2:
@@ -320,14 +320,14 @@ def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_bin: np.ndarr
         imports = [HeadImport(group=home_group, start=h_start, length=length)]
         imports += [HeadImport(group=g, start=start, length=k) for k, start, g in sorted(picked, key=lambda x: x[1])]
         home_rank = int(root_bin[home]) if bins_per_group == group_size else home_group * group_size
-        transfers.append(PrefixTransfer(home_rank=home_rank, start=h_start, length=length,
+        transfers.append(HeadSend(home_rank=home_rank, start=h_start, length=length,
                                         imports=imports))
     return transfers
 
 
-def move_head_claims(tree: PrefixTree, transfers: List[PrefixTransfer]) -> PrefixTree:
+def move_head_claims(tree: PrefixTree, transfers: List[HeadSend]) -> PrefixTree:
     """``tree`` with the loss claims of every importing copy's head (and of the token after it)
-    moved to the home copy's same tokens (:class:`~megatron_psrl.tree.plan.PrefixTransfer`);
+    moved to the home copy's same tokens (:class:`~megatron_psrl.schedule.plan.HeadSend`);
     claims stay sorted by tree token, then sample."""
     copy_tokens, home_tokens = token_aliases(transfers)
     if not len(copy_tokens):
@@ -359,7 +359,7 @@ class GroupSplit:
     bin_of: np.ndarray
     """int64 ``[top-level nodes]``: the bin (group, or rank where groups place trees whole) of every tree."""
 
-    transfers: List[PrefixTransfer]
+    transfers: List[HeadSend]
     """Heads sent instead of recomputed."""
 
 
@@ -422,3 +422,29 @@ def _top_level_of(tree: PrefixTree, nodes: np.ndarray) -> np.ndarray:
     """The top-level node (tree root) above every node: the last root at or before it in preorder."""
     roots = np.flatnonzero(tree.node_parent < 0)
     return roots[np.searchsorted(roots, nodes, side="right") - 1]
+
+
+@dataclass
+class GroupHeads:
+    """The prefix transfers one exchange group takes part in (tree tokens of its copies)."""
+
+    imports: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    """Top-level node of a copy the group holds -> ``(transfer, import)`` of its head."""
+
+    exports: Dict[int, int] = field(default_factory=dict)
+    """Transfer -> the group rank that computes and sends its head (the first, or the home
+    copy's where the group places trees whole)."""
+
+
+def group_heads(transfers: List[HeadSend], roots: np.ndarray, node_offset: np.ndarray, group: int,
+                group_size: int) -> GroupHeads:
+    """What ``group`` sends and receives of the step's transfers."""
+    heads = GroupHeads()
+    starts = node_offset[roots]
+    for t, transfer in enumerate(transfers):
+        if transfer.home_rank // group_size == group:
+            heads.exports[t] = transfer.home_rank % group_size
+        for j, h in enumerate(transfer.imports):
+            if h.group == group:
+                heads.imports[int(roots[np.searchsorted(starts, h.start)])] = (t, j)
+    return heads

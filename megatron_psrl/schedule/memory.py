@@ -34,7 +34,7 @@ import numpy as np
 
 from megatron_psrl.kvcache.manager import KINDS, CacheBudgetError, KVGeometry, choose_block_size
 from megatron_psrl.model.architecture import ModelArchitecture
-from megatron_psrl.tree.plan import RankPlan
+from megatron_psrl.schedule.plan import RankPlan
 
 # The norms' internals and statistics and the attention's log-sum-exp stay fp32 in any dtype.
 _FP32_BYTES = 4

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, List, Optional, Tuple
 
-from megatron_psrl.kvcache import CacheBudgetError, MemoryPlan
-from megatron_psrl.tree.plan import PlanningError, RankPlan, StepPlan
-from megatron_psrl.tree.planner import PlannerConfig, assign_groups, plan_step
+from megatron_psrl.kvcache import CacheBudgetError
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import MemoryPlan
+from megatron_psrl.schedule.plan import PlanningError, RankPlan, StepPlan
+from megatron_psrl.schedule.planner import assign_groups, plan_step
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]

@@ -25,8 +25,8 @@ Every tree token is computed once. Every rank of the group runs the same schedul
 of step m, or forward+backward, or the deferred backward of a producer step), so collectives
 always match.
 
-A tree split between groups (:mod:`megatron_psrl.tree.hierarchical`) may receive the head of
-its path instead of computing it (:class:`~megatron_psrl.tree.plan.PrefixTransfer`): the
+A tree split between groups (:mod:`megatron_psrl.schedule.group_split`) may receive the head of
+its path instead of computing it (:class:`~megatron_psrl.schedule.plan.HeadSend`): the
 stream then starts after the head, and the schedule with *transfer steps* that hold no
 exchange: first the heads the group's first rank computes and sends (the other ranks idle),
 then one step in which every rank that reads a head receives it (an ``import`` micro-batch).
@@ -39,9 +39,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_psrl.tree.chunks import chunk_dependencies, split_chains
-from megatron_psrl.tree.packing import TreeIndex
-from megatron_psrl.tree.plan import (
+from megatron_psrl.schedule.plan import (
     CachedSource,
     ChainUse,
     MicroBatchSpec,
@@ -51,6 +49,8 @@ from megatron_psrl.tree.plan import (
     build_schedule,
     export_head,
 )
+from megatron_psrl.tree.chunks import chunk_dependencies, split_chains
+from megatron_psrl.tree.index import TreeIndex
 
 TokenCost = Callable[[np.ndarray], np.ndarray]
 """Cost of computing each given tree token once (its GEMMs and its attention over its keys)."""
