@@ -350,8 +350,8 @@ def home_send_bytes(plan: StepPlan, kv_bytes_per_token: float) -> float:
     sent: Dict[int, float] = {}
     for r in plan.ranks:
         for t, j in {src.imported for src in r.sources.values() if src.imported is not None}:
-            home = plan.transfers[t].home_rank
-            sent[home] = sent.get(home, 0.0) + plan.transfers[t].imports[j].length * kv_bytes_per_token
+            home = plan.head_sends[t].home_rank
+            sent[home] = sent.get(home, 0.0) + plan.head_sends[t].imports[j].length * kv_bytes_per_token
     return max(sent.values(), default=0.0)
 
 

@@ -236,7 +236,7 @@ class Engine:
         if self.layout.pipeline_parallel_size > 1:
             metrics.update(pipeline_bubble=self.runner.last_bubble, pipeline_schedule=self.runner.last_schedule)
         logprobs = (per_sample_logprobs(plan.tree, out.logprobs, gradient_group(), fill=np.nan,
-                                        aliases=token_aliases(plan.transfers)) if return_logprobs else None)
+                                        aliases=token_aliases(plan.head_sends)) if return_logprobs else None)
         return StepResult(loss=total, metrics=metrics, logprobs=logprobs)
 
     def _count_routes(self, plan: StepPlan) -> None:

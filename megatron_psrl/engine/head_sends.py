@@ -60,7 +60,7 @@ class HeadSends:
         g = plan.config.exchange_group_size
         my_group = rank // g
         self.entry_id: Dict[Tuple[int, int], int] = {}
-        for t, transfer in enumerate(plan.transfers):
+        for t, transfer in enumerate(plan.head_sends):
             for j in range(len(transfer.imports)):
                 self.entry_id[(t, j)] = len(self.entry_id)
         self.imports: Dict[Tuple[int, int], List[int]] = {}  # (transfer, import) -> sources it fills
@@ -77,20 +77,20 @@ class HeadSends:
         device = geometry.device
         # Phase 1: flags (sends, then the home's receives), then the receives of the heads.
         for (t, j), e in self.entry_id.items():
-            transfer = self.plan.transfers[t]
+            transfer = self.plan.head_sends[t]
             if transfer.imports[j].group != my_group or transfer.home_rank == rank:
                 continue
             wanted = (t, j) in self.imports
             self._send(torch.tensor([int(wanted)], dtype=torch.int64, device=device), transfer.home_rank, e, _FLAG)
         for t in sorted(self.exports):
-            for j, h in enumerate(plan.transfers[t].imports):
+            for j, h in enumerate(plan.head_sends[t].imports):
                 for r in range(h.group * g, h.group * g + g):
                     if r != rank:
                         flag = torch.zeros(1, dtype=torch.int64, device=device)
                         work = self._recv(flag, r, self.entry_id[(t, j)], _FLAG)
                         self._flags.setdefault(t, []).append((r, j, flag, work))
         for t, j in sorted(self.imports):
-            transfer = plan.transfers[t]
+            transfer = plan.head_sends[t]
             buf = torch.empty((transfer.imports[j].length,) + self.row_shape, dtype=geometry.dtype, device=device)
             self._heads[(t, j)] = (buf, self._recv(buf, transfer.home_rank, self.entry_id[(t, j)], _KV))
 
@@ -123,7 +123,7 @@ class HeadSends:
                 work.wait()
                 if not int(flag.item()):
                     continue
-                length = self.plan.transfers[t].imports[j].length
+                length = self.plan.head_sends[t].imports[j].length
                 self._send(rows[:length], r, self.entry_id[(t, j)], _KV)
                 if self.with_grads:
                     grad = torch.empty((length,) + self.row_shape, dtype=torch.float32, device=rows.device)
@@ -153,7 +153,7 @@ class HeadSends:
         for (t, j), sources in sorted(self.imports.items()):
             if rank_plan.sources[sources[0]].producer != i:
                 continue
-            transfer = self.plan.transfers[t]
+            transfer = self.plan.head_sends[t]
             grad = torch.zeros((transfer.imports[j].length,) + self.row_shape, dtype=torch.float32,
                                device=self.cache.geometry.device)
             for s in sources:
@@ -167,7 +167,7 @@ class HeadSends:
         layers = self.cache.geometry.layers
         for t in sorted(t for t, s in self.exports.items() if self.plan.ranks[self.rank].sources[s].producer == i):
             s = self.exports[t]
-            n = self.plan.transfers[t].length
+            n = self.plan.head_sends[t].length
             for length, grad, work in self._grads.pop(t, []):
                 work.wait()
                 if length < n:  # a copy that imports fewer rows returns fewer

@@ -120,7 +120,7 @@ def run_logprobs(runner: StepRunner, plan_geometry: KVGeometry, batch: SampleBat
     finally:
         model.train(was_training)
         runner.kv_cache.release_pool()
-    aliases = token_aliases(plan.transfers)
+    aliases = token_aliases(plan.head_sends)
     logprobs = per_sample_logprobs(plan.tree, local, group, fill=0.0, aliases=aliases)
     if not with_entropy:
         return logprobs
@@ -133,7 +133,7 @@ def per_sample_logprobs(tree: PrefixTree, computed: ComputedLogprobs, group=None
     """Per-sample float32 arrays from the tree-token log-probs ``computed`` on this rank and on
     every rank of ``group`` (one gather of index / value arrays): ``fill`` where no rank
     computed one, 0.0 at position 0 (no log-prob there). ``aliases``: ``(tokens, tokens whose
-    values they take)``, the copies of transferred heads (``StepPlan.transfers``)."""
+    values they take)``, the copies of transferred heads (``StepPlan.head_sends``)."""
     index, values = computed.arrays()
     return per_sample_values(tree, index, values, group, fill, aliases)
 

@@ -102,7 +102,7 @@ class _PrefixKV:
         turns it off): the peers are handed over in flight (:class:`ReceivedKV`)."""
         self.num_peers = len(mb.peer_reads)
         self.peers: Dict[int, List[Union[Tuple[Tensor, Tensor], ReceivedKV]]] = {}
-        self.transfers: Dict[int, object] = {}
+        self.in_flight: Dict[int, object] = {}
         """Overlapped exchange: the layer's transfer until its attention ran (:meth:`after_attention`)."""
         ex = mb.exchange
         if ex is not None and ex.forward_collective:
@@ -173,14 +173,14 @@ class _PrefixKV:
             if peer is not None:
                 peers[peer] = ReceivedKV(transfer, buffer, offset, length)
         self.peers[layer_number] = peers
-        self.transfers[layer_number] = transfer
+        self.in_flight[layer_number] = transfer
         return key, value
 
     def after_attention(self, layer_number: int) -> None:
         """The layer's attention ran: its transfer is complete (waits only where no attention
         read a received row: replicas only), and the received rows are let go (the attention
         and the cache keep copies), so a kept graph holds none of them."""
-        transfer = self.transfers.pop(layer_number, None)
+        transfer = self.in_flight.pop(layer_number, None)
         if transfer is not None:
             transfer.release()
 
@@ -530,7 +530,7 @@ class StepRunner:
 
     def _start_transfers(self, plan: StepPlan, rank: int, with_grads: bool) -> Optional[HeadSends]:
         """This rank's part in the step's prefix transfers (posts its first messages), or None."""
-        if not plan.transfers:
+        if not plan.head_sends:
             return None
         if self.transfer_group is None:
             raise RuntimeError("a plan with prefix transfers needs the runner's transfer_group")

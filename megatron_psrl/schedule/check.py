@@ -393,8 +393,8 @@ def _imported_tokens(plan: StepPlan) -> np.ndarray:
     """Tree tokens of the heads that copies other than the home copy import (nobody computes
     them: the home copy's tokens stand for them), each once."""
     entries = {src.imported for r in plan.ranks for src in r.sources.values() if src.imported is not None}
-    parts = [plan.transfers[t].imports[j].tokens() for t, j in sorted(entries)
-             if plan.transfers[t].imports[j].start != plan.transfers[t].start]
+    parts = [plan.head_sends[t].imports[j].tokens() for t, j in sorted(entries)
+             if plan.head_sends[t].imports[j].start != plan.head_sends[t].start]
     return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
 
@@ -403,7 +403,7 @@ def _check_transfers(plan: StepPlan) -> None:
     the head of a copy its rank's group holds; and on every rank exported heads run forward
     before any import and backward after every import's backward (no waiting cycle)."""
     g = int(plan.config.exchange_group_size)
-    for t, transfer in enumerate(plan.transfers):
+    for t, transfer in enumerate(plan.head_sends):
         at = f"transfer {t}"
         _require(0 <= transfer.home_rank < len(plan.ranks), f"{at}: home rank {transfer.home_rank}")
         exported = [s for s in plan.ranks[transfer.home_rank].sources.values() if s.exported == t]
@@ -426,10 +426,10 @@ def _check_transfers(plan: StepPlan) -> None:
             if src.imported is None:
                 continue
             t, j = src.imported
-            _require(0 <= t < len(plan.transfers) and 0 <= j < len(plan.transfers[t].imports),
+            _require(0 <= t < len(plan.head_sends) and 0 <= j < len(plan.head_sends[t].imports),
                      f"rank {r} source {s} imports {src.imported}, which is not a transfer")
-            head = plan.transfers[t].imports[j]
-            _require(head.group == r // g and r != plan.transfers[t].home_rank,
+            head = plan.head_sends[t].imports[j]
+            _require(head.group == r // g and r != plan.head_sends[t].home_rank,
                      f"rank {r} source {s} imports the head of a copy of group {head.group}")
             _require(bool(((src.tokens >= head.start) & (src.tokens < head.start + head.length)).all()),
                      f"rank {r} source {s} is imported but lies outside the head it imports")

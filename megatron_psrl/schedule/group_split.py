@@ -359,7 +359,7 @@ class GroupSplit:
     bin_of: np.ndarray
     """int64 ``[top-level nodes]``: the bin (group, or rank where groups place trees whole) of every tree."""
 
-    transfers: List[HeadSend]
+    head_sends: List[HeadSend]
     """Heads sent instead of recomputed."""
 
 

@@ -58,7 +58,7 @@ class CachedSource:
     """Cache blocks it needs: an owner whose prefix only other ranks read keeps dK/dV only."""
 
     exported: Optional[int] = None
-    """Prefix transfer (index in ``StepPlan.transfers``) whose head this is, on the home rank:
+    """Prefix transfer (index in ``StepPlan.head_sends``) whose head this is, on the home rank:
     after the producer's forward its K/V go to the ranks that import the head; their dK/dV
     come back and are added before the producer's backward."""
 
@@ -330,21 +330,21 @@ class StepPlan:
     (:mod:`megatron_psrl.schedule.group_split`): each part's shared prefix, once per extra part
     that does not import it."""
 
-    transfers: List[HeadSend] = field(default_factory=list)
+    head_sends: List[HeadSend] = field(default_factory=list)
     """Heads of split trees sent between ranks instead of recomputed (the same list on every
     rank, from the assignment of trees to groups)."""
 
     def head_tokens_sent(self) -> int:
         """Tokens of the heads the step's copies receive instead of computing, over every group
         (each copy's head once; the transfers are the same on every rank)."""
-        return int(sum(h.length for t in self.transfers for h in t.imports if h.start != t.start))
+        return int(sum(h.length for t in self.head_sends for h in t.imports if h.start != t.start))
 
     def transferred_tokens(self) -> int:
         """Tokens of heads that copies in the planned groups import instead of computing (each
         copy's head once; a copy on its home rank computes its head)."""
         entries = {src.imported for r in self.ranks for src in r.sources.values() if src.imported is not None}
-        return int(sum(self.transfers[t].imports[j].length for t, j in entries
-                       if self.transfers[t].imports[j].start != self.transfers[t].start))
+        return int(sum(self.head_sends[t].imports[j].length for t, j in entries
+                       if self.head_sends[t].imports[j].start != self.head_sends[t].start))
 
     def tokens_computed(self, rank: Optional[int] = None) -> int:
         ranks = self.ranks if rank is None else [self.ranks[rank]]
@@ -378,7 +378,7 @@ class StepPlan:
     def transfer_bytes(self, kv_bytes_per_token: float) -> int:
         """Bytes the planned ranks receive as imported heads (each rank the whole head of every copy
         it reads) and send back as their gradients."""
-        rows = sum(self.transfers[t].imports[j].length for r in self.ranks
+        rows = sum(self.head_sends[t].imports[j].length for r in self.ranks
                    for t, j in {src.imported for src in r.sources.values() if src.imported is not None})
         return int(2 * rows * kv_bytes_per_token)
 

@@ -78,7 +78,7 @@ class GroupAssignment:
     recomputed: int = 0
     """Tree tokens added by splitting trees between groups that no copy imports."""
 
-    transfers: List[HeadSend] = field(default_factory=list)
+    head_sends: List[HeadSend] = field(default_factory=list)
     """Heads of split trees sent between ranks instead of recomputed."""
 
     rank_of: Optional[np.ndarray] = None
@@ -107,12 +107,12 @@ def assign_groups(tree: PrefixTree, config: PlannerConfig) -> GroupAssignment:
             roots = np.flatnonzero(regrouped.node_parent < 0)
             unit_cost = _unit_costs(regrouped, roots, config.cost_model)
             imported = 0
-            for t in split.transfers:
+            for t in split.head_sends:
                 for j, h in enumerate(t.imports):  # every copy's head is the home rank's work (its export)
                     unit_cost[np.searchsorted(regrouped.node_offset[roots], h.start)] -= transfer.head_cost(h.length)
                     imported += h.length if j else 0
             return GroupAssignment(regrouped, split.bin_of // bins_per_group, unit_cost,
-                                   regrouped.num_tree_tokens - tree.num_tree_tokens - imported, split.transfers,
+                                   regrouped.num_tree_tokens - tree.num_tree_tokens - imported, split.head_sends,
                                    rank_of=split.bin_of % g if bins_per_group == g > 1 else None)
     unit_cost = _unit_costs(tree, np.flatnonzero(tree.node_parent < 0), config.cost_model)
     return GroupAssignment(tree, _assign_lpt(unit_cost, num_groups), unit_cost)
@@ -145,7 +145,7 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
     # A local plan reads the per-token arrays of its own group's trees only.
     index = TreeIndex(tree, None if local_group is None else roots[group_of == local_group])
     plan = StepPlan(config=config, tree=tree, index=index, ranks=[], split_tokens_recomputed=assignment.recomputed,
-                    planned_groups=None if local_group is None else [local_group], transfers=assignment.transfers)
+                    planned_groups=None if local_group is None else [local_group], head_sends=assignment.head_sends)
     token_cost = token_cost_function(index, config.cost_model)
     by_group = np.argsort(group_of, kind="stable")  # every group's units, in ascending order
     group_bounds = np.searchsorted(group_of[by_group], np.arange(num_groups + 1))
@@ -155,16 +155,16 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
         if local_group is not None and group != local_group:
             _add_unplanned_group(plan, group, g, float(costs.sum()))
             continue
-        heads = group_heads(plan.transfers, roots, tree.node_offset, group, g) if plan.transfers else GroupHeads()
+        heads = group_heads(plan.head_sends, roots, tree.node_offset, group, g) if plan.head_sends else GroupHeads()
         ranks_of = assignment.rank_of[members] if assignment.rank_of is not None else None
-        whole_layouts, whole_costs = _layout_whole_trees(index, units, costs, g, config, heads, plan.transfers,
+        whole_layouts, whole_costs = _layout_whole_trees(index, units, costs, g, config, heads, plan.head_sends,
                                                          ranks_of)
         whole_span = max(whole_costs)
         cross = None
         if g > 1 and config.sharing == "tree" and config.placement != "whole-tree":
             cross = plan_group_cross_rank(index, units, config.micro_batch_tokens, g, token_cost,
                                           micro_batch_cost=config.cost_per_micro_batch,
-                                          heads=_cross_rank_heads(heads, plan.transfers))
+                                          heads=_cross_rank_heads(heads, plan.head_sends))
         cross_span = _cross_rank_makespan(cross, token_cost, config) if cross is not None else math.inf
         use_cross = cross is not None and (config.placement == "cross-rank" or cross_span < 0.97 * whole_span)
         ranks = cross if use_cross else _materialize_whole_trees(index, whole_layouts, whole_costs)

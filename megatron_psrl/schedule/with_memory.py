@@ -86,4 +86,4 @@ def plan_with_memory(
         except PlanningError as dup_exc:
             raise CacheBudgetError(f"{exc}; and without caching: {dup_exc}") from None
         # (a home rank still sends the heads other groups receive: their K/V pass through its cache)
-        return plan, memory_plans(plan, group_memory) if plan.transfers else [None] * len(plan.ranks), "tree-dup"
+        return plan, memory_plans(plan, group_memory) if plan.head_sends else [None] * len(plan.ranks), "tree-dup"

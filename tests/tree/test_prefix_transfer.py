@@ -49,7 +49,7 @@ def test_sent_heads_plan_exactly_and_compute_less(make_tree, ranks, group_size, 
     sent = plan_step(tree, _config(ranks, group_size, placement, "transfer"))
     recomputed = plan_step(tree, _config(ranks, group_size, placement, "recompute"))
     check_plan(sent)
-    assert sent.transfers and sent.transferred_tokens() > 0 and not recomputed.transfers
+    assert sent.head_sends and sent.transferred_tokens() > 0 and not recomputed.head_sends
     # every token of the regrouped tree computed once, but the heads received (a copy placed on
     # its home rank computes its head: the split's count of recomputed tokens is an upper bound)
     assert sent.tokens_computed() == sent.tree.num_tree_tokens - sent.transferred_tokens()
@@ -60,7 +60,7 @@ def test_sent_heads_plan_exactly_and_compute_less(make_tree, ranks, group_size, 
     np.testing.assert_array_equal(sent.tree.tokens[sent.tree.claim_token], tree.batch.tokens[sent.tree.claim_flat])
     assert np.all(np.diff(sent.tree.claim_token) >= 0)
     # the home rank exports every head; each is read by some rank of another copy
-    for t in sent.transfers:
+    for t in sent.head_sends:
         assert any(s.exported is not None for s in sent.ranks[t.home_rank].sources.values())
         assert t.length <= 96 and all(0 < h.length <= t.length for h in t.imports)
     importers = [r for r, p in enumerate(sent.ranks) if any(mb.role == "import" for mb in p.micro_batches)]
@@ -70,7 +70,7 @@ def test_sent_heads_plan_exactly_and_compute_less(make_tree, ranks, group_size, 
 def test_a_copy_imports_the_root_chain_it_shares_with_the_home_copy():
     sent = plan_step(_stepwise(), _config(4, 1, "auto", "transfer"))
     tree, index = sent.tree, sent.index
-    for t in sent.transfers:
+    for t in sent.head_sends:
         for h in t.imports[1:]:
             copy = np.arange(h.start, h.start + h.length + 1)  # the head and the token after it
             home = np.arange(t.start, t.start + h.length + 1)
@@ -78,8 +78,8 @@ def test_a_copy_imports_the_root_chain_it_shares_with_the_home_copy():
             np.testing.assert_array_equal(index.position[copy], np.arange(h.length + 1))
             # their claims (and log-probs) now belong to the home copy
             assert not np.any(np.diff(tree.claim_offsets)[copy[1:]])
-    copy_tokens, home_tokens = token_aliases(sent.transfers)
-    assert len(copy_tokens) == sum(h.length for t in sent.transfers for h in t.imports[1:])
+    copy_tokens, home_tokens = token_aliases(sent.head_sends)
+    assert len(copy_tokens) == sum(h.length for t in sent.head_sends for h in t.imports[1:])
 
 
 @pytest.mark.parametrize("ranks,group_size,placement", [(8, 2, "cross-rank"), (8, 2, "whole-tree"), (8, 1, "auto")])
@@ -87,10 +87,10 @@ def test_a_local_plan_is_its_group_of_the_full_plan(ranks, group_size, placement
     tree = _search_tree()
     config = _config(ranks, group_size, placement, "transfer")
     full = plan_step(tree, config)
-    assert full.transfers
+    assert full.head_sends
     for rank in range(ranks):
         local = plan_step(tree, dataclasses.replace(config, local_rank=rank))
-        assert [dataclasses.astuple(t) for t in local.transfers] == [dataclasses.astuple(t) for t in full.transfers]
+        assert [dataclasses.astuple(t) for t in local.head_sends] == [dataclasses.astuple(t) for t in full.head_sends]
         for r in range(rank // group_size * group_size, (rank // group_size + 1) * group_size):
             a, b = local.ranks[r], full.ranks[r]
             assert a.schedule == b.schedule
@@ -107,10 +107,10 @@ def test_the_duplication_fallback_keeps_the_exports(ranks, group_size):
     tree = _search_tree()
     config = dataclasses.replace(_config(ranks, group_size, "whole-tree", "transfer"), micro_batch_tokens=128)
     assignment = assign_groups(tree, config)
-    assert assignment.transfers
+    assert assignment.head_sends
     dup = plan_step(tree, dataclasses.replace(config, sharing="tree-dup"), assignment)
     check_plan(dup)
-    for t in dup.transfers:
+    for t in dup.head_sends:
         assert any(s.exported is not None for s in dup.ranks[t.home_rank].sources.values())
     assert not any(mb.role == "import" for p in dup.ranks for mb in p.micro_batches)
 
@@ -120,20 +120,20 @@ def test_auto_sends_only_where_the_link_is_cheaper_than_the_compute():
     flops = CostModel.from_dims(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                                 ffn_hidden_size=128, vocab_size=97)
     unmeasured = plan_step(tree, _config(8, 1, "auto", "auto", cost_model=flops))
-    assert not unmeasured.transfers  # no link measurement: recompute
+    assert not unmeasured.head_sends  # no link measurement: recompute
     per_token = float(flops.cost(1, 1, 0))
     fast = plan_step(tree, _config(8, 1, "auto", "auto", cost_model=flops, kv_bytes_per_token=1024.0,
                                    cost_per_exchanged_byte=per_token * 1e-6))
     slow = plan_step(tree, _config(8, 1, "auto", "auto", cost_model=flops, kv_bytes_per_token=1024.0,
                                    cost_per_exchanged_byte=per_token * 10.0))
-    assert fast.transfers and fast.transferred_tokens() > 0
-    assert not slow.transfers and slow.split_tokens_recomputed > 0
+    assert fast.head_sends and fast.transferred_tokens() > 0
+    assert not slow.head_sends and slow.split_tokens_recomputed > 0
 
 
 def test_log_probs_of_an_imported_head_are_read_from_the_home_copy():
     sent = plan_step(_stepwise(), _config(4, 1, "auto", "transfer"))
     tree = sent.tree
-    copy_tokens, home_tokens = token_aliases(sent.transfers)
+    copy_tokens, home_tokens = token_aliases(sent.head_sends)
     values = np.arange(tree.num_tree_tokens, dtype=np.float32) + 1.0
     computed = np.setdiff1d(np.arange(tree.num_tree_tokens), copy_tokens)  # nobody computes the copies' heads
     rows = per_sample_values(tree, computed, values[computed], fill=np.nan, aliases=(copy_tokens, home_tokens))
