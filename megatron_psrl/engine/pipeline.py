@@ -317,7 +317,7 @@ class PipelineStepRunner(StepRunner):
             )
         finally:
             config.grad_scale_func = None
-            self._end_replay()
+            self.end_replay()
         totals = sums.read()
         out.loss = totals.pop("loss", 0.0)
         out.metrics = totals

@@ -1,0 +1,215 @@
+"""The attention hook of one micro-batch forward: prefix K/V into and out of the KV cache.
+
+Mechanism 2's per-layer work happens here, called by the core attention for every layer
+(``PrefixKVHook``): a producer's sources' post-RoPE K/V are written into the KV cache (and, when
+its graph is kept, captured as differentiable rows for the dK/dV its readers will inject); a
+reader gets the cached K/V of the sources it reads as extra keys/values, whose gradients hooks
+add to the source's dK/dV blocks; in a cross-rank step every layer exchanges the rows other
+ranks need (:mod:`megatron_psrl.distributed.kv_exchange`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start
+from megatron_psrl.engine.host_copy import host_to_device
+from megatron_psrl.kvcache.manager import BlockKVCache
+from megatron_psrl.schedule.packing import PackedMicroBatch
+from megatron_psrl.schedule.plan import RankPlan
+
+Tensor = torch.Tensor
+
+
+class InjectCachedGrad(torch.autograd.Function):
+    """Identity on a layer's K (or V) whose backward adds the dK (dV) the KV cache accumulated
+    for the rows of the sources this micro-batch produces.
+
+    Used with activation recomputation: the layer's forward may run twice (megatron's
+    reentrant checkpoint runs it without a graph, then again inside the backward pass), so
+    rows captured in the first pass have no graph to inject into. Placed on K/V in every pass
+    that builds a graph, it injects exactly once, whenever autograd reaches the layer."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cache: BlockKVCache, layer: int, index: int, sources):
+        ctx.cache, ctx.layer, ctx.index, ctx.sources = cache, layer, index, sources
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.clone()
+        for s, rows in ctx.sources:
+            grad.index_add_(0, rows, ctx.cache.read_grad(s, ctx.layer)[ctx.index].to(grad.dtype))
+        return grad, None, None, None, None
+
+
+class PrefixKV:
+    """The attention hook of one micro-batch forward (implements ``PrefixKVHook``).
+
+    Mechanism 2: writes (``store``) and captures (``capture``) the K/V rows of the sources this
+    micro-batch produces, and supplies the cached K/V of the sources it reads. Cross-rank: in
+    a step with an exchange, it sends the rows other ranks need and receives theirs in every
+    layer; received *replica* chains are written into this rank's cache, received *peer*
+    chains are attended to now (after the cached reads, in the plan's order)."""
+
+    def __init__(self, cache: BlockKVCache, rank_plan: RankPlan, i: int, pack: PackedMicroBatch,
+                 store: bool, capture: bool, track_grads: bool, group=None, group_size: int = 1,
+                 inject: bool = False, gather_in_backward: bool = False, overlap: bool = True):
+        mb = rank_plan.micro_batches[i]
+        self.cache = cache
+        self.inject = inject
+        """Activation recomputation: inject dK/dV inside the graph (:class:`InjectCachedGrad`)
+        instead of capturing K/V rows; writes and read metrics happen once per layer."""
+        self._written: set = set()
+        self._counted: set = set()
+        self.reads = list(mb.reads)
+        self.store = store
+        self.capture = capture
+        self.track_grads = track_grads
+        self.gather_in_backward = gather_in_backward
+        """Hand the attention :class:`CachedRead` readers (gathered again in its backward, no
+        copy kept by the graph) instead of gathered copies; the memory plan decided it."""
+        device = cache.geometry.device
+
+        def pack_rows(tokens: np.ndarray) -> Tensor:
+            return host_to_device(np.searchsorted(pack.tree_tokens, tokens), device)
+
+        # Pack rows of every source this rank computes here (replicas arrive by exchange).
+        own = [s for s in mb.produces if rank_plan.sources[s].replica_of is None]
+        self.rows = {s: pack_rows(rank_plan.sources[s].tokens) for s in own}
+        self.stored = [s for s in own if "k" in rank_plan.sources[s].kinds]
+        self.captured: List[Tuple[int, int, Tensor, Tensor]] = []
+        self.exchange = None
+        self.overlap = overlap
+        """Overlap the exchange with the attention over local keys (``--no-overlap-kv-exchange``
+        turns it off): the peers are handed over in flight (:class:`ReceivedKV`)."""
+        self.num_peers = len(mb.peer_reads)
+        self.peers: Dict[int, List[Union[Tuple[Tensor, Tensor], ReceivedKV]]] = {}
+        self.in_flight: Dict[int, object] = {}
+        """Overlapped exchange: the layer's transfer until its attention ran (:meth:`after_attention`)."""
+        ex = mb.exchange
+        if ex is not None and ex.forward_collective:
+            send = [c for dst in range(group_size) for c in ex.send.get(dst, [])]
+            send_rows = pack_rows(np.concatenate(send)) if send else torch.zeros(0, dtype=torch.int64, device=device)
+            layout, offset = [], 0
+            for src in range(group_size):
+                within = 0
+                for use in ex.recv.get(src, []):
+                    layout.append((offset, src, within, use.length, use.peer, use.replica))
+                    offset += use.length
+                    within += use.length
+            self.exchange = (send_rows, ex.send_counts(group_size), ex.recv_counts(group_size), layout, group)
+
+    @property
+    def injects(self) -> bool:
+        """This forward injects cached dK/dV inside its graph (recomputation, a producer's
+        graph-building pass)."""
+        return self.inject and self.capture and bool(self.rows)
+
+    def on_kv(self, layer_number: int, key: Tensor, value: Tensor):
+        first_pass = layer_number not in self._written  # a recomputation calls again: write once
+        self._written.add(layer_number)
+        for s, rows in self.rows.items():
+            if self.store and s in self.stored and first_pass:
+                self.cache.write(s, layer_number, key.detach().index_select(0, rows), value.detach().index_select(0, rows))
+            if self.capture and not self.inject:
+                self.captured.append((s, layer_number, key.index_select(0, rows), value.index_select(0, rows)))
+        if self.injects and torch.is_grad_enabled():
+            sources = list(self.rows.items())
+            key = InjectCachedGrad.apply(key, self.cache, layer_number, 0, sources)
+            value = InjectCachedGrad.apply(value, self.cache, layer_number, 1, sources)
+            if self.exchange is None:
+                return key, value
+        if self.exchange is None:
+            return None
+        send_rows, send_counts, recv_counts, layout, group = self.exchange
+        if self.overlap:
+            return self._start_exchange(layer_number, key, value)
+        key, value, received = exchange_kv(key, value, send_rows, send_counts, recv_counts, group,
+                                           differentiable=self.track_grads)
+        peers = [None] * self.num_peers
+        for offset, _, _, length, peer, replica in layout:
+            chunk = received[offset:offset + length]  # [n, 2, ng, hn]
+            if replica is not None and self.store:
+                self.cache.write(replica, layer_number, chunk[:, 0], chunk[:, 1])
+            if peer is not None:
+                # Copies: the attention saves them for backward, and a view would keep the whole
+                # received buffer (replica rows included) alive with a kept graph.
+                peers[peer] = (chunk[:, 0].clone(), chunk[:, 1].clone())
+        self.peers[layer_number] = peers
+        # The attention reads these (the exchange's outputs), so its backward runs on every rank.
+        return key, value
+
+    def _start_exchange(self, layer_number: int, key: Tensor, value: Tensor):
+        """The overlapped exchange: start the all-to-all, hand the peers to the attention in
+        flight (it attends to its other keys first), write the replicas once the rows are here."""
+        send_rows, send_counts, recv_counts, layout, group = self.exchange
+        key, value, buffer, transfer = exchange_kv_start(key, value, send_rows, send_counts, recv_counts, group,
+                                                         differentiable=self.track_grads)
+        peers = [None] * self.num_peers
+        for _, src, within, length, peer, replica in layout:
+            offset = transfer.offsets[src] + within  # the buffer keeps the padding rows
+            if replica is not None and self.store:
+                # (the cache, not the hook: the transfer lives in the graph, see CachedRead)
+                transfer.on_arrival(lambda buf, cache=self.cache, s=replica, o=offset, n=length, layer=layer_number:
+                                    cache.write(s, layer, buf[o:o + n, 0], buf[o:o + n, 1]))
+            if peer is not None:
+                peers[peer] = ReceivedKV(transfer, buffer, offset, length)
+        self.peers[layer_number] = peers
+        self.in_flight[layer_number] = transfer
+        return key, value
+
+    def after_attention(self, layer_number: int) -> None:
+        """The layer's attention ran: its transfer is complete (waits only where no attention
+        read a received row: replicas only), and the received rows are let go (the attention
+        and the cache keep copies), so a kept graph holds none of them."""
+        transfer = self.in_flight.pop(layer_number, None)
+        if transfer is not None:
+            transfer.release()
+
+    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "CachedRead", ReceivedKV]]:
+        out: List[Union[Tuple[Tensor, Tensor], CachedRead, ReceivedKV]] = []
+        count = layer_number not in self._counted  # a recomputation reads again: count once
+        self._counted.add(layer_number)
+        for s in self.reads:
+            reader = CachedRead(self.cache, s, layer_number, count)
+            if not self.track_grads:
+                out.append(reader.read())
+            elif self.gather_in_backward:
+                out.append(reader)
+            else:
+                out.append(reader.materialize())
+        out += self.peers.pop(layer_number, [])
+        return out
+
+
+class CachedRead:
+    """A cached prefix's K/V of one layer as the attention reads it (``CachedPrefixKV``).
+
+    It holds the cache only, never the hook: the hook holds tensors of the graph (captured
+    K/V rows), and a graph -> reader -> hook -> graph cycle would keep the whole graph alive
+    after its backward (autograd's C++ references are invisible to Python's GC)."""
+
+    __slots__ = ("cache", "source", "layer", "count")
+
+    def __init__(self, cache: BlockKVCache, source: int, layer: int, count: bool):
+        self.cache, self.source, self.layer, self.count = cache, source, layer, count
+
+    def read(self, again: bool = False) -> Tuple[Tensor, Tensor]:
+        return self.cache.read(self.source, self.layer, count=self.count and not again)
+
+    def add_grad(self, grad_key: Tensor, grad_value: Tensor) -> None:
+        self.cache.accumulate_grad(self.source, self.layer, grad_key, grad_value)
+
+    def materialize(self) -> Tuple[Tensor, Tensor]:
+        """Leaf copies whose gradients hooks add to the source's dK/dV (kernels that take tensors)."""
+        cache, s, layer = self.cache, self.source, self.layer
+        k, v = self.read()
+        k.requires_grad_(True)
+        v.requires_grad_(True)
+        k.register_hook(lambda g: cache.accumulate_grad(s, layer, g, None))
+        v.register_hook(lambda g: cache.accumulate_grad(s, layer, None, g))
+        return k, v

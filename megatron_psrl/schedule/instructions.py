@@ -1,0 +1,205 @@
+"""One rank's step as a stream of typed instructions, the form the engine executes.
+
+The plan (:class:`~megatron_psrl.schedule.plan.RankPlan`) orders micro-batches as forward /
+backward / forward-backward steps; its memory plan decides which producers keep their graph
+and when cached K/V may go. Lowering both gives the rank's instructions, each a small frozen
+dataclass that names one thing to do:
+
+====================  ==========================================================================
+instruction           what the engine does (``megatron_psrl.engine.step.StepRunner``)
+====================  ==========================================================================
+AllocateKV            blocks for the sources a micro-batch is about to produce or receive
+ForwardBackward       forward with a graph, loss, backward at once (nobody reads it)
+ForwardKeep           forward of a producer, its sources' K/V stored, its graph kept
+ForwardDrop           forward of a producer without a graph (recomputed at its backward)
+Forward               forward only (log-prob and sequence-sum passes), K/V stored
+SendHeads             a micro-batch's exported prefix heads go to the ranks that import them
+ImportHead            an import micro-batch receives prefix heads into its sources (no model)
+ReturnReplicaGrads    cross-rank: the dK/dV of prefix replicas go back to their owners
+CollectHeadGrads      the dK/dV importers returned for a head, added before its backward
+Backward              a producer's backward (its readers are done), recomputing if dropped
+ReturnHeadGrads       an import micro-batch's heads' dK/dV go back to their home rank
+ReleaseKV             cached K/V (or every kind, gradients too) of sources nobody needs now
+====================  ==========================================================================
+
+Instructions that run the model carry :attr:`Instruction.pass_kind`, the pass the expert
+lockstep of an MoE model counts (:data:`megatron_psrl.model.moe.Pass`): ``P`` forward +
+backward, ``K`` a kept graph's forward, ``B`` its backward, ``N`` a forward whose graph is
+dropped (or a forward-only pass). Lowering is deterministic and local (no communication), so
+every rank of a group derives its stream from the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Tuple
+
+from megatron_psrl.schedule.memory import MemoryPlan
+from megatron_psrl.schedule.plan import RankPlan
+
+ALL_KINDS = ("gk", "gv", "k", "v")
+"""Every kind of block a source holds: its gradients and its K/V."""
+
+KV_KINDS = ("k", "v")
+"""A source's K/V blocks."""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One thing a rank does in a step."""
+
+    pass_kind: ClassVar[Optional[str]] = None
+    """The pass the expert lockstep counts for this instruction (None: it runs no model)."""
+
+
+@dataclass(frozen=True)
+class MicroBatchInstruction(Instruction):
+    """An instruction about one micro-batch of the rank's plan."""
+
+    micro_batch: int
+    """Index into ``RankPlan.micro_batches``."""
+
+
+@dataclass(frozen=True)
+class ForwardBackward(MicroBatchInstruction):
+    pass_kind: ClassVar[Optional[str]] = "P"
+
+
+@dataclass(frozen=True)
+class ForwardKeep(MicroBatchInstruction):
+    pass_kind: ClassVar[Optional[str]] = "K"
+
+
+@dataclass(frozen=True)
+class ForwardDrop(MicroBatchInstruction):
+    pass_kind: ClassVar[Optional[str]] = "N"
+
+
+@dataclass(frozen=True)
+class Forward(MicroBatchInstruction):
+    pass_kind: ClassVar[Optional[str]] = "N"
+
+
+@dataclass(frozen=True)
+class Backward(MicroBatchInstruction):
+    recompute: bool = False
+    """The forward dropped its graph: run it again (with a graph) before the backward."""
+
+    @property
+    def lockstep_pass(self) -> str:
+        """A recomputing backward is one whole pass (its forward and backward) for the lockstep."""
+        return "P" if self.recompute else "B"
+
+
+@dataclass(frozen=True)
+class SendHeads(MicroBatchInstruction):
+    pass
+
+
+@dataclass(frozen=True)
+class ImportHead(MicroBatchInstruction):
+    pass
+
+
+@dataclass(frozen=True)
+class ReturnReplicaGrads(MicroBatchInstruction):
+    pass
+
+
+@dataclass(frozen=True)
+class CollectHeadGrads(MicroBatchInstruction):
+    pass
+
+
+@dataclass(frozen=True)
+class ReturnHeadGrads(MicroBatchInstruction):
+    pass
+
+
+@dataclass(frozen=True)
+class AllocateKV(Instruction):
+    sources: Tuple[int, ...]
+    """Cached sources to allocate, in the plan's order."""
+
+    kinds: Optional[Tuple[str, ...]] = None
+    """Block kinds of every source (None: each source's own ``CachedSource.kinds``)."""
+
+
+@dataclass(frozen=True)
+class ReleaseKV(Instruction):
+    sources: Tuple[int, ...]
+    """Cached sources whose blocks go."""
+
+    kinds: Tuple[str, ...] = KV_KINDS
+    """Which of their blocks (``KV_KINDS``: the K/V only; ``ALL_KINDS``: everything)."""
+
+
+def lockstep_pass(instruction: Instruction) -> Optional[str]:
+    """The pass the expert lockstep counts for ``instruction`` (None: no model run)."""
+    if isinstance(instruction, Backward):
+        return instruction.lockstep_pass
+    return instruction.pass_kind
+
+
+def lockstep_passes(instructions: List[Instruction]) -> List[Tuple[str, int]]:
+    """``(pass, micro-batch)`` of every model run, in order: the expert lockstep's plan."""
+    return [(lockstep_pass(x), x.micro_batch) for x in instructions if lockstep_pass(x) is not None]
+
+
+def _exports(rank_plan: RankPlan) -> set:
+    """Micro-batches producing a source whose head other ranks import."""
+    return {src.producer for src in rank_plan.sources.values() if src.exported is not None}
+
+
+def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
+    """The rank's training step: its schedule with the memory plan's decisions (kept or dropped
+    graphs, when cached K/V go) and the step's communication made explicit."""
+    out: List[Instruction] = []
+    exports = _exports(rank_plan)
+    release_after: Dict[int, List[int]] = {}  # schedule step -> sources whose K/V go then
+    for s, last in (memory.kv_release_step.items() if rank_plan.sources else ()):
+        release_after.setdefault(last, []).append(s)
+    for step, (op, i) in enumerate(rank_plan.schedule):
+        mb = rank_plan.micro_batches[i]
+        produces = tuple(mb.produces)
+        keep = memory.keep_graph.get(i, True) if memory is not None else True
+        if not mb.computes:  # an import receives heads and returns their gradients; idle: nothing
+            if mb.role == "import" and op == "forward":
+                out += [AllocateKV(produces), ImportHead(i)] if produces else [ImportHead(i)]
+            elif mb.role == "import":
+                out.append(ReturnHeadGrads(i))
+                out += [ReleaseKV(produces, ALL_KINDS)] if produces else []
+        elif op == "forward_backward":
+            out.append(ForwardBackward(i))
+        elif op == "forward":
+            out += [AllocateKV(produces)] if produces else []
+            out.append(ForwardKeep(i) if keep else ForwardDrop(i))
+            out += [SendHeads(i)] if i in exports else []
+        else:
+            out += [CollectHeadGrads(i)] if i in exports else []
+            ex = mb.exchange
+            out += [ReturnReplicaGrads(i)] if ex is not None and ex.backward_collective else []
+            out.append(Backward(i, recompute=not keep))
+            out += [ReleaseKV(produces, ALL_KINDS)] if produces else []
+        if release_after.get(step):
+            out.append(ReleaseKV(tuple(release_after[step])))
+    return out
+
+
+def forward_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
+    """The rank's forward-only pass: every micro-batch in order, a cached source's K/V
+    allocated only if this rank reads it later and freed after its last reader."""
+    out: List[Instruction] = []
+    exports = _exports(rank_plan)
+    last_reader = memory.kv_release_step if rank_plan.sources else {}
+    for i, mb in enumerate(rank_plan.micro_batches):
+        allocate = tuple(s for s in mb.produces if s in last_reader)  # (an owner read only elsewhere holds nothing)
+        out += [AllocateKV(allocate, KV_KINDS)] if allocate else []
+        if not mb.computes:
+            out += [ImportHead(i)] if mb.role == "import" else []
+            continue
+        out.append(Forward(i))
+        out += [SendHeads(i)] if i in exports else []
+        done = tuple(s for s in mb.reads if last_reader[s] == i)
+        out += [ReleaseKV(done)] if done else []
+    return out
