@@ -111,6 +111,28 @@ def check_finite(tensor: Tensor, path: str, name: str, refuse: bool = True) -> N
     logger.warning("%s: tensor %r: %s; converted as is (--allow-non-finite)", path, name, what)
 
 
+def _layer_slice(reader, full_name: str, suffix: str, shape, heads: Tuple[int, int], groups: Tuple[int, int],
+                 block: Tuple[int, int], shared: Tuple[int, int]) -> Tensor:
+    """One tensor-parallel rank's part of a layer tensor: its query (``heads``), key/value
+    (``groups``), FFN (``block``) or shared-expert (``shared``) rows, or columns of the output
+    projections; norms, routers and whole experts are replicated."""
+    if suffix.startswith("self_attn.q_proj."):
+        return reader.get_slice(full_name, 0, *heads, shape)
+    if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+        return reader.get_slice(full_name, 0, *groups, shape)
+    if suffix == "self_attn.o_proj.weight":
+        return reader.get_slice(full_name, 1, *heads, shape)
+    if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        return reader.get_slice(full_name, 0, *block, shape)
+    if suffix == "mlp.down_proj.weight":
+        return reader.get_slice(full_name, 1, *block, shape)
+    if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
+        return reader.get_slice(full_name, 0, *shared, shape)
+    if suffix == "mlp.shared_expert.down_proj.weight":
+        return reader.get_slice(full_name, 1, *shared, shape)
+    return reader.get(full_name, shape)
+
+
 def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: int, stage: int,
                        split: PipelineSplit, ep_rank: int = 0, ep: int = 1) -> Dict[str, Tensor]:
     """One rank's shard of a HF folder (tensor-parallel rank ``tp_rank``, (virtual) pipeline
@@ -169,21 +191,8 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
         expert = re.match(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.", suffix)
         if expert is not None and int(expert.group(1)) // (arch.num_experts // ep) != ep_rank:
             return torch.empty(shape, device="meta")  # another expert-parallel rank's expert
-        if suffix.startswith("self_attn.q_proj."):
-            return reader.get_slice(full_name, 0, *heads, shape)
-        if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
-            return reader.get_slice(full_name, 0, *groups, shape)
-        if suffix == "self_attn.o_proj.weight":
-            return reader.get_slice(full_name, 1, *heads, shape)
-        if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            return reader.get_slice(full_name, 0, *block, shape)
-        if suffix == "mlp.down_proj.weight":
-            return reader.get_slice(full_name, 1, *block, shape)
-        if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
-            return reader.get_slice(full_name, 0, tp_rank * shared, (tp_rank + 1) * shared, shape)
-        if suffix == "mlp.shared_expert.down_proj.weight":
-            return reader.get_slice(full_name, 1, tp_rank * shared, (tp_rank + 1) * shared, shape)
-        return reader.get(full_name, shape)  # norms, routers, whole experts (replicated)
+        return _layer_slice(reader, full_name, suffix, shape, heads, groups, block,
+                            (tp_rank * shared, (tp_rank + 1) * shared))
 
     shard = {name: t for name, t in get_adapter(local).hf_to_mcore(get) if not t.is_meta}
     if arch.is_moe:

@@ -114,11 +114,11 @@ class HeadSends:
 
     def after_forward(self, i: int) -> None:
         """Micro-batch ``i`` ran forward: send the heads it exports to every rank that asked,
-        and (training) post the receives of their gradients. Its K/V then leave the cache."""
+        and (training) post the receives of their gradients (the sent rows are a copy: the
+        step's next instruction releases the source's K/V)."""
         for t in sorted(t for t, s in self.exports.items() if self.plan.ranks[self.rank].sources[s].producer == i):
             s = self.exports[t]
             rows = self._stacked(s, grads=False).contiguous()
-            self.cache.free(s, ("k", "v"))
             for r, j, flag, work in self._flags.get(t, []):
                 work.wait()
                 if not int(flag.item()):

@@ -254,15 +254,8 @@ def _check_group(plan: StepPlan, group: List[int]) -> None:
     every send has its receive (and every replica's gradients go back to their owner)."""
     ranks = [plan.ranks[r] for r in group]
     if len(group) == 1:
-        rank_plan, where = ranks[0], f"rank {group[0]}"
-        _require(not rank_plan.cross_rank, f"{where} is part of a cross-rank plan but alone in its group")
-        for i, mb in enumerate(rank_plan.micro_batches):
-            _require(mb.exchange is None and not mb.peer_reads,
-                     f"{where} micro-batch {i} exchanges with other ranks, but the rank plans alone")
-        replicas = [s for s, src in rank_plan.sources.items() if src.replica_of is not None]
-        _require(not replicas, f"{where} holds replicas {replicas} of other ranks' sources, but plans alone")
+        _check_alone(ranks[0], f"rank {group[0]}")
         return
-    g = len(group)
     names = [f"rank {r}" for r in group]
     steps = len(ranks[0].micro_batches)
     for q, rp in enumerate(ranks):
@@ -271,77 +264,104 @@ def _check_group(plan: StepPlan, group: List[int]) -> None:
         _require(len(rp.micro_batches) == steps and rp.schedule == ranks[0].schedule,
                  f"{names[q]} does not run the same steps and schedule as {names[0]} (the group runs in lockstep)")
     for m in range(steps):
-        mbs = [rp.micro_batches[m] for rp in ranks]
-        ex = [mb.exchange for mb in mbs]
-        forward = any(e is not None and any(e.send.values()) for e in ex)
-        backward = any(e is not None and any(e.grad_send.values()) for e in ex)
-        used_peers: List[List[int]] = [[] for _ in range(g)]
-        for q in range(g):
-            at = f"{names[q]} step {m}"
-            e = ex[q]
-            if e is None:
-                _require(not forward and not backward,
-                         f"{at} takes no part in the step's exchange, which other ranks of {group} run")
-                continue
-            _require((e.forward_collective, e.backward_collective) == (forward, backward),
-                     f"{at}: its exchange says forward/backward collective {e.forward_collective}/"
-                     f"{e.backward_collective}, the group's transfers say {forward}/{backward}")
-            for table in (e.send, e.recv, e.grad_send, e.grad_recv):
-                _require(all(0 <= k < g and k != q for k in table), f"{at} exchanges with ranks {sorted(table)}")
-        for q in range(g):
-            for r in range(g):
-                if q == r:
-                    continue
-                sent = ex[q].send.get(r, []) if ex[q] is not None else []
-                got = ex[r].recv.get(q, []) if ex[r] is not None else []
-                at = f"step {m}: {names[q]} -> {names[r]}"
-                _require([len(c) for c in sent] == [u.length for u in got],
-                         f"{at}: the sender sends chains of {[len(c) for c in sent]} tokens, the receiver expects "
-                         f"{[u.length for u in got]}")
-                for chain, use in zip(sent, got):
-                    _require(bool(_contains(mbs[q].tokens, chain).all()),
-                             f"{at}: a sent chain is not in the sender's fragment")
-                    _require(use.peer is not None or use.replica is not None, f"{at}: a chain is received for no use")
-                    if use.peer is not None:
-                        peers = mbs[r].peer_reads
-                        _require(0 <= use.peer < len(peers), f"{at}: a chain goes to peer read {use.peer}, which "
-                                                             f"the receiver does not have")
-                        peer = peers[use.peer]
-                        _require((peer.src_rank, peer.length, peer.last_token) == (q, len(chain), int(chain[-1])),
-                                 f"{at}: a chain goes to peer read {use.peer}, which is another chain")
-                        used_peers[r].append(use.peer)
-                    if use.replica is not None:
-                        src = ranks[r].sources.get(use.replica)
-                        _require(src is not None and src.replica_of is not None and src.replica_of[0] == q
-                                 and src.producer == m and np.array_equal(src.tokens, chain),
-                                 f"{at}: a chain goes to replica {use.replica}, which is not a copy of it made "
-                                 "at this step")
-                back = ex[r].grad_send.get(q, []) if ex[r] is not None else []
-                into = ex[q].grad_recv.get(r, []) if ex[q] is not None else []
-                _require([ranks[r].sources[s].replica_of if s in ranks[r].sources else None for s in back]
-                         == [(q, s) for s in into],
-                         f"step {m}: {names[r]} returns the gradients of replicas {back} to {names[q]}, which "
-                         f"expects those of its sources {into}")
-        for r in range(g):
-            _require(sorted(used_peers[r]) == list(range(len(mbs[r].peer_reads))),
-                     f"{names[r]} step {m}: its {len(mbs[r].peer_reads)} peer reads are received as "
-                     f"{sorted(used_peers[r])}")
+        _check_step_exchange(ranks, names, group, m)
     for r, rp in enumerate(ranks):
         for s, src in rp.sources.items():
-            if src.replica_of is None:
-                continue
-            at = f"{names[r]} replica {s}"
-            q, sid = src.replica_of
-            owner = ranks[q].sources.get(sid) if 0 <= q < g and q != r else None
-            _require(owner is not None and owner.replica_of is None and owner.producer == src.producer
-                     and np.array_equal(owner.tokens, src.tokens) and "gk" in owner.kinds,
-                     f"{at} copies source {sid} of group rank {q}, which is not the same chain made at its step")
-            e = ranks[r].micro_batches[src.producer].exchange
-            received = [u.replica for u in e.recv.get(q, [])] if e is not None else []
-            returned = e.grad_send.get(q, []) if e is not None else []
-            _require(received.count(s) == 1 and returned.count(s) == 1,
-                     f"{at} is received {received.count(s)} times and its gradients returned {returned.count(s)} "
-                     f"times at step {src.producer} (once each)")
+            if src.replica_of is not None:
+                _check_replica(ranks, r, s, src, f"{names[r]} replica {s}")
+
+
+def _check_alone(rank_plan: RankPlan, where: str) -> None:
+    """A rank planning alone exchanges nothing and holds no replica."""
+    _require(not rank_plan.cross_rank, f"{where} is part of a cross-rank plan but alone in its group")
+    for i, mb in enumerate(rank_plan.micro_batches):
+        _require(mb.exchange is None and not mb.peer_reads,
+                 f"{where} micro-batch {i} exchanges with other ranks, but the rank plans alone")
+    replicas = [s for s, src in rank_plan.sources.items() if src.replica_of is not None]
+    _require(not replicas, f"{where} holds replicas {replicas} of other ranks' sources, but plans alone")
+
+
+def _check_step_exchange(ranks: List[RankPlan], names: List[str], group: List[int], m: int) -> None:
+    """Step ``m`` of a cross-rank group: every rank takes part in the step's collectives, and
+    every pair's sends, receives and returned gradients match."""
+    g = len(ranks)
+    mbs = [rp.micro_batches[m] for rp in ranks]
+    ex = [mb.exchange for mb in mbs]
+    forward = any(e is not None and any(e.send.values()) for e in ex)
+    backward = any(e is not None and any(e.grad_send.values()) for e in ex)
+    for q in range(g):
+        at = f"{names[q]} step {m}"
+        e = ex[q]
+        if e is None:
+            _require(not forward and not backward,
+                     f"{at} takes no part in the step's exchange, which other ranks of {group} run")
+            continue
+        _require((e.forward_collective, e.backward_collective) == (forward, backward),
+                 f"{at}: its exchange says forward/backward collective {e.forward_collective}/"
+                 f"{e.backward_collective}, the group's transfers say {forward}/{backward}")
+        for table in (e.send, e.recv, e.grad_send, e.grad_recv):
+            _require(all(0 <= k < g and k != q for k in table), f"{at} exchanges with ranks {sorted(table)}")
+    used_peers: List[List[int]] = [[] for _ in range(g)]
+    for q in range(g):
+        for r in range(g):
+            if q != r:
+                _check_pair(ranks, names, m, q, r, used_peers)
+    for r in range(g):
+        _require(sorted(used_peers[r]) == list(range(len(mbs[r].peer_reads))),
+                 f"{names[r]} step {m}: its {len(mbs[r].peer_reads)} peer reads are received as "
+                 f"{sorted(used_peers[r])}")
+
+
+def _check_pair(ranks: List[RankPlan], names: List[str], m: int, q: int, r: int, used_peers: List[List[int]]) -> None:
+    """Step ``m``, rank ``q`` -> rank ``r``: the chains sent are the chains received, each put to
+    a use the receiver has; the gradients ``r`` returns are those ``q`` expects."""
+    mbs = [rp.micro_batches[m] for rp in ranks]
+    ex = [mb.exchange for mb in mbs]
+    sent = ex[q].send.get(r, []) if ex[q] is not None else []
+    got = ex[r].recv.get(q, []) if ex[r] is not None else []
+    at = f"step {m}: {names[q]} -> {names[r]}"
+    _require([len(c) for c in sent] == [u.length for u in got],
+             f"{at}: the sender sends chains of {[len(c) for c in sent]} tokens, the receiver expects "
+             f"{[u.length for u in got]}")
+    for chain, use in zip(sent, got):
+        _require(bool(_contains(mbs[q].tokens, chain).all()), f"{at}: a sent chain is not in the sender's fragment")
+        _require(use.peer is not None or use.replica is not None, f"{at}: a chain is received for no use")
+        if use.peer is not None:
+            peers = mbs[r].peer_reads
+            _require(0 <= use.peer < len(peers), f"{at}: a chain goes to peer read {use.peer}, which "
+                                                 f"the receiver does not have")
+            peer = peers[use.peer]
+            _require((peer.src_rank, peer.length, peer.last_token) == (q, len(chain), int(chain[-1])),
+                     f"{at}: a chain goes to peer read {use.peer}, which is another chain")
+            used_peers[r].append(use.peer)
+        if use.replica is not None:
+            src = ranks[r].sources.get(use.replica)
+            _require(src is not None and src.replica_of is not None and src.replica_of[0] == q
+                     and src.producer == m and np.array_equal(src.tokens, chain),
+                     f"{at}: a chain goes to replica {use.replica}, which is not a copy of it made at this step")
+    back = ex[r].grad_send.get(q, []) if ex[r] is not None else []
+    into = ex[q].grad_recv.get(r, []) if ex[q] is not None else []
+    _require([ranks[r].sources[s].replica_of if s in ranks[r].sources else None for s in back]
+             == [(q, s) for s in into],
+             f"step {m}: {names[r]} returns the gradients of replicas {back} to {names[q]}, which "
+             f"expects those of its sources {into}")
+
+
+def _check_replica(ranks: List[RankPlan], r: int, s: int, src, at: str) -> None:
+    """Replica ``s`` of group rank ``r`` copies its owner's chain made at the same step, received
+    and its gradients returned exactly once."""
+    g = len(ranks)
+    q, sid = src.replica_of
+    owner = ranks[q].sources.get(sid) if 0 <= q < g and q != r else None
+    _require(owner is not None and owner.replica_of is None and owner.producer == src.producer
+             and np.array_equal(owner.tokens, src.tokens) and "gk" in owner.kinds,
+             f"{at} copies source {sid} of group rank {q}, which is not the same chain made at its step")
+    e = ranks[r].micro_batches[src.producer].exchange
+    received = [u.replica for u in e.recv.get(q, [])] if e is not None else []
+    returned = e.grad_send.get(q, []) if e is not None else []
+    _require(received.count(s) == 1 and returned.count(s) == 1,
+             f"{at} is received {received.count(s)} times and its gradients returned {returned.count(s)} "
+             f"times at step {src.producer} (once each)")
 
 
 def _check_coverage(plan: StepPlan, owned: List[np.ndarray], targets: List[np.ndarray]) -> None:

@@ -135,179 +135,198 @@ def plan_group_cross_rank(
 def _build(index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, cost: np.ndarray,
            micro_batch_cost: float, heads: Optional[CrossRankHeads] = None, budget: int = 0,
            token_cost: Optional[TokenCost] = None) -> List[RankPlan]:
-    subtree_end = index.subtree_end
-    heads = heads or CrossRankHeads()
-    num = len(bounds) - 1
-    # Transfer steps first: the exported heads (on group rank 0, first-fit into micro-batches),
-    # then one import step if any copy's head is received.
-    export_bins: List[List[Tuple[int, int, int]]] = []
-    for t, start, length in heads.exports:
-        target = next((b for b in export_bins if sum(x[2] for x in b) + length <= budget), None)
-        if target is None:
-            export_bins.append([])
-            target = export_bins[-1]
-        target.append((t, start, length))
-    export_step = {t: m for m, b in enumerate(export_bins) for t, _, _ in b}
-    local = {u for u, (t, j, _) in heads.imports.items() if j == 0 and t in export_step}
-    import_step = len(export_bins) if heads.imports else None
-    first_step = len(export_bins) + (1 if heads.imports else 0)
-    steps = num // g + first_step
-    rank_of = np.arange(num) % g
-    step_of = np.arange(num) // g + first_step
+    """Every rank's plan from the group's fragments ``stream[bounds[f]:bounds[f + 1]]``."""
+    build = _GroupBuild(index, stream, bounds, g, heads or CrossRankHeads(), budget)
+    build.link()
+    build.finish_transfers()
+    schedule = build.schedule()
+    fragment_cost = np.array([cost[bounds[f]:bounds[f + 1]].sum() for f in range(build.num)])
+    export_cost = float(sum(token_cost(build.mbs[0][m].tokens).sum() for m in range(len(build.export_bins))))
+    return [RankPlan(micro_batches=build.mbs[r], sources=build.sources[r], schedule=list(schedule),
+                     planned_cost=float(fragment_cost[r::g].sum()) + (export_cost if r == 0 else 0.0)
+                     + micro_batch_cost * build.steps, group_rank=r, cross_rank=True)
+            for r in range(g)]
 
-    # What every fragment needs from earlier fragments or heads (all on the path to its first
-    # token): the heads are chunks of the stream too, ahead of their trees' fragments.
-    tree = index.tree
-    head_chunks = {}  # first token -> (unit, transfer, import, length)
-    for u, (t, j, length) in heads.imports.items():
-        a = int(tree.node_offset[u])
-        head_chunks[a] = (u, t, j, length)
-    # A fragment that runs into a tree whose head it does not hold has outside ancestors that
-    # are not on the path to its first token: dependencies are found per tree piece of it.
-    pieces = []  # (first token, ("fragment", f), tokens)
-    starts = np.sort(np.asarray(list(head_chunks), dtype=np.int64))
-    for f in range(num):
-        c = stream[bounds[f]:bounds[f + 1]]
-        cut = np.flatnonzero(np.diff(np.searchsorted(starts, c, side="right"))) + 1 if len(starts) else []
-        for part in np.split(c, cut):
-            pieces.append((int(part[0]), ("fragment", f), part))
-    chunks = sorted([(a, k, part) for a, k, part in pieces]
-                    + [(a, ("head", a), np.arange(a, a + head_chunks[a][3], dtype=np.int64)) for a in head_chunks],
-                    key=lambda x: x[0])
-    deps = chunk_dependencies(index, [part for _, _, part in chunks])
-    chunks = [(a, k) for a, k, _ in chunks]
-    first = np.array([a for a, _ in chunks], dtype=np.int64)
-    kind_of = [k for _, k in chunks]
-    fragment_at = np.array([k[1] if k[0] == "fragment" else -1 for k in kind_of], dtype=np.int64)
 
-    def spec(m: int, r: int) -> MicroBatchSpec:
-        if m < len(export_bins):
+class _GroupBuild:
+    """One group's cross-rank plan under construction: every rank's micro-batches (one per
+    lockstep step), cached sources, exchanges, and the steps that read each producer step."""
+
+    def __init__(self, index: TreeIndex, stream: np.ndarray, bounds: np.ndarray, g: int, heads: CrossRankHeads,
+                 budget: int):
+        self.index, self.stream, self.bounds, self.g, self.heads = index, stream, bounds, g, heads
+        self.num = len(bounds) - 1
+        self._transfer_steps(budget)
+        self.rank_of = np.arange(self.num) % g
+        self.step_of = np.arange(self.num) // g + self.first_step
+        self._chunks()
+        self.mbs = [[self._spec(m, r) for m in range(self.steps)] for r in range(g)]
+        self.sources: List[Dict[int, CachedSource]] = [{} for _ in range(g)]
+        self.exchanges = [[StepExchange() for _ in range(self.steps)] for _ in range(g)]
+        self.readers: Dict[int, set] = {}  # producer step -> steps reading its sources (any rank)
+        self.imported: Dict[Tuple[int, int, int], Tuple[int, int]] = {}  # (rank, transfer, import) -> head received
+
+    def _transfer_steps(self, budget: int) -> None:
+        """Transfer steps first: the exported heads (on group rank 0, first-fit into micro-batches),
+        then one import step if any copy's head is received."""
+        heads = self.heads
+        self.export_bins: List[List[Tuple[int, int, int]]] = []
+        for t, start, length in heads.exports:
+            target = next((b for b in self.export_bins if sum(x[2] for x in b) + length <= budget), None)
+            if target is None:
+                self.export_bins.append([])
+                target = self.export_bins[-1]
+            target.append((t, start, length))
+        self.export_step = {t: m for m, b in enumerate(self.export_bins) for t, _, _ in b}
+        self.local = {u for u, (t, j, _) in heads.imports.items() if j == 0 and t in self.export_step}
+        self.import_step = len(self.export_bins) if heads.imports else None
+        self.first_step = len(self.export_bins) + (1 if heads.imports else 0)
+        self.steps = self.num // self.g + self.first_step
+
+    def _chunks(self) -> None:
+        """What every fragment needs from earlier fragments or heads (all on the path to its first
+        token): the heads are chunks of the stream too, ahead of their trees' fragments. A
+        fragment that runs into a tree whose head it does not hold has outside ancestors that are
+        not on the path to its first token: dependencies are found per tree piece of it."""
+        tree, stream, bounds = self.index.tree, self.stream, self.bounds
+        self.head_chunks = {int(tree.node_offset[u]): (u, t, j, length)  # first token -> (unit, transfer, import, length)
+                            for u, (t, j, length) in self.heads.imports.items()}
+        pieces = []  # (first token, ("fragment", f), tokens)
+        starts = np.sort(np.asarray(list(self.head_chunks), dtype=np.int64))
+        for f in range(self.num):
+            c = stream[bounds[f]:bounds[f + 1]]
+            cut = np.flatnonzero(np.diff(np.searchsorted(starts, c, side="right"))) + 1 if len(starts) else []
+            for part in np.split(c, cut):
+                pieces.append((int(part[0]), ("fragment", f), part))
+        chunks = sorted(pieces + [(a, ("head", a), np.arange(a, a + h[3], dtype=np.int64))
+                                  for a, h in self.head_chunks.items()], key=lambda x: x[0])
+        self.deps = chunk_dependencies(self.index, [part for _, _, part in chunks])
+        self.first = np.array([a for a, _, _ in chunks], dtype=np.int64)
+        self.kind_of = [k for _, k, _ in chunks]
+        self.fragment_at = np.array([k[1] if k[0] == "fragment" else -1 for k in self.kind_of], dtype=np.int64)
+
+    def _spec(self, m: int, r: int) -> MicroBatchSpec:
+        idle = dict(tokens=np.zeros(0, np.int64), owned=np.zeros(0, bool), role="idle")
+        if m < len(self.export_bins):
             if r == 0:
-                tok = np.concatenate([np.arange(a, a + n, dtype=np.int64) for _, a, n in export_bins[m]])
+                tok = np.concatenate([np.arange(a, a + n, dtype=np.int64) for _, a, n in self.export_bins[m]])
                 return MicroBatchSpec(index=m, tokens=tok, owned=np.ones(len(tok), bool))
-            return MicroBatchSpec(index=m, tokens=np.zeros(0, np.int64), owned=np.zeros(0, bool), role="idle")
-        if m == import_step:  # becomes an import where the rank receives a head
-            return MicroBatchSpec(index=m, tokens=np.zeros(0, np.int64), owned=np.zeros(0, bool), role="idle")
-        f = (m - first_step) * g + r
-        return MicroBatchSpec(index=m, tokens=stream[bounds[f]:bounds[f + 1]].copy(),
-                              owned=np.ones(int(bounds[f + 1] - bounds[f]), bool))
+            return MicroBatchSpec(index=m, **idle)
+        if m == self.import_step:  # becomes an import where the rank receives a head
+            return MicroBatchSpec(index=m, **idle)
+        f = (m - self.first_step) * self.g + r
+        lo, hi = self.bounds[f], self.bounds[f + 1]
+        return MicroBatchSpec(index=m, tokens=self.stream[lo:hi].copy(), owned=np.ones(int(hi - lo), bool))
 
-    mbs = [[spec(m, r) for m in range(steps)] for r in range(g)]
-    sources: List[Dict[int, CachedSource]] = [{} for _ in range(g)]
-    exchanges = [[StepExchange() for _ in range(steps)] for _ in range(g)]
-    readers: Dict[int, set] = {}  # producer step -> steps reading its sources (any rank)
-    imported: Dict[Tuple[int, int, int], Tuple[int, int]] = {}  # (rank, transfer, import) -> the head received
-
-    def new_source(r: int, **kw) -> CachedSource:
-        src = CachedSource(source_id=len(sources[r]), **kw)
-        sources[r][src.source_id] = src
+    def new_source(self, r: int, **kw) -> CachedSource:
+        src = CachedSource(source_id=len(self.sources[r]), **kw)
+        self.sources[r][src.source_id] = src
         return src
 
-    for p in range(len(chunks)):
-        if kind_of[p][0] == "head":
-            _link_head(index, deps, p, first, fragment_at, rank_of, step_of, head_chunks[kind_of[p][1]], local,
-                       export_step, import_step, mbs, new_source, readers, imported)
-            continue
-        fp = kind_of[p][1]
-        q, mp = int(rank_of[fp]), int(step_of[fp])
-        if p in deps.remote:
-            mb = mbs[q][mp]
-            mb.remote_targets = np.concatenate([mb.remote_targets, deps.remote[p]])
-        if p not in deps.needed:
-            continue
-        for chain in split_chains(index, deps.needed[p], deps.attach[p]):
-            last = int(chain[-1])
-            consumers = _reading_fragments(p, last, first, subtree_end, fragment_at)
-            local_steps = sorted(int(step_of[f]) for f in consumers if rank_of[f] == q)
-            by_rank: Dict[int, List[int]] = {}
-            for f in consumers:
-                if rank_of[f] != q:
-                    by_rank.setdefault(int(rank_of[f]), []).append(int(step_of[f]))
-            owner = None
-            if local_steps or any(st > mp for steps_r in by_rank.values() for st in steps_r):
-                owner = new_source(q, producer=mp, tokens=chain, consumers=local_steps,
-                                   kinds=("k", "v", "gk", "gv") if local_steps else ("gk", "gv"))
-                mbs[q][mp].produces.append(owner.source_id)
-                for st in local_steps:
-                    mbs[q][st].reads.append(owner.source_id)
-                readers.setdefault(mp, set()).update(local_steps)
-            for r in sorted(by_rank):
-                later_steps = sorted(st for st in by_rank[r] if st > mp)
-                use = ChainUse(length=len(chain))
-                if mp in by_rank[r]:
-                    use.peer = len(mbs[r][mp].peer_reads)
-                    mbs[r][mp].peer_reads.append(PeerRead(src_rank=q, length=len(chain), last_token=last))
-                if later_steps:
-                    replica = new_source(r, producer=mp, tokens=chain, consumers=later_steps,
-                                         replica_of=(q, owner.source_id))
-                    use.replica = replica.source_id
-                    mbs[r][mp].produces.append(replica.source_id)
-                    for st in later_steps:
-                        mbs[r][st].reads.append(replica.source_id)
-                    exchanges[r][mp].grad_send.setdefault(q, []).append(replica.source_id)
-                    exchanges[q][mp].grad_recv.setdefault(r, []).append(owner.source_id)
-                    readers.setdefault(mp, set()).update(later_steps)
-                exchanges[q][mp].send.setdefault(r, []).append(chain)
-                exchanges[r][mp].recv.setdefault(q, []).append(use)
+    def _read(self, r: int, src: CachedSource, steps: List[int]) -> None:
+        """``src`` (on rank ``r``, made by its producer step) read by ``steps`` of that rank."""
+        self.mbs[r][src.producer].produces.append(src.source_id)
+        for st in steps:
+            self.mbs[r][st].reads.append(src.source_id)
+        self.readers.setdefault(src.producer, set()).update(steps)
 
-    for m, b in enumerate(export_bins):  # rank 0's exported sources, and the log-prob of each head's next token
-        for t, start, length in b:
-            export_head(mbs[0][m], sources[0], len(sources[0]), m, t, start, length)
-    for r, (start, length) in imported.items():  # an import micro-batch receives the whole head of every copy it reads
-        mb = mbs[r[0]][import_step]
-        mb.role = "import"
-        mb.tokens = np.union1d(mb.tokens, np.arange(start, start + length, dtype=np.int64)).astype(np.int64)
-        mb.owned = np.zeros(len(mb.tokens), bool)
+    def link(self) -> None:
+        """Every chunk's chains to the fragments that read them: cached sources, replicas and
+        peer reads (fragments), or local / imported sources (heads)."""
+        deps = self.deps
+        for p, kind in enumerate(self.kind_of):
+            if kind[0] == "head":
+                self._link_head(p, self.head_chunks[kind[1]])
+                continue
+            q, mp = int(self.rank_of[kind[1]]), int(self.step_of[kind[1]])
+            if p in deps.remote:
+                mb = self.mbs[q][mp]
+                mb.remote_targets = np.concatenate([mb.remote_targets, deps.remote[p]])
+            if p in deps.needed:
+                for chain in split_chains(self.index, deps.needed[p], deps.attach[p]):
+                    self._link_chain(p, chain, q, mp)
 
-    # One schedule for the whole group: a step whose sources anyone reads later defers its
-    # backward (on every rank) until all those readers are done; exported heads' backwards
-    # close it (their readers in other groups return the gradients when they are done).
-    pseudo = {i: CachedSource(source_id=i, producer=m, tokens=np.zeros(1, np.int64), consumers=sorted(rs))
-              for i, (m, rs) in enumerate(sorted(readers.items())) if rs}
-    schedule = build_schedule(mbs[0], pseudo, last=list(range(len(export_bins))))
-    fragment_cost = np.array([cost[bounds[f]:bounds[f + 1]].sum() for f in range(num)])
-    export_cost = float(sum(token_cost(mbs[0][m].tokens).sum() for m in range(len(export_bins))))
-    plans = []
-    forward = [any(exchanges[x][m].send for x in range(g)) for m in range(steps)]
-    backward = [any(exchanges[x][m].grad_send for x in range(g)) for m in range(steps)]
-    for r in range(g):
-        for m in range(steps):
-            ex = exchanges[r][m]
-            ex.forward_collective, ex.backward_collective = forward[m], backward[m]
-            mbs[r][m].exchange = ex if (forward[m] or backward[m]) else None
-            srcs = sources[r]
-            mbs[r][m].reads = sorted(set(mbs[r][m].reads), key=lambda s: srcs[s].last_token)
-        extra = export_cost if r == 0 else 0.0
-        plans.append(RankPlan(micro_batches=mbs[r], sources=sources[r], schedule=list(schedule),
-                              planned_cost=float(fragment_cost[r::g].sum()) + extra + micro_batch_cost * steps,
-                              group_rank=r, cross_rank=True))
-    return plans
-
-
-def _link_head(index: TreeIndex, deps, p: int, first: np.ndarray, fragment_at: np.ndarray, rank_of: np.ndarray,
-               step_of: np.ndarray, head, local: set, export_step: Dict[int, int], import_step: Optional[int],
-               mbs, new_source, readers: Dict[int, set], imported: Dict) -> None:
-    """The sources a head chunk gives the fragments that read it: on the home rank the home
-    copy's head is local (made by its export step); every other reading rank imports it."""
-    u, t, j, length = head
-    if p not in deps.needed:
-        return
-    for chain in split_chains(index, deps.needed[p], deps.attach[p]):
+    def _link_chain(self, p: int, chain: np.ndarray, q: int, mp: int) -> None:
+        """A chain of fragment ``p`` (rank ``q``, step ``mp``) to its readers: a cached source on
+        its rank; on other ranks, peer rows in the same step and replicas for later steps."""
+        last = int(chain[-1])
+        consumers = _reading_fragments(p, last, self.first, self.index.subtree_end, self.fragment_at)
+        local_steps = sorted(int(self.step_of[f]) for f in consumers if self.rank_of[f] == q)
         by_rank: Dict[int, List[int]] = {}
-        for f in _reading_fragments(p, int(chain[-1]), first, index.subtree_end, fragment_at):
-            by_rank.setdefault(int(rank_of[f]), []).append(int(step_of[f]))
-        for r, steps in sorted(by_rank.items()):
-            steps = sorted(steps)
-            if r == 0 and u in local:
-                producer, kw = export_step[t], {}
-            else:
-                producer, kw = import_step, {"imported": (t, j)}
-                imported[(r, t, j)] = (int(index.tree.node_offset[u]), length)
-            src = new_source(r, producer=producer, tokens=chain, consumers=steps, **kw)
-            mbs[r][producer].produces.append(src.source_id)
-            for st in steps:
-                mbs[r][st].reads.append(src.source_id)
-            readers.setdefault(producer, set()).update(steps)
+        for f in consumers:
+            if self.rank_of[f] != q:
+                by_rank.setdefault(int(self.rank_of[f]), []).append(int(self.step_of[f]))
+        owner = None
+        if local_steps or any(st > mp for steps_r in by_rank.values() for st in steps_r):
+            owner = self.new_source(q, producer=mp, tokens=chain, consumers=local_steps,
+                                    kinds=("k", "v", "gk", "gv") if local_steps else ("gk", "gv"))
+            self._read(q, owner, local_steps)
+        for r in sorted(by_rank):
+            later_steps = sorted(st for st in by_rank[r] if st > mp)
+            use = ChainUse(length=len(chain))
+            if mp in by_rank[r]:
+                use.peer = len(self.mbs[r][mp].peer_reads)
+                self.mbs[r][mp].peer_reads.append(PeerRead(src_rank=q, length=len(chain), last_token=last))
+            if later_steps:
+                replica = self.new_source(r, producer=mp, tokens=chain, consumers=later_steps,
+                                          replica_of=(q, owner.source_id))
+                use.replica = replica.source_id
+                self._read(r, replica, later_steps)
+                self.exchanges[r][mp].grad_send.setdefault(q, []).append(replica.source_id)
+                self.exchanges[q][mp].grad_recv.setdefault(r, []).append(owner.source_id)
+            self.exchanges[q][mp].send.setdefault(r, []).append(chain)
+            self.exchanges[r][mp].recv.setdefault(q, []).append(use)
+
+    def _link_head(self, p: int, head) -> None:
+        """The sources a head chunk gives the fragments that read it: on the home rank the home
+        copy's head is local (made by its export step); every other reading rank imports it."""
+        u, t, j, length = head
+        if p not in self.deps.needed:
+            return
+        for chain in split_chains(self.index, self.deps.needed[p], self.deps.attach[p]):
+            by_rank: Dict[int, List[int]] = {}
+            for f in _reading_fragments(p, int(chain[-1]), self.first, self.index.subtree_end, self.fragment_at):
+                by_rank.setdefault(int(self.rank_of[f]), []).append(int(self.step_of[f]))
+            for r, steps in sorted(by_rank.items()):
+                if r == 0 and u in self.local:
+                    producer, kw = self.export_step[t], {}
+                else:
+                    producer, kw = self.import_step, {"imported": (t, j)}
+                    self.imported[(r, t, j)] = (int(self.index.tree.node_offset[u]), length)
+                src = self.new_source(r, producer=producer, tokens=chain, consumers=sorted(steps), **kw)
+                self._read(r, src, sorted(steps))
+
+    def finish_transfers(self) -> None:
+        """Rank 0's exported sources (and the log-prob of each head's next token); an import
+        micro-batch receives the whole head of every copy it reads."""
+        for m, b in enumerate(self.export_bins):
+            for t, start, length in b:
+                export_head(self.mbs[0][m], self.sources[0], len(self.sources[0]), m, t, start, length)
+        for r, (start, length) in self.imported.items():
+            mb = self.mbs[r[0]][self.import_step]
+            mb.role = "import"
+            mb.tokens = np.union1d(mb.tokens, np.arange(start, start + length, dtype=np.int64)).astype(np.int64)
+            mb.owned = np.zeros(len(mb.tokens), bool)
+
+    def schedule(self) -> List[Tuple[str, int]]:
+        """One schedule for the whole group: a step whose sources anyone reads later defers its
+        backward (on every rank) until all those readers are done; exported heads' backwards
+        close it (their readers in other groups return the gradients when they are done). Every
+        rank's micro-batches get the step's exchange and their reads in prefix order."""
+        pseudo = {i: CachedSource(source_id=i, producer=m, tokens=np.zeros(1, np.int64), consumers=sorted(rs))
+                  for i, (m, rs) in enumerate(sorted(self.readers.items())) if rs}
+        schedule = build_schedule(self.mbs[0], pseudo, last=list(range(len(self.export_bins))))
+        g, steps, exchanges = self.g, self.steps, self.exchanges
+        forward = [any(exchanges[x][m].send for x in range(g)) for m in range(steps)]
+        backward = [any(exchanges[x][m].grad_send for x in range(g)) for m in range(steps)]
+        for r in range(g):
+            srcs = self.sources[r]
+            for m in range(steps):
+                ex = exchanges[r][m]
+                ex.forward_collective, ex.backward_collective = forward[m], backward[m]
+                self.mbs[r][m].exchange = ex if (forward[m] or backward[m]) else None
+                self.mbs[r][m].reads = sorted(set(self.mbs[r][m].reads), key=lambda s: srcs[s].last_token)
+        return schedule
 
 
 def _reading_fragments(p: int, last: int, first: np.ndarray, subtree_end: np.ndarray,

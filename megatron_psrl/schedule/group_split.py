@@ -131,59 +131,20 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray, with_origin: bool =
     node (and, ``with_origin``, the old tree token of every new one). Nodes are ordered by
     group, then in the old preorder (a preorder restricted to a set closed under ancestors is
     a preorder of that set)."""
-    m = tree.num_nodes
     parent = tree.node_parent.astype(np.int64)
-    # (group, node) keys every group needs: its samples' end nodes and all their ancestors.
-    # Level by level from the deepest: the pairs at a level are its end-node pairs and the
-    # parents of the pairs one level down, deduplicated there, so every pair is handled once.
-    level = node_level(tree)
-    ends = _unique(sample_group.astype(np.int64) * m + tree.sample_node)
-    end_level = level[ends % m]
-    order = np.argsort(end_level, kind="stable")
-    ends, end_level = ends[order], end_level[order]
-    bounds = np.searchsorted(end_level, np.arange(int(level.max(initial=0)) + 2))
-    collected, lifted = [], np.zeros(0, np.int64)
-    for lvl in range(len(bounds) - 2, -1, -1):
-        here = _unique(np.concatenate([ends[bounds[lvl]:bounds[lvl + 1]], lifted]))
-        collected.append(here)
-        if lvl:
-            lifted = here // m * m + parent[here % m]
-    keys = _unique(np.concatenate(collected)) if collected else np.zeros(0, np.int64)
-    node = keys % m  # old node of every new node
-    group = keys // m
-    # Most nodes have one copy (only the paths above split points are duplicated): their copy
-    # is a table lookup; the few duplicated ones are searched among the sorted keys.
-    copies = np.bincount(node, minlength=m)
-    copy_of = np.zeros(m, dtype=np.int64)
-    copy_of[node] = np.arange(len(keys), dtype=np.int64)
-
-    def new_node(g: np.ndarray, old: np.ndarray) -> np.ndarray:
-        out = copy_of[old]
-        shared = np.flatnonzero(copies[old] > 1)
-        if len(shared):
-            out[shared] = np.searchsorted(keys, g[shared] * m + old[shared])
-        return out
-
-    new_parent = np.where(parent[node] >= 0, new_node(group, np.maximum(parent[node], 0)), -1)
+    copies = _NodeCopies(tree, _group_node_keys(tree, sample_group))
+    node, group = copies.node, copies.group
+    new_parent = np.where(parent[node] >= 0, copies.new_node(group, np.maximum(parent[node], 0)), -1)
     lens = tree.node_len[node]
-    offset = np.zeros(len(keys) + 1, dtype=np.int64)
+    offset = np.zeros(len(node) + 1, dtype=np.int64)
     np.cumsum(lens, out=offset[1:])
-    sample_new = new_node(sample_group.astype(np.int64), tree.sample_node.astype(np.int64))
-    # Subtree sizes and sample counts, accumulated from the deepest level up.
-    level = level[node]
-    size = np.ones(len(keys), dtype=np.int64)
-    samples = np.bincount(sample_new, minlength=len(keys)).astype(np.int64)
-    for lvl in range(int(level.max(initial=0)), 0, -1):
-        at = np.flatnonzero(level == lvl)
-        np.add.at(size, new_parent[at], size[at])
-        np.add.at(samples, new_parent[at], samples[at])
-
+    sample_new = copies.new_node(sample_group.astype(np.int64), tree.sample_node.astype(np.int64))
+    size, samples = _subtree_sizes(node_level(tree)[node], new_parent, sample_new)
     token_node = tree.token_node()
 
     def new_token(g: np.ndarray, old_token: np.ndarray) -> np.ndarray:
         old_node = token_node[old_token]
-        copy = new_node(g, old_node)
-        return offset[copy] + old_token - tree.node_offset[old_node]
+        return offset[copies.new_node(g, old_node)] + old_token - tree.node_offset[old_node]
 
     batch = tree.batch
     sample_token_index = tree.sample_token_index
@@ -204,7 +165,7 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray, with_origin: bool =
         node_offset=offset,
         node_parent=new_parent.astype(np.int32),
         node_depth=tree.node_depth[node].astype(np.int64),
-        node_subtree_end=np.arange(len(keys), dtype=np.int64) + size,
+        node_subtree_end=np.arange(len(node), dtype=np.int64) + size,
         node_num_samples=samples,
         sample_node=sample_new.astype(np.int32),
         sample_token_index=sample_token_index.astype(np.int64),
@@ -216,6 +177,62 @@ def regroup_tree(tree: PrefixTree, sample_group: np.ndarray, with_origin: bool =
     if with_origin:
         return regrouped, group[new_parent < 0], old_tokens
     return regrouped, group[new_parent < 0]
+
+
+def _group_node_keys(tree: PrefixTree, sample_group: np.ndarray) -> np.ndarray:
+    """Sorted ``group * M + node`` keys every group needs: its samples' end nodes and all their
+    ancestors. Level by level from the deepest: the pairs at a level are its end-node pairs and
+    the parents of the pairs one level down, deduplicated there, so every pair is handled once."""
+    m = tree.num_nodes
+    parent = tree.node_parent.astype(np.int64)
+    level = node_level(tree)
+    ends = _unique(sample_group.astype(np.int64) * m + tree.sample_node)
+    end_level = level[ends % m]
+    order = np.argsort(end_level, kind="stable")
+    ends, end_level = ends[order], end_level[order]
+    bounds = np.searchsorted(end_level, np.arange(int(level.max(initial=0)) + 2))
+    collected, lifted = [], np.zeros(0, np.int64)
+    for lvl in range(len(bounds) - 2, -1, -1):
+        here = _unique(np.concatenate([ends[bounds[lvl]:bounds[lvl + 1]], lifted]))
+        collected.append(here)
+        if lvl:
+            lifted = here // m * m + parent[here % m]
+    return _unique(np.concatenate(collected)) if collected else np.zeros(0, np.int64)
+
+
+class _NodeCopies:
+    """The new nodes of a regrouped tree (one per ``(group, old node)`` key) and the copy a
+    group's sample or node maps to. Most nodes have one copy (only the paths above split points
+    are duplicated): their copy is a table lookup; the few duplicated ones are searched among
+    the sorted keys."""
+
+    def __init__(self, tree: PrefixTree, keys: np.ndarray):
+        self.m, self.keys = tree.num_nodes, keys
+        self.node = keys % self.m  # old node of every new node
+        self.group = keys // self.m
+        self.copies = np.bincount(self.node, minlength=self.m)
+        self.copy_of = np.zeros(self.m, dtype=np.int64)
+        self.copy_of[self.node] = np.arange(len(keys), dtype=np.int64)
+
+    def new_node(self, g: np.ndarray, old: np.ndarray) -> np.ndarray:
+        out = self.copy_of[old]
+        shared = np.flatnonzero(self.copies[old] > 1)
+        if len(shared):
+            out[shared] = np.searchsorted(self.keys, g[shared] * self.m + old[shared])
+        return out
+
+
+def _subtree_sizes(level: np.ndarray, new_parent: np.ndarray, sample_new: np.ndarray):
+    """``(nodes in every subtree, samples through every node)`` of the new tree, accumulated
+    from the deepest level up (``level``: every new node's level)."""
+    n = len(level)
+    size = np.ones(n, dtype=np.int64)
+    samples = np.bincount(sample_new, minlength=n).astype(np.int64)
+    for lvl in range(int(level.max(initial=0)), 0, -1):
+        at = np.flatnonzero(level == lvl)
+        np.add.at(size, new_parent[at], size[at])
+        np.add.at(samples, new_parent[at], samples[at])
+    return size, samples
 
 
 @dataclass

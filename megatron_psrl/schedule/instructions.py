@@ -146,9 +146,22 @@ def lockstep_passes(instructions: List[Instruction]) -> List[Tuple[str, int]]:
     return [(lockstep_pass(x), x.micro_batch) for x in instructions if lockstep_pass(x) is not None]
 
 
-def _exports(rank_plan: RankPlan) -> set:
-    """Micro-batches producing a source whose head other ranks import."""
-    return {src.producer for src in rank_plan.sources.values() if src.exported is not None}
+def _exports(rank_plan: RankPlan) -> Dict[int, Tuple[int, ...]]:
+    """Micro-batch -> the sources it produces whose heads other ranks import."""
+    out: Dict[int, Tuple[int, ...]] = {}
+    for s, src in rank_plan.sources.items():
+        if src.exported is not None:
+            out[src.producer] = out.get(src.producer, ()) + (s,)
+    return out
+
+
+def _send_heads(i: int, exports: Dict[int, Tuple[int, ...]], held=None) -> List[Instruction]:
+    """Micro-batch ``i``'s exported heads sent, then their K/V released (the sends hold a copy;
+    the home's gradients arrive in blocks of their own). ``held``: the sources allocated here."""
+    if i not in exports:
+        return []
+    release = tuple(s for s in exports[i] if held is None or s in held)
+    return [SendHeads(i)] + ([ReleaseKV(release)] if release else [])
 
 
 def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
@@ -174,7 +187,7 @@ def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> 
         elif op == "forward":
             out += [AllocateKV(produces)] if produces else []
             out.append(ForwardKeep(i) if keep else ForwardDrop(i))
-            out += [SendHeads(i)] if i in exports else []
+            out += _send_heads(i, exports)
         else:
             out += [CollectHeadGrads(i)] if i in exports else []
             ex = mb.exchange
@@ -199,7 +212,7 @@ def forward_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> L
             out += [ImportHead(i)] if mb.role == "import" else []
             continue
         out.append(Forward(i))
-        out += [SendHeads(i)] if i in exports else []
+        out += _send_heads(i, exports, last_reader)
         done = tuple(s for s in mb.reads if last_reader[s] == i)
         out += [ReleaseKV(done)] if done else []
     return out

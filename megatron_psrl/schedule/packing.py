@@ -22,7 +22,7 @@ ancestors of the mechanism-1 split stopgap, computed again but claimed elsewhere
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -116,18 +116,37 @@ def pack_tokens(
     start_pred = pred_pack[seg_start]
     seg_parent = np.where(start_pred >= 0, seg_of_token[np.maximum(start_pred, 0)], -1)
 
-    # Root segments whose first token is not at position 0 must descend from an external source.
-    dangling = seg_start[(seg_parent < 0) & (pred_tree[seg_start] >= 0)]
+    ext_blocks = _external_blocks(index, tok, seg_start[(seg_parent < 0) & (pred_tree[seg_start] >= 0)], external)
+    plan = tree_plan(seg_start, seg_end, seg_parent, ext_blocks, [s.length for s in external])
+
+    logit_rows, logit_targets = _logit_rows(index, tok, pred_pack, owned & present, remote_targets)
+    return PackedMicroBatch(
+        tree_tokens=tok,
+        input_ids=tree.tokens[tok].astype(np.int64),
+        position_ids=index.position[tok],
+        owned=owned,
+        plan=plan,
+        logit_rows=logit_rows,
+        logit_targets=logit_targets,
+        external=list(external),
+    )
+
+
+def _external_blocks(index: TreeIndex, tok: np.ndarray, dangling: np.ndarray,
+                     external: Sequence[ExternalSource]) -> List[Tuple[int, int, int]]:
+    """``(first row, end row, source)`` of the pack rows that see each external source.
+
+    ``dangling``: root segments whose first token is not at position 0; each must descend from
+    external sources. Exactness guard: such a segment must see exactly its ancestors, i.e. as
+    many external keys as its position (all its ancestors are outside the pack)."""
     ext_blocks = []
-    visible = np.zeros(t, dtype=np.int64)  # external keys each pack token sees
+    visible = np.zeros(len(tok), dtype=np.int64)  # external keys each pack token sees
     for i, src in enumerate(external):
         lo = np.searchsorted(tok, src.last_token, side="right")
         hi = np.searchsorted(tok, index.subtree_end[src.last_token], side="left")
         if hi > lo:
             ext_blocks.append((int(lo), int(hi), i))
             visible[lo:hi] += src.length
-    # Exactness guard: a root segment must see exactly its ancestors, i.e. as many external
-    # keys as its position (all its ancestors are outside the pack).
     bad = dangling[visible[dangling] != index.position[tok[dangling]]]
     if len(bad):
         x = int(tok[bad[0]])
@@ -135,10 +154,14 @@ def pack_tokens(
             f"tree token {x} (position {int(index.position[x])}) sees {int(visible[bad[0]])} cached "
             "ancestor keys: its predecessors are neither in the micro-batch nor all in cached sources"
         )
-    plan = tree_plan(seg_start, seg_end, seg_parent, ext_blocks, [s.length for s in external])
+    return ext_blocks
 
-    # Logit rows: owned tokens with an in-pack predecessor, plus remote targets.
-    local = owned & present
+
+def _logit_rows(index: TreeIndex, tok: np.ndarray, pred_pack: np.ndarray, local: np.ndarray,
+                remote_targets: Optional[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(logit rows, their targets)`` sorted by target: owned tokens with an in-pack
+    predecessor (``local``), plus remote targets."""
+    t = len(tok)
     rows = [pred_pack[local]]
     targets = [tok[local]]
     if remote_targets is not None and len(remote_targets):
@@ -151,13 +174,4 @@ def pack_tokens(
     logit_rows = np.concatenate(rows)
     logit_targets = np.concatenate(targets)
     order = np.argsort(logit_targets, kind="stable")
-    return PackedMicroBatch(
-        tree_tokens=tok,
-        input_ids=tree.tokens[tok].astype(np.int64),
-        position_ids=index.position[tok],
-        owned=owned,
-        plan=plan,
-        logit_rows=logit_rows[order],
-        logit_targets=logit_targets[order],
-        external=list(external),
-    )
+    return logit_rows[order], logit_targets[order]

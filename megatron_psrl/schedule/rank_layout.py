@@ -72,17 +72,8 @@ def layout_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig, head
     unit_end = tree.node_offset[tree.node_subtree_end[units]]
     unit_size = unit_end - unit_start
     bins: List[_Bin] = []
-    export_bin: Dict[int, int] = {}
-    for t, start, length in heads.exports:  # the exported heads, first-fit into export micro-batches
-        target = next((i for i, b in enumerate(bins) if b.size + length <= budget), None)
-        if target is None:
-            bins.append(_Bin(role="export"))
-            target = len(bins) - 1
-        bins[target].ranges.append((start, start + length))
-        bins[target].size += length
-        bins[target].heads.append((t, 0, start, length))
-        export_bin[t] = target
-    import_bin: Optional[int] = None
+    export_bin = _export_bins(bins, heads, budget)
+    import_bin: List[Optional[int]] = [None]  # made when the first copy's head is received
     with_head = np.array([int(u) in heads.imports or int(u) in heads.local for u in units], dtype=bool)
     small = (unit_size <= budget) & ~with_head
     streams: List[List[int]] = []  # chunk boundaries of every mechanism-2 stream
@@ -91,35 +82,15 @@ def layout_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig, head
         root = int(units[u])
         a, z = int(unit_start[u]), int(unit_end[u])
         if with_head[u]:
-            if root in heads.local:
-                t, length = heads.local[root]
-                head_bin = export_bin[t]
-            else:
-                t, j, length = heads.imports[root]
-                if import_bin is None:
-                    bins.append(_Bin(role="import"))
-                    import_bin = len(bins) - 1
-                bins[import_bin].ranges.append((a, a + length))
-                bins[import_bin].heads.append((t, j, a, length))
-                head_bin = import_bin
+            head_bin, length = _head_bin(bins, heads, root, a, export_bin, import_bin)
             bounds = [a] + _stream_chunks(index, a + length, z, budget, config.snap_fraction,
                                           config.cut_at_branch_switches)
-            ids = [head_bin]
-            for lo, hi in zip(bounds[1:-1], bounds[2:]):
-                bins.append(_Bin(ranges=[(lo, hi)], size=hi - lo))
-                ids.append(len(bins) - 1)
             streams.append(bounds)
-            stream_bins.append(ids)
-            continue
-        mechanism = _choose_mechanism(index, root, config)
-        if mechanism == "stream":
+            stream_bins.append([head_bin] + _chunk_bins(bins, bounds[1:]))
+        elif _choose_mechanism(index, root, config) == "stream":
             bounds = _stream_chunks(index, a, z, budget, config.snap_fraction, config.cut_at_branch_switches)
-            ids = []
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
-                bins.append(_Bin(ranges=[(lo, hi)], size=hi - lo))
-                ids.append(len(bins) - 1)
             streams.append(bounds)
-            stream_bins.append(ids)
+            stream_bins.append(_chunk_bins(bins, bounds))
         else:
             bins.extend(_duplication_bins(index, root, budget))
     # First-fit decreasing of the small trees into the free space of all micro-batches.
@@ -139,6 +110,46 @@ def layout_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig, head
             if b.role is None:
                 _disown(b, lo, hi)
     return bins, streams, stream_bins, bool(heads.computed_elsewhere)
+
+
+def _export_bins(bins: List[_Bin], heads: RankHeads, budget: int) -> Dict[int, int]:
+    """The exported heads, first-fit into export micro-batches: transfer -> its bin."""
+    export_bin: Dict[int, int] = {}
+    for t, start, length in heads.exports:
+        target = next((i for i, b in enumerate(bins) if b.size + length <= budget), None)
+        if target is None:
+            bins.append(_Bin(role="export"))
+            target = len(bins) - 1
+        bins[target].ranges.append((start, start + length))
+        bins[target].size += length
+        bins[target].heads.append((t, 0, start, length))
+        export_bin[t] = target
+    return export_bin
+
+
+def _head_bin(bins: List[_Bin], heads: RankHeads, root: int, a: int, export_bin: Dict[int, int],
+              import_bin: List[Optional[int]]) -> Tuple[int, int]:
+    """``(bin, head length)`` of the head of the copy rooted at ``root`` (first token ``a``): its
+    export bin on the home rank, else the rank's one import bin (made on first use)."""
+    if root in heads.local:
+        t, length = heads.local[root]
+        return export_bin[t], length
+    t, j, length = heads.imports[root]
+    if import_bin[0] is None:
+        bins.append(_Bin(role="import"))
+        import_bin[0] = len(bins) - 1
+    bins[import_bin[0]].ranges.append((a, a + length))
+    bins[import_bin[0]].heads.append((t, j, a, length))
+    return import_bin[0], length
+
+
+def _chunk_bins(bins: List[_Bin], bounds: List[int]) -> List[int]:
+    """One new bin per chunk ``bounds[k] .. bounds[k + 1]`` of a stream: their indices."""
+    ids = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        bins.append(_Bin(ranges=[(lo, hi)], size=hi - lo))
+        ids.append(len(bins) - 1)
+    return ids
 
 
 def _disown(b: _Bin, lo: int, hi: int) -> None:

@@ -1,0 +1,169 @@
+"""A rank's plan lowered into typed instructions (``schedule/instructions.py``): every micro-batch
+the schedule runs appears exactly as the schedule and the memory plan say (kept or dropped
+graphs, the expert lockstep's passes), cached K/V are allocated before they are produced or
+received and released exactly once, heads are sent after their forward and their gradients
+collected before their backward, and the executor has one method for every kind."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_psrl.data.synthetic import make_stepwise, make_tree_rollouts
+from megatron_psrl.engine.step import EXECUTE
+from megatron_psrl.kvcache import KVGeometry
+from megatron_psrl.schedule import instructions as ins
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.memory import plan_forward_memory, plan_memory_group, simulated_peak_bytes
+from megatron_psrl.schedule.planner import plan_step
+from megatron_psrl.tree.build import build_prefix_tree
+
+GEOM = KVGeometry(num_layers=2, num_groups=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+ACT = 4096
+"""Activation bytes per token of a kept graph (large next to the K/V: dropping graphs saves)."""
+
+
+def _stepwise():
+    return build_prefix_tree(make_stepwise(num_trajectories=8, turns=(3, 5), obs_len=(10, 30), action_len=(4, 8),
+                                           system_len=40, task_len=(5, 10), vocab_size=97, seed=3))
+
+
+def _search_tree():
+    return build_prefix_tree(make_tree_rollouts(num_roots=2, branching=2, depth=3, segment_len=(6, 16),
+                                                prompt_len=(40, 60), obs_len=(8, 20), vocab_size=97, seed=5))
+
+
+# (ranks, exchange group size, placement, cross-group prefix): mechanism 2 on one rank, whole
+# trees over ranks, cross-rank fragments, heads sent between groups
+LAYOUTS = [(1, 1, "whole-tree", "recompute"), (2, 1, "whole-tree", "recompute"), (4, 4, "cross-rank", "recompute"),
+           (4, 2, "cross-rank", "transfer"), (4, 2, "whole-tree", "transfer")]
+
+
+def _plans(make_tree, ranks, group_size, placement, mode, tight=False):
+    """The step plan and every rank's memory plan; ``tight``: under the smallest KV budget the
+    group's timelines reach with every graph dropped (so the memory plan drops graphs)."""
+    config = PlannerConfig(micro_batch_tokens=64, data_parallel_size=ranks, exchange_group_size=group_size,
+                           placement=placement, cross_group_prefix=mode)
+    plan = plan_step(make_tree(), config)
+    memories = [None] * ranks
+    for group in plan.groups:
+        rank_plans = [plan.ranks[r] for r in group]
+        if not any(rp.sources for rp in rank_plans):
+            continue
+        budget = 1 << 40
+        if tight:
+            roomy = plan_memory_group(rank_plans, GEOM, budget, ACT)
+            budget = max(simulated_peak_bytes(rp, GEOM, {p: False for p in m.keep_graph}, ACT)
+                         for rp, m in zip(rank_plans, roomy))
+        for r, memory in zip(group, plan_memory_group(rank_plans, GEOM, budget, ACT)):
+            memories[r] = memory
+    return plan, memories
+
+
+def _generous_and_tight(make_tree, layout):
+    return [_plans(make_tree, *layout), _plans(make_tree, *layout, tight=True)]
+
+
+@pytest.mark.parametrize("make_tree", [_stepwise, _search_tree], ids=["stepwise", "search-tree"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "-".join(map(str, x)))
+def test_training_stream_follows_the_schedule_and_the_memory_plan(make_tree, layout):
+    for plan, memories in _generous_and_tight(make_tree, layout):
+        for rank_plan, memory in zip(plan.ranks, memories):
+            stream = ins.training_instructions(rank_plan, memory)
+            _check_training_stream(rank_plan, memory, stream)
+
+
+def _check_training_stream(rank_plan, memory, stream):
+    keep = memory.keep_graph if memory is not None else {}
+    expected_runs = []
+    for op, i in rank_plan.schedule:
+        mb = rank_plan.micro_batches[i]
+        if not mb.computes:
+            continue
+        if op == "forward_backward":
+            expected_runs.append(("P", i))
+        elif op == "forward":
+            expected_runs.append(("K" if keep.get(i, True) else "N", i))
+        else:
+            expected_runs.append(("B" if keep.get(i, True) else "P", i))
+    # the expert lockstep counts exactly the passes the schedule and the memory plan imply
+    assert ins.lockstep_passes(stream) == expected_runs
+    allocated, released, forwarded = set(), {}, set()
+    exported = {s.producer for s in rank_plan.sources.values() if s.exported is not None}
+    for x in stream:
+        if isinstance(x, ins.AllocateKV):
+            assert not allocated & set(x.sources), "a source allocated twice"
+            allocated |= set(x.sources)
+        elif isinstance(x, ins.ReleaseKV):
+            for s in x.sources:
+                assert s in allocated, f"source {s} released before it was allocated"
+                assert x.kinds not in released.setdefault(s, set()), f"source {s} released twice"
+                released[s].add(x.kinds)
+        elif isinstance(x, (ins.ForwardKeep, ins.ForwardDrop, ins.ImportHead)):
+            produces = rank_plan.micro_batches[x.micro_batch].produces
+            assert set(produces) <= allocated, "a micro-batch produces into blocks nobody allocated"
+            forwarded.add(x.micro_batch)
+        elif isinstance(x, ins.SendHeads):
+            assert x.micro_batch in exported and x.micro_batch in forwarded
+        elif isinstance(x, (ins.CollectHeadGrads, ins.ReturnHeadGrads, ins.Backward, ins.ReturnReplicaGrads)):
+            assert x.micro_batch in forwarded, "a backward-side instruction before its forward"
+            if isinstance(x, ins.CollectHeadGrads):
+                assert x.micro_batch in exported
+    # every source this rank produces or receives is allocated, and everything goes by the end
+    assert allocated == set(rank_plan.sources)
+    for s in allocated:
+        assert ins.ALL_KINDS in released.get(s, set()), f"source {s} keeps blocks past the step"
+    # a replica's gradients go back right before the backward of the step that made it
+    for k, x in enumerate(stream):
+        if isinstance(x, ins.ReturnReplicaGrads):
+            assert isinstance(stream[k + 1], ins.Backward) and stream[k + 1].micro_batch == x.micro_batch
+
+
+def test_the_layouts_exercise_every_instruction_kind():
+    """The layouts above reach every kind the executor knows (a guard on the test's coverage)."""
+    kinds = set()
+    for make_tree in (_stepwise, _search_tree):
+        for layout in LAYOUTS:
+            for plan, memories in _generous_and_tight(make_tree, layout):
+                for rank_plan, memory in zip(plan.ranks, memories):
+                    kinds |= {type(x) for x in ins.training_instructions(rank_plan, memory)}
+    trained = set(EXECUTE) - {ins.Forward}
+    assert kinds == trained, f"not reached: {sorted(k.__name__ for k in trained - kinds)}"
+
+
+@pytest.mark.parametrize("make_tree", [_stepwise, _search_tree], ids=["stepwise", "search-tree"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "-".join(map(str, x)))
+def test_forward_stream_runs_every_computing_micro_batch_once_in_order(make_tree, layout):
+    plan, _ = _plans(make_tree, *layout)
+    for rank_plan in plan.ranks:
+        memory = plan_forward_memory(rank_plan, GEOM, 1 << 40) if rank_plan.sources else None
+        stream = ins.forward_instructions(rank_plan, memory)
+        runs = [x.micro_batch for x in stream if isinstance(x, ins.Forward)]
+        assert runs == [i for i, mb in enumerate(rank_plan.micro_batches) if mb.computes]
+        assert ins.lockstep_passes(stream) == [("N", i) for i in runs]
+        assert not any(isinstance(x, (ins.Backward, ins.ForwardKeep, ins.ForwardDrop, ins.ReturnHeadGrads,
+                                      ins.CollectHeadGrads, ins.ReturnReplicaGrads)) for x in stream)
+        # a source's K/V are allocated only if read here, and released after its last reader
+        allocated = [s for x in stream if isinstance(x, ins.AllocateKV) for s in x.sources]
+        released = [s for x in stream if isinstance(x, ins.ReleaseKV) for s in x.sources]
+        assert sorted(allocated) == sorted(released) == sorted(set(allocated))
+        assert set(allocated) == set(memory.kv_release_step) if memory is not None else not allocated
+
+
+def test_executor_has_one_method_per_instruction_kind():
+    from megatron_psrl.engine.step import StepRunner
+
+    kinds = {c for c in vars(ins).values() if isinstance(c, type) and issubclass(c, ins.Instruction)
+             and dataclasses.is_dataclass(c) and c not in (ins.Instruction, ins.MicroBatchInstruction)}
+    assert set(EXECUTE) == kinds
+    assert all(callable(getattr(StepRunner, name)) for name in EXECUTE.values())
+    assert len(set(EXECUTE.values())) == len(EXECUTE)
+
+
+def test_instructions_are_frozen_values():
+    a, b = ins.Backward(3, recompute=True), ins.Backward(3, recompute=True)
+    assert a == b and hash(a) == hash(b) and a.lockstep_pass == "P" and ins.Backward(3).lockstep_pass == "B"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.micro_batch = 4
+    assert np.all([ins.lockstep_pass(x) is None for x in (ins.AllocateKV((1,)), ins.ReleaseKV((1,)), ins.SendHeads(0))])
