@@ -231,19 +231,7 @@ class SampleAccumulator:
         """Validate one record (found at ``row`` of the source) and append it."""
         if not isinstance(record, Mapping):
             raise self.row_error(f"expected a JSON object (mapping), got {_describe(record)}", row)
-
-        # ---- id (first: every later message names it)
-        sample_id = record.get("id")
-        if sample_id is None:
-            sample_id = self.num_samples
-        elif isinstance(sample_id, (str, np.str_)):
-            sample_id = str(sample_id)
-        elif _is_int(sample_id):
-            sample_id = int(sample_id)
-        else:
-            raise self.error(
-                f"must be a string or an integer, got {_describe(sample_id)}", row, field="id"
-            )
+        sample_id = self._sample_id(record, row)  # first: every later message names it
 
         def fail(field: str, reason: str) -> SampleValidationError:
             return self.error(reason, row, sample_id=sample_id, has_sample_id=True, field=field)
@@ -251,21 +239,61 @@ class SampleAccumulator:
         if sample_id in self._first_row_of_id:
             first = self._first_row_of_id[sample_id]
             raise fail("id", f"duplicate id (first used at {self.row_label} {first})")
+        self._note_unknown_fields(record, row, fail)
+        tokens = self._tokens(record.get("tokens"), fail)
+        n = int(tokens.shape[0])
+        loss_mask = self._loss_mask(record.get("loss_mask"), n, fail)
+        advantage = self._advantage(record.get("advantage"), n, loss_mask, fail)
+        logprobs = {field: self._logprobs(field, record.get(field), n, loss_mask, fail)
+                    for field in ("old_logprobs", "ref_logprobs")}
+        weight = self._weight(record.get("weight"), fail)
+        routes = self._routes(record.get("routed_experts"), n, row, fail)  # router replay: all or none
 
+        # ---- append (only now: a rejected record leaves no trace)
+        self._first_row_of_id[sample_id] = row
+        self.ids.append(sample_id)
+        self.rows.append(int(row))
+        self.weights.append(weight)
+        self.lengths.append(n)
+        self.tokens.append(tokens.astype(np.int32), n)
+        self.loss_mask.append(loss_mask, n)
+        self.advantages.append(advantage, n)
+        self.has_old.append(logprobs["old_logprobs"] is not None)
+        self.has_ref.append(logprobs["ref_logprobs"] is not None)
+        self.old_logprobs.append(logprobs["old_logprobs"], n)
+        self.ref_logprobs.append(logprobs["ref_logprobs"], n)
+        if routes is not None:
+            self.routed_experts.append(routes, n)
+
+    def _sample_id(self, record: Mapping[str, Any], row: int) -> Any:
+        """The record's id: a string or an integer (default: its index among the samples)."""
+        sample_id = record.get("id")
+        if sample_id is None:
+            return self.num_samples
+        if isinstance(sample_id, (str, np.str_)):
+            return str(sample_id)
+        if _is_int(sample_id):
+            return int(sample_id)
+        raise self.error(f"must be a string or an integer, got {_describe(sample_id)}", row, field="id")
+
+    def _note_unknown_fields(self, record: Mapping[str, Any], row: int, fail) -> None:
+        """Fields the format does not know: refused where one looks like a misspelt known field
+        (unless allowed), else remembered for one warning."""
         unknown = record.keys() - KNOWN_FIELDS
-        if unknown:
-            if not self.allow_unknown_fields:
-                for name in sorted(map(str, unknown)):
-                    likely = likely_field(name)
-                    if likely is not None and likely not in record:
-                        raise fail(name, f"unknown field; did you mean {likely!r}? (a data file may carry other "
-                                         "fields with --allow-unknown-fields)")
-            if self._unknown_first_row is None:
-                self._unknown_first_row = row
-            self._unknown_fields |= set(map(str, unknown))
+        if not unknown:
+            return
+        if not self.allow_unknown_fields:
+            for name in sorted(map(str, unknown)):
+                likely = likely_field(name)
+                if likely is not None and likely not in record:
+                    raise fail(name, f"unknown field; did you mean {likely!r}? (a data file may carry other "
+                                     "fields with --allow-unknown-fields)")
+        if self._unknown_first_row is None:
+            self._unknown_first_row = row
+        self._unknown_fields |= set(map(str, unknown))
 
-        # ---- tokens
-        raw_tokens = record.get("tokens")
+    def _tokens(self, raw_tokens: Any, fail) -> np.ndarray:
+        """The token ids: at least 2, each inside the vocabulary (or int32)."""
         if raw_tokens is None:
             raise fail("tokens", "missing required field")
         tokens = _int_array(raw_tokens, lambda reason: fail("tokens", reason))
@@ -279,21 +307,25 @@ class SampleAccumulator:
             bound = f"vocab_size {self.vocab_size}" if self.vocab_size is not None else "int32"
             raise fail("tokens", f"token id {int(tokens[bad])} at position {bad} is outside "
                                  f"[0, {limit}) ({bound})")
+        return tokens
 
-        # ---- loss_mask (default: every token but the first)
-        raw_mask = record.get("loss_mask")
+    @staticmethod
+    def _loss_mask(raw_mask: Any, n: int, fail) -> np.ndarray:
+        """The loss mask (default: every token but the first, which nothing predicts)."""
         if raw_mask is None:
             loss_mask = np.ones(n, dtype=np.bool_)
             loss_mask[0] = False
-        else:
-            loss_mask = _mask_array(raw_mask, lambda reason: fail("loss_mask", reason))
-            _check_length(loss_mask, n, lambda reason: fail("loss_mask", reason))
-            if loss_mask[0]:
-                raise fail("loss_mask", "loss on token 0 (it has no context to be predicted "
-                                        "from); loss_mask[0] must be 0")
+            return loss_mask
+        loss_mask = _mask_array(raw_mask, lambda reason: fail("loss_mask", reason))
+        _check_length(loss_mask, n, lambda reason: fail("loss_mask", reason))
+        if loss_mask[0]:
+            raise fail("loss_mask", "loss on token 0 (it has no context to be predicted "
+                                    "from); loss_mask[0] must be 0")
+        return loss_mask
 
-        # ---- advantage (scalar: broadcast; list: per token, only loss positions matter)
-        raw_adv = record.get("advantage")
+    def _advantage(self, raw_adv: Any, n: int, loss_mask: np.ndarray, fail) -> Optional[np.ndarray]:
+        """The advantage per token (a scalar is broadcast; only loss positions matter); every
+        sample carries one or none does."""
         advantage: Optional[np.ndarray] = None
         if raw_adv is None:
             if self.require_advantage:
@@ -314,50 +346,30 @@ class SampleAccumulator:
             raise fail("advantage", f"{'missing' if not present else 'given'}, but the first "
                                     f"sample ({self.row_label} {first_row}) {state}; either every "
                                     "sample carries an advantage or none does")
+        return advantage
 
-        # ---- old / ref log-probs (optional per sample; only loss positions matter)
-        logprobs = {}
-        for field in ("old_logprobs", "ref_logprobs"):
-            raw = record.get(field)
-            if raw is None:
-                if field == "ref_logprobs" and self.kl_required:
-                    raise fail(field, "missing (required by the KL penalty)")
-                logprobs[field] = None
-                continue
-            values = _float_array(raw, lambda reason, f=field: fail(f, reason))
-            _check_length(values, n, lambda reason, f=field: fail(f, reason))
-            _check_finite_where(values, loss_mask, lambda reason, f=field: fail(f, reason))
-            logprobs[field] = values
+    def _logprobs(self, field: str, raw: Any, n: int, loss_mask: np.ndarray, fail) -> Optional[np.ndarray]:
+        """Old or reference log-probs (optional per sample; only loss positions matter)."""
+        if raw is None:
+            if field == "ref_logprobs" and self.kl_required:
+                raise fail(field, "missing (required by the KL penalty)")
+            return None
+        values = _float_array(raw, lambda reason: fail(field, reason))
+        _check_length(values, n, lambda reason: fail(field, reason))
+        _check_finite_where(values, loss_mask, lambda reason: fail(field, reason))
+        return values
 
-        # ---- weight
-        raw_weight = record.get("weight")
+    @staticmethod
+    def _weight(raw_weight: Any, fail) -> float:
+        """The sample's weight: a number >= 0 (default 1)."""
         if raw_weight is None:
-            weight = 1.0
-        else:
-            if not _is_scalar(raw_weight):
-                raise fail("weight", f"must be a number, got {_describe(raw_weight)}")
-            weight = _float_scalar(raw_weight, lambda reason: fail("weight", reason))
-            if weight < 0:
-                raise fail("weight", f"must be >= 0, got {weight}")
-
-        # ---- routed_experts (router replay; all or none, like advantage)
-        routes = self._routes(record.get("routed_experts"), n, row, fail)
-
-        # ---- append (only now: a rejected record leaves no trace)
-        self._first_row_of_id[sample_id] = row
-        self.ids.append(sample_id)
-        self.rows.append(int(row))
-        self.weights.append(weight)
-        self.lengths.append(n)
-        self.tokens.append(tokens.astype(np.int32), n)
-        self.loss_mask.append(loss_mask, n)
-        self.advantages.append(advantage, n)
-        self.has_old.append(logprobs["old_logprobs"] is not None)
-        self.has_ref.append(logprobs["ref_logprobs"] is not None)
-        self.old_logprobs.append(logprobs["old_logprobs"], n)
-        self.ref_logprobs.append(logprobs["ref_logprobs"], n)
-        if routes is not None:
-            self.routed_experts.append(routes, n)
+            return 1.0
+        if not _is_scalar(raw_weight):
+            raise fail("weight", f"must be a number, got {_describe(raw_weight)}")
+        weight = _float_scalar(raw_weight, lambda reason: fail("weight", reason))
+        if weight < 0:
+            raise fail("weight", f"must be >= 0, got {weight}")
+        return weight
 
     def _routes(self, raw: Any, n: int, row: int, fail) -> Optional[np.ndarray]:
         """int16 ``[n, L, k]`` routes of a sample (a missing final route as a row of -1), or None."""
