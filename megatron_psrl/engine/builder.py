@@ -284,7 +284,7 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
     runner.last_layer_row_skip = config.last_layer_row_skip
     runner.overlap_kv_exchange = config.overlap_kv_exchange
     if layout.placement_size > 1:  # (prefix heads sent between exchange groups travel over it)
-        runner.transfer_group = gradient_group()
+        runner.head_send_group = gradient_group()
     if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0):
         from megatron_psrl.model.moe_losses import RouterLosses
 

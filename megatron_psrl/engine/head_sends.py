@@ -48,7 +48,7 @@ _FLAG, _KV, _GRAD = range(3)
 
 
 class HeadSends:
-    """One rank's part in a step's prefix transfers (module docstring)."""
+    """One rank's part in a step's prefix head_sends (module docstring)."""
 
     def __init__(self, plan: StepPlan, rank: int, cache: BlockKVCache, group, with_grads: bool):
         self.plan, self.rank, self.cache, self.group, self.with_grads = plan, rank, cache, group, with_grads

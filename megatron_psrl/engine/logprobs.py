@@ -96,7 +96,7 @@ def compute_logprobs(
     runner = make_runner(model, arch.vocab_size, device, attention_backend, BlockKVCache(geometry, kv_cache_budget),
                          exchange_group=exchange_group, loss_head_chunk_bytes=loss_head_chunk_bytes)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True) if ranks > 1 else None
-    runner.transfer_group = group
+    runner.head_send_group = group
     return run_logprobs(runner, plan_geometry, batch, config, kv_cache_budget, me, group)
 
 

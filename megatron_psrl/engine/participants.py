@@ -117,9 +117,9 @@ class HeadExchange(StepParticipant):
         self.runner, self.training = runner, training
 
     def begin(self, step) -> None:
-        if self.runner.transfer_group is None:
-            raise RuntimeError("a plan with heads sent between groups needs the runner's transfer_group")
-        step.head_sends = HeadSends(step.plan, step.rank, self.runner.kv_cache, self.runner.transfer_group,
+        if self.runner.head_send_group is None:
+            raise RuntimeError("a plan with heads sent between groups needs the runner's head_send_group")
+        step.head_sends = HeadSends(step.plan, step.rank, self.runner.kv_cache, self.runner.head_send_group,
                                     self.training)
 
     def end(self, step) -> None:

@@ -204,7 +204,7 @@ class StepRunner:
         self.kv_cache = kv_cache
         self.exchange_group = exchange_group
         """Process group of the ranks that exchange prefix K/V (cross-rank plans)."""
-        self.transfer_group = None
+        self.head_send_group = None
         """The data x context parallel group, over which prefix heads travel between exchange
         groups (:mod:`megatron_psrl.engine.head_sends`; a rank's index in it is its placement
         rank); needed by plans with transfers."""

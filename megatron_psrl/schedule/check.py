@@ -298,7 +298,7 @@ def _check_step_exchange(ranks: List[RankPlan], names: List[str], group: List[in
             continue
         _require((e.forward_collective, e.backward_collective) == (forward, backward),
                  f"{at}: its exchange says forward/backward collective {e.forward_collective}/"
-                 f"{e.backward_collective}, the group's transfers say {forward}/{backward}")
+                 f"{e.backward_collective}, the group's exchanges say {forward}/{backward}")
         for table in (e.send, e.recv, e.grad_send, e.grad_recv):
             _require(all(0 <= k < g and k != q for k in table), f"{at} exchanges with ranks {sorted(table)}")
     used_peers: List[List[int]] = [[] for _ in range(g)]

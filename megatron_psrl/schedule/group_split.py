@@ -303,7 +303,7 @@ def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_bin: np.ndarr
     starts = regrouped.node_offset[roots]
     first_old = origin[starts]  # copies of one tree start at the same old token
     order = np.lexsort((np.arange(len(roots)), first_old))
-    transfers: List[HeadSend] = []
+    head_sends: List[HeadSend] = []
     bounds = np.flatnonzero(np.diff(first_old[order])) + 1
     for members in np.split(order, bounds):
         if len(members) < 2:
@@ -337,16 +337,16 @@ def plan_transfers(regrouped: PrefixTree, origin: np.ndarray, root_bin: np.ndarr
         imports = [HeadImport(group=home_group, start=h_start, length=length)]
         imports += [HeadImport(group=g, start=start, length=k) for k, start, g in sorted(picked, key=lambda x: x[1])]
         home_rank = int(root_bin[home]) if bins_per_group == group_size else home_group * group_size
-        transfers.append(HeadSend(home_rank=home_rank, start=h_start, length=length,
+        head_sends.append(HeadSend(home_rank=home_rank, start=h_start, length=length,
                                         imports=imports))
-    return transfers
+    return head_sends
 
 
-def move_head_claims(tree: PrefixTree, transfers: List[HeadSend]) -> PrefixTree:
+def move_head_claims(tree: PrefixTree, head_sends: List[HeadSend]) -> PrefixTree:
     """``tree`` with the loss claims of every importing copy's head (and of the token after it)
     moved to the home copy's same tokens (:class:`~megatron_psrl.schedule.plan.HeadSend`);
     claims stay sorted by tree token, then sample."""
-    copy_tokens, home_tokens = token_aliases(transfers)
+    copy_tokens, home_tokens = token_aliases(head_sends)
     if not len(copy_tokens):
         return tree
     target = np.arange(tree.num_tree_tokens, dtype=np.int64)
@@ -407,11 +407,11 @@ def split_across_groups(tree: PrefixTree, node_cost: np.ndarray, subtree_cost: n
     if split_span >= SPLIT_GAIN * whole_span:
         return None
     regrouped, bin_of, origin = regroup_tree(tree, sample_groups(tree, units, unit_group), with_origin=True)
-    transfers = []
+    head_sends = []
     if transfer is not None:
-        transfers = plan_transfers(regrouped, origin, bin_of, bins_per_group, group_size, transfer)
-        regrouped = move_head_claims(regrouped, transfers)
-    return GroupSplit(regrouped, bin_of, transfers)
+        head_sends = plan_transfers(regrouped, origin, bin_of, bins_per_group, group_size, transfer)
+        regrouped = move_head_claims(regrouped, head_sends)
+    return GroupSplit(regrouped, bin_of, head_sends)
 
 
 def _cheaper_prefix_costs(tree: PrefixTree, units: np.ndarray, prefix: np.ndarray,
@@ -443,7 +443,7 @@ def _top_level_of(tree: PrefixTree, nodes: np.ndarray) -> np.ndarray:
 
 @dataclass
 class GroupHeads:
-    """The prefix transfers one exchange group takes part in (tree tokens of its copies)."""
+    """The prefix head_sends one exchange group takes part in (tree tokens of its copies)."""
 
     imports: Dict[int, Tuple[int, int]] = field(default_factory=dict)
     """Top-level node of a copy the group holds -> ``(transfer, import)`` of its head."""
@@ -453,12 +453,12 @@ class GroupHeads:
     copy's where the group places trees whole)."""
 
 
-def group_heads(transfers: List[HeadSend], roots: np.ndarray, node_offset: np.ndarray, group: int,
+def group_heads(head_sends: List[HeadSend], roots: np.ndarray, node_offset: np.ndarray, group: int,
                 group_size: int) -> GroupHeads:
-    """What ``group`` sends and receives of the step's transfers."""
+    """What ``group`` sends and receives of the step's head_sends."""
     heads = GroupHeads()
     starts = node_offset[roots]
-    for t, transfer in enumerate(transfers):
+    for t, transfer in enumerate(head_sends):
         if transfer.home_rank // group_size == group:
             heads.exports[t] = transfer.home_rank % group_size
         for j, h in enumerate(transfer.imports):

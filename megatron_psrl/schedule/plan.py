@@ -58,7 +58,7 @@ class CachedSource:
     """Cache blocks it needs: an owner whose prefix only other ranks read keeps dK/dV only."""
 
     exported: Optional[int] = None
-    """Prefix transfer (index in ``StepPlan.head_sends``) whose head this is, on the home rank:
+    """Head send (index in ``StepPlan.head_sends``) whose head this is, on the home rank:
     after the producer's forward its K/V go to the ranks that import the head; their dK/dV
     come back and are added before the producer's backward."""
 
@@ -156,7 +156,7 @@ class ChainUse:
 
 @dataclass
 class StepExchange:
-    """One rank's transfers in one cross-rank step (all ranks of the group know all of them).
+    """One rank's K/V exchanges in one cross-rank step (all ranks of the group know all of them).
 
     Forward (every layer): ``send[dst]`` chains of this rank's fragment go to ``dst``;
     ``recv[src]`` says what each chain received from ``src`` is for. Deferred backward of the
@@ -255,9 +255,9 @@ def export_head(mb: "MicroBatchSpec", sources: Dict[int, "CachedSource"], source
     return src
 
 
-def token_aliases(transfers: List[HeadSend]) -> Tuple[np.ndarray, np.ndarray]:
+def token_aliases(head_sends: List[HeadSend]) -> Tuple[np.ndarray, np.ndarray]:
     """``(copy tokens, home tokens)`` of every transfer (:meth:`HeadSend.aliases`)."""
-    parts = [t.aliases() for t in transfers]
+    parts = [t.aliases() for t in head_sends]
     parts = [p for p in parts if len(p[0])]
     if not parts:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -336,7 +336,7 @@ class StepPlan:
 
     def head_tokens_sent(self) -> int:
         """Tokens of the heads the step's copies receive instead of computing, over every group
-        (each copy's head once; the transfers are the same on every rank)."""
+        (each copy's head once; the head sends are the same on every rank)."""
         return int(sum(h.length for t in self.head_sends for h in t.imports if h.start != t.start))
 
     def transferred_tokens(self) -> int:

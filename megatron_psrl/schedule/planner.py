@@ -231,16 +231,16 @@ def token_cost_function(index: TreeIndex, cost_model: Optional[CostModel]):
 
 
 def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, g: int, config: PlannerConfig,
-                        heads: Optional[GroupHeads] = None, transfers: Sequence[HeadSend] = (),
+                        heads: Optional[GroupHeads] = None, head_sends: Sequence[HeadSend] = (),
                         ranks_of: Optional[np.ndarray] = None) -> Tuple[list, List[float]]:
     """Every tree on one rank of the group, LPT by cost (or on ``ranks_of``, where the split of
     trees between ranks placed them): the layout of every rank's micro-batches
     (:func:`layout_rank`) and its planned cost, without building the rank plans (planning
-    keeps them only when the group uses them). ``heads``: the group's prefix transfers."""
+    keeps them only when the group uses them). ``heads``: the group's prefix head_sends."""
     heads = heads or GroupHeads()
     exports = [[] for _ in range(g)]
     for t, r in sorted(heads.exports.items()):
-        exports[r].append((t, transfers[t].start, transfers[t].length))
+        exports[r].append((t, head_sends[t].start, head_sends[t].length))
     export_cost = [float(sum(_head_cost(index, start, length, config) for _, start, length in e)) for e in exports]
     assignment = ranks_of if ranks_of is not None else _assign_lpt(costs, g, initial=export_cost)
     # Duplication (the KV-budget fallback) caches nothing: every copy computes its head itself,
@@ -260,7 +260,7 @@ def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, 
         for u in mine.tolist():
             if u in heads.imports:
                 t, j = heads.imports[u]
-                h = transfers[t].imports[j]
+                h = head_sends[t].imports[j]
                 if heads.exports.get(t) == r:
                     if j == 0:  # the home copy on the home rank: its head is the export itself
                         rank_heads.local[u] = (t, h.length)
@@ -289,15 +289,15 @@ def _head_cost(index: TreeIndex, start: int, length: int, config: PlannerConfig)
     return float(config.cost_model.cost(length, length * (length + 1) // 2, int(claimed.sum())))
 
 
-def _cross_rank_heads(heads: GroupHeads, transfers: Sequence[HeadSend]) -> Optional["CrossRankHeads"]:
-    """The group's transfers as the cross-rank planner takes them (None: no transfer)."""
+def _cross_rank_heads(heads: GroupHeads, head_sends: Sequence[HeadSend]) -> Optional["CrossRankHeads"]:
+    """The group's head_sends as the cross-rank planner takes them (None: no transfer)."""
     if not heads.imports and not heads.exports:
         return None
     if any(r != 0 for r in heads.exports.values()):  # (only groups placing trees whole export from other ranks)
         raise AssertionError("a cross-rank group exports heads from its first rank only")
     return CrossRankHeads(
-        imports={u: (t, j, transfers[t].imports[j].length) for u, (t, j) in heads.imports.items()},
-        exports=[(t, transfers[t].start, transfers[t].length) for t in sorted(heads.exports)])
+        imports={u: (t, j, head_sends[t].imports[j].length) for u, (t, j) in heads.imports.items()},
+        exports=[(t, head_sends[t].start, head_sends[t].length) for t in sorted(heads.exports)])
 
 
 def _materialize_whole_trees(index: TreeIndex, layouts: list, planned: List[float]) -> List[RankPlan]:

@@ -42,7 +42,7 @@ class _Bin:
 
 @dataclass
 class RankHeads:
-    """One rank's part in the group's prefix transfers (:class:`GroupHeads`)."""
+    """One rank's part in the group's head sends (:class:`GroupHeads`)."""
 
     imports: Dict[int, Tuple[int, int, int]] = field(default_factory=dict)
     """Top-level node of a copy on this rank -> ``(transfer, import, head length)`` it receives."""
