@@ -3,18 +3,20 @@
 Subpackages, one per concern:
 
 - ``data``: trajectory samples (loading, validation, synthetic workloads)
-- ``tree``: the global prefix tree, cost model and planner
+- ``tree``: the global prefix tree of a batch (build, index, statistics, chunks)
+- ``schedule``: planning a step over the tree: cost model, placement over ranks and groups,
+  micro-batches, the KV memory plan, and the typed instructions a rank executes
 - ``kvcache``: the dynamic-block KV cache manager (mechanism 2)
 - ``attention``: the prefix-sharing core attention (TE-compatible) and its backends
 - ``model``: Megatron-core GPT models built from Hugging Face configs, HF adapters
 - ``distributed``: process groups, gradient and prefix K/V exchange
-- ``engine``: the engine one rank runs steps with (its builder, the step runner, the
-  pipeline runner, the optimizer, planning with memory, cost calibration)
+- ``engine``: the engine one rank runs steps with (its builder, the executor of the
+  instructions and its participants, the pipeline runner, the optimizer, cost calibration)
 - ``rl``: the RL-facing layer: policy losses and :class:`PolicyActor`, the in-memory API for
   RL frameworks (a thin layer over the engine)
 - ``training``: the command line's training loop, its arguments, logging and start-up checks
 - ``integrations``: adapters to RL frameworks' data (slime)
-- ``checkpoint``: checkpoint formats and I/O
+- ``checkpoint``: checkpoint formats, loading and saving
 """
 
 __version__ = "0.1.0"

@@ -3,10 +3,16 @@
 - ``config``: :class:`ActorConfig`, the one config of every entry point;
 - ``builder``: :func:`build_engine`, the engine assembled in named steps;
 - ``engine``: :class:`Engine` and a step (plan, run, reduce, optimizer step);
-- ``step`` / ``pipeline``: how this rank runs its micro-batches (without / with pipeline stages);
-- ``planning``: the step plan and the KV memory plan together (cut differently when tight);
-- ``optimizer``, ``calibration``, ``memory``, ``transfer``, ``logprobs``, ``checkpointing``:
-  the engine's parts.
+- ``step``: the executor of a rank's instructions (:mod:`megatron_psrl.schedule.instructions`),
+  one method per kind; ``participants``: what spans a step (expert lockstep, router replay and
+  losses, head sends, the KV cache's pool); ``prefix_kv``: the attention hook of one forward;
+- ``pipeline``: the same with pipeline stages (and megatron's 1F1B where it applies);
+- ``head_sends``: split trees' heads sent between exchange groups (point to point);
+- ``optimizer``, ``calibration``, ``memory``, ``host_copy``, ``logprobs``, ``runners``,
+  ``weights``: the engine's parts.
+
+Planning lives in :mod:`megatron_psrl.schedule`, checkpoint saving in
+:mod:`megatron_psrl.checkpoint.saving`: the engine executes plans and owns nothing of planning.
 
 Import the modules themselves (``from megatron_psrl.engine.builder import build_engine``);
 this package file imports nothing, so that importing one part does not load them all.
