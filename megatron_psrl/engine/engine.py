@@ -42,7 +42,7 @@ from megatron_psrl.model.stages import stage_counts, virtual_stages
 from megatron_psrl.rl.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.cost import CostModel
-from megatron_psrl.schedule.memory import MemoryPlan, plan_forward_memory, plan_memory_group
+from megatron_psrl.schedule.memory import MemoryPlan, MemorySettings
 from megatron_psrl.schedule.plan import StepPlan, token_aliases
 from megatron_psrl.schedule.with_memory import memory_plans, plan_with_memory, transfer_reasons
 from megatron_psrl.tree.build import build_prefix_tree
@@ -153,6 +153,14 @@ class Engine:
         return self.measured.cost_model() if self.measured is not None else self.flop_model
 
     # ------------------------------------------------------------------ planning
+    @property
+    def memory_settings(self) -> MemorySettings:
+        """What this run's memory plans need (the torch backend gathers cached K/V again in its
+        backward; recomputation re-reads cached prefixes)."""
+        return MemorySettings(self.plan_geometry, self.config.kv_cache_budget, self.act_bytes,
+                              rereads=self.recompute, gathers_in_backward=self.backend_name == "torch",
+                              head_bytes=self.head_bytes)
+
     def planner_config(self, prefix_sharing: Optional[str] = None) -> PlannerConfig:
         c = self.config
         costs = (self.measured.planner_settings(self.geometry.num_layers, 2 * self.geometry.bytes_per_token)
@@ -173,13 +181,7 @@ class Engine:
         t0 = time.perf_counter()
         tree = build_prefix_tree(batch)
         t1 = time.perf_counter()
-        plan, memories, mode = plan_with_memory(
-            tree, self.planner_config(),
-            lambda ranks: plan_memory_group(ranks, self.plan_geometry, self.config.kv_cache_budget, self.act_bytes,
-                                            rereads=self.recompute,
-                                            # the torch backend gathers cached K/V again in backward
-                                            gathers_in_backward=self.backend_name == "torch",
-                                            head_bytes=self.head_bytes))
+        plan, memories, mode = plan_with_memory(tree, self.planner_config(), self.memory_settings)
         if times is not None:
             times.update(tree=t1 - t0, plan=time.perf_counter() - t1)
         if mode != self.config.prefix_sharing:
@@ -243,8 +245,7 @@ class Engine:
         """The load-balancing loss without router replay: a forward-only pass over this rank's
         micro-batches counts every MoE layer's routes (weighted by the samples through each
         token), summed over the data x context parallel ranks, before the training step."""
-        forward_memories = memory_plans(plan, lambda ranks: [
-            plan_forward_memory(r, self.plan_geometry, self.config.kv_cache_budget) for r in ranks])
+        forward_memories = memory_plans(plan, self.memory_settings.forward)
         me = self.layout.placement_rank
         with self.layout.monitor.phase(f"route-count forward of iteration {self.iteration + 1}"):
             self.runner.router_losses.count_routes(plan.tree, lambda: self.runner.logprobs(plan, me, forward_memories[me]),
@@ -254,8 +255,7 @@ class Engine:
         """The first pass of a sequence-level loss: every sample's sum of ``token_terms``
         (forward only, summed over ranks), the loss of those sums, and the per-claim surrogate
         ``dL/dS[sample] * token_terms`` whose gradient is the loss's."""
-        forward_memories = memory_plans(plan, lambda ranks: [
-            plan_forward_memory(r, self.plan_geometry, self.config.kv_cache_budget) for r in ranks])
+        forward_memories = memory_plans(plan, self.memory_settings.forward)
         me = self.layout.placement_rank
         with self.layout.monitor.phase(f"sequence-loss forward of iteration {self.iteration + 1}"):
             local = self.runner.sequence_sums(plan, me, loss, forward_memories[me])

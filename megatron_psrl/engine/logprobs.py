@@ -26,7 +26,7 @@ from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES
 from megatron_psrl.model.stages import split_of_config
 from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.cost import CostModel
-from megatron_psrl.schedule.memory import plan_forward_memory
+from megatron_psrl.schedule.memory import MemorySettings
 from megatron_psrl.schedule.plan import token_aliases
 from megatron_psrl.schedule.with_memory import plan_with_memory, transfer_reasons, whole_tree_reasons
 from megatron_psrl.tree.build import build_prefix_tree
@@ -110,8 +110,7 @@ def run_logprobs(runner: StepRunner, plan_geometry: KVGeometry, batch: SampleBat
     where ``entropies[s][i]`` is the entropy of the distribution that predicts token i of
     sample s (0.0 at position 0, like the log-probs)."""
     tree = build_prefix_tree(batch)
-    plan, memories, _ = plan_with_memory(
-        tree, config, lambda ranks: [plan_forward_memory(r, plan_geometry, kv_cache_budget) for r in ranks])
+    plan, memories, _ = plan_with_memory(tree, config, MemorySettings(plan_geometry, kv_cache_budget).forward)
     model = runner.model
     was_training = model.training
     model.eval()

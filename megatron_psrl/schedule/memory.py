@@ -434,3 +434,31 @@ __all__ = [
     "simulated_peak_bytes",
     "step_peak_bytes",
 ]
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What the memory plans of a run need besides the step plan: the K/V geometry every stage
+    plans with, the budget and the activation sizes. Called with ranks planned together, it
+    returns their training memory plans (:func:`plan_memory_group`);
+    :meth:`forward` returns forward-only ones (:func:`plan_forward_memory`)."""
+
+    geometry: KVGeometry
+    """K/V geometry the plans assume (every pipeline stage's: ``KVGeometry.for_pipeline_planning``)."""
+    budget_bytes: int
+    """``--kv-cache-budget``."""
+    act_bytes_per_token: int = 0
+    """Bytes a kept graph holds per token (:func:`activation_bytes_per_token`)."""
+    rereads: bool = False
+    """Activation recomputation: every backward reads its cached prefixes again."""
+    gathers_in_backward: bool = False
+    """The attention gathers cached K/V again in its backward (the ``torch`` backend)."""
+    head_bytes: int = 0
+    """The loss head's transient peak, charged at every step."""
+
+    def __call__(self, plans: List[RankPlan]) -> List[MemoryPlan]:
+        return plan_memory_group(plans, self.geometry, self.budget_bytes, self.act_bytes_per_token, self.rereads,
+                                 self.gathers_in_backward, self.head_bytes)
+
+    def forward(self, plans: List[RankPlan]) -> List[MemoryPlan]:
+        return [plan_forward_memory(plan, self.geometry, self.budget_bytes) for plan in plans]
