@@ -6,6 +6,7 @@
       latest_checkpointed_iteration.txt      "release" or the iteration number (the tracker)
       release/ | iter_0000042/
         psrl_model.json                      architecture, TP/PP layout, dtype, iteration
+        psrl_cost_calibration.json           the planner's measured costs (runs that measured them)
         checksums.sha256                     SHA-256 of every other file (:mod:`checksums`)
         ...                                  the tensors: torch_dist (:mod:`dist_format`) or
                                              legacy per-rank files (:mod:`legacy_format`)
@@ -36,6 +37,9 @@ from megatron_psrl.options import CKPT_FORMATS
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_JSON = "psrl_model.json"
+COST_JSON = "psrl_cost_calibration.json"
+"""The start-up cost calibration the saving run planned with (written only by runs that had
+one: trees placed over an exchange group); a resumed run plans with it again."""
 MEGATRON_METADATA = "metadata.json"
 """megatron's file in a torch_dist iteration folder (``{"sharded_backend": "torch_dist", ...}``)."""
 FORMAT_VERSION = 1
@@ -227,6 +231,23 @@ def read_checkpoint_info(ckpt_dir: str) -> Tuple[str, CheckpointInfo]:
     except FileNotFoundError:
         raise CheckpointError(path, "missing (the checkpoint is incomplete)") from None
     return it_dir, CheckpointInfo.from_json(text, path)
+
+
+def read_cost_record(it_dir: str) -> Optional[dict]:
+    """The fields of ``psrl_cost_calibration.json`` in an iteration folder (verified with the
+    folder by :func:`read_checkpoint_info`), or None when the saving run recorded none (no
+    calibration, or saved before checkpoints kept it)."""
+    path = os.path.join(it_dir, COST_JSON)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(path, f"cannot be read ({exc}); the file is corrupt or truncated") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(path, "expected a JSON object")
+    return record
 
 
 # ---------------------------------------------------------------------- which format

@@ -18,8 +18,8 @@ and ``tools/convert_hf_checkpoint.py mcore-to-hf``. Procedure:
    passed its checks do all ranks enter megatron's save (itself a collective, which reports a
    write failure to every rank), and its outcome is all-gathered the same way;
 4. every rank hashes a share of the written files (SHA-256, :mod:`megatron_psrl.checkpoint.checksums`);
-5. rank 0 writes the model description and ``checksums.sha256`` (every file's checksum),
-   renames the directory into place and atomically updates the tracker file.
+5. rank 0 writes the model description, the cost calibration the run planned with (when it
+   had one) and ``checksums.sha256`` (every file's checksum, those two included), renames the directory into place and atomically updates the tracker file.
 
 An interrupted save leaves the previous checkpoint untouched, and its temporary directory is
 removed by the next save.
@@ -27,6 +27,7 @@ removed by the next save.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -38,6 +39,7 @@ from megatron_psrl.checkpoint.atomic import atomic_write_text, write_file
 from megatron_psrl.checkpoint.checksums import folder_files, hash_files, write_manifest
 from megatron_psrl.checkpoint.dist_format import save_training_state
 from megatron_psrl.checkpoint.layout import (
+    COST_JSON,
     MODEL_JSON,
     TRACKER,
     CheckpointInfo,
@@ -88,9 +90,12 @@ def save_training_checkpoint(
     arch: ModelArchitecture,
     layout: ParallelLayout,
     ckpt_format: str = DEFAULT_CKPT_FORMAT,
+    cost_record: Optional[Dict[str, Any]] = None,
 ) -> str:
     """Write iteration ``iteration`` of a training run into ``save_dir`` in ``ckpt_format``
-    (``torch_dist`` or ``legacy``); returns its path.
+    (``torch_dist`` or ``legacy``); returns its path. ``cost_record``: the start-up cost
+    calibration the run planned with (``MeasuredCosts.to_record()``), kept as
+    ``psrl_cost_calibration.json`` so that a resumed run plans alike (rank 0's is written).
 
     Every rank must call it: every rank takes part in the same collectives whatever fails
     where, so a failure on any rank ends the save on every rank with the same error. The
@@ -136,7 +141,7 @@ def save_training_checkpoint(
     if layout.rank == 0:
         try:
             known = {path: digest for share in shares for path, digest in share.items()}
-            _publish(tmp, final, save_dir, iteration, model, optimizer, arch, layout, known)
+            _publish(tmp, final, save_dir, iteration, model, optimizer, arch, layout, known, cost_record)
         except (PsrlError, OSError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = error_text(exc)
@@ -205,9 +210,9 @@ def _check_dist_payload(it_dir: str, model: torch.nn.Module, optimizer) -> None:
 
 
 def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimizer, arch: ModelArchitecture,
-             layout: ParallelLayout, known_checksums: Dict[str, str]) -> None:
-    """Rank 0: describe the model, list every file's checksum, move the iteration into place,
-    point the tracker at it."""
+             layout: ParallelLayout, known_checksums: Dict[str, str], cost_record: Optional[Dict[str, Any]]) -> None:
+    """Rank 0: describe the model (and the cost calibration), list every file's checksum, move
+    the iteration into place, point the tracker at it."""
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     split = split_of_config(model.config)
     info = CheckpointInfo(arch, layout.tensor_parallel_size, layout.pipeline_parallel_size, iteration, dtype,
@@ -216,7 +221,10 @@ def _publish(tmp: str, final: str, save_dir: str, iteration: int, model, optimiz
                           virtual_pipeline_size=len(model_chunks(model)),
                           expert_model_parallel_size=_expert_parallel_size(model))
     write_file(os.path.join(tmp, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
-    write_manifest(tmp, known_checksums)
+    if cost_record is not None:
+        text = json.dumps(cost_record, indent=2) + "\n"
+        write_file(os.path.join(tmp, COST_JSON), lambda f: f.write(text.encode("utf-8")))
+    write_manifest(tmp, known_checksums)  # (hashes what is not in known: the files written here)
     old = None
     if os.path.exists(final):  # re-saving an iteration: swap, never leave it missing
         old = final + f".old-{os.getpid()}"

@@ -14,12 +14,14 @@ function of the config and what the steps before it made; read them top to botto
 6. :func:`model_and_optimizer`: this rank's model chunks and optimizer, their state loaded;
 7. :func:`kv_geometry`: the KV cache's and the memory plan's geometry;
 8. :func:`placement_and_costs`: trees over an exchange group, and the planner's cost model
-   (measured at start-up when trees may be split over ranks);
+   (measured at start-up when trees may be split over ranks, or the one a resumed checkpoint
+   planned with);
 9. :func:`cache_and_runner`: the block KV cache, the attention backend and the step runner.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -27,7 +29,7 @@ import torch
 
 from megatron_psrl.attention.backends import check_attention_backend, default_backend
 from megatron_psrl.checkpoint.dist_format import load_training_state
-from megatron_psrl.checkpoint.layout import checkpoint_format, read_checkpoint_info
+from megatron_psrl.checkpoint.layout import COST_JSON, checkpoint_format, read_checkpoint_info, read_cost_record
 from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture
 from megatron_psrl.compat import install_cpu_recompute_shims, seed_model_parallel_rng
 from megatron_psrl.distributed.setup import (
@@ -36,7 +38,7 @@ from megatron_psrl.distributed.setup import (
     gradient_group,
     initialize_parallel,
 )
-from megatron_psrl.engine.calibration import calibrate_for_planning
+from megatron_psrl.engine.calibration import MeasuredCosts, calibrate_for_planning
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, cost_model_for, same_layout
 from megatron_psrl.engine.optimizer import build_optimizer
@@ -70,7 +72,7 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
                                                  load_optimizer, for_training, say)
     geometry, plan_geometry = kv_geometry(arch, config, layout, vpp, split)
     placement, flop_model, measured = placement_and_costs(config, layout, arch, model, geometry,
-                                                          recompute=bool(overrides), log=say)
+                                                          recompute=bool(overrides), log=say, resume=resume)
     backend_name, kv_cache, runner = cache_and_runner(config, layout, arch, model, geometry,
                                                       recompute=bool(overrides), log=say)
     tp = layout.tensor_parallel_size
@@ -145,6 +147,14 @@ class ResumePoint:
     same_layout: bool = True
     """The checkpoint was saved with this run's TP size and (virtual) pipeline stages."""
 
+    iteration_dir: Optional[str] = None
+    """The checkpoint's iteration folder (None: not resuming a checkpoint)."""
+
+    planning_costs: Optional[MeasuredCosts] = None
+    """The start-up cost calibration the checkpoint's run planned with (its
+    ``psrl_cost_calibration.json``; None when it recorded none): planned with again unless
+    ``recalibrate``, so the resumed run makes the plans the saving run would have made."""
+
 
 def resume_point(source: ModelSource, layout: ParallelLayout, vpp: int, split, with_optimizer: bool) -> ResumePoint:
     """The resume point of ``source``; a legacy checkpoint's optimizer state under another
@@ -153,7 +163,9 @@ def resume_point(source: ModelSource, layout: ParallelLayout, vpp: int, split, w
         return ResumePoint()
     it_dir, info = read_checkpoint_info(source.checkpoint)
     same = same_layout(info, layout.tensor_parallel_size, vpp, split)
-    point = ResumePoint(iteration=info.iteration, same_layout=same)
+    record = read_cost_record(it_dir)
+    costs = None if record is None else MeasuredCosts.from_record(record, os.path.join(it_dir, COST_JSON))
+    point = ResumePoint(iteration=info.iteration, same_layout=same, iteration_dir=it_dir, planning_costs=costs)
     if checkpoint_format(source.checkpoint) == "torch_dist":
         if info.has_optimizer_state and with_optimizer:
             point.dist_checkpoint = it_dir
@@ -230,7 +242,7 @@ def kv_geometry(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, spl
 
 
 def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
-                        recompute: bool, log: Log):
+                        recompute: bool, log: Log, resume: Optional[ResumePoint] = None):
     """``(placement, FLOP cost model, measured costs or None)``.
 
     Trees are placed whole with recomputation, and with pipeline stages unless ``--placement
@@ -238,7 +250,9 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     (:func:`~megatron_psrl.schedule.with_memory.whole_tree_reasons`). Where trees may be split over
     an exchange group, the planner weighs compute against transfers measured on this model at
     start-up (not with pipeline stages: a stage cannot run the whole model; placement is
-    cross-rank by request there, fragments cut by the FLOP cost model)."""
+    cross-rank by request there, fragments cut by the FLOP cost model). A resumed checkpoint's
+    recorded calibration (``resume.planning_costs``) is used instead of measuring, unless
+    ``config.recalibrate``."""
     whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute, config.placement)
     if (config.expert_model_parallel_size > 1 and layout.context_parallel_size == 1
             and config.placement == "auto"):
@@ -256,10 +270,20 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
         return placement, flop_model, None
     if layout.pipeline_parallel_size > 1:  # (the calibration runs the whole model: not on one stage)
         return placement, flop_model, None
+    resume = resume or ResumePoint()
     with layout.monitor.phase("cost calibration"):
-        m = calibrate_for_planning(model, arch, geometry, layout.device, config.micro_batch_tokens, group,
-                                   profile=config.cost_profile, overlap_kv_exchange=config.overlap_kv_exchange)
-    log(f"cost calibration: {m.seconds_per_token * 1e6:.1f} us/token, {m.seconds_per_key * 1e9:.2f} "
+        m, origin = calibrate_for_planning(model, arch, geometry, layout.device, config.micro_batch_tokens, group,
+                                           profile=config.cost_profile, overlap_kv_exchange=config.overlap_kv_exchange,
+                                           recorded=resume.planning_costs, recalibrate=config.recalibrate)
+    if resume.iteration_dir is not None and origin != "checkpoint" and not config.recalibrate:
+        why = ("records no cost calibration (its run measured none, or saved before checkpoints kept it)"
+               if resume.planning_costs is None
+               else f"recorded a cost calibration of another model or layout ({resume.planning_costs.key})")
+        log(f"note: {resume.iteration_dir} {why}: this run uses its own, so it may place and cut trees "
+            "otherwise than the run that saved it, and round differently")
+    source = {"measured": "measured at start-up", "profile": f"from --cost-profile {config.cost_profile}",
+              "checkpoint": f"reused from the checkpoint {resume.iteration_dir}; --recalibrate measures anew"}[origin]
+    log(f"cost calibration ({source}): {m.seconds_per_token * 1e6:.1f} us/token, {m.seconds_per_key * 1e9:.2f} "
         f"ns/key pair, {m.seconds_per_micro_batch * 1e3:.2f} ms/micro-batch, exchange "
         f"{m.seconds_per_exchange * 1e3:.2f} ms + {1 / max(m.seconds_per_byte, 1e-15) / 1e9:.2f} GB/s, "
         f"{m.exchange_exposed_fraction:.0%} of it exposed when overlapped")

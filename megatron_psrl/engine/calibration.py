@@ -18,16 +18,20 @@ The measurements are averaged over all ranks, so every rank plans with the same 
 plans, and so the collectives, must be identical everywhere). The measuring passes leave no
 gradient behind (:func:`discard_gradients`): the optimizer exists already, and its first step
 must see only its own batch's gradients. ``--cost-profile FILE`` stores
-them and reuses them on later runs of the same model, dtype, device and parallel layout.
+them and reuses them on later runs of the same model, dtype, device and parallel layout. A
+checkpoint records the costs its run planned with, and a run resuming it plans with them again
+(``--recalibrate`` measures anew): plans follow the costs, so a resumed run that measured again
+could place and cut trees otherwise, and sum the same numbers in another order.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import List, Optional
+from dataclasses import asdict, dataclass, fields, replace
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -76,6 +80,30 @@ class MeasuredCosts:
     """The run overlaps the exchange (``ActorConfig.overlap_kv_exchange``): the planner charges
     the exposed share only. A setting of the run, not a measurement (a stored profile's value
     is replaced by the run's)."""
+
+    def to_record(self) -> dict:
+        """The fields as JSON-ready values (a ``--cost-profile`` file, a checkpoint's record)."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record, path: str) -> "MeasuredCosts":
+        """The costs a profile or checkpoint stores; a malformed record is one
+        :class:`CheckpointError` naming ``path``."""
+        if not isinstance(record, dict):
+            raise CheckpointError(path, "not a cost calibration record: expected a JSON object")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(record) - names)
+        if unknown:
+            raise CheckpointError(path, f"not a cost calibration record: unknown field(s) {', '.join(unknown)}")
+        try:
+            costs = cls(**record)
+        except TypeError as exc:  # a missing field
+            raise CheckpointError(path, f"not a cost calibration record: {exc}") from None
+        numbers = [getattr(costs, f.name) for f in fields(cls) if f.name not in ("key", "overlap_kv_exchange")]
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                   for x in numbers) or not isinstance(costs.key, str):
+            raise CheckpointError(path, "not a cost calibration record: every cost must be a finite number >= 0")
+        return costs
 
     def cost_model(self) -> CostModel:
         return CostModel(self.seconds_per_token, self.seconds_per_key, self.seconds_per_row, name="measured")
@@ -221,18 +249,46 @@ def measure_exchange_overlap(group, num_heads: int, num_groups: int, head_dim: i
     return exposed_exchange_fraction(t_exchange, t_exchange + t_attention - t_both)
 
 
+PLANNING_COST_ORIGINS = ("measured", "profile", "checkpoint")
+"""Where a run's planning costs came from: measured at start-up, ``--cost-profile``, or the
+checkpoint it resumes."""
+
+
+def planning_key(arch, geometry, device, group_size: int) -> str:
+    """What a planning measurement is valid for: the model, dtype, device and layout."""
+    return (f"{arch.model_type}-h{arch.hidden_size}-L{arch.num_layers}-{geometry.dtype}-{device.type}"
+            f"-kv{geometry.num_groups}x{geometry.head_dim}-group{group_size}")
+
+
 def calibrate_for_planning(model, arch, geometry, device, max_tokens: int, exchange_group,
-                           profile: Optional[str] = None, overlap_kv_exchange: bool = True) -> MeasuredCosts:
+                           profile: Optional[str] = None, overlap_kv_exchange: bool = True,
+                           recorded: Optional[MeasuredCosts] = None,
+                           recalibrate: bool = False) -> Tuple[MeasuredCosts, str]:
     """:func:`calibrate` for a run that places trees over an exchange group (training and the
-    log-prob tool alike): the key names the model, dtype, device and layout."""
+    log-prob tool alike): ``(costs, origin)``, ``origin`` one of :data:`PLANNING_COST_ORIGINS`.
+
+    ``recorded``: the costs the checkpoint being resumed planned with. They are used again
+    when they were measured for this run's key (model, dtype, device, layout), before a
+    ``profile``, because plans (placement, tree-to-rank assignment, fragment cuts) follow the
+    costs, and another plan sums the same numbers in another order. ``recalibrate``: measure
+    anew whatever is stored (and replace ``profile``'s content)."""
     g = dist.get_world_size(exchange_group) if exchange_group is not None else 1
-    key = (f"{arch.model_type}-h{arch.hidden_size}-L{arch.num_layers}-{geometry.dtype}-{device.type}"
-           f"-kv{geometry.num_groups}x{geometry.head_dim}-group{g}")
-    heads = geometry.num_groups * (arch.num_attention_heads // arch.num_kv_heads)  # this TP rank's query heads
-    measured = calibrate(model, arch.vocab_size, device, max_tokens, exchange_group,
-                         2 * geometry.bytes_per_token // geometry.num_layers, profile=profile, key=key,
-                         attention_shape=(heads, geometry.num_groups, geometry.head_dim, geometry.dtype))
-    return replace(measured, overlap_kv_exchange=overlap_kv_exchange)
+    key = planning_key(arch, geometry, device, g)
+    stored, origin = None, "measured"
+    if not recalibrate and _is_first_rank():
+        if recorded is not None and recorded.key == key:
+            stored, origin = recorded, "checkpoint"
+        else:
+            stored = read_profile(profile, key)
+            origin = "measured" if stored is None else "profile"
+    stored, origin = _from_first_rank((stored, origin))  # every rank plans with the same numbers
+    if stored is None:
+        heads = geometry.num_groups * (arch.num_attention_heads // arch.num_kv_heads)  # this TP rank's query heads
+        stored = measure_costs(model, arch.vocab_size, device, max_tokens, exchange_group,
+                               2 * geometry.bytes_per_token // geometry.num_layers, key=key,
+                               attention_shape=(heads, geometry.num_groups, geometry.head_dim, geometry.dtype))
+        write_profile(profile, stored)
+    return replace(stored, overlap_kv_exchange=overlap_kv_exchange), origin
 
 
 def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=None, layer_row_bytes: int = 0,
@@ -241,22 +297,19 @@ def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=No
     reads the profile and tells the others, so all measure or none does. ``attention_shape``
     ``(query heads, K/V groups, head dim, dtype)`` of a layer's attention on this rank: measure
     how much of the exchange the overlap hides (:func:`measure_exchange_overlap`)."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    stored = None
-    if profile and (not distributed or dist.get_rank() == 0) and os.path.exists(profile):
-        try:
-            with open(profile, encoding="utf-8") as f:
-                stored = MeasuredCosts(**json.load(f))
-        except (ValueError, TypeError) as exc:
-            raise CheckpointError(profile, f"not a cost profile: {exc}") from None
-        if stored.key != key:
-            stored = None
-    if distributed:
-        box = [stored]
-        dist.broadcast_object_list(box, src=0)
-        stored = box[0]
+    stored = _from_first_rank(read_profile(profile, key) if _is_first_rank() else None)
     if stored is not None:
         return stored
+    measured = measure_costs(model, vocab_size, device, max_tokens, exchange_group, layer_row_bytes, key=key,
+                             attention_shape=attention_shape)
+    write_profile(profile, measured)
+    return measured
+
+
+def measure_costs(model, vocab_size: int, device, max_tokens: int, exchange_group=None, layer_row_bytes: int = 0,
+                  key: str = "", attention_shape: Optional[tuple] = None) -> MeasuredCosts:
+    """Measure this run's costs on every rank and average them (a collective)."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     compute = measure_compute(model, vocab_size, device, max_tokens)
     link = np.array([0.0, 0.0, 1.0])
     if exchange_group is not None and dist.get_world_size(exchange_group) > 1 and layer_row_bytes:
@@ -271,8 +324,37 @@ def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=No
         dist.all_reduce(values)
         values /= dist.get_world_size()
     v = values.tolist()
-    measured = MeasuredCosts(*v[:4], seconds_per_byte=v[4], seconds_per_exchange=v[5],
-                             exchange_exposed_fraction=v[6], key=key)
-    if profile and (not dist.is_initialized() or dist.get_rank() == 0):
-        atomic_write_text(profile, json.dumps(asdict(measured), indent=2) + "\n")
-    return measured
+    return MeasuredCosts(*v[:4], seconds_per_byte=v[4], seconds_per_exchange=v[5], exchange_exposed_fraction=v[6],
+                         key=key)
+
+
+def read_profile(profile: Optional[str], key: str) -> Optional[MeasuredCosts]:
+    """The costs ``profile`` stores for ``key`` (None: no file, or measured for another key)."""
+    if not profile or not os.path.exists(profile):
+        return None
+    try:
+        with open(profile, encoding="utf-8") as f:
+            record = json.load(f)
+    except ValueError as exc:
+        raise CheckpointError(profile, f"not a cost profile: {exc}") from None
+    stored = MeasuredCosts.from_record(record, profile)
+    return stored if stored.key == key else None
+
+
+def write_profile(profile: Optional[str], measured: MeasuredCosts) -> None:
+    """Rank 0 keeps ``measured`` in ``profile`` (atomically; nothing without a profile)."""
+    if profile and _is_first_rank():
+        atomic_write_text(profile, json.dumps(measured.to_record(), indent=2) + "\n")
+
+
+def _is_first_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _from_first_rank(value):
+    """Rank 0's ``value`` on every rank (``value`` itself without other ranks)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

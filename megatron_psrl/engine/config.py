@@ -169,6 +169,13 @@ class ActorConfig:
     cost_profile: Optional[str] = None
     """File keeping the start-up cost measurement for later runs."""
 
+    recalibrate: bool = False
+    """Measure the planner's costs at start-up even when resuming a checkpoint that recorded
+    the ones its run planned with (``--recalibrate``; ``--cost-profile``'s are measured anew
+    too, and the file rewritten). By default a resumed run plans with the recorded costs, so
+    it places and cuts trees as the saving run would have, and continues to the same losses
+    bit for bit; measured again, the plans (and the rounding) may differ."""
+
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     """Optimizer, learning-rate schedule and clipping."""
 

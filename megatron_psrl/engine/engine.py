@@ -111,7 +111,8 @@ class Engine:
     """The FLOP cost model (the ideal speedup of a batch is a FLOP ratio by definition)."""
 
     measured: Optional[MeasuredCosts]
-    """Start-up cost measurement (only when trees may be split over an exchange group)."""
+    """Start-up cost measurement (only when trees may be split over an exchange group), or the
+    one the resumed checkpoint recorded; saved with every checkpoint."""
 
     placement: str
     """Trees over an exchange group: ``whole-tree``, ``cross-rank`` or ``auto``."""

@@ -339,8 +339,10 @@ class PolicyActor:
                                           "sharded state: save with ckpt_format torch_dist (the default)")
         self.engine.params_ready()
         with self.layout.monitor.phase(f"checkpoint save of iteration {self.iteration}"):
+            # the costs it planned with go along: a run resuming it plans alike (ResumePoint)
+            costs = None if self.engine.measured is None else self.engine.measured.to_record()
             return save_training_checkpoint(save_dir, self.iteration, self.model, self.optimizer, self.arch,
-                                            self.layout, ckpt_format=fmt)
+                                            self.layout, ckpt_format=fmt, cost_record=costs)
 
     def load(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
         """Load weights (any TP/PP layout, either format) and, with ``load_optimizer``, the

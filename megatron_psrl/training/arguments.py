@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto (per part, the cheaper by the start-up link measurement; recompute without one)")
     g.add_argument("--cost-profile", default=None,
                    help="file keeping the start-up cost measurement of this model/device/layout for later runs")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure the planner's costs at start-up even when --load's checkpoint recorded those its "
+                        "run planned with (by default a resumed run plans with them: the same plans and losses as "
+                        "an uninterrupted run); also measures anew instead of reading --cost-profile")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--train-iters", type=int, default=5, help="iterations (optimizer steps, skipped ones included)")

@@ -335,7 +335,7 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,
         prefix_sharing=args.prefix_sharing, placement=args.placement,
         split_trees_across_groups=args.split_trees_across_groups, cross_group_prefix=args.cross_group_prefix,
-        cost_profile=args.cost_profile,
+        cost_profile=args.cost_profile, recalibrate=args.recalibrate,
         optimizer=OptimizerSettings(
             optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
             lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,

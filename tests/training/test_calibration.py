@@ -54,3 +54,20 @@ def test_predict_is_linear_in_its_parts():
     a = costs.predict(100, 1000, 10)
     assert a == pytest.approx(1e-2 + 1e-4 + 2e-4 + 5e-3)
     assert np.isclose(costs.predict(200, 2000, 20, micro_batches=2), 2 * a)
+
+
+def test_a_malformed_cost_record_is_one_line_naming_its_file(tmp_path):
+    """A checkpoint's (or profile's) record round-trips; a malformed one is refused in one line
+    naming the file, before any plan is made with it."""
+    from megatron_psrl.errors import CheckpointError
+
+    costs = MeasuredCosts(1e-4, 1e-7, 2e-5, 5e-3, seconds_per_byte=1e-9, key="k")
+    assert MeasuredCosts.from_record(json.loads(json.dumps(costs.to_record())), "x.json") == costs
+    path = str(tmp_path / "psrl_cost_calibration.json")
+    for record, reason in ((["not", "a", "dict"], "expected a JSON object"),
+                           (dict(costs.to_record(), seconds_per_tokn=1.0), "unknown field"),
+                           ({"key": "k"}, "missing"),
+                           (dict(costs.to_record(), seconds_per_key=float("nan")), "finite number")):
+        with pytest.raises(CheckpointError, match=f"^{path}: not a cost calibration record: .*{reason}") as info:
+            MeasuredCosts.from_record(record, path)
+        assert "\n" not in str(info.value)
