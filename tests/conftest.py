@@ -11,10 +11,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Every step plan the suite makes (here and in the torchrun scripts it starts, which inherit
 # the environment) is checked against the plan's invariants when it is made
-# (megatron_psrl/schedule/plan.py, ``check_plan``).
+# (megatron_psrl/schedule/check.py, ``check_plan``).
 os.environ.setdefault("PSRL_CHECK_PLANS", "1")
 
 from helpers.fresh_process import is_fresh_child, run_in_fresh_process  # noqa: E402
+from helpers.reference_cache import CACHE_ENV  # noqa: E402
+
+# Per-sample references are computed once per session (helpers/reference_cache.py): every rank
+# of a torchrun job and every case of a shared launch on the same model and batch share one.
+if CACHE_ENV not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="psrl-references-")
+    atexit.register(shutil.rmtree, os.environ[CACHE_ENV], True)
 
 from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
 

@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import torch
 
+from helpers.reference_cache import cached
 from megatron_psrl.data.samples import SampleBatch
 
 
@@ -42,8 +43,19 @@ def load_hf_model(hf_dir: str):
     return model
 
 
+def _batch_parts(batch: SampleBatch) -> list:
+    """What a per-sample reference reads of a batch (the key of its cached value)."""
+    return [batch.tokens, batch.offsets, batch.loss_mask, batch.advantages, batch.old_logprobs, batch.ref_logprobs,
+            batch.has_old_logprobs, batch.weights]
+
+
 def per_sample_logprobs(model, batch: SampleBatch) -> List[np.ndarray]:
-    """logprobs[i] = log p(tokens[i] | tokens[:i]), logprobs[0] = 0, per sample."""
+    """logprobs[i] = log p(tokens[i] | tokens[:i]), logprobs[0] = 0, per sample (computed once
+    per session for equal model weights and batch: :mod:`helpers.reference_cache`)."""
+    return cached("logprobs", [model] + _batch_parts(batch), lambda: _per_sample_logprobs(model, batch))
+
+
+def _per_sample_logprobs(model, batch: SampleBatch) -> List[np.ndarray]:
     out = []
     with torch.no_grad():
         for s in range(batch.num_samples):
@@ -74,7 +86,21 @@ def _coefficients(batch: SampleBatch, loss_agg: str) -> List[np.ndarray]:
 def per_sample_loss_and_grads(
     model, batch: SampleBatch, clip_eps: float, kl_coef: float, entropy_coef: float, loss_agg: str
 ) -> Tuple[float, Dict[str, torch.Tensor]]:
-    """The RL loss summed over samples (one forward/backward per sample) and HF grads."""
+    """The RL loss summed over samples (one forward/backward per sample) and HF grads, left in
+    the model's ``.grad`` too (computed once per session for equal weights, batch and loss
+    settings: :mod:`helpers.reference_cache`)."""
+    settings = (clip_eps, kl_coef, entropy_coef, loss_agg)
+    total, grads = cached("loss-and-grads", [model] + _batch_parts(batch) + [settings],
+                          lambda: _per_sample_loss_and_grads(model, batch, *settings))
+    params = dict(model.named_parameters())
+    for name, grad in grads.items():  # (a cached value: the grads a computation would have left)
+        params[name].grad = grad.clone()
+    return total, grads
+
+
+def _per_sample_loss_and_grads(
+    model, batch: SampleBatch, clip_eps: float, kl_coef: float, entropy_coef: float, loss_agg: str
+) -> Tuple[float, Dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     total = 0.0
     coefs = _coefficients(batch, loss_agg)
