@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_psrl.compat import quiet_expected_import_warnings, seed_model_parallel_rng
 from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES, CollectiveMonitor, timeout_delta
+from megatron_psrl.distributed.worker_group import close_worker_group_store, worker_group_store
 from megatron_psrl.errors import ConfigurationError, MissingRequirementError
 
 quiet_expected_import_warnings()
@@ -86,27 +87,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _restart_scoped_store(timeout) -> dist.Store:
-    """torchrun's store, with keys scoped to this restart of the worker group.
-
-    torchrun (``--max-restarts``) keeps the same store across restarts, so a restarted group
-    would read the dead group's connection keys (gloo: "connectFullMesh failed ... Connection
-    refused"; NCCL would read a stale unique id). Keys are scoped by the group's generation.
-    ``TORCHELASTIC_RESTART_COUNT`` cannot be the generation with several agents (nodes): an
-    agent whose own workers failed counts a restart, an agent that restarts its healthy workers
-    because another node rejoined does not, so the nodes would disagree. Instead every worker
-    of a (re)started group joins once through the store's atomic counter, and the n-th join
-    belongs to generation ``(n - 1) // world_size``: a group starts only after every worker of
-    the previous one has stopped, and each of those had joined at its start.
-    """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_hosts_store and rank == 0, timeout=timeout, multi_tenant=True)
-    generation = (store.add("/megatron_psrl/joined", 1) - 1) // world
-    return dist.PrefixStore(f"/megatron_psrl/generation_{generation}", store)
-
-
 def pick_device(requested: str = "auto") -> torch.device:
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,7 +121,7 @@ def initialize_parallel(
         backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
         timeout = timeout_delta(timeout_minutes)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun
-            dist.init_process_group(backend=backend, store=_restart_scoped_store(timeout), timeout=timeout,
+            dist.init_process_group(backend=backend, store=worker_group_store(timeout), timeout=timeout,
                                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         elif "RANK" in os.environ:  # another launcher
             dist.init_process_group(backend=backend, timeout=timeout)
@@ -230,3 +210,4 @@ def shutdown_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    close_worker_group_store()

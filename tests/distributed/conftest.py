@@ -5,7 +5,7 @@ every rank's), started by the first of those tests that needs one.
 The two kv_exchange scripts start their process group themselves (``dist.init_process_group``
 on torchrun's store, unscoped): a second such start in one launch would read the first one's
 connection keys and hang, so each goes to a launch of its own, first in it; the optimizer
-cases (``initialize_parallel``: keys scoped by the start's generation) join the first."""
+cases (``initialize_parallel``: keys scoped by the start's own token) join the first."""
 
 import os
 

@@ -155,6 +155,83 @@ def test_a_tree_split_across_two_nodes_resumes_after_a_killed_worker(tmp_path):
         assert resumed[it] == pytest.approx(loss, rel=1e-5, abs=1e-8), (it, resumed, reference)
 
 
+def test_two_agents_restart_after_a_worker_dies_before_it_joins(tmp_path):
+    """Two agents of one rank each ("two nodes"); rank 1 is stopped as soon as it starts (before
+    it has imported torch, let alone joined the store), rank 0 joins and waits for it, then
+    rank 1 is killed. Its agent restarts, the other agent restarts its healthy worker because
+    the first one rejoined, and the restarted group must meet and train to the end: a death
+    before joining must not leave the nodes disagreeing on the keys the group meets under."""
+    iters = 2
+    log = tmp_path / "two-agents.jsonl"
+    env = _env(NNODES=2, NPROC=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RUN_ID=uuid.uuid4().hex,
+               TRAIN_ITERS=iters, MAX_RESTARTS=1, LOG_JSON=log)
+    agents = [subprocess.Popen(["bash", os.path.join(LAUNCH, "torchrun_multi_node.sh")], cwd=REPO_ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        victim = _workers(agents, {1})[1]
+        os.kill(victim, signal.SIGSTOP)
+        assert _sockets(victim) == 0, "rank 1 connected before it was stopped"
+        _wait_until_waiting(_workers(agents, {0}).values(), deadline=time.time() + 240)
+        assert _sockets(victim) == 0  # stopped: still not joined when it dies
+        os.kill(victim, signal.SIGKILL)
+        try:
+            outputs = [a.communicate(timeout=300) for a in agents]
+        except subprocess.TimeoutExpired:
+            pytest.fail("the restarted group never met (or never finished) within 300 s")
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    for agent in agents:
+        assert agent.returncode == 0, "\n=====\n".join(e[-3000:] for _, e in outputs)
+    # the first group never reached an iteration; the restarted one ran each exactly once
+    assert [json.loads(line)["iter"] for line in open(log)] == list(range(1, iters + 1))
+
+
+def _workers(agents, ranks: set, timeout: float = 120) -> dict:
+    """``{rank: pid}`` of the agents' workers of ``ranks``, once they all run (polled every
+    10 ms, so a worker is seen within milliseconds of its start)."""
+    deadline = time.time() + timeout
+    while True:
+        workers = {r: pid for a in agents for r, pid in worker_pids(a.pid).items() if r in ranks}
+        if len(workers) == len(ranks):
+            return workers
+        assert time.time() < deadline and all(a.poll() is None for a in agents), f"only workers {sorted(workers)}"
+        time.sleep(0.01)
+
+
+def _sockets(pid: int) -> int:
+    """Sockets a process holds open: none before its first connection to torchrun's store (the
+    workers inherit no descriptors but stdin, stdout and stderr)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:  # closed since the listing
+            pass
+    return count
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of a process (clock ticks, /proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def _wait_until_waiting(pids, deadline: float, quiet_s: float = 1.5) -> None:
+    """Until every process has connected to the store and used no CPU for ``quiet_s`` seconds:
+    done importing and setting up, and waiting for the missing rank to join."""
+    pids = list(pids)
+    while True:
+        before = [_cpu_ticks(p) for p in pids]
+        time.sleep(quiet_s)
+        if all(_sockets(p) > 0 for p in pids) and [_cpu_ticks(p) for p in pids] == before:
+            return
+        assert time.time() < deadline, "the other workers never blocked waiting for the stopped one"
+
+
 def _global_rank(pid: int) -> int:
     """The RANK torchrun gave a worker process (from its environment)."""
     with open(f"/proc/{pid}/environ", "rb") as f:
