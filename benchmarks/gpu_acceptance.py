@@ -15,7 +15,7 @@ Parts, each in a process of its own with a time limit, each printed as one ``PAS
    run (``benchmarks/gpu_train_check.py``);
 3. ``memory``: per backend, the measured peak of a training step
    (``torch.cuda.max_memory_allocated`` above the step's start) against the memory plan's
-   prediction (:func:`megatron_psrl.kvcache.step_peak_bytes`) on the Qwen2.5-1.5B shape;
+   prediction (:func:`megatron_psrl.schedule.memory.step_peak_bytes`) on the Qwen2.5-1.5B shape;
 4. ``bench``: the update step on the Qwen2.5-1.5B shape (random weights, bf16) with prefix
    sharing, without (``--no-prefix-sharing``) and as one causal pass over the same number of
    unique tokens (the floor sharing aims at).

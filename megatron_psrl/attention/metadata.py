@@ -47,16 +47,16 @@ class ArrivingPrefixKV(Protocol):
     exchange, :class:`megatron_psrl.distributed.kv_exchange.ReceivedKV`).
 
     Its rows are ``buffer[offset:offset + length]`` (``[n, 2, ng, hn]``, K then V), valid once
-    ``transfer.wait()`` returned. The ``torch`` backend attends to every other source first,
+    ``exchange.wait()`` returned. The ``torch`` backend attends to every other source first,
     then waits, then attends to these rows and merges by log-sum-exp; in its backward it
     computes their gradients first and hands the whole buffer's gradient (padding and unread
-    rows zero) to ``transfer.return_grad``, which starts sending them back while the rest of
+    rows zero) to ``exchange.return_grad``, which starts sending them back while the rest of
     the backward runs. Other backends call :meth:`materialize` (wait, then copies)."""
 
     buffer: torch.Tensor
     offset: int
     length: int
-    transfer: object
+    exchange: object
     """``wait()`` (block until the rows are here), ``return_grad(grad_buffer)``."""
 
     def materialize(self) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -109,7 +109,7 @@ class ExchangeKV(torch.autograd.Function):
 
 def exchange_kv(k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,
                 differentiable: bool):
-    """:class:`ExchangeKV` (``differentiable``) or the same transfer without autograd."""
+    """:class:`ExchangeKV` (``differentiable``) or the same exchange without autograd."""
     if differentiable and torch.is_grad_enabled():
         return ExchangeKV.apply(k, v, send_rows, send_counts, recv_counts, group)
     with torch.no_grad():
@@ -179,7 +179,7 @@ class ExchangeInFlight:
         self.offsets = split_offsets(self.recv_counts)
         """First row of every source's split in ``buffer``."""
         row_shape = tuple(send.shape[1:])
-        self._send = _pad_rows(send, self.send_counts)  # kept alive until the transfer is done
+        self._send = _pad_rows(send, self.send_counts)  # kept alive until the exchange is done
         self.buffer = send.new_empty((sum(padded_counts(self.recv_counts)),) + row_shape)
         self.buffer_like = (tuple(self.buffer.shape), self.buffer.dtype, self.buffer.device)
         self._work = dist.all_to_all_single(self.buffer, self._send, padded_counts(self.recv_counts),
@@ -254,9 +254,9 @@ class ExchangeInFlight:
 
 
 class ExchangeKVAsync(torch.autograd.Function):
-    """:class:`ExchangeKV` with the transfer in flight when it returns: ``(k, v) -> (k, v,
+    """:class:`ExchangeKV` with the exchange in flight when it returns: ``(k, v) -> (k, v,
     buffer)``, ``buffer`` the padded receive buffer (:class:`ExchangeInFlight`; valid after
-    ``transfer.wait()``; source ``src``'s rows start at ``transfer.offsets[src]``). Its backward
+    ``exchange.wait()``; source ``src``'s rows start at ``exchange.offsets[src]``). Its backward
     sends the received rows' gradients back, unless the attention started that already
     (:meth:`ExchangeInFlight.return_grad`), and adds the returned ones to the rows this rank sent."""
 
@@ -264,56 +264,56 @@ class ExchangeKVAsync(torch.autograd.Function):
     def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,
                 box: list):
         kv = _rows_to_send(k, v, send_rows)
-        transfer = ExchangeInFlight(kv, send_counts, recv_counts, group)
-        box.append(transfer)
+        exchange = ExchangeInFlight(kv, send_counts, recv_counts, group)
+        box.append(exchange)
         ctx.save_for_backward(send_rows)
-        ctx.transfer = transfer
+        ctx.exchange = exchange
         ctx.shape = k.shape
-        return k.view_as(k), v.view_as(v), transfer.buffer.view_as(transfer.buffer)
+        return k.view_as(k), v.view_as(v), exchange.buffer.view_as(exchange.buffer)
 
     @staticmethod
     def backward(ctx, grad_k: Optional[Tensor], grad_v: Optional[Tensor], grad_buffer: Optional[Tensor]):
         (send_rows,) = ctx.saved_tensors
-        transfer: ExchangeInFlight = ctx.transfer
-        if not transfer.returning_grad:  # the attention did not start it (e.g. no peer read here)
+        exchange: ExchangeInFlight = ctx.exchange
+        if not exchange.returning_grad:  # the attention did not start it (e.g. no peer read here)
             if grad_buffer is None:
-                shape, dtype, device = transfer.buffer_like
+                shape, dtype, device = exchange.buffer_like
                 grad_buffer = torch.zeros(shape, dtype=dtype, device=device)
-            transfer.return_grad(grad_buffer)
-        back = transfer.returned_grad()  # [n_send, 2, ng, hn]
-        ctx.transfer = None
+            exchange.return_grad(grad_buffer)
+        back = exchange.returned_grad()  # [n_send, 2, ng, hn]
+        ctx.exchange = None
         gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shape, send_rows, back)
         return gk, gv, None, None, None, None, None
 
 
 def exchange_kv_start(k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int],
                       group, differentiable: bool):
-    """Start the exchange: ``(k, v, buffer, transfer)``; ``buffer`` (the autograd tensor with
-    :class:`ExchangeKVAsync` differentiable, else ``transfer.buffer``) is filled after
-    ``transfer.wait()``."""
+    """Start the exchange: ``(k, v, buffer, exchange)``; ``buffer`` (the autograd tensor with
+    :class:`ExchangeKVAsync` differentiable, else ``exchange.buffer``) is filled after
+    ``exchange.wait()``."""
     box: list = []
     if differentiable and torch.is_grad_enabled():
         k, v, buffer = ExchangeKVAsync.apply(k, v, send_rows, send_counts, recv_counts, group, box)
         return k, v, buffer, box[0]
     with torch.no_grad():
         kv = _rows_to_send(k, v, send_rows)
-        transfer = ExchangeInFlight(kv, send_counts, recv_counts, group)
-        return k, v, transfer.buffer, transfer
+        exchange = ExchangeInFlight(kv, send_counts, recv_counts, group)
+        return k, v, exchange.buffer, exchange
 
 
 class ReceivedKV:
     """One received chain the attention reads (the attention's ``ArrivingPrefixKV``): rows
     ``offset:offset + length`` of ``buffer`` (``[n, 2, ng, hn]``, K then V), valid after
-    ``transfer.wait()``."""
+    ``exchange.wait()``."""
 
-    __slots__ = ("transfer", "buffer", "offset", "length")
+    __slots__ = ("exchange", "buffer", "offset", "length")
 
-    def __init__(self, transfer: ExchangeInFlight, buffer: Tensor, offset: int, length: int):
-        self.transfer, self.buffer, self.offset, self.length = transfer, buffer, int(offset), int(length)
+    def __init__(self, exchange: ExchangeInFlight, buffer: Tensor, offset: int, length: int):
+        self.exchange, self.buffer, self.offset, self.length = exchange, buffer, int(offset), int(length)
 
     def materialize(self):
         """``(k, v)`` copies after waiting (autograd reaches ``buffer``), for kernels that take
         tensors: no overlap beyond what ran before this call."""
-        self.transfer.wait()
+        self.exchange.wait()
         chunk = self.buffer[self.offset:self.offset + self.length]
         return chunk[:, 0].clone(), chunk[:, 1].clone()

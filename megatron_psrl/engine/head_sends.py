@@ -48,12 +48,12 @@ _FLAG, _KV, _GRAD = range(3)
 
 
 class HeadSends:
-    """One rank's part in a step's prefix head_sends (module docstring)."""
+    """One rank's part in a step's head sends (module docstring)."""
 
     def __init__(self, plan: StepPlan, rank: int, cache: BlockKVCache, group, with_grads: bool):
         self.plan, self.rank, self.cache, self.group, self.with_grads = plan, rank, cache, group, with_grads
         if dist.get_rank(group) != rank:
-            raise RuntimeError(f"placement rank {rank} is rank {dist.get_rank(group)} of the transfer group")
+            raise RuntimeError(f"placement rank {rank} is rank {dist.get_rank(group)} of the head-send group")
         rank_plan = plan.ranks[rank]
         geometry = cache.geometry
         self.row_shape = (geometry.num_layers, 2, geometry.num_groups, geometry.head_dim)

@@ -136,10 +136,7 @@ class KVCacheLifecycle(StepParticipant):
 
     def begin(self, step) -> None:
         self.caching = bool(step.rank_plan.sources)
-        if self.caching:
-            if step.memory is None:
-                hint = "" if self.training else " (plan_forward_memory)"
-                raise RuntimeError(f"a plan with cached prefixes needs a memory plan{hint}")
+        if self.caching:  # (a memory plan exists: StepRunner checks before lowering the plan)
             self.cache.begin_step(step.memory.block_size, step.memory.pool_blocks)
         elif self.cache is not None and self.training:
             self.cache.release_pool()  # a step without cached prefixes holds no KV memory
@@ -151,13 +148,13 @@ class KVCacheLifecycle(StepParticipant):
 
 def step_participants(runner, step, instructions: List[Instruction], training: bool) -> List[StepParticipant]:
     """The participants of one call, in the order their hooks run (``begin`` and ``end`` alike):
-    the expert lockstep's trailing empty passes run before the routers' replay ends, and the
-    step's communication is closed before the KV cache's pool goes."""
-    out: List[StepParticipant] = []
+    the step's KV pool is sized before anything else allocates (ending it first only checks
+    that nothing is held), and the expert lockstep's trailing empty passes run before the
+    routers' replay ends."""
+    out: List[StepParticipant] = [KVCacheLifecycle(runner.kv_cache, training)]
     if runner.expert_group is not None:
         out.append(ExpertLockstep(runner, instructions))
     out.append(RouterState(runner, training))
     if step.plan.head_sends:
         out.append(HeadExchange(runner, training))
-    out.append(KVCacheLifecycle(runner.kv_cache, training))
     return out

@@ -89,7 +89,7 @@ class PrefixKV:
         self.num_peers = len(mb.peer_reads)
         self.peers: Dict[int, List[Union[Tuple[Tensor, Tensor], ReceivedKV]]] = {}
         self.in_flight: Dict[int, object] = {}
-        """Overlapped exchange: the layer's transfer until its attention ran (:meth:`after_attention`)."""
+        """Overlapped exchange: the layer's exchange until its attention ran (:meth:`after_attention`)."""
         ex = mb.exchange
         if ex is not None and ex.forward_collective:
             send = [c for dst in range(group_size) for c in ex.send.get(dst, [])]
@@ -147,28 +147,28 @@ class PrefixKV:
         """The overlapped exchange: start the all-to-all, hand the peers to the attention in
         flight (it attends to its other keys first), write the replicas once the rows are here."""
         send_rows, send_counts, recv_counts, layout, group = self.exchange
-        key, value, buffer, transfer = exchange_kv_start(key, value, send_rows, send_counts, recv_counts, group,
+        key, value, buffer, exchange = exchange_kv_start(key, value, send_rows, send_counts, recv_counts, group,
                                                          differentiable=self.track_grads)
         peers = [None] * self.num_peers
         for _, src, within, length, peer, replica in layout:
-            offset = transfer.offsets[src] + within  # the buffer keeps the padding rows
+            offset = exchange.offsets[src] + within  # the buffer keeps the padding rows
             if replica is not None and self.store:
-                # (the cache, not the hook: the transfer lives in the graph, see CachedRead)
-                transfer.on_arrival(lambda buf, cache=self.cache, s=replica, o=offset, n=length, layer=layer_number:
+                # (the cache, not the hook: the exchange lives in the graph, see CachedRead)
+                exchange.on_arrival(lambda buf, cache=self.cache, s=replica, o=offset, n=length, layer=layer_number:
                                     cache.write(s, layer, buf[o:o + n, 0], buf[o:o + n, 1]))
             if peer is not None:
-                peers[peer] = ReceivedKV(transfer, buffer, offset, length)
+                peers[peer] = ReceivedKV(exchange, buffer, offset, length)
         self.peers[layer_number] = peers
-        self.in_flight[layer_number] = transfer
+        self.in_flight[layer_number] = exchange
         return key, value
 
     def after_attention(self, layer_number: int) -> None:
-        """The layer's attention ran: its transfer is complete (waits only where no attention
+        """The layer's attention ran: its exchange is complete (waits only where no attention
         read a received row: replicas only), and the received rows are let go (the attention
         and the cache keep copies), so a kept graph holds none of them."""
-        transfer = self.in_flight.pop(layer_number, None)
-        if transfer is not None:
-            transfer.release()
+        exchange = self.in_flight.pop(layer_number, None)
+        if exchange is not None:
+            exchange.release()
 
     def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "CachedRead", ReceivedKV]]:
         out: List[Union[Tuple[Tensor, Tensor], CachedRead, ReceivedKV]] = []

@@ -159,6 +159,11 @@ class StepState:
         return loss * self.loss_scale if loss is not None else None
 
 
+def _require_memory_plan(rank_plan: RankPlan, memory: Optional[MemoryPlan], hint: str) -> None:
+    if rank_plan.sources and memory is None:
+        raise RuntimeError(f"a plan with cached prefixes needs a memory plan{hint}")
+
+
 def _expert_parallel_group(model):
     """The expert-parallel group of an MoE model with EP > 1, else None."""
     from megatron.core import parallel_state
@@ -207,7 +212,7 @@ class StepRunner:
         self.head_send_group = None
         """The data x context parallel group, over which prefix heads travel between exchange
         groups (:mod:`megatron_psrl.engine.head_sends`; a rank's index in it is its placement
-        rank); needed by plans with transfers."""
+        rank); needed by plans that send heads."""
         self.gather_in_backward = False
         """This step's memory plan has readers gather cached K/V again in backward."""
         self.expert_group = _expert_parallel_group(model)
@@ -419,6 +424,7 @@ class StepRunner:
         ``loss_scale`` multiplies every loss before its backward (fp16 loss scaling; the
         optimizer unscales). Injected prefix gradients come from scaled losses already."""
         rank_plan = plan.ranks[rank]
+        _require_memory_plan(rank_plan, memory, "")
         self.gather_in_backward = memory is not None and memory.gathers_in_backward
         # Normalisation over the whole global batch, from the original samples.
         coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
@@ -460,6 +466,7 @@ class StepRunner:
         their last reader: the log-prob of every row, or (``claims_loss``) only of claimed rows,
         handed to ``claims_loss``."""
         rank_plan = plan.ranks[rank]
+        _require_memory_plan(rank_plan, memory, " (plan_forward_memory)")
         step = StepState(plan, rank, memory, claims_loss, coefficients, 1.0,
                          StepOutput(num_micro_batches=sum(mb.computes for mb in rank_plan.micro_batches),
                                     logprobs=ComputedLogprobs(with_entropy)))

@@ -2,8 +2,9 @@
 
 - ``cost``: the cost model (FLOPs, or measured seconds, per token, key pair, logit row);
 - ``group_split``: trees split between exchange groups, and the heads sent between them;
-- ``planner``: :func:`plan_step`, the placement over ranks and groups (:class:`PlannerConfig`);
-- ``whole_tree``: one rank's micro-batches for the trees placed on it whole;
+- ``config``: :class:`PlannerConfig`, the layout, budgets and costs the planner plans for;
+- ``planner``: :func:`plan_step`, the placement over ranks and groups;
+- ``rank_layout``: one rank's micro-batches for the trees placed on it whole;
 - ``cross_rank``: a group's trees split into equal-cost fragments over its ranks (lockstep);
 - ``packing``: a micro-batch's tokens serialised for the model (ids, positions, attention);
 - ``plan``: the plan's types (:class:`StepPlan`, :class:`RankPlan`, ...); ``check``: ``check_plan``;

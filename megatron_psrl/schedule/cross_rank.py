@@ -58,7 +58,7 @@ TokenCost = Callable[[np.ndarray], np.ndarray]
 
 @dataclass
 class CrossRankHeads:
-    """A group's part in the step's prefix head_sends (the tree tokens of its copies)."""
+    """A group's part in the step's head sends (the tree tokens of its copies)."""
 
     imports: Dict[int, Tuple[int, int, int]] = field(default_factory=dict)
     """Top-level node of a copy -> ``(transfer, import, head length)``: the stream skips the head."""
@@ -114,7 +114,7 @@ def plan_group_cross_rank(
     micro_batch_cost: float = 0.0, heads: Optional[CrossRankHeads] = None,
 ) -> Optional[List[RankPlan]]:
     """The cross-rank plan of one exchange group (see the module docstring), or None when the
-    trees have fewer tokens than the group has ranks. ``heads``: the group's prefix head_sends."""
+    trees have fewer tokens than the group has ranks. ``heads``: the group's head sends."""
     stream, unit_bounds = group_stream(index, units, {u: h[2] for u, h in heads.imports.items()} if heads else None)
     n, g = len(stream), group_size
     if n < g:

@@ -443,7 +443,7 @@ def _top_level_of(tree: PrefixTree, nodes: np.ndarray) -> np.ndarray:
 
 @dataclass
 class GroupHeads:
-    """The prefix head_sends one exchange group takes part in (tree tokens of its copies)."""
+    """The head sends one exchange group takes part in (tree tokens of its copies)."""
 
     imports: Dict[int, Tuple[int, int]] = field(default_factory=dict)
     """Top-level node of a copy the group holds -> ``(transfer, import)`` of its head."""
@@ -455,7 +455,7 @@ class GroupHeads:
 
 def group_heads(head_sends: List[HeadSend], roots: np.ndarray, node_offset: np.ndarray, group: int,
                 group_size: int) -> GroupHeads:
-    """What ``group`` sends and receives of the step's head_sends."""
+    """What ``group`` sends and receives of the step's head sends."""
     heads = GroupHeads()
     starts = node_offset[roots]
     for t, transfer in enumerate(head_sends):

@@ -133,7 +133,7 @@ def _transfer_costs(config: PlannerConfig, bins_per_group: int) -> TransferCosts
 
 
 def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[GroupAssignment] = None) -> StepPlan:
-    """Plan an update step (see the module docstring); checked (:func:`~megatron_psrl.schedule.plan.check_plan`)
+    """Plan an update step (see the module docstring); checked (:func:`~megatron_psrl.schedule.check.check_plan`)
     when ``PSRL_CHECK_PLANS=1``. ``assignment``: trees already assigned to groups
     (:func:`assign_groups`, default: made from ``config``)."""
     assignment = assignment or assign_groups(tree, config)
@@ -236,7 +236,7 @@ def _layout_whole_trees(index: TreeIndex, units: np.ndarray, costs: np.ndarray, 
     """Every tree on one rank of the group, LPT by cost (or on ``ranks_of``, where the split of
     trees between ranks placed them): the layout of every rank's micro-batches
     (:func:`layout_rank`) and its planned cost, without building the rank plans (planning
-    keeps them only when the group uses them). ``heads``: the group's prefix head_sends."""
+    keeps them only when the group uses them). ``heads``: the group's head sends."""
     heads = heads or GroupHeads()
     exports = [[] for _ in range(g)]
     for t, r in sorted(heads.exports.items()):
@@ -290,7 +290,7 @@ def _head_cost(index: TreeIndex, start: int, length: int, config: PlannerConfig)
 
 
 def _cross_rank_heads(heads: GroupHeads, head_sends: Sequence[HeadSend]) -> Optional["CrossRankHeads"]:
-    """The group's head_sends as the cross-rank planner takes them (None: no transfer)."""
+    """The group's head sends as the cross-rank planner takes them (None: none)."""
     if not heads.imports and not heads.exports:
         return None
     if any(r != 0 for r in heads.exports.values()):  # (only groups placing trees whole export from other ranks)

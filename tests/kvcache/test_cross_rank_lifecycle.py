@@ -9,6 +9,7 @@ from helpers.batches import cross_rank_batch, random_tree_batch
 
 from megatron_psrl.data import make_workload
 from megatron_psrl.kvcache import CacheBudgetError
+from megatron_psrl.schedule import instructions as ins
 from megatron_psrl.schedule.cost import CostModel
 from megatron_psrl.schedule.cross_rank import plan_group_cross_rank
 from megatron_psrl.schedule.memory import plan_memory_group
@@ -44,35 +45,36 @@ class _Cache:
 
 
 def _replay(plans, memories):
-    """What StepRunner.train does with the cache, on every rank, step by step."""
-    caches = [_Cache() for _ in plans]
-    release = [{} for _ in plans]
-    for r, (plan, memory) in enumerate(zip(plans, memories)):
-        for s, last in (memory.kv_release_step.items() if plan.sources else ()):
-            release[r].setdefault(last, []).append(s)
-    for t, (op, i) in enumerate(plans[0].schedule):
-        for r, (plan, cache, memory) in enumerate(zip(plans, caches, memories)):
-            mb, keep = plan.micro_batches[i], memory.keep_graph.get(i, True)
-            if op == "forward_backward":
+    """What the executor does with the cache on every rank: the rank's training instructions
+    (``schedule.instructions``), each checked against the blocks it reads, writes, returns or
+    injects, and its cache empty at the end."""
+    for plan, memory in zip(plans, memories):
+        cache = _Cache()
+        for x in ins.training_instructions(plan, memory):
+            mb = plan.micro_batches[x.micro_batch] if isinstance(x, ins.MicroBatchInstruction) else None
+            if isinstance(x, ins.AllocateKV):
+                for s in x.sources:
+                    cache.allocate(s, x.kinds or plan.sources[s].kinds)
+            elif isinstance(x, ins.ReleaseKV):
+                for s in x.sources:
+                    cache.free(s, x.kinds)
+            elif isinstance(x, ins.ForwardBackward):
                 assert not mb.produces
                 for s in mb.reads:
                     cache.need(s, ("k", "v", "gk", "gv"), "read")
-            elif op == "forward":
-                for s in mb.produces:
-                    cache.allocate(s, plan.sources[s].kinds)
+            elif isinstance(x, (ins.ForwardKeep, ins.ForwardDrop)):
                 for s in mb.reads:
                     cache.need(s, ("k", "v"), "read")
                 for s in mb.produces:
                     src = plan.sources[s]
                     if src.replica_of is not None or "k" in src.kinds:
                         cache.need(s, ("k", "v"), "write")
-            else:
-                ex = mb.exchange
-                if ex is not None and ex.backward_collective:
-                    for ids in list(ex.grad_send.values()) + list(ex.grad_recv.values()):
-                        for s in ids:
-                            cache.need(s, ("gk", "gv"), "gradient return")
-                if not keep:
+            elif isinstance(x, ins.ReturnReplicaGrads):
+                for ids in list(mb.exchange.grad_send.values()) + list(mb.exchange.grad_recv.values()):
+                    for s in ids:
+                        cache.need(s, ("gk", "gv"), "gradient return")
+            elif isinstance(x, ins.Backward):
+                if x.recompute:
                     for s in mb.reads:
                         cache.need(s, ("k", "v"), "recompute read")
                 for s in mb.reads:
@@ -80,11 +82,7 @@ def _replay(plans, memories):
                 for s in mb.produces:
                     if plan.sources[s].replica_of is None:
                         cache.need(s, ("gk", "gv"), "inject")
-                    cache.free(s, ("k", "v", "gk", "gv"))
-        for r, cache in enumerate(caches):
-            for s in release[r].get(t, ()):
-                cache.free(s, ("k", "v"))
-    assert all(not c.held for c in caches), [c.held for c in caches]
+        assert not cache.held, cache.held
 
 
 def _trees():

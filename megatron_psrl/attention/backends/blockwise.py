@@ -35,13 +35,13 @@ def _merge_(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor) -> None:
 
 
 class _Arriving:
-    """An :class:`ArrivingPrefixKV` source as the autograd function keeps it: its transfer and
+    """An :class:`ArrivingPrefixKV` source as the autograd function keeps it: its exchange and
     rows, the buffer itself being one of the function's tensor inputs (index ``buffer``)."""
 
-    __slots__ = ("transfer", "buffer", "offset", "length")
+    __slots__ = ("exchange", "buffer", "offset", "length")
 
-    def __init__(self, transfer, buffer: int, offset: int, length: int):
-        self.transfer, self.buffer, self.offset, self.length = transfer, buffer, offset, length
+    def __init__(self, exchange, buffer: int, offset: int, length: int):
+        self.exchange, self.buffer, self.offset, self.length = exchange, buffer, offset, length
 
 
 _LEADING_INPUTS = 8
@@ -57,9 +57,9 @@ class BlockwiseTreeAttention(torch.autograd.Function):
     the backward pass, and receives its gradients directly: a kept graph then holds no copy
     of that cached prefix (only one layer's copy exists at a time, while it runs); or an
     ``_Arriving`` source (:class:`ArrivingPrefixKV`, rows still in flight from another rank
-    into one of the ``buffers``): its blocks run after every other block, once its transfer
+    into one of the ``buffers``): its blocks run after every other block, once its exchange
     is waited for, and in the backward before every other block, so that their gradients
-    travel back while the rest of the backward runs (``transfer.return_grad``). The order of
+    travel back while the rest of the backward runs (``exchange.return_grad``). The order of
     the merges is the plan's whenever the arriving sources' blocks come last in it (the
     packing lists peers last), so the result is the same as with ``(k, v)`` pairs."""
 
@@ -94,7 +94,7 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         arrived = []
         for j in arriving:
             r = readers[j]
-            r.transfer.wait()
+            r.exchange.wait()
             chunk = buffers[r.buffer][r.offset:r.offset + r.length]
             # Copies: saved for backward, where a view would keep the whole buffer alive.
             ext_k[j], ext_v[j] = chunk[:, 0].clone(), chunk[:, 1].clone()
@@ -151,14 +151,14 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             if not ctx.needs_input_grad[_LEADING_INPUTS + n_pairs + b]:
                 continue
             d = torch.zeros(shape, dtype=dtype, device=device)
-            transfer = None
+            exchange = None
             for j in arriving:
                 r = readers[j]
                 if r.buffer == b:
                     d[r.offset:r.offset + r.length, 0] = d_ext_k[j].to(dtype)
                     d[r.offset:r.offset + r.length, 1] = d_ext_v[j].to(dtype)
-                    transfer = r.transfer
-            transfer.return_grad(d)
+                    exchange = r.exchange
+            exchange.return_grad(d)
             d_buffers[b] = d
         for a, b, c in _segments(plan):
             e = c + b - a  # the segment's causal keys c:e (c == a unless the queries are a subset)
@@ -231,7 +231,7 @@ def blockwise_tree_attention(
             b = next((n for n, x in enumerate(buffers) if x is e.buffer), len(buffers))
             if b == len(buffers):
                 buffers.append(e.buffer)
-            readers.append(_Arriving(e.transfer, b, e.offset, e.length))
+            readers.append(_Arriving(e.exchange, b, e.offset, e.length))
         else:
             readers.append(e)
     return BlockwiseTreeAttention.apply(plan, scale, impl, tuple(readers), len(pairs), q, k, v, *pairs, *buffers)
