@@ -31,6 +31,7 @@ import io
 import os
 import pickle
 import re
+import sys
 import zipfile
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -93,25 +94,37 @@ def safe_torch_load(source, path: str, tensor: Optional[str] = None) -> Any:
             from None
 
 
+_INDEX_RECORD_MODULES = "torch.distributed.checkpoint."
+"""The package whose dataclasses and enums are the index's records."""
+_INDEX_GLOBALS = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
+                  ("builtins", "frozenset")}
+"""Other globals an index may name (``_get_layout`` looks a layout up by name)."""
+
+
 class _IndexUnpickler(pickle.Unpickler):
     """Admits the record classes of torch.distributed.checkpoint's index (dataclasses and
-    enums of its own modules), ``torch.Size``, dtypes and layouts; nothing else."""
+    enums of its own modules), ``torch.Size``, dtypes and layouts; nothing else.
+
+    Decided from the names before anything is imported: ``pickle``'s own ``find_class`` imports
+    the named module first, so a crafted index could make the reader run any installed
+    module's import-time code before being refused. Here a name outside the list is refused
+    as it is, and an admitted one is looked up in a module that is already loaded
+    (:func:`read_index` imports torch.distributed.checkpoint, which loads its record modules).
+    """
 
     def find_class(self, module: str, name: str) -> Any:
+        obj = None
+        if module == "torch" or module.startswith(_INDEX_RECORD_MODULES) or (module, name) in _INDEX_GLOBALS:
+            loaded = sys.modules.get(module)
+            # vars(), not getattr(): a module's __getattr__ may import (torch loads submodules lazily).
+            obj = vars(loaded).get(name) if loaded is not None else None
         allowed = False
-        try:
-            obj = super().find_class(module, name)
-        except (ImportError, AttributeError):
-            obj = None
-        if obj is not None:
-            if module.startswith("torch.distributed.checkpoint.") and isinstance(obj, type):
-                allowed = dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
-            elif module == "torch":
-                allowed = obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
-            elif (module, name) == ("torch.serialization", "_get_layout"):
-                allowed = True  # looks a layout up by name
-            elif (module, name) in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")):
-                allowed = True
+        if module.startswith(_INDEX_RECORD_MODULES) and isinstance(obj, type):
+            allowed = dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+        elif module == "torch" and obj is not None:
+            allowed = obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
+        elif (module, name) in _INDEX_GLOBALS:
+            allowed = obj is not None
         if not allowed:
             raise pickle.UnpicklingError(f"refused to unpickle {module}.{name}")
         return obj

@@ -165,7 +165,8 @@ def _read_parquet(
         parquet = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as exc:
         raise acc.file_error(f"cannot read Parquet file: {exc}") from exc
-    names = parquet.schema_arrow.names
+    schema = parquet.schema_arrow
+    names = schema.names
     if parquet.metadata.num_rows == 0:
         raise acc.file_error("no samples (empty file)")
     if "tokens" not in names:
@@ -173,12 +174,15 @@ def _read_parquet(
     # Unknown columns are not read at all; the accumulator warns about them once.
     unknown = [name for name in names if name not in KNOWN_FIELDS]
     columns = [name for name in names if name in KNOWN_FIELDS]
+    # Checked before any row is read: a column of the wrong type is one file-level error
+    # naming it, never an exception from deep inside the Arrow accessors.
+    read_as = {name: _column_read_type(acc, name, schema.field(name).type) for name in columns}
     bar = _progress_bar(progress, total=parquet.metadata.num_rows, unit="rows", desc=path.name)
     row = 0
     try:
         batches = parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
         for batch in batches:
-            accessors = {name: _ParquetColumn(batch.column(name)) for name in columns}
+            accessors = {name: _ParquetColumn(_as_type(batch.column(name), read_as[name])) for name in columns}
             for i in range(batch.num_rows):
                 record = {name: column.get(i) for name, column in accessors.items()}
                 for name in unknown:
@@ -193,9 +197,85 @@ def _read_parquet(
         bar.close()
 
 
+def _value_kind(t) -> str:
+    """What Arrow values of type ``t`` are to the validator: ``integer``, ``float``, ``bool``,
+    ``string``, ``null`` or ``other``."""
+    import pyarrow as pa
+
+    is_string_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    for kind, is_kind in (("integer", pa.types.is_integer), ("float", pa.types.is_floating),
+                          ("bool", pa.types.is_boolean), ("null", pa.types.is_null),
+                          ("string", lambda u: pa.types.is_string(u) or pa.types.is_large_string(u) or
+                           is_string_view(u))):
+        if is_kind(t):
+            return kind
+    return "other"
+
+
+PARQUET_COLUMN_TYPES = {
+    # field: (list depths it may have, the kinds its innermost values may be, the expectation in words)
+    "id": ((0,), {"integer", "string"}, "a string or integer column"),
+    "tokens": ((1,), {"integer"}, "a list of integer token ids (e.g. list<int32>)"),
+    "loss_mask": ((1,), {"integer", "bool"}, "a list of 0/1 integers or booleans (e.g. list<bool>)"),
+    "advantage": ((0, 1), {"integer", "float"}, "a number or a list of numbers (e.g. float32 or list<float32>)"),
+    "old_logprobs": ((1,), {"integer", "float"}, "a list of numbers (e.g. list<float32>)"),
+    "ref_logprobs": ((1,), {"integer", "float"}, "a list of numbers (e.g. list<float32>)"),
+    "weight": ((0,), {"integer", "float"}, "a number column (e.g. float32)"),
+    "routed_experts": ((3,), {"integer"}, "a list<list<list<integer>>> of expert ids (tokens x MoE layers x top-k)"),
+}
+"""The Arrow column types the Parquet reader accepts per field, after :func:`_read_type`
+(dictionaries decoded, every kind of list read as a list). Integer and floating types of any
+width are accepted; whether the values fit (range, finiteness) is checked per row."""
+
+
+def _is_any_list(t) -> bool:
+    """Every Arrow list kind: list, large_list, fixed_size_list and (pyarrow >= 16) list views."""
+    import pyarrow as pa
+
+    views = (getattr(pa.types, "is_list_view", None), getattr(pa.types, "is_large_list_view", None))
+    return _is_list_type(t) or any(is_view is not None and is_view(t) for is_view in views)
+
+
+def _read_type(t):
+    """The type a column of Arrow type ``t`` is cast to before :class:`_ParquetColumn` reads it:
+    dictionary-encoded values decoded, fixed-size lists and list views as large_list (their
+    cells as offsets into flat values, which is all the reader handles); list and large_list
+    kept. Every such cast is exact."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        return _read_type(t.value_type)
+    if not _is_any_list(t):
+        return t
+    field = t.value_field.with_type(_read_type(t.value_type))
+    return pa.list_(field) if pa.types.is_list(t) else pa.large_list(field)
+
+
+def _column_read_type(acc: SampleAccumulator, name: str, column_type):
+    """The type column ``name`` is read as (:func:`_read_type`), or the file's one error naming
+    the column, its type and what the field needs (:data:`PARQUET_COLUMN_TYPES`). Null-typed
+    values pass (a column of nulls is an absent field; null elements of a list are named, with
+    their row, by the validator)."""
+    read_type = _read_type(column_type)
+    depth, leaf = 0, read_type
+    while _is_list_type(leaf):
+        depth, leaf = depth + 1, leaf.value_type
+    depths, kinds, expected = PARQUET_COLUMN_TYPES[name]
+    kind = _value_kind(leaf)
+    if not ((depth in depths and kind in kinds | {"null"}) or (depth == 0 and kind == "null")):
+        raise acc.error(f"column type {column_type} is not supported; expected {expected}", field=name)
+    return read_type
+
+
+def _as_type(array, read_type):
+    """``array`` cast to its :func:`_read_type` (a no-op for the usual list<int> columns)."""
+    return array if array.type == read_type else array.cast(read_type)
+
+
 class _ParquetColumn:
     """Per-row access to one column of a record batch without a Python object per token:
-    list cells come out as numpy views into the column's flat values."""
+    list cells come out as numpy views into the column's flat values. Columns arrive as
+    :func:`_column_read_type` admitted and cast them: lists are list or large_list."""
 
     def __init__(self, array) -> None:
         import pyarrow as pa
@@ -246,19 +326,15 @@ class _NestedRoutes:
     name the bad token and layer."""
 
     def __init__(self, array) -> None:
-        import pyarrow as pa
-
+        # Three levels of list or large_list (what ``_column_read_type`` admits for routes).
         self.array = array
         self.cell_null = array.is_null().to_numpy(zero_copy_only=False)
         self.outer = array.offsets.to_numpy(zero_copy_only=False).astype(np.int64)  # -> tokens
         tokens = array.values
-        self.middle = tokens.offsets.to_numpy(zero_copy_only=False).astype(np.int64) \
-            if not pa.types.is_fixed_size_list(tokens.type) else None
+        self.middle = tokens.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
         layers = tokens.values
-        self.inner = layers.offsets.to_numpy(zero_copy_only=False).astype(np.int64) \
-            if not pa.types.is_fixed_size_list(layers.type) else None
-        self.clean = tokens.null_count == 0 and layers.null_count == 0 and layers.values.null_count == 0 \
-            and self.middle is not None and self.inner is not None
+        self.inner = layers.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+        self.clean = tokens.null_count == 0 and layers.null_count == 0 and layers.values.null_count == 0
         self.ids = layers.values.to_numpy(zero_copy_only=False) if self.clean else None
 
     def get(self, i: int) -> Any:

@@ -10,6 +10,7 @@ import os
 import pickle
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,70 @@ def test_a_planted_index_is_refused(hf_and_ckpt, tmp_path):
     assert err.value.path == path and f"refused to unpickle {os.system.__module__}.system" in str(err.value)
     assert not os.path.exists(marker)
     assert dist_checks.read_index(resolve_iteration_dir(hf_and_ckpt[1])).storage_data  # a genuine one reads
+
+
+def _plant_module(site: Path, module: str, marker: Path) -> None:
+    """A module (and for a dotted name its package) whose import appends its name to
+    ``marker``: what any installed module's import-time code could do."""
+    code = f"with open({str(marker)!r}, 'a') as f:\n    f.write(__name__ + '\\n')\nclass Record:\n    pass\n"
+    *packages, leaf = module.split(".")
+    folder = site
+    for package in packages:
+        folder = folder / package
+        folder.mkdir(parents=True)
+        (folder / "__init__.py").write_text(code)
+    site.mkdir(exist_ok=True)
+    (folder / f"{leaf}.py").write_text(code)
+
+
+@pytest.mark.parametrize("module", ["psrl_planted_probe", "psrl_planted_package.records"])
+def test_a_planted_index_imports_nothing_it_names(tmp_path, monkeypatch, module):
+    """pickle's own find_class imports a global's module before an unpickler can refuse it, so
+    a crafted ``.metadata`` could make the reader run any installed module's import-time code.
+    The index unpickler decides from the names first: the module (and its package) is never
+    imported, and the load is refused with the usual one-line error."""
+    site, marker = tmp_path / "site", tmp_path / "imported"
+    _plant_module(site, module, marker)
+    monkeypatch.syspath_prepend(str(site))
+    it_dir = tmp_path / "iter_0000001"
+    it_dir.mkdir()
+    index = it_dir / ".metadata"
+    index.write_bytes(f"c{module}\nRecord\n(tR.".encode())  # GLOBAL module.Record, called: what the index holds
+    top = module.split(".")[0]
+    try:
+        with pytest.raises(CheckpointError) as err:
+            dist_checks.read_index(str(it_dir))
+        assert err.value.path == str(index) and "\n" not in str(err.value)
+        assert f"refused to unpickle {module}.Record: only torch.distributed.checkpoint's index records" \
+            in str(err.value)
+        assert not marker.exists() and module not in sys.modules and top not in sys.modules
+        # The planted module is importable and does run code on import: its absence above is the check.
+        pickle.loads(index.read_bytes())
+        assert marker.read_text().split() == ([top, module] if top != module else [module])
+    finally:
+        for name in {module, top}:
+            sys.modules.pop(name, None)
+
+
+def test_the_index_unpickler_runs_no_module_getattr(tmp_path, monkeypatch):
+    """An admitted module's attribute is looked up without calling the module's ``__getattr__``
+    (torch's imports submodules such as torch._dynamo on first access)."""
+    looked_up = []
+
+    def lazy(name):
+        looked_up.append(name)
+        raise AttributeError(name)
+
+    monkeypatch.setattr(torch, "__getattr__", lazy, raising=False)
+    it_dir = tmp_path / "iter_0000001"
+    it_dir.mkdir()
+    (it_dir / ".metadata").write_bytes(b"ctorch\n_psrl_lazy\n.")
+    with pytest.raises(CheckpointError, match="refused to unpickle torch._psrl_lazy"):
+        dist_checks.read_index(str(it_dir))
+    assert looked_up == []
+    with pytest.raises(AttributeError):  # the patched hook is what getattr() would have run
+        getattr(torch, "_psrl_lazy")
+    assert looked_up == ["_psrl_lazy"]
 
 
 def test_a_planted_object_item_in_the_shard_is_refused(hf_and_ckpt, tmp_path):

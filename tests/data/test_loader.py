@@ -338,10 +338,10 @@ def test_parquet_bad_rows(tmp_path):
     assert parquet_error(tmp_path, table) == (
         "data.parquet row 2 (sample id 'c'): field 'loss_mask': length 3 != len(tokens) 2"
     )
-    table = pa.table({"tokens": [[1.0, 2.0]]})
+    table = pa.table({"tokens": [[1.0, 2.0]]})  # a column of the wrong type: before any row (test_parquet_types.py)
     assert parquet_error(tmp_path, table) == (
-        "data.parquet row 0 (sample id 0): field 'tokens': must be a list of integers, got an "
-        "array of dtype float64"
+        "data.parquet: field 'tokens': column type list<element: double> is not supported; expected a list of "
+        "integer token ids (e.g. list<int32>)"
     )
     table = pa.table({"id": [3, 4], "tokens": [[1, 2], [1, None]]})
     assert parquet_error(tmp_path, table) == (
@@ -367,8 +367,12 @@ def test_parquet_bad_rows(tmp_path):
     )
     table = pa.table({"tokens": [[1, 2]], "loss_mask": [["0", "1"]]})
     assert parquet_error(tmp_path, table) == (
-        "data.parquet row 0 (sample id 0): field 'loss_mask': element 0 is str '0'; expected 0/1 "
-        "or a boolean"
+        "data.parquet: field 'loss_mask': column type list<element: string> is not supported; expected a list of "
+        "0/1 integers or booleans (e.g. list<bool>)"
+    )
+    table = pa.table({"tokens": [[1, 2]], "loss_mask": [[0, 2]]})  # the right type, a wrong value: its row
+    assert parquet_error(tmp_path, table) == (
+        "data.parquet row 0 (sample id 0): field 'loss_mask': element 1 is 2; expected 0/1 or a boolean"
     )
 
 

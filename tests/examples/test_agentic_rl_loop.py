@@ -1,4 +1,5 @@
-"""examples/agentic_rl_loop.py, reduced: the closed RL loop learns, and sharing changes nothing."""
+"""examples/agentic_rl_loop.py as the README runs it (defaults: 40 iterations): the closed RL loop
+learns with prefix sharing on and off, and the two runs agree in what holds on any machine."""
 
 import json
 import os
@@ -11,22 +12,31 @@ from helpers.torchrun import REPO_ROOT, script_env
 pytestmark = pytest.mark.slow  # a closed RL loop in a subprocess
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "agentic_rl_loop.py")
+ITERATIONS = 40  # the README's length (the example's default)
 
 
-def test_reward_does_not_fall_and_sharing_on_off_agree(tmp_path):
+def test_the_readme_claims_at_the_readme_length(tmp_path):
     out = tmp_path / "loop.json"
-    proc = subprocess.run([sys.executable, EXAMPLE, "--pretrain-steps", "150", "--iterations", "12", "--tasks", "16",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600, env=script_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, EXAMPLE, "--json", str(out)], capture_output=True, text=True,
+                          timeout=900, env=script_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a check failed
     result = json.loads(out.read_text())
     shared, plain, summary = result["shared"], result["none"], result["summary"]
-    assert len(shared["reward"]) == len(plain["reward"]) == 12
-    # Learning: the mean reward of the last 4 iterations clearly above that of the first 4
-    # (0.52 -> 0.70 on the development machine; a policy that does not learn stays level).
-    assert sum(shared["reward"][-4:]) / 4 > sum(shared["reward"][:4]) / 4 + 0.08, shared["reward"]
-    # Sharing on / off from the same seed: the same rollouts, losses and gradients up to fp32 rounding.
-    assert summary["rewards_identical"], (shared["reward"], plain["reward"])
-    assert summary["max_loss_diff"] < 1e-6
-    assert summary["first_grad_norm_rel_diff"] < 1e-5
-    assert summary["max_weight_diff"] < 1e-3
-    assert "mean reward:" in proc.stdout and "update phase" in proc.stdout
+    assert len(shared["reward"]) == len(plain["reward"]) == ITERATIONS
+    # The first step: the same rollouts; loss, gradient norm and trained log-probs within 128
+    # float32 ulps (the summation-order bound the example derives).
+    assert shared["rollout"][0] == plain["rollout"][0]
+    assert summary["first_step_agrees"] and summary["first_step_ulps"] <= 128, summary
+    # The same rollouts, so the same rewards, at every iteration starting within rounding.
+    within = summary["weights_within_rounding"]
+    assert within >= 1 and shared["rollout"][:within] == plain["rollout"][:within], summary
+    assert shared["reward"][:within] == plain["reward"][:within]  # the same sampled tokens: equal rewards
+    # Both runs learn: the last 5 iterations' mean reward at least 0.2 above the first 5's.
+    for run in (shared, plain):
+        assert sum(run["reward"][-5:]) / 5 >= sum(run["reward"][:5]) / 5 + 0.2, run["reward"]
+    # After the 40 steps the weights differ by at most lr x iterations (1e-3 x 40).
+    assert summary["max_weight_diff"] <= 1e-3 * ITERATIONS, summary
+    assert summary["checks_pass"]
+    for line in ("first step:", "the same rollouts, so the same reward", "both runs learn", "the weights differ",
+                 "update phase"):
+        assert line in proc.stdout, line
