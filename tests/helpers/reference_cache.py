@@ -5,9 +5,11 @@ models through transformers' expert loop) is the slowest part of many multi-rank
 every rank of a torchrun job computes the same one, as do the cases of a shared launch that
 test other layouts on the same model and batch. :func:`cached` computes a value once per
 session and key: the first process to take a key's lock computes and stores it, the others
-wait on the lock and load it. The key is the content of the inputs (the model's parameters,
-the batch's arrays, the loss settings), so a hit is the same computation's result: every
-exactness check still compares against an independent per-sample reference.
+wait on the lock and load it. The key is the content of the inputs (the model's parameters and
+config, the batch's arrays, the loss settings), so a hit is the same computation's result:
+every exactness check still compares against an independent per-sample reference. A model
+whose forward is altered (a replaced ``forward``, a hook: :func:`altered`) is computed every
+time.
 
 The store is the folder named by ``PSRL_TEST_REFERENCE_CACHE`` (tests/conftest.py makes one per
 session; subprocesses inherit it); without it every call computes.
@@ -32,7 +34,9 @@ def fingerprint(parts: Iterable[Any]) -> str:
     h = hashlib.sha1()
     for part in parts:
         if isinstance(part, torch.nn.Module):
-            h.update(type(part).__qualname__.encode())
+            h.update(f"{type(part).__qualname__} training={part.training}".encode())
+            config = getattr(part, "config", None)  # (a transformers model: its settings too)
+            h.update((config.to_json_string() if hasattr(config, "to_json_string") else repr(config)).encode())
             for name, t in list(part.named_parameters()) + list(part.named_buffers()):
                 h.update(name.encode())
                 _update(h, t)
@@ -41,6 +45,18 @@ def fingerprint(parts: Iterable[Any]) -> str:
         else:
             h.update(repr(part).encode())
     return h.hexdigest()
+
+
+def altered(model: torch.nn.Module) -> bool:
+    """The model computes something its weights and config do not say: a module's ``forward``
+    replaced on the instance or a hook registered (e.g. a test replaying MoE routes into it).
+    Such a model is never cached: its value depends on what the weights cannot show."""
+    for m in model.modules():
+        if "forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+            return True
+        if getattr(m, "_backward_pre_hooks", None) or getattr(m, "_forward_hooks_with_kwargs", None):
+            return True
+    return False
 
 
 def _update(h, value) -> None:
@@ -57,7 +73,7 @@ def _update(h, value) -> None:
 def cached(kind: str, key_parts: Iterable[Any], compute: Callable[[], Any]) -> Any:
     """``compute()``, or the value an earlier call with equal ``key_parts`` stored this session."""
     root = os.environ.get(CACHE_ENV)
-    if not root or not os.path.isdir(root):
+    if not root or not os.path.isdir(root) or any(altered(p) for p in key_parts if isinstance(p, torch.nn.Module)):
         return compute()
     path = os.path.join(root, f"{kind}-{fingerprint(key_parts)}.pt")
     with open(path + ".lock", "a+") as lock:

@@ -72,3 +72,21 @@ def test_a_hit_leaves_the_reference_gradients_in_the_model(tmp_path, monkeypatch
     assert len([f for f in os.listdir(tmp_path) if f.startswith("loss-and-grads-") and f.endswith(".pt")]) == 1
     for name, p in model.named_parameters():
         assert torch.equal(again[name], first[name]) and torch.equal(p.grad, first[name])
+
+
+def test_a_model_with_an_altered_forward_is_never_cached(tmp_path, monkeypatch):
+    """Replaying routes patches a module's forward or hooks it: the same weights then compute
+    something else, so such a call computes every time (it neither stores nor reads)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    calls = []
+    handle = model[0].register_forward_hook(lambda *a: None)
+    cached("demo", [model], lambda: calls.append(1))
+    handle.remove()
+    model[0].forward = lambda x: x  # a replaced forward on the instance
+    cached("demo", [model], lambda: calls.append(1))
+    assert len(calls) == 2 and not [f for f in os.listdir(tmp_path) if f.endswith(".pt")]
+    del model[0].forward
+    cached("demo", [model], lambda: calls.append(1))
+    cached("demo", [model], lambda: calls.append(1))
+    assert len(calls) == 3  # a plain model again: computed once, then read
