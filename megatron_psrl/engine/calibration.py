@@ -274,6 +274,21 @@ def calibrate_for_planning(model, arch, geometry, device, max_tokens: int, excha
     anew whatever is stored (and replace ``profile``'s content)."""
     g = dist.get_world_size(exchange_group) if exchange_group is not None else 1
     key = planning_key(arch, geometry, device, g)
+    heads = geometry.num_groups * (arch.num_attention_heads // arch.num_kv_heads)  # this TP rank's query heads
+    stored, origin = _stored_or_measured(
+        key, profile, lambda: measure_costs(
+            model, arch.vocab_size, device, max_tokens, exchange_group, 2 * geometry.bytes_per_token // geometry.num_layers,
+            key=key, attention_shape=(heads, geometry.num_groups, geometry.head_dim, geometry.dtype)),
+        recorded, recalibrate)
+    return replace(stored, overlap_kv_exchange=overlap_kv_exchange), origin
+
+
+def _stored_or_measured(key: str, profile: Optional[str], measure, recorded: Optional[MeasuredCosts] = None,
+                        recalibrate: bool = False) -> Tuple[MeasuredCosts, str]:
+    """``(costs, origin)``: rank 0 picks the stored costs measured for ``key`` (``recorded``,
+    the resumed checkpoint's, then ``profile``'s; none with ``recalibrate``) and every rank takes
+    its pick, so all measure or none does; with none, ``measure()`` (a collective) and ``profile``
+    keeps the result."""
     stored, origin = None, "measured"
     if not recalibrate and _is_first_rank():
         if recorded is not None and recorded.key == key:
@@ -283,12 +298,9 @@ def calibrate_for_planning(model, arch, geometry, device, max_tokens: int, excha
             origin = "measured" if stored is None else "profile"
     stored, origin = _from_first_rank((stored, origin))  # every rank plans with the same numbers
     if stored is None:
-        heads = geometry.num_groups * (arch.num_attention_heads // arch.num_kv_heads)  # this TP rank's query heads
-        stored = measure_costs(model, arch.vocab_size, device, max_tokens, exchange_group,
-                               2 * geometry.bytes_per_token // geometry.num_layers, key=key,
-                               attention_shape=(heads, geometry.num_groups, geometry.head_dim, geometry.dtype))
+        stored = measure()
         write_profile(profile, stored)
-    return replace(stored, overlap_kv_exchange=overlap_kv_exchange), origin
+    return stored, origin
 
 
 def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=None, layer_row_bytes: int = 0,
@@ -297,13 +309,9 @@ def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=No
     reads the profile and tells the others, so all measure or none does. ``attention_shape``
     ``(query heads, K/V groups, head dim, dtype)`` of a layer's attention on this rank: measure
     how much of the exchange the overlap hides (:func:`measure_exchange_overlap`)."""
-    stored = _from_first_rank(read_profile(profile, key) if _is_first_rank() else None)
-    if stored is not None:
-        return stored
-    measured = measure_costs(model, vocab_size, device, max_tokens, exchange_group, layer_row_bytes, key=key,
-                             attention_shape=attention_shape)
-    write_profile(profile, measured)
-    return measured
+    return _stored_or_measured(key, profile, lambda: measure_costs(
+        model, vocab_size, device, max_tokens, exchange_group, layer_row_bytes, key=key,
+        attention_shape=attention_shape))[0]
 
 
 def measure_costs(model, vocab_size: int, device, max_tokens: int, exchange_group=None, layer_row_bytes: int = 0,

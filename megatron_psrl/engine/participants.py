@@ -18,7 +18,7 @@ from typing import List, Tuple
 
 from megatron_psrl.engine.head_sends import HeadSends
 from megatron_psrl.model.gpt import model_chunks
-from megatron_psrl.schedule.instructions import Instruction, lockstep_pass, lockstep_passes
+from megatron_psrl.schedule.instructions import Instruction, lockstep_passes
 
 
 class StepParticipant:
@@ -72,9 +72,8 @@ class ExpertLockstep(StepParticipant):
                                  peer_key=self.participant_key(step.plan, step.rank))
 
     def before(self, instruction: Instruction, step) -> None:
-        kind = lockstep_pass(instruction)
-        if kind is not None:
-            self.lockstep.own(kind)
+        if instruction.pass_kind is not None:
+            self.lockstep.own(instruction.pass_kind)
 
     def end(self, step) -> None:
         self.lockstep.finish()

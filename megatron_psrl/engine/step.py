@@ -375,36 +375,6 @@ class StepRunner:
         """``value`` as the stage that computes the loss has it."""
         return value
 
-    def _return_replica_grads(self, rank_plan: RankPlan, i: int) -> None:
-        """Cross-rank, before the deferred backward of step ``i``: every rank sends the dK/dV
-        its replicas of step ``i``'s prefixes accumulated to their owners, who add them to
-        their own gradient blocks (one collective over the exchange group)."""
-        ex = rank_plan.micro_batches[i].exchange
-        if ex is None or not ex.backward_collective:
-            return
-        cache, g = self.kv_cache, dist.get_world_size(self.exchange_group)
-        geometry = cache.geometry
-        layers = geometry.layers
-
-        def stacked(s: int) -> Tensor:  # [n, layers, 2, ng, hn]
-            return torch.stack([torch.stack(cache.read_grad(s, layer), dim=1) for layer in layers], dim=1)
-
-        send_ids = [s for owner in range(g) for s in ex.grad_send.get(owner, [])]
-        shape = (0, geometry.num_layers, 2, geometry.num_groups, geometry.head_dim)
-        send = torch.cat([stacked(s) for s in send_ids]) if send_ids else \
-            torch.zeros(shape, dtype=torch.float32, device=geometry.device)  # dK/dV travel in fp32
-        length = lambda s: rank_plan.sources[s].length  # noqa: E731
-        send_counts = [sum(length(s) for s in ex.grad_send.get(r, [])) for r in range(g)]
-        recv_counts = [sum(length(s) for s in ex.grad_recv.get(r, [])) for r in range(g)]
-        received = return_replica_grads(send, send_counts, recv_counts, self.exchange_group)
-        offset = 0
-        for src in range(g):
-            for s in ex.grad_recv.get(src, []):
-                chunk = received[offset:offset + length(s)]
-                offset += length(s)
-                for j, layer in enumerate(layers):
-                    cache.accumulate_grad(s, layer, chunk[:, j, 0], chunk[:, j, 1])
-
     def _claimed_rows(self, plan: StepPlan, pack: PackedMicroBatch) -> np.ndarray:
         t = pack.logit_targets
         return np.flatnonzero(plan.tree.claim_offsets[t + 1] > plan.tree.claim_offsets[t])
@@ -576,7 +546,34 @@ class StepRunner:
         step.head_sends.return_grads(x.micro_batch)
 
     def run_return_replica_grads(self, x: ReturnReplicaGrads, step: "StepState") -> None:
-        self._return_replica_grads(step.rank_plan, x.micro_batch)
+        """Cross-rank, before the deferred backward of step ``i``: every rank sends the dK/dV
+        its replicas of step ``i``'s prefixes accumulated to their owners, who add them to
+        their own gradient blocks (one collective over the exchange group; the lowering emits
+        it only for steps whose exchange has one)."""
+        rank_plan = step.rank_plan
+        ex = rank_plan.micro_batches[x.micro_batch].exchange
+        cache, g = self.kv_cache, dist.get_world_size(self.exchange_group)
+        geometry = cache.geometry
+        layers = geometry.layers
+
+        def stacked(s: int) -> Tensor:  # [n, layers, 2, ng, hn]
+            return torch.stack([torch.stack(cache.read_grad(s, layer), dim=1) for layer in layers], dim=1)
+
+        send_ids = [s for owner in range(g) for s in ex.grad_send.get(owner, [])]
+        shape = (0, geometry.num_layers, 2, geometry.num_groups, geometry.head_dim)
+        send = torch.cat([stacked(s) for s in send_ids]) if send_ids else \
+            torch.zeros(shape, dtype=torch.float32, device=geometry.device)  # dK/dV travel in fp32
+        length = lambda s: rank_plan.sources[s].length  # noqa: E731
+        send_counts = [sum(length(s) for s in ex.grad_send.get(r, [])) for r in range(g)]
+        recv_counts = [sum(length(s) for s in ex.grad_recv.get(r, [])) for r in range(g)]
+        received = return_replica_grads(send, send_counts, recv_counts, self.exchange_group)
+        offset = 0
+        for src in range(g):
+            for s in ex.grad_recv.get(src, []):
+                chunk = received[offset:offset + length(s)]
+                offset += length(s)
+                for j, layer in enumerate(layers):
+                    cache.accumulate_grad(s, layer, chunk[:, j, 0], chunk[:, j, 1])
 
 
 EXECUTE: Dict[type, str] = {

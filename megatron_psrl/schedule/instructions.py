@@ -86,7 +86,7 @@ class Backward(MicroBatchInstruction):
     """The forward dropped its graph: run it again (with a graph) before the backward."""
 
     @property
-    def lockstep_pass(self) -> str:
+    def pass_kind(self) -> str:  # type: ignore[override]
         """A recomputing backward is one whole pass (its forward and backward) for the lockstep."""
         return "P" if self.recompute else "B"
 
@@ -134,16 +134,9 @@ class ReleaseKV(Instruction):
     """Which of their blocks (``KV_KINDS``: the K/V only; ``ALL_KINDS``: everything)."""
 
 
-def lockstep_pass(instruction: Instruction) -> Optional[str]:
-    """The pass the expert lockstep counts for ``instruction`` (None: no model run)."""
-    if isinstance(instruction, Backward):
-        return instruction.lockstep_pass
-    return instruction.pass_kind
-
-
 def lockstep_passes(instructions: List[Instruction]) -> List[Tuple[str, int]]:
     """``(pass, micro-batch)`` of every model run, in order: the expert lockstep's plan."""
-    return [(lockstep_pass(x), x.micro_batch) for x in instructions if lockstep_pass(x) is not None]
+    return [(x.pass_kind, x.micro_batch) for x in instructions if x.pass_kind is not None]
 
 
 def _exports(rank_plan: RankPlan) -> Dict[int, Tuple[int, ...]]:
@@ -155,13 +148,21 @@ def _exports(rank_plan: RankPlan) -> Dict[int, Tuple[int, ...]]:
     return out
 
 
+def _allocate(sources: Tuple[int, ...], kinds: Optional[Tuple[str, ...]] = None) -> List[Instruction]:
+    return [AllocateKV(sources, kinds)] if sources else []
+
+
+def _release(sources: Tuple[int, ...], kinds: Tuple[str, ...] = KV_KINDS) -> List[Instruction]:
+    return [ReleaseKV(sources, kinds)] if sources else []
+
+
 def _send_heads(i: int, exports: Dict[int, Tuple[int, ...]], held=None) -> List[Instruction]:
     """Micro-batch ``i``'s exported heads sent, then their K/V released (the sends hold a copy;
     the home's gradients arrive in blocks of their own). ``held``: the sources allocated here."""
     if i not in exports:
         return []
     release = tuple(s for s in exports[i] if held is None or s in held)
-    return [SendHeads(i)] + ([ReleaseKV(release)] if release else [])
+    return [SendHeads(i)] + _release(release)
 
 
 def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
@@ -178,24 +179,20 @@ def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> 
         keep = memory.keep_graph.get(i, True) if memory is not None else True
         if not mb.computes:  # an import receives heads and returns their gradients; idle: nothing
             if mb.role == "import" and op == "forward":
-                out += [AllocateKV(produces), ImportHead(i)] if produces else [ImportHead(i)]
+                out += _allocate(produces) + [ImportHead(i)]
             elif mb.role == "import":
-                out.append(ReturnHeadGrads(i))
-                out += [ReleaseKV(produces, ALL_KINDS)] if produces else []
+                out += [ReturnHeadGrads(i)] + _release(produces, ALL_KINDS)
         elif op == "forward_backward":
             out.append(ForwardBackward(i))
         elif op == "forward":
-            out += [AllocateKV(produces)] if produces else []
-            out.append(ForwardKeep(i) if keep else ForwardDrop(i))
+            out += _allocate(produces) + [ForwardKeep(i) if keep else ForwardDrop(i)]
             out += _send_heads(i, exports)
         else:
             out += [CollectHeadGrads(i)] if i in exports else []
             ex = mb.exchange
             out += [ReturnReplicaGrads(i)] if ex is not None and ex.backward_collective else []
-            out.append(Backward(i, recompute=not keep))
-            out += [ReleaseKV(produces, ALL_KINDS)] if produces else []
-        if release_after.get(step):
-            out.append(ReleaseKV(tuple(release_after[step])))
+            out += [Backward(i, recompute=not keep)] + _release(produces, ALL_KINDS)
+        out += _release(tuple(release_after.get(step, ())))
     return out
 
 
@@ -206,13 +203,12 @@ def forward_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> L
     exports = _exports(rank_plan)
     last_reader = memory.kv_release_step if rank_plan.sources else {}
     for i, mb in enumerate(rank_plan.micro_batches):
-        allocate = tuple(s for s in mb.produces if s in last_reader)  # (an owner read only elsewhere holds nothing)
-        out += [AllocateKV(allocate, KV_KINDS)] if allocate else []
+        # (an owner read only elsewhere holds nothing)
+        out += _allocate(tuple(s for s in mb.produces if s in last_reader), KV_KINDS)
         if not mb.computes:
             out += [ImportHead(i)] if mb.role == "import" else []
             continue
         out.append(Forward(i))
         out += _send_heads(i, exports, last_reader)
-        done = tuple(s for s in mb.reads if last_reader[s] == i)
-        out += [ReleaseKV(done)] if done else []
+        out += _release(tuple(s for s in mb.reads if last_reader[s] == i))
     return out

@@ -163,7 +163,7 @@ def test_executor_has_one_method_per_instruction_kind():
 
 def test_instructions_are_frozen_values():
     a, b = ins.Backward(3, recompute=True), ins.Backward(3, recompute=True)
-    assert a == b and hash(a) == hash(b) and a.lockstep_pass == "P" and ins.Backward(3).lockstep_pass == "B"
+    assert a == b and hash(a) == hash(b) and a.pass_kind == "P" and ins.Backward(3).pass_kind == "B"
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.micro_batch = 4
-    assert np.all([ins.lockstep_pass(x) is None for x in (ins.AllocateKV((1,)), ins.ReleaseKV((1,)), ins.SendHeads(0))])
+    assert np.all([x.pass_kind is None for x in (ins.AllocateKV((1,)), ins.ReleaseKV((1,)), ins.SendHeads(0))])
