@@ -3,10 +3,9 @@ writes its table, and prefix sharing gives the baseline's loss. No timing assert
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers.launch_pool import run_python
 from helpers.torchrun import script_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -15,9 +14,8 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_moe.py")
 
 @pytest.mark.slow  # a process of its own
 def test_bench_moe_runs(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, "--model", "debug-qwen3-moe", "--repeats", "1",
-                           "--workloads", "mixed", "--out-dir", str(tmp_path)], env=script_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_python(SCRIPT, ["--model", "debug-qwen3-moe", "--repeats", "1", "--workloads", "mixed", "--out-dir",
+                              str(tmp_path)], env=script_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = json.loads((tmp_path / "bench_moe.json").read_text())["rows"]
     assert row["workload"] == "mixed" and row["ideal_speedup"] > 1.5 and row["tree_tokens"] < row["tokens"]

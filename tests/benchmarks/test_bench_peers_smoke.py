@@ -7,10 +7,9 @@ in CI)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers.launch_pool import run_python
 
 pytestmark = pytest.mark.slow  # a benchmark run in a subprocess
 
@@ -21,11 +20,12 @@ REPEATS = 2
 
 def test_bench_peers_quick(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--quick", "--out-dir", str(out),
-         "--workloads", ",".join(WORKLOADS), "--repeats", str(REPEATS), "--profile", "stepwise-4x32",
-         "--guard", "tree-small,mixed-small", "--baseline-profile", "stepwise-4x32", "--baseline-repeats", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_python(
+        os.path.join(ROOT, "benchmarks", "bench_peers.py"),
+        ["--quick", "--out-dir", str(out), "--workloads", ",".join(WORKLOADS), "--repeats", str(REPEATS),
+         "--profile", "stepwise-4x32", "--guard", "tree-small,mixed-small", "--baseline-profile", "stepwise-4x32",
+         "--baseline-repeats", "1"],
+        cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "bench_peers.json").read_text())
     assert result["meta"]["memory_mode"] in ("ops", "sampled")

@@ -4,10 +4,10 @@ counts, prints its table with the expected columns, and every plan it makes pass
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
+from helpers.launch_pool import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_planner.py")
@@ -30,10 +30,9 @@ def _bench():
 
 @pytest.mark.slow
 def test_bench_planner_quick():
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--quick", "--models", "qwen3-235b-a22b",
-         "--workloads", "stepwise", "search-tree", "grpo", "mixed", "stepwise-one-tree"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_python(
+        SCRIPT, ["--quick", "--models", "qwen3-235b-a22b", "--workloads", "stepwise", "search-tree", "grpo", "mixed",
+                 "stepwise-one-tree"], cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]

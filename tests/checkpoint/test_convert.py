@@ -7,14 +7,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.families import family_config
 from helpers.hf_reference import load_hf_model
+from helpers.launch_pool import run_python
 from safetensors import safe_open
 
 from megatron_psrl.checkpoint import ModelSource, OutputExistsError, hf_io, legacy_format, load_model
@@ -215,10 +214,8 @@ def test_cli_process_exit_code_for_unsupported_model(tmp_path):
     """The real command line (a separate process): exit status 2, message on stderr, no output."""
     src = _write_config(tmp_path, "src", dict(family_config("mistral"), model_type="deepseek_v3", n_routed_experts=8))
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(TOOL), "hf-to-mcore", "--hf-dir", str(src), "--out-dir", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )
+    proc = run_python(str(TOOL), ["hf-to-mcore", "--hf-dir", str(src), "--out-dir", str(out)], cwd=tmp_path,
+                      timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "deepseek_v3" in proc.stderr and "mixture-of-experts" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -3,10 +3,9 @@ learns with prefix sharing on and off, and the two runs agree in what holds on a
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers.launch_pool import run_python
 from helpers.torchrun import REPO_ROOT, script_env
 
 pytestmark = pytest.mark.slow  # a closed RL loop in a subprocess
@@ -17,8 +16,7 @@ ITERATIONS = 40  # the README's length (the example's default)
 
 def test_the_readme_claims_at_the_readme_length(tmp_path):
     out = tmp_path / "loop.json"
-    proc = subprocess.run([sys.executable, EXAMPLE, "--json", str(out)], capture_output=True, text=True,
-                          timeout=900, env=script_env())
+    proc = run_python(EXAMPLE, ["--json", str(out)], timeout=900, env=script_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a check failed
     result = json.loads(out.read_text())
     shared, plain, summary = result["shared"], result["none"], result["summary"]

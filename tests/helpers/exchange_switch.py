@@ -3,8 +3,8 @@
 every ``all_to_all_single`` is counted as asynchronous or synchronous, and a result dict that
 ``torch.save`` writes (one holding ``"grads"``) gets the counts as ``"all_to_all"``.
 
-The patches are installed once per process (at import), so a script run several times in one
-process (``helpers/torchrun_cases.py``) does not stack them; :func:`start` resets the counts."""
+The patches are installed once per process (at import), so importing this module again does not
+stack them; :func:`start` resets the counts."""
 
 import torch
 import torch.distributed as dist

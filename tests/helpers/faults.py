@@ -10,6 +10,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List
 
+from helpers.launch_pool import run_python
 from helpers.output_capture import output_to
 from helpers.torchrun import REPO_ROOT, script_env
 
@@ -23,8 +24,7 @@ def run(script: str, args: List[str], cwd, timeout: int = 300, here: bool = Fals
     process instead (:func:`run_here`; ``timeout`` does not apply there)."""
     if here:
         return run_here(script, args, cwd)
-    return subprocess.run([sys.executable, script, *args], cwd=str(cwd), env=script_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_python(script, args, env=script_env(), cwd=str(cwd), timeout=timeout)
 
 
 def run_here(script: str, args: List[str], cwd) -> subprocess.CompletedProcess:

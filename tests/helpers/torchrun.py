@@ -8,6 +8,8 @@ import subprocess
 import sys
 from typing import Dict, List, Sequence
 
+from helpers.launch_pool import pool_for, pools_enabled
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -17,15 +19,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout: int = 600) -> str:
-    """Run ``script`` with ``nproc`` ranks; returns combined output; raises with it on failure."""
+def _launch_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.path.join(REPO_ROOT, "tests") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout: int = 600,
+                 pooled: bool = True) -> str:
+    """Run ``script`` with ``nproc`` ranks; returns combined output; raises with it on failure.
+
+    By default the case runs in the session's launch pool of ``nproc`` ranks
+    (:mod:`helpers.launch_pool`: imports paid once per session, a forked child per case, the
+    output rank by rank); ``pooled=False`` (or ``PSRL_TEST_NO_POOL=1``) starts a launch of its
+    own, for what tests ``torchrun`` itself."""
+    env = _launch_env()
+    if pooled and pools_enabled():
+        outcome = pool_for(nproc, env).run(script, args, env, timeout)
+        if outcome.timed_out:
+            raise subprocess.TimeoutExpired([script, *map(str, args)], timeout, output=outcome.output)
+        if not outcome.ok:
+            raise AssertionError(f"torchrun {script} failed ({outcome.reason}):\n{outcome.output[-6000:]}")
+        return outcome.output
     cmd: List[str] = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
         f"--master_port={_free_port()}", script, *args,
     ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.path.join(REPO_ROOT, "tests") + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -67,59 +87,35 @@ def worker_pids(agent_pid: int) -> dict:
     return workers
 
 
-CASES_DRIVER = os.path.join(REPO_ROOT, "tests", "helpers", "torchrun_cases.py")
-
-
 def run_torchrun_cases(cases: Sequence[tuple], nproc: int = 2, timeout: int = 600) -> Dict[str, tuple]:
-    """Run ``cases`` (``(id, script, args)``) one after another in ONE ``torchrun`` launch of
-    ``nproc`` ranks (tests/helpers/torchrun_cases.py): the imports and the start of the job are
-    paid once. Returns ``{id: (failure, output)}``: ``output``, what every rank of the case
-    wrote (stdout and stderr, rank by rank); ``failure``, None for a case that ran to its end,
-    else the reason with the launch's output (for the case that failed, and for the cases
-    after it, which did not run). ``timeout`` is per case."""
-    import json
-    import shutil
-    import tempfile
-
-    logs = tempfile.mkdtemp(prefix="torchrun-cases-")
-    spec = os.path.join(logs, "cases.json")
-    with open(spec, "w") as f:
-        json.dump([{"id": i, "script": s, "args": [str(a) for a in args], "log": os.path.join(logs, f"case{n}")}
-                   for n, (i, s, args) in enumerate(cases)], f)
-    try:
+    """Run ``cases`` (``(id, script, args)``) one after another with ``nproc`` ranks (in the
+    session's launch pool: each case a fresh fork of pre-imported ranks). Returns
+    ``{id: (failure, output)}``: ``output``, what every rank of the case wrote (stdout and
+    stderr, rank by rank); ``failure``, None for a case that ran to its end, else the reason
+    with the output (for the case that failed; the cases after it do not run, since a case may
+    use what an earlier one saved). ``timeout`` is per case."""
+    outcomes, failed = {}, None
+    for case_id, script, args in cases:
+        if failed is not None:
+            outcomes[case_id] = f"case {case_id} did not run: case {failed} failed before it", ""
+            continue
         try:
-            output = run_torchrun(CASES_DRIVER, [spec], nproc=nproc, timeout=timeout * len(cases))
+            outcomes[case_id] = None, run_torchrun(script, args, nproc=nproc, timeout=timeout)
         except (AssertionError, subprocess.TimeoutExpired) as e:
-            output = str(e)
-        outcomes, failed = {}, None
-        for n, (case_id, _, _) in enumerate(cases):
-            case_output = ""
-            for r in range(nproc):
-                path = os.path.join(logs, f"case{n}.rank{r}")
-                if os.path.exists(path):
-                    with open(path, errors="replace") as f:
-                        case_output += f.read()
-            if all(os.path.exists(os.path.join(logs, f"case{n}.done.rank{r}")) for r in range(nproc)):
-                failure = None
-            elif failed is None:
-                failed = case_id
-                failure = (f"case {case_id} failed in its shared torchrun launch; its output:\n{case_output[-6000:]}\n"
-                           f"the launch's output (end):\n{output[-3000:]}")
-            else:
-                failure = f"case {case_id} did not run: case {failed} failed before it in the same launch"
-            outcomes[case_id] = failure, case_output
-        return outcomes
-    finally:
-        shutil.rmtree(logs, ignore_errors=True)
+            failed = case_id
+            output = e.output if isinstance(e, subprocess.TimeoutExpired) else str(e)
+            outcomes[case_id] = f"case {case_id} failed:\n{str(output)[-8000:]}", str(output)
+    return outcomes
 
 
 class SharedLaunches:
-    """Test cases that share torchrun launches: ``add(id, nproc, script, make_args)`` registers
-    a case (``make_args()`` builds its arguments just before the launch); ``check(id)`` runs,
-    the first time any case of a group is asked for, every case of that group (the cases with
-    the same ``nproc``, or the same ``group`` name) that ``wanted`` holds in one launch, in the
-    order they were added (a case may use what an earlier one saved), raises the case's failure,
-    if it had one, and returns its output (as ``run_torchrun`` does, for that case alone).
+    """A module's torchrun cases, run as a group: ``add(id, nproc, script, make_args)`` registers
+    a case (``make_args()`` builds its arguments just before it runs); ``check(id)`` runs, the
+    first time any case of a group is asked for, every case of that group (the cases with the
+    same ``nproc``, or the same ``group`` name) that ``wanted`` holds, one after another in the
+    session's launch pool, in the order they were added (a case may use what an earlier one
+    saved), raises the case's failure, if it had one, and returns its output (as
+    ``run_torchrun`` does, for that case alone).
 
     ``wanted``: the ids of the cases this pytest session will ask for (see
     :func:`selected_test_names`); the others are not run."""

@@ -8,10 +8,9 @@ process-wide, so another test's leftovers would move it.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers.launch_pool import run_python
 from helpers.torchrun import script_env
 
 from megatron_psrl.model.architecture import ModelArchitecture
@@ -29,8 +28,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "measure_activations
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def measured(request):
-    proc = subprocess.run([sys.executable, SCRIPT, request.param], env=script_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = run_python(SCRIPT, [request.param], env=script_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return ModelArchitecture.from_hf_config(tiny_config(request.param)), json.loads(proc.stdout.splitlines()[-1])
 

@@ -9,11 +9,10 @@ fresh process per config (tests/kvcache/scripts/measure_moe_activations.py; slow
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers.launch_pool import run_python
 from helpers.torchrun import script_env
 
 from megatron_psrl.attention import TreeAttentionMetadata, tree_plan
@@ -99,8 +98,7 @@ def test_moe_layer_counts_top_k_experts_not_a_dense_mlp():
                 + [("debug-qwen3-moe", "alltoall")], ids=lambda p: "-".join(p))
 def measured(request):
     name, dispatcher = request.param
-    proc = subprocess.run([sys.executable, SCRIPT, name, dispatcher], env=script_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = run_python(SCRIPT, [name, dispatcher], env=script_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return ModelArchitecture.from_hf_config(tiny_config(name)), json.loads(proc.stdout.splitlines()[-1])
 

@@ -7,14 +7,13 @@ the caller's RNG, and the same numbers under torchrun (TP=2 and DP=2) and from t
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from helpers.batches import random_tree_records
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_logprobs, per_sample_loss_and_grads
+from helpers.launch_pool import run_python
 from helpers.tolerance import rounding_tolerance
 from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
@@ -82,9 +81,9 @@ def test_compute_logprobs_equals_per_sample_reference(hf_dir, records, reference
 def test_compute_logprobs_equals_the_cli(hf_dir, records, tmp_path):
     data, out = tmp_path / "data.jsonl", tmp_path / "out.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "compute_logprobs.py"), "--hf-dir", hf_dir,
-                           "--data", str(data), "--out", str(out), "--micro-batch-tokens", str(MICRO_BATCH)],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(os.path.join(REPO_ROOT, "tools", "compute_logprobs.py"),
+                      ["--hf-dir", hf_dir, "--data", str(data), "--out", str(out), "--micro-batch-tokens", str(MICRO_BATCH)],
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr
     cli = [np.array(json.loads(line)["logprobs"], dtype=np.float32) for line in out.read_text().splitlines()]
     ours = make_actor(hf_dir).compute_logprobs(records)

@@ -13,6 +13,7 @@ import torch
 from helpers.dist_ckpt import check_rank_against_checkpoint, plain_tensors
 from helpers.faults import without_checksums
 from helpers.hf_reference import make_hf_checkpoint
+from helpers.launch_pool import run_python
 from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
@@ -233,8 +234,6 @@ def test_virtual_pipeline_checkpoint_loads_under_one_rank(saved):
 def test_compute_logprobs_reads_a_torch_dist_checkpoint(tmp_path):
     """tools/compute_logprobs.py --load of a converted torch_dist checkpoint gives the log-probs
     of the Hugging Face folder it came from."""
-    import subprocess
-    import sys
 
     from helpers.torchrun import script_env
 
@@ -248,9 +247,9 @@ def test_compute_logprobs_reads_a_torch_dist_checkpoint(tmp_path):
     outs = []
     for source in (["--load", str(tmp_path / "ckpt")], ["--hf-dir", hf]):
         out = tmp_path / f"lp{len(outs)}.jsonl"
-        proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "compute_logprobs.py"), *source,
-                               "--data", str(data), "--out", str(out), "--micro-batch-tokens", "256"],
-                              env=script_env(), capture_output=True, text=True, timeout=300)
+        proc = run_python(os.path.join(REPO_ROOT, "tools", "compute_logprobs.py"),
+                          [*source, "--data", str(data), "--out", str(out), "--micro-batch-tokens", "256"],
+                          env=script_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs.append(_records(out))
     assert outs[0] == outs[1]

@@ -2,11 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from helpers.faults import train
+from helpers.launch_pool import run_python
 from helpers.torchrun import REPO_ROOT, SharedLaunches, selected_test_names
 
 from megatron_psrl.checkpoint.layout import TRACKER, read_checkpoint_info
@@ -44,8 +43,8 @@ def test_train_log_save_resume_convert(tmp_path):
     assert [r["iter"] for r in _records(log)] == [1, 2, 3]
     # the trained checkpoint converts to Hugging Face
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "convert_hf_checkpoint.py"), "mcore-to-hf",
-                           "--load", str(ckpt), "--out-dir", str(out), "--no-progress"], capture_output=True, text=True)
+    proc = run_python(os.path.join(REPO_ROOT, "tools", "convert_hf_checkpoint.py"),
+                      ["mcore-to-hf", "--load", str(ckpt), "--out-dir", str(out), "--no-progress"])
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
 

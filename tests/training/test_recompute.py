@@ -10,6 +10,7 @@ import torch
 from helpers.batches import random_tree_records
 from helpers.families import PARALLEL_CONFIGS
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint, per_sample_logprobs, per_sample_loss_and_grads
+from helpers.launch_pool import run_python
 from helpers.tolerance import rounding_tolerance
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
@@ -100,16 +101,13 @@ def test_full_recomputation_lowers_the_measured_peak():
     be at least half of that prediction (the other half: the layer's input copies and the
     order of frees, which moves the moment of the peak)."""
     import json
-    import subprocess
-    import sys
 
     from megatron_psrl.model.tiny import tiny_config
     from megatron_psrl.schedule.memory import saved_activation_bytes_per_token
 
     peaks, tokens = {}, {}
     for name, extra in (("none", {}), ("full", RECOMPUTE["full-uniform"])):
-        proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, json.dumps(extra)], capture_output=True, text=True,
-                              timeout=600)
+        proc = run_python(None, [json.dumps(extra)], code=_PEAK_SCRIPT, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         peaks[name], tokens[name] = json.loads(proc.stdout.split("PEAK")[-1])
     arch = ModelArchitecture.from_hf_config(tiny_config("tiny-llama"))

@@ -1,0 +1,223 @@
+"""Launch pools: the test session's multi-rank (and one-process) jobs share pre-imported ranks.
+
+Every ``torchrun`` launch of a test script used to pay Python's, torch's, megatron-core's and the
+package's imports on every rank: 13 s for two ranks, 25 s for four, on this project's 2-core
+machine, for about thirty launches a session. A pool is ONE launch of ``nproc`` ranks per world
+size for the whole session (``helpers/pool_worker.py``): each rank imports once, then forks a
+child per case that runs the case's script as ``__main__``. A forked child starts from the state
+right after the imports, so cases are as independent as separate launches were (no process
+group, patched class or grown heap carried over), and each case makes its own process group
+on a port of its own.
+
+What a pool does not give, and what keeps its own launch (``pooled=False``): the behaviour of
+``torchrun``'s agent itself (restarts, a killed or hung worker, the agent's exit code and
+messages: tests/reliability). A case runs in a pool started with its own environment (one pool
+per distinct environment, the ``MAX_POOLS`` last used kept), so what is read at import time is
+what the case asked for. ``PSRL_TEST_NO_POOL=1`` turns pools off (a launch per case).
+
+A case of several ranks that fails (a rank's non-zero exit, a time-out) ends its pool, so a rank
+still waiting in a collective for the failed one cannot hang the next case; the next case
+starts a new pool.
+
+A one-process pool (:func:`run_python`) stands in for ``subprocess.run([python, script])``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO_ROOT, "tests", "helpers", "pool_worker.py")
+NO_POOL_ENV = "PSRL_TEST_NO_POOL"
+# set per test by pytest, or per case by the pool: not a reason to start a pool anew
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "PSRL_FRESH_PROCESS_CHILD")
+FAILED_RANK_GRACE_S = 5.0  # after one rank fails, how long the others get to end on their own
+POLL_S = 0.02
+
+
+def pools_enabled() -> bool:
+    return os.environ.get(NO_POOL_ENV, "") in ("", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_key(env: Dict[str, str]) -> Tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE_ENV))
+
+
+class CaseOutcome:
+    """What one case of a pool did: ``ok``; ``output``, every rank's stdout and stderr, rank by
+    rank (``(stdout, stderr)`` when asked for apart); ``reason``, why it failed (None when ok);
+    ``returncode``, the first non-zero exit code of a rank (None when none ended)."""
+
+    def __init__(self, ok: bool, output, reason: Optional[str], timed_out: bool = False,
+                 returncode: Optional[int] = None):
+        self.ok, self.output, self.reason, self.timed_out = ok, output, reason, timed_out
+        self.returncode = returncode
+
+
+class LaunchPool:
+    """``nproc`` pre-imported ranks under one ``torchrun`` launch (``torchrun=False``: one plain
+    Python process, for scripts run without torchrun)."""
+
+    def __init__(self, nproc: int, env: Dict[str, str], torchrun: bool = True):
+        self.nproc, self.torchrun, self.env_key = nproc, torchrun, _env_key(env)
+        self.dir = tempfile.mkdtemp(prefix=f"launch-pool-{nproc}-")
+        self.cases = 0
+        if torchrun:
+            cmd: List[str] = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                              "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORKER, self.dir]
+        else:
+            cmd = [sys.executable, WORKER, self.dir]
+        self._log = open(os.path.join(self.dir, "launch.log"), "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, script: Optional[str], args: Sequence[str], env: Dict[str, str], timeout: float,
+            cwd: str = REPO_ROOT, code: Optional[str] = None, split: bool = False) -> CaseOutcome:
+        """Runs ``script`` (or ``code``, as ``python -c``) with ``args`` on every rank."""
+        k, self.cases = self.cases, self.cases + 1
+        log = os.path.join(self.dir, f"case{k}")
+        request = dict(script=script, code=code, args=[str(a) for a in args], env=env, cwd=str(cwd), log=log,
+                       split=split)
+        if self.torchrun:
+            request["port"] = free_port()
+        path = os.path.join(self.dir, f"req{k}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(request, f)
+        os.replace(path + ".tmp", path)
+        codes = self._wait(k, timeout)
+        output = self._output(log)
+        if split:
+            output = (output, self._output(log + ".err"))
+        if len(codes) == self.nproc and not any(codes.values()):
+            return CaseOutcome(True, output, None, returncode=0)
+        if self._timed_out:
+            reason = f"timed out after {timeout:.0f} s"
+        elif self._died and not codes:
+            reason = f"the pool's launch ended:\n{self._launch_log()[-3000:]}"
+        else:
+            missing = sorted(set(range(self.nproc)) - set(codes))
+            reason = f"exit codes by rank: {codes}" + (f"; ranks {missing} did not end" if missing else "")
+        if self.nproc > 1 or self._timed_out or self._died:
+            self.close()  # a rank may still wait in a collective for the failed one
+        return CaseOutcome(False, output, reason, timed_out=self._timed_out,
+                           returncode=next((c for c in codes.values() if c), None))
+
+    def _wait(self, k: int, timeout: float) -> Dict[int, int]:
+        codes: Dict[int, int] = {}
+        deadline, failed_at = time.monotonic() + timeout, None
+        self._timed_out = self._died = False
+        while len(codes) < self.nproc:
+            for r in range(self.nproc):
+                path = os.path.join(self.dir, f"req{k}.exit.rank{r}")
+                if r not in codes and os.path.exists(path):
+                    with open(path) as f:
+                        codes[r] = int(f.read())
+            if len(codes) == self.nproc:
+                break
+            now = time.monotonic()
+            if any(codes.values()):
+                failed_at = failed_at or now
+                if now - failed_at > FAILED_RANK_GRACE_S:
+                    break
+            if not self.alive():
+                self._died = True
+                break
+            if now > deadline:
+                self._timed_out = True
+                break
+            time.sleep(POLL_S)
+        return codes
+
+    def _output(self, log: str) -> str:
+        out = ""
+        for r in range(self.nproc):
+            path = f"{log}.rank{r}"
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    out += f.read()
+        return out
+
+    def _launch_log(self) -> str:
+        self._log.flush()
+        with open(os.path.join(self.dir, "launch.log"), errors="replace") as f:
+            return f.read()
+
+    def close(self) -> None:
+        if self.alive():
+            open(os.path.join(self.dir, "stop"), "w").close()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+MAX_POOLS = 5  # started pools kept at once (each rank holds its imports: ~0.5 GB)
+_POOLS: Dict[Tuple, LaunchPool] = {}  # in order of last use
+
+
+def pool_for(nproc: int, env: Dict[str, str], torchrun: bool = True) -> LaunchPool:
+    """The session's pool of ``nproc`` ranks for ``env`` (started, or restarted, as needed)."""
+    key = (nproc, torchrun, _env_key(env))
+    pool = _POOLS.pop(key, None)
+    if pool is not None and not pool.alive():
+        pool.close()
+        pool = None
+    if pool is None:
+        while len(_POOLS) >= MAX_POOLS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        pool = LaunchPool(nproc, env, torchrun)
+    _POOLS[key] = pool
+    return pool
+
+
+@atexit.register
+def close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def run_python(script: Optional[str], args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
+               cwd: str = REPO_ROOT, timeout: float = 900, code: Optional[str] = None,
+               check: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, script, *args], capture_output=True, text=True)`` (or
+    ``python -c code``), in the session's one-process pool: the child is a fork of a process
+    that has done the imports and nothing else, so it starts as a fresh interpreter would after
+    them (what memory-measuring scripts need), without paying them. Raises
+    ``subprocess.TimeoutExpired`` on time-out; with ``check``, ``CalledProcessError``."""
+    env = dict(os.environ if env is None else env)
+    argv = [sys.executable] + ([script] if script else ["-c", code]) + [str(a) for a in args]
+    if not pools_enabled():
+        return subprocess.run(argv, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout,
+                              check=check)
+    outcome = pool_for(1, env, torchrun=False).run(script, args, env, timeout, cwd=cwd, code=code, split=True)
+    stdout, stderr = outcome.output
+    if outcome.timed_out:
+        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+    returncode = 0 if outcome.ok else (outcome.returncode if outcome.returncode is not None else -9)
+    if not outcome.ok and outcome.returncode is None:
+        stderr += f"\n[launch pool] {outcome.reason}"
+    if check and returncode:
+        raise subprocess.CalledProcessError(returncode, argv, stdout, stderr)
+    return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
