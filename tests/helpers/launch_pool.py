@@ -80,9 +80,10 @@ class LaunchPool:
         self.cases = 0
         if torchrun:
             cmd: List[str] = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                              "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORKER, self.dir]
+                              "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORKER, self.dir,
+                              str(os.getpid())]
         else:
-            cmd = [sys.executable, WORKER, self.dir]
+            cmd = [sys.executable, WORKER, self.dir, str(os.getpid())]
         self._log = open(os.path.join(self.dir, "launch.log"), "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -3,8 +3,10 @@ the package and the Hugging Face model code ONCE, then, for each request the tes
 writes into the pool's folder, forks a child that runs the requested script as ``__main__``
 with the request's arguments and environment, and records the child's exit code.
 
-    torchrun --nproc_per_node N pool_worker.py POOL_DIR        (a multi-rank pool)
-    python pool_worker.py POOL_DIR                             (a one-process pool)
+    torchrun --nproc_per_node N pool_worker.py POOL_DIR OWNER_PID    (a multi-rank pool)
+    python pool_worker.py POOL_DIR OWNER_PID                         (a one-process pool)
+
+``OWNER_PID``: the test session's process; the worker ends when it is gone.
 
 Why fork: a forked child starts from the state right after the imports (no state left by an
 earlier case: no process group, no patched class, no heap grown by a previous step), at the
@@ -50,6 +52,14 @@ def _preimport() -> None:
     warnings.resetwarnings()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _child(request: dict, rank: str) -> int:
     """Runs in the forked child: the case's script as ``__main__``; returns its exit code."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -87,16 +97,15 @@ def _child(request: dict, rank: str) -> int:
 
 
 def main() -> None:
-    pool_dir = sys.argv[1]
+    pool_dir, owner = sys.argv[1], int(sys.argv[2])
     rank = os.environ.get("RANK", "0")
     _preimport()
-    parent = os.getppid()
     k = 0
     while True:
         request_path = os.path.join(pool_dir, f"req{k}.json")
         while not os.path.exists(request_path):
-            if os.path.exists(os.path.join(pool_dir, "stop")) or os.getppid() != parent:
-                return
+            if os.path.exists(os.path.join(pool_dir, "stop")) or not _alive(owner):
+                return  # the test session ended (or was killed)
             time.sleep(POLL_S)
         with open(request_path) as f:
             request = json.load(f)

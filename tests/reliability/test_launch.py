@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from helpers.torchrun import REPO_ROOT, free_port, script_env, worker_pids
+from helpers.torchrun import REPO_ROOT, free_port, run_torchrun, script_env, worker_pids
 
 pytestmark = pytest.mark.slow  # torchrun agents and restarts
 
@@ -39,16 +39,25 @@ def _losses(path):
 _REFERENCES = {}
 
 
+def _train_args(**knobs):
+    """The ``pretrain_agent_rl.py`` arguments the launch scripts build from ``knobs``
+    (launch/common.sh's TRAIN_ARGS)."""
+    proc = subprocess.run(["bash", "-c", 'source launch/common.sh && printf "%s\\n" "${TRAIN_ARGS[@]}"'],
+                          cwd=REPO_ROOT, env=_env(**knobs), capture_output=True, text=True, check=True)
+    return proc.stdout.splitlines()
+
+
 def _single_node(tmp_path, name, **knobs):
-    """{iteration: loss} of an uninterrupted single-agent run (NPROC=2 unless given); one run
-    per set of knobs in this module (the tests of the same run share it)."""
+    """{iteration: loss} of an uninterrupted run of NPROC ranks (2 unless given) with the
+    arguments the launch scripts build from ``knobs``; one run per set of knobs in this module
+    (the tests of the same run share it). It runs in the session's launch pool: what is checked
+    against it is the launch scripts' own restarts and rendezvous, not this run's launch."""
     key = tuple(sorted((k, str(v)) for k, v in knobs.items()))
     if key not in _REFERENCES:
         log = tmp_path / f"{name}.jsonl"
-        proc = subprocess.run(["bash", os.path.join(LAUNCH, "torchrun_single_node.sh")], cwd=REPO_ROOT,
-                              env=_env(**dict(dict(NPROC=2), LOG_JSON=log, **knobs)), capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        nproc = int(knobs.pop("NPROC", 2))
+        run_torchrun(os.path.join(REPO_ROOT, "pretrain_agent_rl.py"), _train_args(LOG_JSON=log, **knobs),
+                     nproc=nproc, timeout=600)
         _REFERENCES[key] = _losses(log)
     return _REFERENCES[key]
 
