@@ -54,14 +54,14 @@ def test_fused_swiglu_compiles_a_bounded_number_of_times(eager_compiled_swiglu):
     assert frames[ROW_COUNTS.index(1)] == frames[-1], frames  # no compilation after the one-row pack
 
 
-def test_without_automatic_dynamic_shapes_every_shape_compiles(eager_compiled_swiglu, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    frames = _frames_after_each_step(ROW_COUNTS[:4])  # (then dynamo's recompile limit, 8, would stop it)
+def test_without_automatic_dynamic_shapes_every_shape_compiles(eager_compiled_swiglu):
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        frames = _frames_after_each_step(ROW_COUNTS[:4])  # (then dynamo's recompile limit, 8, would stop it)
     assert frames == [3, 6, 9, 12], frames  # swiglu twice and swiglu_back, for every shape
 
 
-def test_the_fusion_is_on_on_cuda_only_with_automatic_dynamic_shapes(monkeypatch):
+def test_the_fusion_is_on_on_cuda_only_with_automatic_dynamic_shapes():
     assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is True
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is False
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is False
     assert transformer_config_overrides(torch.device("cpu"))["bias_activation_fusion"] is False
