@@ -134,7 +134,7 @@ def test_nccl_parts_are_torchrun_training_runs_on_two_gpus(tmp_path):
             if "torch.distributed.run" in cmd:
                 assert cmd[cmd.index("--nproc_per_node") + 1] == "2" and "pretrain_agent_rl.py" in cmd
                 assert cmd[cmd.index("--device") + 1] == "cuda"
-    assert sum(parts[n].limit_s for n in NCCL) <= 600
+    assert sum(parts[n].limit_s for n in NCCL) == 660
     layouts = {n: " ".join(parts[n].command) for n in NCCL}
     assert "--tensor-model-parallel-size 2" in layouts["nccl-tp2"]
     assert "--pipeline-model-parallel-size 2" in layouts["nccl-pp2"]
