@@ -13,6 +13,7 @@ Engine: its naming is emulated by a stand-in module holding ``weight{i}`` parame
 
 import copy
 import types
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -192,3 +193,32 @@ def test_te_grouped_naming_loads_and_saves_the_checkpoint_names(models):
                            theirs[f"decoder.layers.1.mlp.experts.local_experts.{i}.linear_fc2.weight"])
     ours = canonical_state_dict(te_model)
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+class _ReadOnce(Mapping):
+    """A streamed state (as the weight stream's): names known up front, a tensor read on demand."""
+
+    def __init__(self, state):
+        self.state, self.reads = state, []
+
+    def __getitem__(self, name):
+        self.reads.append(name)
+        return self.state[name]
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self):
+        return len(self.state)
+
+
+def test_a_streamed_sequential_state_is_converted_lazily():
+    """The weight stream hands ``mcore_to_hf`` a mapping that fetches tensors on demand: the
+    expert-layout check reads its names only, never the whole model up front."""
+    arch, hf = _hf_state("debug-mixtral")
+    adapter = get_adapter(arch)
+    streamed = _ReadOnce(dict(adapter.hf_to_mcore(hf.__getitem__)))
+    out = adapter.mcore_to_hf(streamed)
+    name, tensor = next(out)
+    assert name == "model.embed_tokens.weight" and streamed.reads == ["embedding.word_embeddings.weight"]
+    assert torch.equal(tensor, hf[name])

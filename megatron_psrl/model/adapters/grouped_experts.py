@@ -33,7 +33,7 @@ all three modules writes the same per-expert tensors.
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, Mapping, Tuple
 
 import torch
 
@@ -108,13 +108,15 @@ def _grouped_experts(weight1: Tensor, weight2: Tensor, ffn_hidden_size: int) -> 
         yield w1[i].t().contiguous(), w2[i].t().contiguous()
 
 
-def from_expert_layout(state: Dict[str, Tensor], ffn_hidden_size: int) -> Dict[str, Tensor]:
+def from_expert_layout(state: Mapping[str, Tensor], ffn_hidden_size: int) -> Mapping[str, Tensor]:
     """``state`` with its experts, in any of the three layouts (:func:`expert_layout`), in the
     sequential one; every other tensor as it is. ``ffn_hidden_size``: one expert's width ``f``
-    (``moe_ffn_hidden_size``: a GroupedMLP's shapes alone do not tell ``E`` from ``f``)."""
+    (``moe_ffn_hidden_size``: a GroupedMLP's shapes alone do not tell ``E`` from ``f``).
+    Already sequential: ``state`` itself, untouched (a streamed mapping is not read here; only
+    its names are)."""
     layout = expert_layout(state)
     if layout == SEQUENTIAL:
-        return dict(state)
+        return state
     pattern = _GROUPED if layout == GROUPED else _TE_GROUPED
     out = {name: t for name, t in state.items() if pattern.match(name) is None}
     if layout == TE_GROUPED:
