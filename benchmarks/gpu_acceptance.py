@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""GPU acceptance: the first thing a lent GPU runs. One command, under 8 minutes on one H200.
+"""GPU acceptance: the first thing a lent machine of 1 to 8 GPUs runs (never run on a GPU yet).
 
     bash benchmarks/gpu_acceptance.sh                 (from the repository root, its venv active)
-    python benchmarks/gpu_acceptance.py [--parts kernels memory] [--summary PATH]
+    python benchmarks/gpu_acceptance.py [--parts kernels memory] [--summary PATH] [--gpus N] [--dry-run]
 
 Parts, each in a process of its own with a time limit, each printed as one ``PASS`` /
 ``FAIL`` / ``SKIP`` line (details indented under it) and written to one JSON file
@@ -20,9 +20,28 @@ Parts, each in a process of its own with a time limit, each printed as one ``PAS
    sharing, without (``--no-prefix-sharing``) and as one causal pass over the same number of
    unique tokens (the floor sharing aims at).
 
+With two GPUs or more (up to 8; each part uses 2), NCCL parts follow, each a ``torchrun`` of
+``pretrain_agent_rl.py`` on CUDA (bf16, random tiny models) with its own time limit:
+
+5. ``nccl-tp2``: 2 steps with tensor parallelism 2;
+6. ``nccl-dp2-cross-rank``: data parallelism 2, one tree spread over both ranks (its prefix K/V
+   exchanged: ``exchanged_bytes`` > 0), then trees placed whole with a tree split between the
+   ranks and its shared prefix's K/V sent from one to the other (a head transfer:
+   ``transferred_bytes`` > 0);
+7. ``nccl-pp2``: 2 steps with pipeline parallelism 2;
+8. ``nccl-ep2``: 2 steps of the tiny Qwen3-MoE with expert parallelism 2 (alltoall dispatcher);
+9. ``nccl-dist-ckpt``: a torch_dist checkpoint saved with TP = 2, loaded with PP = 2 (iteration,
+   weights and optimizer state resharded) and trained one more step.
+
+A training part passes when every run exits 0, logged every iteration with a finite loss, and
+its own check held (each part's line says what it checked). With fewer GPUs than a part needs,
+it is ``SKIP`` with that reason.
+
 A part passes only when something in it passed and nothing failed: a part whose tests were all
 skipped (no kernel package, say) is ``SKIP``, never ``PASS``. Without CUDA every part is
-``SKIP`` and the exit status is 0; otherwise it is 1 when a part failed.
+``SKIP`` and the exit status is 0; otherwise it is 1 when a part failed. ``--dry-run`` plans the
+parts for ``--gpus N`` without running any: ``PLAN`` for a part that would run, ``SKIP`` with the
+reason for one that would not (never ``PASS``).
 """
 
 from __future__ import annotations
@@ -36,10 +55,13 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+PLAN = "PLAN"
+"""``--dry-run``: the part would run (it has not: never PASS)."""
+MAX_GPUS = 8
 TIMEOUT_CODES = (124, 137, -9)
 """Exit codes of a part killed at its time limit (``timeout``'s, SIGKILL's, subprocess's)."""
 
@@ -113,6 +135,26 @@ def classify_lines(output: str, returncode: int) -> Tuple[str, str]:
     return PASS, summary
 
 
+def classify_training(output: str, returncode: int, records: List[Dict], iterations: int,
+                      check: Optional[Callable[[List[Dict]], Optional[str]]] = None) -> Tuple[str, str]:
+    """``(status, detail)`` of training runs (their last ``--log-json`` records): FAIL on a
+    timeout, a non-zero exit, fewer iterations logged than asked, a non-finite loss or the
+    part's ``check`` naming a problem; PASS otherwise. Never SKIP: a part that ran is judged."""
+    if returncode in TIMEOUT_CODES:
+        return FAIL, f"timed out after {len(records)} logged iterations"
+    if returncode != 0:
+        return FAIL, f"exit status {returncode}"
+    if len(records) < iterations:
+        return FAIL, f"{len(records)} of {iterations} iterations logged"
+    losses = [r.get("loss") for r in records]
+    if any(loss is None for loss in losses):  # --log-json writes a non-finite loss as null
+        return FAIL, f"non-finite loss in {losses}"
+    problem = check(records) if check is not None else None
+    if problem:
+        return FAIL, problem
+    return PASS, f"{len(records)} iterations, loss {', '.join(f'{x:.4f}' for x in losses)}"
+
+
 def verdict(results: Sequence[PartResult]) -> int:
     """Exit status: 1 if a part failed, else 0 (skips do not fail the run)."""
     return 1 if any(r.status == FAIL for r in results) else 0
@@ -124,12 +166,31 @@ class Part:
     name: str
     limit_s: int
     command: List[str]
-    classify: str  # "pytest" or "lines"
+    classify: str  # "pytest", "lines" or "training"
     what: str
+    gpus: int = 1
+    """GPUs the part needs."""
+    before: List[List[str]] = field(default_factory=list)
+    """Commands run first, in order, within the same time limit (a failing one fails the part)."""
+    log_json: Optional[str] = None
+    """training: the ``--log-json`` file of ``command``."""
+    iterations: int = 0
+    """training: iterations ``command`` must log."""
+    check: Optional[Callable[[List[Dict]], Optional[str]]] = None
+    """training: what else the records must show (a problem, or None)."""
+
+
+def skip_reason(part: Part, gpus: int) -> Optional[str]:
+    """Why ``part`` cannot run on a machine with ``gpus`` CUDA devices, or None."""
+    if gpus == 0:
+        return "no CUDA device"
+    if part.gpus > gpus:
+        return f"needs {part.gpus} GPUs, this machine has {gpus}"
+    return None
 
 
 def parts(py: str, log_dir: str) -> List[Part]:
-    """The parts in their order; their limits add up to 470 s, under 8 minutes with start-up."""
+    """The parts in their order; the single-GPU ones' limits add up to 470 s, the NCCL ones' 660 s."""
     me = os.path.join("benchmarks", "gpu_acceptance.py")
     return [
         Part("kernels", 90, [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly", "-m",
@@ -142,28 +203,139 @@ def parts(py: str, log_dir: str) -> List[Part]:
              "measured step peak vs the memory plan, per backend"),
         Part("bench", 140, [py, me, "_bench", "--out", os.path.join(log_dir, "bench.json")], "lines",
              f"update step on {SHAPE}: sharing vs none vs one causal pass"),
+        *nccl_parts(py, log_dir),
     ]
+
+
+# ---------------------------------------------------------------------- NCCL parts (2+ GPUs)
+def _train(py: str, log_json: str, *flags: str, model: str = "tiny-llama", iters: int = 2) -> List[str]:
+    """``torchrun`` of ``pretrain_agent_rl.py`` on 2 GPUs (NCCL), bf16, logging to ``log_json``."""
+    return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "pretrain_agent_rl.py",
+            "--device", "cuda", "--bf16", "--model", model, "--train-iters", str(iters), "--log-json", log_json,
+            "--quiet", *flags]
+
+
+def _positive(key: str, what: str) -> Callable[[List[Dict]], Optional[str]]:
+    def check(records: List[Dict]) -> Optional[str]:
+        return None if any((r.get(key) or 0) > 0 for r in records) else f"no {what} ({key} 0 in every iteration)"
+    return check
+
+
+def _resumed_at(iteration: int) -> Callable[[List[Dict]], Optional[str]]:
+    def check(records: List[Dict]) -> Optional[str]:
+        iters = [r.get("iter") for r in records]
+        return None if iters == [iteration] else f"resumed run logged iterations {iters}, expected [{iteration}]"
+    return check
+
+
+ONE_TREE = ("from megatron_psrl.data.loader import write_samples; from megatron_psrl.data.synthetic import "
+            "make_tree_rollouts; write_samples(make_tree_rollouts(num_roots=1, branching=2, depth=3, "
+            "segment_len=(6, 16), prompt_len=(40, 60), obs_len=(8, 20), vocab_size=251, seed=5), {path!r})")
+"""Writes one rollout tree several times larger than a 64-token micro-batch (as the CPU
+cross-rank tests use), so that the planner spreads or splits it over the two ranks."""
+
+
+def nccl_parts(py: str, log_dir: str) -> List[Part]:
+    """The NCCL parts, 2 GPUs each; their limits add up to 660 s."""
+    def log(name: str) -> str:
+        return os.path.join(log_dir, f"{name}.jsonl")
+
+    tree = os.path.join(log_dir, "one-tree.jsonl")
+    one_tree = ["--data", tree, "--micro-batch-tokens", "64"]
+    ckpt = os.path.join(log_dir, "dist-ckpt")
+    return [
+        Part("nccl-tp2", 90, _train(py, log("nccl-tp2"), "--tensor-model-parallel-size", "2"), "training",
+             "2 bf16 steps, TP = 2 over NCCL", gpus=2, log_json=log("nccl-tp2"), iterations=2),
+        Part("nccl-dp2-cross-rank", 180,
+             _train(py, log("nccl-dp2-transfer"), *one_tree, "--placement", "whole-tree", "--cross-group-prefix",
+                    "transfer", iters=1), "training",
+             "DP = 2: one tree over both ranks with its prefix K/V exchanged, then a tree split between "
+             "the ranks with its shared prefix sent from one to the other (head transfer)", gpus=2,
+             before=[[py, "-c", ONE_TREE.format(path=tree)],
+                     _train(py, log("nccl-dp2-exchange"), *one_tree, "--placement", "cross-rank", iters=1)],
+             log_json=log("nccl-dp2-transfer"), iterations=1,
+             check=_both(_positive_in(log("nccl-dp2-exchange"), "exchanged_bytes", "prefix K/V exchange"),
+                         _positive("transferred_bytes", "head transfer"))),
+        Part("nccl-pp2", 90, _train(py, log("nccl-pp2"), "--pipeline-model-parallel-size", "2"), "training",
+             "2 bf16 steps, PP = 2 over NCCL", gpus=2, log_json=log("nccl-pp2"), iterations=2),
+        Part("nccl-ep2", 120, _train(py, log("nccl-ep2"), "--expert-model-parallel-size", "2",
+                                     "--moe-token-dispatcher-type", "alltoall", model="debug-qwen3-moe"),
+             "training", "2 bf16 steps of a tiny MoE, EP = 2 (alltoall) over NCCL", gpus=2,
+             log_json=log("nccl-ep2"), iterations=2),
+        Part("nccl-dist-ckpt", 180, _train(py, log("nccl-dist-ckpt"), "--load", ckpt,
+                                           "--pipeline-model-parallel-size", "2"), "training",
+             "torch_dist saved with TP = 2, loaded with PP = 2, one more step", gpus=2,
+             before=[_train(py, log("nccl-dist-ckpt-save"), "--tensor-model-parallel-size", "2", "--save", ckpt,
+                            "--ckpt-format", "torch_dist", iters=1)],
+             log_json=log("nccl-dist-ckpt"), iterations=1, check=_resumed_at(2)),
+    ]
+
+
+def _positive_in(path: str, key: str, what: str) -> Callable[[List[Dict]], Optional[str]]:
+    """:func:`_positive` on the records of another run's log (a ``before`` command's)."""
+    def check(_records: List[Dict]) -> Optional[str]:
+        records = read_log_json(path)
+        return _positive(key, what)(records) if records else f"no iteration logged in {os.path.basename(path)}"
+    return check
+
+
+def _both(*checks: Callable[[List[Dict]], Optional[str]]) -> Callable[[List[Dict]], Optional[str]]:
+    def check(records: List[Dict]) -> Optional[str]:
+        problems = [p for p in (c(records) for c in checks) if p]
+        return "; ".join(problems) or None
+    return check
+
+
+def read_log_json(path: Optional[str]) -> List[Dict]:
+    """The records of a ``--log-json`` file (none if it does not exist)."""
+    if not path or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _run_command(command: List[str], limit_s: float) -> Tuple[str, int]:
+    """``(output, exit status)`` of one command (124 when killed at ``limit_s``)."""
+    if limit_s <= 0:
+        return "", 124
+    try:
+        proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=limit_s)
+        return proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        output += (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return output, 124
+
+
+def _classify(part: Part, output: str, code: int) -> Tuple[str, str]:
+    if part.classify == "pytest":
+        return classify_pytest(output, code)
+    if part.classify == "training":
+        return classify_training(output, code, read_log_json(part.log_json), part.iterations, part.check)
+    return classify_lines(output, code)
 
 
 def run_part(part: Part, log_dir: str) -> PartResult:
     log = os.path.join(log_dir, f"{part.name}.log")
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(part.command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=part.limit_s)
-        output, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        output += (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        code = 124
+    outputs, code = [], 0
+    for command in [*part.before, part.command]:  # one time limit for them all; stop at a failure
+        output, code = _run_command(command, part.limit_s - (time.monotonic() - t0))
+        outputs.append(f"$ {' '.join(command)}\n{output}")
+        if code != 0:
+            break
+    output = "\n".join(outputs)
     seconds = time.monotonic() - t0
     with open(log, "w") as f:
         f.write(output)
-    status, detail = (classify_pytest if part.classify == "pytest" else classify_lines)(output, code)
+    status, detail = _classify(part, output, code)
     data = {}
     for arg in part.command:  # the sub-parts' own JSON, when they wrote one
         if arg.endswith(".json") and os.path.exists(arg):
             with open(arg) as f:
                 data = json.load(f)
+    if part.log_json:
+        data["records"] = read_log_json(part.log_json)
     result = PartResult(part.name, status, detail, round(seconds, 1), log, data)
     result.data["lines"] = [ln for ln in output.splitlines() if ln.split()[:1] in ([PASS], [FAIL], [SKIP])]
     return result
@@ -188,11 +360,31 @@ def write_summary(path: str, results: Sequence[PartResult], meta: Dict) -> None:
         json.dump({"meta": meta, "exit_status": verdict(results), "parts": [asdict(r) for r in results]}, f, indent=2)
 
 
+def summary_line(results: Sequence[PartResult], path: str) -> str:
+    """The run in one line: how many parts passed, failed, were skipped (or planned)."""
+    counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, SKIP, PLAN)}
+    shown = ", ".join(f"{n} {s}" for s, n in counts.items() if n or s in (PASS, FAIL, SKIP))
+    return f"summary: {shown} (exit status {verdict(results)}) -> {path}"
+
+
+def planned(selected: Sequence[Part], gpus: int) -> List[PartResult]:
+    """``--dry-run``: every part as it would go on ``gpus`` GPUs, none run (PLAN or SKIP)."""
+    results = []
+    for part in selected:
+        why = skip_reason(part, gpus)
+        results.append(PartResult(part.name, SKIP if why else PLAN, why or f"{part.what} ({part.gpus} GPU"
+                                  f"{'s' if part.gpus > 1 else ''}, limit {part.limit_s} s)"))
+    return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--parts", nargs="+", default=None, help="run only these parts")
     p.add_argument("--log-dir", default=os.environ.get("GPU_ACCEPTANCE_LOGS", "runs/gpu_acceptance"))
     p.add_argument("--summary", default=None, help="the JSON summary (default: LOG_DIR/summary.json)")
+    p.add_argument("--gpus", type=int, default=None, help=f"use at most this many GPUs (1 to {MAX_GPUS}); with "
+                                                          "--dry-run: plan for this many")
+    p.add_argument("--dry-run", action="store_true", help="plan the parts (PLAN / SKIP with the reason), run none")
     args = p.parse_args(argv)
     log_dir = os.path.join(REPO_ROOT, args.log_dir) if not os.path.isabs(args.log_dir) else args.log_dir
     os.makedirs(log_dir, exist_ok=True)
@@ -201,23 +393,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     selected = [part for part in parts(py, log_dir) if not args.parts or part.name in args.parts]
     import torch
 
-    meta = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
-    if not torch.cuda.is_available():
-        results = [PartResult(part.name, SKIP, "no CUDA device") for part in selected]
+    cuda = torch.cuda.is_available()
+    detected = min(torch.cuda.device_count(), MAX_GPUS) if cuda else 0
+    gpus = (args.gpus if args.dry_run else min(args.gpus, detected)) if args.gpus is not None else detected
+    meta = {"torch": torch.__version__, "cuda": cuda, "gpus": gpus, "dry_run": args.dry_run}
+    if args.dry_run or not cuda:
+        results = planned(selected, gpus)
         for r in results:
-            print(f"SKIP {r.name}: no CUDA device")
+            print(f"{r.status} {r.name}: {r.detail}")
         write_summary(summary, results, meta)
-        return 0
+        print(summary_line(results, summary))
+        return verdict(results)
     meta.update(device=torch.cuda.get_device_name(0), cuda_version=torch.version.cuda,
                 cudnn=torch.backends.cudnn.version())
-    print(f"device: {meta['device']} | torch {torch.__version__} | CUDA {meta['cuda_version']} | "
+    print(f"device: {gpus} x {meta['device']} | torch {torch.__version__} | CUDA {meta['cuda_version']} | "
           f"cuDNN {meta['cudnn']}", flush=True)
     results = []
     for part in selected:
-        results.append(run_part(part, log_dir))
+        why = skip_reason(part, gpus)
+        results.append(PartResult(part.name, SKIP, why) if why else run_part(part, log_dir))
         print_result(results[-1])
         write_summary(summary, results, meta)  # after every part: a killed run keeps what it had
-    print(f"summary: {summary}")
+    print(summary_line(results, summary))
     return verdict(results)
 
 

@@ -103,13 +103,26 @@ def on_cuda(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def swiglu_fusion_compiles_once_per_kind() -> bool:
+    """Whether megatron's fused SwiGLU may be on: its kernels are ``torch.compile``d
+    (``megatron.core.jit.jit_fuser`` on torch >= 2.2) and a micro-batch's row count changes every
+    step. With dynamo's automatic dynamic shapes (torch's default) a function is compiled for
+    the first row count, once more with the row count symbolic at the first change, and once for
+    a single row, per requires-grad state: a bounded handful, never one per shape (measured on
+    CPU, docs/installation.md, "Fused kernels"). Without them every new row count would compile
+    again until dynamo's recompile limit, then run eagerly."""
+    import torch._dynamo
+
+    return bool(torch._dynamo.config.automatic_dynamic_shapes)
+
+
 def transformer_config_overrides(device: torch.device) -> Dict[str, Any]:
     """TransformerConfig fields to force on ``device``. On CUDA: megatron's fused bias-SwiGLU
-    (megatron leaves it off by default; the jit-scripted kernel gives the same numbers, checked
-    on CPU); the other fusions do not apply (our attention has its own kernels, RMSNorm is not
-    apex's persistent LayerNorm, RoPE comes from explicit positions)."""
+    where it compiles a bounded number of times (:func:`swiglu_fusion_compiles_once_per_kind`;
+    else the same math unfused); the other fusions do not apply (our attention has its own
+    kernels, RMSNorm is not apex's persistent LayerNorm, RoPE comes from explicit positions)."""
     if on_cuda(device):
-        return dict(bias_activation_fusion=True)
+        return dict(bias_activation_fusion=swiglu_fusion_compiles_once_per_kind())
     return dict(
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,

@@ -42,8 +42,20 @@ Tensor = torch.Tensor
 _CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
+def te_builds_with_model() -> bool:
+    """Whether a model built for the ``te`` backend builds Transformer Engine's attention in its
+    constructor: where CUDA is (TE runs nowhere else; on CPU the backend's first forward fails
+    with an error naming CUDA instead)."""
+    return torch.cuda.is_available()
+
+
 class PrefixSharingAttention(MegatronModule):
-    """Exact prefix-sharing core attention (TE-compatible constructor and forward)."""
+    """Exact prefix-sharing core attention (TE-compatible constructor and forward).
+
+    ``backend``: the attention backend the model is built for (None: chosen per micro-batch
+    from ``TreeAttentionMetadata.backend`` or the device). Built for ``te``, it holds Transformer
+    Engine's attention from the start (:func:`te_builds_with_model`); a model built otherwise
+    and run with ``te`` builds it at its first forward, and its state dict grows then."""
 
     def __init__(
         self,
@@ -77,6 +89,12 @@ class PrefixSharingAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
         self.default_backend = backend
         self._te: Optional[TETreeAttention] = None
+        if backend == "te" and te_builds_with_model():
+            # Built now, not at the first forward: its ``_extra_state`` is then in the (sharded)
+            # state dict from the start, so a checkpoint saved before any step loads after one.
+            tp = config.tensor_model_parallel_size
+            self._te = TETreeAttention(config.num_attention_heads // tp, config.num_query_groups // tp, self.head_dim,
+                                       self.softmax_scale, layer_number)
 
     # ------------------------------------------------------------------ dispatch
     def _run(self, backend: str, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external) -> Tensor:
@@ -89,7 +107,7 @@ class PrefixSharingAttention(MegatronModule):
             return flash_tree_attention(q, k, v, plan, external, self.softmax_scale)
         if backend == "te":
             require_cuda("te", q)  # before importing Transformer Engine: the CPU error names CUDA
-            if self._te is None:
+            if self._te is None:  # a model built for another backend: its state grows now
                 self._te = TETreeAttention(q.shape[1], k.shape[1], q.shape[2], self.softmax_scale, self.layer_number)
             return self._te(q, k, v, plan, external, self.softmax_scale)
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")

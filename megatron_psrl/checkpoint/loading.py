@@ -247,6 +247,7 @@ def load_model(
     pipeline_layers: Optional[Sequence[int]] = None,
     virtual_pipeline_size: int = 1,
     config_overrides: Optional[Dict[str, object]] = None,
+    attention_backend: Optional[str] = None,
 ) -> Tuple[ModelArchitecture, torch.nn.Module, Optional[dict]]:
     """This rank's model from ``source``; returns (architecture, model, saved optimizer state:
     a legacy checkpoint's, when the layout matches; a torch_dist checkpoint's optimizer state is
@@ -254,7 +255,8 @@ def load_model(
     ``pipeline_layers``: each pipeline stage's layer count (default: an even split);
     ``virtual_pipeline_size`` V > 1: the rank's V chunks (virtual stages ``v * PP + pp_rank``
     of an even split into PP x V); ``config_overrides``: TransformerConfig fields (activation
-    recomputation)."""
+    recomputation); ``attention_backend``: the one the model is built for
+    (:func:`~megatron_psrl.model.builder.build_model`)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
     ep_rank, ep = expert_parallel_layout()
     vpp = virtual_pipeline_size
@@ -263,7 +265,8 @@ def load_model(
     optimizer_state = None
     if source.tiny:
         arch = ModelArchitecture.from_hf_config(tiny_config(source.tiny))
-        return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides), None
+        return arch, build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides,
+                                 attention_backend), None
     if source.hf_dir:  # only this rank's slices are read
         arch = ModelArchitecture.from_hf_dir(source.hf_dir)
         shards = [hf_rank_state_dict(source.hf_dir, arch, tp_rank, tp, s, split, ep_rank, ep) for s in stages]
@@ -275,7 +278,7 @@ def load_model(
     elif checkpoint_format(source.checkpoint) == "torch_dist":  # megatron reads this rank's slices
         it_dir, info = read_checkpoint_info(source.checkpoint)
         model = build_model(info.architecture, dtype, device, transformer_impl, pipeline_layers, vpp,
-                            config_overrides)
+                            config_overrides, attention_backend)
         dist_format.load_model_weights(it_dir, model)
         return info.architecture, model, None
     else:
@@ -284,7 +287,8 @@ def load_model(
         arch = info.architecture
         if arch.is_moe:
             shards = [legacy_experts(source.checkpoint, info, shard, ep_rank, ep) for shard in shards]
-    model = build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides)
+    model = build_model(arch, dtype, device, transformer_impl, pipeline_layers, vpp, config_overrides,
+                        attention_backend)
     for chunk, shard in zip(model_chunks(model), shards):
         load_state_into(chunk, shard)
     return arch, model, optimizer_state

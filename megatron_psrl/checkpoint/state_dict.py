@@ -1,4 +1,9 @@
-"""The names a model's tensors have in checkpoints, and loading a named shard into a model."""
+"""The names a model's tensors have in checkpoints, and loading a named shard into a model.
+
+Checkpoints name a model's tensors as megatron's local layer spec does, with the routed
+experts of an MoE layer one by one (``SequentialMLP``); a model built with either layer spec
+and any of megatron's expert modules (``--moe-grouped-gemm``: ``GroupedMLP`` /
+``TEGroupedMLP``, :mod:`megatron_psrl.model.adapters.grouped_experts`) reads and writes them."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from typing import TYPE_CHECKING, Dict
 import torch
 
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.model.adapters.grouped_experts import expert_layout, from_expert_layout, to_expert_layout
 
 if TYPE_CHECKING:
     from megatron_psrl.model.gpt import PsrlGPTModel
@@ -30,15 +36,29 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def canonical_state_dict(model: torch.nn.Module) -> Dict[str, Tensor]:
-    """The model's state dict with local-spec names and without TE's ``_extra_state`` entries."""
+def _expert_width(model: torch.nn.Module):
+    """One routed expert's FFN width (``moe_ffn_hidden_size``), None for a dense model."""
+    return getattr(getattr(model, "config", None), "moe_ffn_hidden_size", None)
+
+
+def _own_state(model: torch.nn.Module) -> Dict[str, Tensor]:
+    """The model's own tensors under local-spec names, without TE's ``_extra_state`` entries."""
     return {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def canonical_state_dict(model: torch.nn.Module) -> Dict[str, Tensor]:
+    """The model's state dict with local-spec names, experts one by one, and without TE's
+    ``_extra_state`` entries (views of the parameters; with grouped-GEMM experts the experts'
+    tensors are copies)."""
+    return from_expert_layout(_own_state(model), _expert_width(model))
 
 
 def load_state_into(model: PsrlGPTModel, shard: Dict[str, Tensor]) -> None:
     """Load a rank shard (any dtype, local-spec names) strictly into a model of either layer
-    spec: every parameter must be present and match."""
-    own = {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    spec and expert module: every parameter must be present and match."""
+    own = _own_state(model)
+    layout = expert_layout(own)  # the shard's experts go into the model's expert module
+    shard = to_expert_layout(from_expert_layout(shard, _expert_width(model)), layout)
     missing = sorted(set(own) - set(shard))
     unexpected = sorted(k for k in set(shard) - set(own) if not k.endswith("_extra_state"))
     if missing or unexpected:

@@ -207,7 +207,8 @@ def model_and_optimizer(source: ModelSource, config: ActorConfig, layout: Parall
     overrides = dict(overrides, **config.parallel_overrides(), **moe_overrides(config, source_architecture(source)))
     arch, model, optimizer_state = load_model(
         source, dtype=dtype, device=device, transformer_impl=impl, pipeline_layers=split if uneven else None,
-        virtual_pipeline_size=vpp, config_overrides=overrides)
+        virtual_pipeline_size=vpp, config_overrides=overrides,
+        attention_backend=None if config.attention_backend == "auto" else config.attention_backend)
     if device.type == "cpu" and dtype != torch.float32:
         log(f"warning: {config.dtype} on CPU is slower than float32 (few CPUs have fast {config.dtype} "
             "kernels); use it to check GPU numerics, and float32 to train on CPU")

@@ -51,11 +51,14 @@ def build_model(
     pipeline_layers: Optional[Sequence[int]] = None,
     virtual_pipeline_size: int = 1,
     config_overrides: Optional[Dict[str, object]] = None,
+    attention_backend: Optional[str] = None,
 ) -> Union[PsrlGPTModel, PsrlModelChunks]:
     """A randomly initialised model for this rank (parallel_state must be initialised);
     ``pipeline_layers``: each stage's layer count (default: an even split);
     ``virtual_pipeline_size`` V > 1: V chunks of interleaved virtual stages
-    (:class:`PsrlModelChunks`)."""
+    (:class:`PsrlModelChunks`); ``attention_backend``: the one it is built for (None: chosen
+    at run time; ``te`` builds Transformer Engine's attention now, so its state is in every
+    checkpoint from the first)."""
     tp_rank, tp, pp_rank, pp = parallel_layout()
     overrides = dict(config_overrides or {})
     if arch.is_moe:  # the expert-parallel size megatron's parallel state was opened with
@@ -73,7 +76,7 @@ def build_model(
         chunk = PsrlGPTModel(
             arch, config, pre_process=pp_rank == 0 and v == 0,
             post_process=pp_rank == pp - 1 and v == virtual_pipeline_size - 1, transformer_impl=transformer_impl,
-            vp_stage=v if virtual_pipeline_size > 1 else None,
+            vp_stage=v if virtual_pipeline_size > 1 else None, attention_backend=attention_backend,
         )
         # megatron's local-spec RMSNorm (torch.nn.RMSNorm) ignores params_dtype: its weight would
         # stay fp32 in a bf16 model (a dtype mismatch in every norm). Megatron-LM casts the whole

@@ -151,11 +151,14 @@ def moe_config_fields(arch: ModelArchitecture) -> dict:
     )
 
 
-def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", moe_grouped_gemm: bool = False) -> ModuleSpec:
-    """megatron's GPT layer spec with PrefixSharingAttention in the core-attention slot (MoE
-    architectures: megatron's MoELayer as the MLP; ``moe_grouped_gemm``: its grouped-GEMM experts,
-    GPU only). megatron's MoE spec always carries a ``SharedExpertMLP`` submodule; the MoELayer
-    builds it only when the config sets ``moe_shared_expert_intermediate_size`` (Qwen2-MoE)."""
+def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", moe_grouped_gemm: bool = False,
+                     attention_backend: Optional[str] = None) -> ModuleSpec:
+    """megatron's GPT layer spec with PrefixSharingAttention in the core-attention slot, built for
+    ``attention_backend`` (None: chosen at run time; ``te`` builds Transformer Engine's attention
+    with the model) (MoE architectures: megatron's MoELayer as the MLP; ``moe_grouped_gemm``: its
+    grouped-GEMM experts, GPU only). megatron's MoE spec always carries a ``SharedExpertMLP``
+    submodule; the MoELayer builds it only when the config sets
+    ``moe_shared_expert_intermediate_size`` (Qwen2-MoE)."""
     experts = arch.num_experts if arch.is_moe else None
     grouped = bool(moe_grouped_gemm and experts)
     if transformer_impl == "transformer_engine":
@@ -169,7 +172,9 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
             num_experts=experts, moe_grouped_gemm=grouped, normalization="RMSNorm", qk_layernorm=arch.qk_norm))
     else:
         raise ConfigurationError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
-    spec.submodules.self_attention.submodules.core_attention = PrefixSharingAttention
+    spec.submodules.self_attention.submodules.core_attention = (
+        PrefixSharingAttention if attention_backend is None
+        else ModuleSpec(module=PrefixSharingAttention, params={"backend": attention_backend}))
     return spec
 
 
@@ -266,9 +271,11 @@ class PsrlGPTModel(GPTModel):
         post_process: bool = True,
         transformer_impl: str = "local",
         vp_stage: Optional[int] = None,
+        attention_backend: Optional[str] = None,
     ):
         layer_spec = _with_row_skip(build_layer_spec(
-            arch, transformer_impl, moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False)))
+            arch, transformer_impl, moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
+            attention_backend=attention_backend))
         if config.sequence_parallel and transformer_impl == "local":
             # megatron's block builds its final norm from its own default (WrappedTorchNorm)
             layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage),

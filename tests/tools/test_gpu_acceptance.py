@@ -2,7 +2,9 @@
 check, on this machine: without CUDA every part says SKIP (exit 0, the JSON summary written);
 a part passes only when something in it passed (fake pytest and script outputs, and the real
 kernels command, whose GPU tests all skip here); the bf16-vs-fp32 training check passes on CPU
-with the torch kernel."""
+with the torch kernel. The NCCL parts (2+ GPUs): planned for 1 to 8 GPUs by ``--dry-run``
+(PLAN or SKIP with the reason, never PASS), judged from their training logs, and a part's
+commands run in order within its one time limit."""
 
 import importlib.util
 import json
@@ -19,7 +21,9 @@ acceptance = importlib.util.module_from_spec(SPEC)
 sys.modules.setdefault("gpu_acceptance", acceptance)  # its dataclasses look their module up
 SPEC.loader.exec_module(acceptance)
 
-PARTS = ["kernels", "train-bf16", "memory", "bench"]
+SINGLE = ["kernels", "train-bf16", "memory", "bench"]
+NCCL = ["nccl-tp2", "nccl-dp2-cross-rank", "nccl-pp2", "nccl-ep2", "nccl-dist-ckpt"]
+PARTS = SINGLE + NCCL
 
 
 @pytest.mark.slow  # a script in a subprocess
@@ -29,7 +33,9 @@ def test_acceptance_script_skips_every_part_without_cuda(tmp_path):
                            str(tmp_path)], cwd=REPO_ROOT, env=dict(script_env(), PYTHON=sys.executable),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [f"SKIP {p}: no CUDA device" for p in PARTS]
+    lines = proc.stdout.splitlines()
+    assert lines[:-1] == [f"SKIP {p}: no CUDA device" for p in PARTS]
+    assert lines[-1].startswith(f"summary: 0 PASS, 0 FAIL, {len(PARTS)} SKIP (exit status 0)")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exit_status"] == 0 and summary["meta"]["cuda"] is False
     assert [(p["name"], p["status"]) for p in summary["parts"]] == [(p, "SKIP") for p in PARTS]
@@ -97,3 +103,78 @@ def test_bf16_training_check_passes_on_cpu():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS train-bf16 torch: 2 steps" in proc.stdout and "mechanism 2 on" in proc.stdout
+
+
+# ---------------------------------------------------------------------- NCCL parts (2+ GPUs)
+@pytest.mark.parametrize("gpus", range(0, 9))
+def test_dry_run_plans_the_parts_for_each_gpu_count_and_never_passes(tmp_path, capsys, gpus):
+    assert acceptance.main(["--dry-run", "--gpus", str(gpus), "--log-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    status = {p["name"]: (p["status"], p["detail"]) for p in summary["parts"]}
+    assert list(status) == PARTS and summary["meta"]["dry_run"] is True
+    assert all(s != "PASS" for s, _ in status.values())
+    for name in PARTS:
+        s, detail = status[name]
+        if gpus == 0:
+            assert (s, detail) == ("SKIP", "no CUDA device")
+        elif name in NCCL and gpus < 2:
+            assert (s, detail) == ("SKIP", f"needs 2 GPUs, this machine has {gpus}")
+        else:
+            assert s == "PLAN" and "limit" in detail
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("summary: 0 PASS, 0 FAIL") and len(out) == len(PARTS) + 1
+
+
+def test_nccl_parts_are_torchrun_training_runs_on_two_gpus(tmp_path):
+    parts = {p.name: p for p in acceptance.parts(sys.executable, str(tmp_path))}
+    for name in NCCL:
+        part = parts[name]
+        assert part.gpus == 2 and part.classify == "training" and part.log_json and part.iterations >= 1
+        for cmd in [*part.before, part.command]:
+            if "torch.distributed.run" in cmd:
+                assert cmd[cmd.index("--nproc_per_node") + 1] == "2" and "pretrain_agent_rl.py" in cmd
+                assert cmd[cmd.index("--device") + 1] == "cuda"
+    assert sum(parts[n].limit_s for n in NCCL) == 660
+    layouts = {n: " ".join(parts[n].command) for n in NCCL}
+    assert "--tensor-model-parallel-size 2" in layouts["nccl-tp2"]
+    assert "--pipeline-model-parallel-size 2" in layouts["nccl-pp2"]
+    assert "--expert-model-parallel-size 2" in layouts["nccl-ep2"]
+    save = " ".join(parts["nccl-dist-ckpt"].before[0])
+    assert "--tensor-model-parallel-size 2" in save and "--ckpt-format torch_dist" in save
+    assert "--load" in layouts["nccl-dist-ckpt"] and "--pipeline-model-parallel-size 2" in layouts["nccl-dist-ckpt"]
+
+
+@pytest.mark.parametrize("records, code, status", [
+    ([{"iter": 1, "loss": 0.5}, {"iter": 2, "loss": 0.4}], 0, "PASS"),
+    ([{"iter": 1, "loss": 0.5}], 0, "FAIL"),                      # fewer iterations than asked
+    ([{"iter": 1, "loss": 0.5}, {"iter": 2, "loss": None}], 0, "FAIL"),  # a non-finite loss
+    ([{"iter": 1, "loss": 0.5}, {"iter": 2, "loss": 0.4}], 1, "FAIL"),
+    ([{"iter": 1, "loss": 0.5}], 124, "FAIL"),                    # killed at the time limit
+    ([], 0, "FAIL"),                                              # ran, logged nothing: never PASS
+])
+def test_training_classification(records, code, status):
+    assert acceptance.classify_training("", code, records, 2)[0] == status
+
+
+def test_training_checks_name_what_did_not_happen():
+    records = [{"iter": 1, "loss": 0.5, "transferred_bytes": 0}]
+    status, detail = acceptance.classify_training("", 0, records, 1, acceptance._positive("transferred_bytes",
+                                                                                           "head transfer"))
+    assert status == "FAIL" and "no head transfer" in detail
+    assert acceptance.classify_training("", 0, [{"iter": 2, "loss": 0.1}], 1, acceptance._resumed_at(2))[0] == "PASS"
+    status, detail = acceptance.classify_training("", 0, [{"iter": 1, "loss": 0.1}], 1, acceptance._resumed_at(2))
+    assert status == "FAIL" and "expected [2]" in detail
+
+
+def test_a_part_runs_its_commands_in_order_and_stops_at_a_failure(tmp_path):
+    log = tmp_path / "log.jsonl"
+    write = f"import json; open({str(log)!r}, 'a').write(json.dumps(dict(iter=1, loss=0.25)) + chr(10))"
+    part = acceptance.Part("fake", 60, [sys.executable, "-c", write], "training", "fake", gpus=2,
+                           before=[[sys.executable, "-c", "print('first')"]], log_json=str(log), iterations=1)
+    result = acceptance.run_part(part, str(tmp_path))
+    assert result.status == "PASS" and result.data["records"] == [{"iter": 1, "loss": 0.25}]
+    assert open(result.log).read().index("first") < open(result.log).read().index("log.jsonl")
+    log.unlink()
+    part.before = [[sys.executable, "-c", "import sys; sys.exit(3)"]]
+    result = acceptance.run_part(part, str(tmp_path))
+    assert result.status == "FAIL" and result.detail == "exit status 3" and not log.exists()

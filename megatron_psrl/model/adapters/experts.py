@@ -16,6 +16,12 @@ transformers >= 5 keeps the experts fused in memory, under ``mlp.`` for every fa
 (``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` ``[E, 2I, h]``, ``mlp.experts.down_proj``
 ``[E, h, I]``); :func:`unfuse_experts` names such a state dict (a model's ``state_dict()`` or
 its gradients) as the family's checkpoints do.
+
+megatron's grouped-GEMM expert modules (``GroupedMLP``'s ``weight1`` / ``weight2``,
+``TEGroupedMLP``'s ``linear_fc1.weight{i}``) hold the same tensors in other layouts:
+:meth:`RoutedExpertsMixin.hf_to_mcore_layout` converts into either, and
+:meth:`~RoutedExpertsMixin.mcore_to_hf` reads any of them
+(:mod:`~megatron_psrl.model.adapters.grouped_experts`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 from megatron_psrl.model.adapters.base import GetTensor, Tensor
+from megatron_psrl.model.adapters.grouped_experts import from_expert_layout, to_expert_layout
 
 _FUSED = re.compile(r"^(.*\.)mlp\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(.*\.)mlp\.gate\.weight$")
@@ -81,6 +88,16 @@ class RoutedExpertsMixin:
             yield f"{dst}{up}.weight", up_w.clone()
             yield f"{dst}{down}.weight", mcore[src + "linear_fc2.weight"]
         yield from self._shared_expert_to_hf(mcore, hf, mc)
+
+    def hf_to_mcore_layout(self, get: GetTensor, layout: str) -> Dict[str, Tensor]:
+        """The full megatron state dict of :meth:`hf_to_mcore` with the routed experts in
+        ``layout`` (``sequential``, ``grouped`` or ``te_grouped``: megatron's expert modules)."""
+        return to_expert_layout(dict(self.hf_to_mcore(get)), layout)
+
+    def mcore_to_hf(self, mcore: Dict[str, Tensor]) -> Iterator[Tuple[str, Tensor]]:
+        """Hugging Face tensors of a full megatron state dict whose routed experts are in any of
+        megatron's layouts (one by one, ``GroupedMLP``'s or ``TEGroupedMLP``'s)."""
+        yield from super().mcore_to_hf(from_expert_layout(mcore, self.arch.moe_ffn_hidden_size))
 
     # ------------------------------------------------------------------ shared expert hooks
     def hf_shared_expert_shapes(self) -> Dict[str, Tuple[int, ...]]:

@@ -1,0 +1,67 @@
+"""megatron's fused SwiGLU (``bias_activation_fusion``, on CUDA) runs ``torch.compile``d kernels
+(``megatron.core.jit.jit_fuser``) on micro-batches whose row count changes every step. With
+dynamo's automatic dynamic shapes the compilations stop after the first few shapes; without
+them every new row count compiles again, so the fusion is on only with them
+(``megatron_psrl.compat.swiglu_fusion_compiles_once_per_kind``).
+
+The count is dynamo's (guards and recompilations happen before any backend runs): megatron's
+own functions are compiled again here with the ``eager`` backend, which keeps the test in
+seconds on CPU (inductor would generate and build C++ kernels)."""
+
+import pytest
+import torch
+import torch._dynamo
+from megatron.core.fusions import fused_bias_swiglu as fused
+from torch._dynamo.utils import counters
+
+from megatron_psrl.compat import transformer_config_overrides
+
+FFN = 32
+ROW_COUNTS = [37, 512, 129, 1000, 77, 5, 300, 61, 1, 900, 1, 2048, 13, 700]
+"""Rows of successive micro-batches (a one-row pack among them)."""
+
+
+@pytest.fixture
+def eager_compiled_swiglu(monkeypatch):
+    for name in ("swiglu", "swiglu_back"):
+        monkeypatch.setattr(fused, name, torch.compile(getattr(fused, name)._torchdynamo_orig_callable,
+                                                       backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _frames_after_each_step(row_counts):
+    """Frames dynamo has compiled after each micro-batch (a forward and backward through
+    megatron's fused SwiGLU, and a forward without autograd, as a log-prob pass runs)."""
+    frames = []
+    for rows in row_counts:
+        x = torch.randn(rows, 1, 2 * FFN, requires_grad=True)  # [t, 1, 2f]: an MLP's fc1 output
+        fused.bias_swiglu_impl(x, None).sum().backward()
+        with torch.no_grad():
+            fused.bias_swiglu_impl(x.detach(), None)
+        frames.append(counters["frames"]["ok"])
+    return frames
+
+
+def test_fused_swiglu_compiles_a_bounded_number_of_times(eager_compiled_swiglu):
+    assert torch._dynamo.config.automatic_dynamic_shapes  # torch's default, what the fusion relies on
+    frames = _frames_after_each_step(ROW_COUNTS)
+    # first shape, the first change (rows symbolic) and one row, for swiglu (x2: with and
+    # without requires_grad) and swiglu_back: nothing more, however many shapes follow
+    assert frames[-1] <= 9, frames
+    assert frames[ROW_COUNTS.index(1)] == frames[-1], frames  # no compilation after the one-row pack
+
+
+def test_without_automatic_dynamic_shapes_every_shape_compiles(eager_compiled_swiglu):
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        frames = _frames_after_each_step(ROW_COUNTS[:4])  # (then dynamo's recompile limit, 8, would stop it)
+    assert frames == [3, 6, 9, 12], frames  # swiglu twice and swiglu_back, for every shape
+
+
+def test_the_fusion_is_on_on_cuda_only_with_automatic_dynamic_shapes():
+    assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is True
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is False
+    assert transformer_config_overrides(torch.device("cpu"))["bias_activation_fusion"] is False
