@@ -135,8 +135,10 @@ if args.case == "param-gather":
     print("OK param-gather", flush=True)
 
 if args.case == "grad-overlap":
+    import numpy as np
     from helpers.batches import random_tree_batch
 
+    from megatron_psrl.data.loader import samples_from_dicts
     from megatron_psrl.engine.step import StepRunner
     from megatron_psrl.kvcache import BlockKVCache, KVGeometry
     from megatron_psrl.rl.loss import LossConfig
@@ -146,19 +148,35 @@ if args.case == "grad-overlap":
     from megatron_psrl.schedule.planner import plan_step
     from megatron_psrl.tree import build_prefix_tree
 
-    batch = random_tree_batch(seed=7, num_roots=4, vocab_size=arch.vocab_size)
-    plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=20, sharing="tree",
-                                                            data_parallel_size=dist.get_world_size()))
-    mine = plan.ranks[rank]
     geometry = KVGeometry(arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
-    memory = plan_memory(mine, geometry, 1 << 30, activation_bytes_per_token(arch, 1, 4)) if mine.sources else None
-    backwards = sum(isinstance(x, (Backward, ForwardBackward)) for x in training_instructions(mine, memory))
-    assert mine.sources and backwards > 1, f"rank {rank}: {backwards} backward passes, {len(mine.sources)} sources"
+
+    def planned(batch, budget):
+        """``(plan, this rank's memory plan, its backward passes)`` of a prefix-shared step."""
+        plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=budget, sharing="tree",
+                                                                data_parallel_size=dist.get_world_size()))
+        mine = plan.ranks[rank]
+        memory = plan_memory(mine, geometry, 1 << 30, activation_bytes_per_token(arch, 1, 4)) if mine.sources else None
+        backwards = sum(isinstance(x, (Backward, ForwardBackward)) for x in training_instructions(mine, memory))
+        assert mine.sources and backwards > 1, f"rank {rank}: {backwards} backward passes, {len(mine.sources)} sources"
+        return plan, memory, backwards
+
+    def grpo_batch():
+        """Two groups of 4 responses (6 tokens) to a 40-token prompt without loss: with 32-token
+        micro-batches the step's last backward is a prompt's, which only injects its readers'
+        dK/dV (the output layer and the top layer's MLP take no part in it)."""
+        gen = np.random.default_rng(3)
+        records = [{"id": f"g{g}r{k}", "tokens": prompt + gen.integers(0, arch.vocab_size, 6).tolist(),
+                    "loss_mask": [0] * 40 + [1] * 6, "advantage": float(gen.normal()),
+                    "ref_logprobs": (gen.normal(size=46) * 0.3 - 5.5).tolist()}
+                   for g, prompt in enumerate(gen.integers(0, arch.vocab_size, (2, 40)).tolist()) for k in range(4)]
+        return samples_from_dicts(records, source="grpo")
+
+    plan, memory, backwards = planned(random_tree_batch(seed=7, num_roots=4, vocab_size=arch.vocab_size), 20)
     loss_cfg = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
     bucket = 12000  # parameters per bucket: ~10 buckets of debug-llama's ~110k
 
     def step(settings, last_of_step, events=None, apply=False):
-        """One step's reduced gradients (``apply``: the weights after the optimizer step)."""
+        """One step of ``plan``: its reduced gradients (``apply``: the weights after the optimizer step)."""
         model = fresh_model()
         opt = TrainingOptimizer(model, settings)
         runner = StepRunner(model, arch.vocab_size, torch.device("cpu"), kv_cache=BlockKVCache(geometry, 1 << 30))
@@ -210,6 +228,16 @@ if args.case == "grad-overlap":
     assert early, "no bucket started before the last backward's last gradient arrived"
     print(f"grad-overlap rank {rank}: {backwards} backward passes, {len(launches)} buckets, "
           f"{len(early)} started before the last gradient of the last backward", flush=True)
+
+    plan, memory, backwards = planned(grpo_batch(), 32)  # the last backward: a prompt's dK/dV only
+    events = []
+    assert_same(step(buckets, True, events), step(plain, False), "GRPO step: overlapped vs one bucket after it")
+    kinds = [e[0] for e in events]
+    after_arm = kinds[kinds.index("arm"):]
+    unreached = after_arm.index("grad") if "grad" in after_arm else len(after_arm)
+    assert "launch" in after_arm[:unreached], "buckets the prompt's backward cannot reach started only after it"
+    print(f"grad-overlap rank {rank}: GRPO, {backwards} backward passes, {after_arm[:unreached].count('launch')} "
+          "buckets started before the prompt's backward produced a gradient", flush=True)
 
     for overlap in (True, False):  # the distributed optimizer: its reduce-scatter, then a step
         sharded = OptimizerSettings(optimizer="adam", lr=1e-3, clip_grad=0.0, use_distributed_optimizer=True,
