@@ -11,8 +11,8 @@
 - grad-overlap: ``--overlap-grad-reduce`` started during a prefix-shared step's last backward
   pass: gradients bit for bit those of the reduce after the step (one bucket, and the same
   buckets), the distributed optimizer's step too; buckets start in order, none before the
-  last backward, some before its last gradient arrives; a gradient after its bucket started
-  raises.
+  last backward, some before its last gradient arrives (and, when the last backward is a shared
+  prompt's dK/dV only, before it produces any); a gradient after its bucket started raises.
 """
 
 from __future__ import annotations
