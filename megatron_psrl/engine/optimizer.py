@@ -162,8 +162,8 @@ class TrainingOptimizer:
       parameters had as many gradients as on the first step, on the last micro-batch.
       :class:`~megatron_psrl.engine.grad_reduce.BucketLaunches` takes its place: a bucket
       starts during the backward pass the step runner calls the step's last
-      (:meth:`arm`), once all its parameters' gradients of that pass are in, in one order on
-      every rank; the rest start in that order before ``finalize_model_grads`` waits.
+      (:meth:`arm_grad_reduce`), once all its parameters' gradients of that pass are in, in one
+      order on every rank; the rest start in that order before ``finalize_model_grads`` waits.
     - ``--overlap-param-gather``: megatron launches a bucket's parameter all-gather from the
       forward pre-hook of the bucket before it, which a rank without a forward pass never
       reaches. Here every rank launches all buckets' all-gathers right after the optimizer step
