@@ -134,6 +134,26 @@ def transformer_config_overrides(device: torch.device) -> Dict[str, Any]:
     )
 
 
+def training_fusions(device: torch.device) -> Dict[str, Any]:
+    """TransformerConfig fields of a model that trains (megatron's DDP gives every weight the
+    fp32 ``main_grad`` its fused kernels add into): ``gradient_accumulation_fusion`` where the
+    kernel exists. The weight gradient GEMM then accumulates into ``main_grad`` directly (no
+    ``.grad`` tensor, no separate add). It needs apex's ``fused_weight_gradient_mlp_cuda``:
+    megatron's own linear layers (the output layer always is one, also with Transformer Engine
+    layers, which fuse it themselves) refuse the flag without that extension. Off on CPU: the
+    kernel is CUDA only (item 1)."""
+    return dict(gradient_accumulation_fusion=on_cuda(device) and gradient_accumulation_kernel_available())
+
+
+def gradient_accumulation_kernel_available() -> bool:
+    """apex's ``fused_weight_gradient_mlp_cuda`` (the wgrad GEMM accumulating into ``main_grad``) imports."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def seed_model_parallel_rng(seed: int, device: torch.device) -> None:
     """Seed torch and megatron's model-parallel RNG tracker (CUDA or the CPU stand-in)."""
     from megatron.core import tensor_parallel

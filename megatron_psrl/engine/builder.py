@@ -31,7 +31,7 @@ from megatron_psrl.attention.backends import check_attention_backend, default_ba
 from megatron_psrl.checkpoint.dist_format import load_training_state
 from megatron_psrl.checkpoint.layout import COST_JSON, checkpoint_format, read_checkpoint_info, read_cost_record
 from megatron_psrl.checkpoint.loading import ModelSource, load_model, source_architecture
-from megatron_psrl.compat import install_cpu_recompute_shims, seed_model_parallel_rng
+from megatron_psrl.compat import install_cpu_recompute_shims, seed_model_parallel_rng, training_fusions
 from megatron_psrl.distributed.setup import (
     ParallelLayout,
     exchange_group_of,
@@ -75,6 +75,8 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
                                                           recompute=bool(overrides), log=say, resume=resume)
     backend_name, kv_cache, runner = cache_and_runner(config, layout, arch, model, geometry,
                                                       recompute=bool(overrides), log=say)
+    if optimizer is not None:  # the data-parallel reduce may start during a step's last backward
+        runner.arm_grad_reduce = optimizer.arm_grad_reduce
     tp = layout.tensor_parallel_size
     return Engine(
         config=config, layout=layout, arch=arch, model=model, optimizer=optimizer, kv_cache=kv_cache, runner=runner,
@@ -205,6 +207,8 @@ def model_and_optimizer(source: ModelSource, config: ActorConfig, layout: Parall
     device, dtype = layout.device, config.torch_dtype
     uneven = not isinstance(split, int)
     overrides = dict(overrides, **config.parallel_overrides(), **moe_overrides(config, source_architecture(source)))
+    if for_training:  # (megatron's DDP gives every weight the main_grad its fused kernels add into)
+        overrides.update(training_fusions(device))
     arch, model, optimizer_state = load_model(
         source, dtype=dtype, device=device, transformer_impl=impl, pipeline_layers=split if uneven else None,
         virtual_pipeline_size=vpp, config_overrides=overrides,

@@ -145,7 +145,7 @@ def discard_gradients(model) -> None:
     """Drop every gradient a backward pass left in ``model``: ``.grad``, and megatron DDP's fp32
     ``main_grad`` buffer its hooks moved it into (the optimizer's main-parameter gradients are
     only filled from that buffer by its step). DDP's ``--overlap-grad-reduce`` bookkeeping
-    counts nothing outside a step (``TrainingOptimizer`` holds its buckets)."""
+    counts nothing outside a step's last backward (``TrainingOptimizer.bucket_launches``)."""
     for p in model.parameters():
         p.grad = None
         main_grad = getattr(p, "main_grad", None)

@@ -190,9 +190,12 @@ class Engine:
         return tree, plan, memories[self.layout.placement_rank], mode
 
     # ------------------------------------------------------------------ a step
-    def forward_backward(self, batch: SampleBatch, loss: ClaimLoss, return_logprobs: bool) -> StepResult:
+    def forward_backward(self, batch: SampleBatch, loss: ClaimLoss, return_logprobs: bool,
+                         last_of_step: bool = False) -> StepResult:
         """Forward and backward of the whole global batch on this rank's share of the plan;
-        losses and metrics reduced over the data x context parallel ranks."""
+        losses and metrics reduced over the data x context parallel ranks. ``last_of_step``:
+        :meth:`optimizer_step` follows with no other backward in between, so the gradient
+        reduce may start during this call's last backward pass (``--overlap-grad-reduce``)."""
         monitor, it = self.layout.monitor, self.iteration + 1
         times: Dict[str, float] = {}
         tree, plan, memory, mode = self.plan(batch, times)
@@ -207,7 +210,8 @@ class Engine:
         t0 = time.perf_counter()
         with monitor.phase(f"forward/backward of iteration {it}"), ExpertLoad(self.model) as expert_load:
             out = self.runner.train(plan, self.layout.placement_rank, loss, memory,
-                                    loss_scale=self.optimizer.loss_scale if self.optimizer is not None else 1.0)
+                                    loss_scale=self.optimizer.loss_scale if self.optimizer is not None else 1.0,
+                                    last_of_step=last_of_step)
         times["forward_backward"] = time.perf_counter() - t0
         keys = ["clip_frac", "pg_loss", "ratio_clamped", "kl", "entropy"]  # the same on every rank
         if router_losses is not None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_psrl.compat import install_cpu_optimizer_shims, megatron_optimizer_calls
+from megatron_psrl.engine.grad_reduce import BucketLaunches
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.options import OPTIMIZERS
 
@@ -68,12 +69,18 @@ class OptimizerSettings:
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer)."""
 
-    overlap_grad_reduce: bool = False
-    """``--overlap-grad-reduce``: megatron's DDP reduces gradients in asynchronous buckets. With
-    prefix sharing the reduce is launched once the step's last backward pass is done, not during
-    it: megatron starts a bucket when each of its parameters has had as many gradients as on the
-    first step, and a step's count follows its trees (micro-batches, retained prefix graphs), so
-    that trigger would fire early on a larger batch."""
+    overlap_grad_reduce: bool = True
+    """``--overlap-grad-reduce`` (on; ``--no-overlap-grad-reduce`` turns it off): megatron's DDP
+    reduces gradients in asynchronous buckets, each bucket's reduce started during the step's
+    last backward pass as soon as its parameters' gradients are in, while the backward goes on
+    (:mod:`megatron_psrl.engine.grad_reduce`); earlier backward passes only accumulate. The same
+    sums as reducing after the backward (megatron's operation over the same buckets). Off: one
+    bucket, reduced synchronously at the optimizer step."""
+
+    ddp_bucket_size: Optional[int] = None
+    """``--ddp-bucket-size``: parameters per gradient bucket with ``overlap_grad_reduce`` (None:
+    megatron's default, ``max(40M, 1M x data-parallel size)``). Smaller buckets start earlier
+    and overlap more of the backward, at more collectives per step."""
 
     overlap_param_gather: bool = False
     """``--overlap-param-gather``: with the distributed optimizer, the updated parameters are
@@ -91,6 +98,8 @@ class OptimizerSettings:
             raise ConfigurationError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise ConfigurationError("--lr, --weight-decay and --clip-grad must be >= 0")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise ConfigurationError(f"--ddp-bucket-size must be >= 1, got {self.ddp_bucket_size}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigurationError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM: "
                                      "the parameters are all-gathered only when the optimizer state is sharded)")
@@ -150,10 +159,11 @@ class TrainingOptimizer:
     may get no micro-batch at all), so they are driven from here instead:
 
     - ``--overlap-grad-reduce``: megatron launches a bucket's reduce once each of its
-      parameters had as many gradients as on the first step. Every bucket is held
-      (``is_last_microbatch = False``) from construction on, so no backward pass (start-up
-      calibration included) counts gradients or records that first-step count, and
-      ``finalize_model_grads`` launches every bucket after the step's last backward pass.
+      parameters had as many gradients as on the first step, on the last micro-batch.
+      :class:`~megatron_psrl.engine.grad_reduce.BucketLaunches` takes its place: a bucket
+      starts during the backward pass the step runner calls the step's last
+      (:meth:`arm_grad_reduce`), once all its parameters' gradients of that pass are in, in one
+      order on every rank; the rest start in that order before ``finalize_model_grads`` waits.
     - ``--overlap-param-gather``: megatron launches a bucket's parameter all-gather from the
       forward pre-hook of the bucket before it, which a rank without a forward pass never
       reaches. Here every rank launches all buckets' all-gathers right after the optimizer step
@@ -175,6 +185,7 @@ class TrainingOptimizer:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=settings.overlap_grad_reduce,
+            bucket_size=settings.ddp_bucket_size,
             overlap_param_gather=settings.overlap_param_gather,
             # The pre-hooks only wait: the all-gathers are launched by _start_param_gather.
             align_param_gather=settings.overlap_param_gather,
@@ -206,20 +217,14 @@ class TrainingOptimizer:
             )
         self._give_sgd_a_state_initializer()
         self.scheduler = _scheduler(self.optimizer, settings)
-        self._hold_grad_reduce()
+        self.bucket_launches: Optional[BucketLaunches] = (BucketLaunches(self.ddps, self.device)
+                                                          if settings.overlap_grad_reduce else None)
+        """When each gradient bucket's reduce starts (``overlap_grad_reduce``; None: at the step)."""
         self._start_param_gather()
 
     # ------------------------------------------------------------------ megatron's triggers
     def _bucket_groups(self):
         return [g for ddp in self.ddps for g in ddp.bucket_groups + getattr(ddp, "expert_parallel_bucket_groups", [])]
-
-    def _hold_grad_reduce(self) -> None:
-        """``--overlap-grad-reduce``: no bucket counts gradients or launches during backward
-        (see the class docstring); megatron's ``zero_grad_buffer`` releases them, so this
-        follows it."""
-        if self.settings.overlap_grad_reduce:
-            for group in self._bucket_groups():
-                group.is_last_microbatch = False
 
     def _start_param_gather(self) -> None:
         """``--overlap-param-gather``: launch every bucket's all-gather, on every rank alike."""
@@ -257,10 +262,17 @@ class TrainingOptimizer:
     def zero_grad(self) -> None:
         """Zero DDP's gradient buffers and the optimizer's main-parameter gradients."""
         with megatron_optimizer_calls(self.device):
+            if self.bucket_launches is not None:
+                self.bucket_launches.reset()  # (before megatron zeroes a buffer a reduce may still read)
             for ddp in self.ddps:
                 ddp.zero_grad_buffer()
-            self._hold_grad_reduce()
             self.optimizer.zero_grad()
+
+    def arm_grad_reduce(self, roots: Sequence[torch.Tensor] = ()) -> None:
+        """The step's last backward pass, from ``roots``, starts (the step runner says so):
+        with ``overlap_grad_reduce`` each bucket's reduce starts once its gradients are in."""
+        if self.bucket_launches is not None:
+            self.bucket_launches.arm(roots)
 
     def reduce_gradients(self) -> None:
         """megatron's ``finalize_model_grads``: the data x context parallel sum of every bucket
@@ -269,8 +281,12 @@ class TrainingOptimizer:
         :meth:`step` calls it; on its own it is for reading reduced gradients."""
         from megatron.core.distributed import finalize_model_grads
 
+        if self.bucket_launches is not None:
+            self.bucket_launches.launch_rest()  # (in the one order; finalize then only waits)
         with megatron_optimizer_calls(self.device):
             finalize_model_grads(self.ddps)
+        if self.bucket_launches is not None:
+            self.bucket_launches.reset()  # (a later backward accumulates, as after any reduce)
 
     def step(self, skip: bool = False) -> StepOutcome:
         """Reduce, clip and apply the gradients (unless skipped, see the class docstring)."""

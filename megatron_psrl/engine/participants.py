@@ -18,7 +18,7 @@ from typing import List, Tuple
 
 from megatron_psrl.engine.head_sends import HeadSends
 from megatron_psrl.model.gpt import model_chunks
-from megatron_psrl.schedule.instructions import Instruction, lockstep_passes
+from megatron_psrl.schedule.instructions import Instruction, last_backward, lockstep_passes
 
 
 class StepParticipant:
@@ -145,15 +145,45 @@ class KVCacheLifecycle(StepParticipant):
             self.cache.end_step()
 
 
+class LastBackward(StepParticipant):
+    """The step's last backward pass (:func:`~megatron_psrl.schedule.instructions.last_backward`):
+    the optimizer is told right before its autograd call starts (``arm(roots)``, through the
+    runner's ``_arm_backward``), so that each gradient bucket's data-parallel reduce starts as
+    soon as that pass has produced its gradients (``--overlap-grad-reduce``,
+    :mod:`megatron_psrl.engine.grad_reduce`); earlier passes only accumulate. Only in a call
+    whose backward is the last before the optimizer step."""
+
+    def __init__(self, runner, instructions: List[Instruction]):
+        self.runner = runner
+        self.instructions = instructions
+        self.at = None
+        self.position = 0
+
+    def begin(self, step) -> None:
+        self.at = last_backward(self.instructions, empty=lambda x: self.runner.runs_no_backward(x, step))
+
+    def before(self, instruction: Instruction, step) -> None:
+        if self.position == self.at:
+            self.runner.pending_arm = self.runner.arm_grad_reduce
+        self.position += 1
+
+    def end(self, step) -> None:
+        self.runner.pending_arm = None  # (a last pass without any autograd call arms nothing)
+
+
 def step_participants(runner, step, instructions: List[Instruction], training: bool) -> List[StepParticipant]:
     """The participants of one call, in the order their hooks run (``begin`` and ``end`` alike):
     the step's KV pool is sized before anything else allocates (ending it first only checks
-    that nothing is held), and the expert lockstep's trailing empty passes run before the
-    routers' replay ends."""
+    that nothing is held), the expert lockstep's trailing empty passes run before the
+    routers' replay ends, and the gradient reduce is armed after every other participant's
+    ``before`` (the lockstep's empty passes before a backward included)."""
     out: List[StepParticipant] = [KVCacheLifecycle(runner.kv_cache, training)]
     if runner.expert_group is not None:
         out.append(ExpertLockstep(runner, instructions))
     out.append(RouterState(runner, training))
     if step.plan.head_sends:
         out.append(HeadExchange(runner, training))
+    # (not with the expert lockstep: its trailing empty passes run backwards after the last one)
+    if training and step.last_of_step and runner.arm_grad_reduce is not None and runner.expert_group is None:
+        out.append(LastBackward(runner, instructions))
     return out

@@ -155,8 +155,16 @@ class PipelineStepRunner(StepRunner):
             self._io[i] = io
         return out.squeeze(1) if self.last else None
 
+    def runs_no_backward(self, x, step) -> bool:
+        """Every stage but the last runs a backward for every micro-batch (the gradient the
+        next stage sends back, zeros if it had no loss)."""
+        return False
+
     def _stage_backward(self, i: int, loss: Optional[Tensor], kv_grads) -> None:
         io = self._io.pop(i)
+        # the chunks' backwards start from their outputs sent on (or the loss) and their K/V rows
+        self._arm_backward([out for v, (_, out) in enumerate(io) if self._sends(v)]
+                           + ([loss] if loss is not None else []) + [rows for _, rows, _ in kv_grads])
         for v in reversed(range(len(self.chunks))):
             x, out = io[v]
             tensors: List[Tensor] = []
@@ -207,7 +215,7 @@ class PipelineStepRunner(StepRunner):
 
     # ------------------------------------------------------------------ a training step
     def train(self, plan: StepPlan, rank: int, loss_cfg: ClaimLoss, memory: Optional[MemoryPlan] = None,
-              loss_scale: float = 1.0) -> StepOutput:
+              loss_scale: float = 1.0, last_of_step: bool = False) -> StepOutput:
         rank_plan = plan.ranks[rank]
         independent = not rank_plan.sources and all(op == "forward_backward" for op, _ in rank_plan.schedule)
         # Cross-rank (a tree's fragments on several pipelines): each stage's per-layer K/V
@@ -234,8 +242,10 @@ class PipelineStepRunner(StepRunner):
         if independent and num and (len(self.chunks) == 1 or interleaved_ok) and self.expert_group is None:
             self.last_schedule = "1f1b" if len(self.chunks) == 1 else "interleaved-1f1b"
             return self._measure(lambda: self._train_megatron_schedule(plan, rank, loss_cfg, loss_scale))
+        # (megatron's 1F1B above runs its own backward passes: the reduce starts after it)
         self.last_schedule = "plan-order"
-        return self._measure(lambda: super(PipelineStepRunner, self).train(plan, rank, loss_cfg, memory, loss_scale))
+        return self._measure(lambda: super(PipelineStepRunner, self).train(plan, rank, loss_cfg, memory, loss_scale,
+                                                                           last_of_step))
 
     def _forward_only(self, plan, rank, memory, claims_loss=None, coefficients=None,
                       with_entropy: bool = False) -> StepOutput:

@@ -24,7 +24,7 @@ around it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -145,6 +145,9 @@ class StepState:
     """This rank's part in the heads sent between groups (plans that send heads)."""
     extra_losses: Dict[str, Tensor] = field(default_factory=dict)
     """Loss terms of the whole step added at its end (MoE router losses)."""
+    last_of_step: bool = False
+    """This call's backward is the last before the optimizer step: the gradient reduce may
+    start during its last backward pass (:class:`~megatron_psrl.engine.participants.LastBackward`)."""
 
     @property
     def rank_plan(self) -> RankPlan:
@@ -226,6 +229,12 @@ class StepRunner:
         """Routes of kept graphs whose backward recomputes their forward (activation recomputation)."""
         self.last_empty_expert_passes = 0
         """Empty MoE passes this rank ran in its last call to keep its expert-parallel group in step."""
+        self.arm_grad_reduce: Optional[Callable[[Sequence[Tensor]], None]] = None
+        """Called with the roots of a step's last backward pass right before it runs (the
+        optimizer's ``arm_grad_reduce``: ``--overlap-grad-reduce``); None: the reduce waits for
+        the step."""
+        self.pending_arm: Optional[Callable[[Sequence[Tensor]], None]] = None
+        """Set for the instruction that runs the step's last backward pass (``LastBackward``)."""
 
     # ------------------------------------------------------------------ one forward
     def _forward(
@@ -365,7 +374,26 @@ class StepRunner:
             tensors.append(rows)
             grads.append(grad)
         if tensors:
+            self._arm_backward(tensors)
             torch.autograd.backward(tensors, grads)
+
+    def runs_no_backward(self, x: ForwardBackward, step: "StepState") -> bool:
+        """``x`` certainly makes no autograd call (see ``_forward``): no claimed row, and
+        nothing that anchors a zero loss (an exchange, cached prefixes, experts, router losses)."""
+        mb = step.rank_plan.micro_batches[x.micro_batch]
+        if mb.reads or mb.produces or mb.exchange is not None or self.expert_group is not None \
+                or self.router_losses is not None:
+            return False
+        t = step.rank_plan.pack(step.plan.index, x.micro_batch).logit_targets
+        claims = step.plan.tree.claim_offsets
+        return not np.any(claims[t + 1] > claims[t])
+
+    def _arm_backward(self, roots: Sequence[Tensor]) -> None:
+        """Right before the autograd call(s) of a pass from ``roots``: if it is the step's last
+        backward, the optimizer's gradient reduce starts during it (:attr:`pending_arm`)."""
+        arm, self.pending_arm = self.pending_arm, None
+        if arm is not None:
+            arm(roots)
 
     def _finish(self, out: StepOutput) -> StepOutput:
         """The step's outputs, the same on every stage."""
@@ -387,12 +415,15 @@ class StepRunner:
         loss_cfg: ClaimLoss,
         memory: Optional[MemoryPlan] = None,
         loss_scale: float = 1.0,
+        last_of_step: bool = False,
     ) -> StepOutput:
         """Forward + backward of every micro-batch of ``rank``; gradients accumulate in the
         model's parameters (the caller reduces them across data-parallel ranks).
 
         ``loss_scale`` multiplies every loss before its backward (fp16 loss scaling; the
-        optimizer unscales). Injected prefix gradients come from scaled losses already."""
+        optimizer unscales). Injected prefix gradients come from scaled losses already.
+        ``last_of_step``: no backward follows this call's before the optimizer step, so the
+        data-parallel reduce may start during its last backward pass (:attr:`arm_grad_reduce`)."""
         rank_plan = plan.ranks[rank]
         _require_memory_plan(rank_plan, memory, "")
         self.gather_in_backward = memory is not None and memory.gathers_in_backward
@@ -400,7 +431,7 @@ class StepRunner:
         coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
         step = StepState(plan, rank, memory, loss_cfg, coefficients, loss_scale,
                          StepOutput(num_micro_batches=sum(mb.computes for mb in rank_plan.micro_batches),
-                                    logprobs=ComputedLogprobs()))
+                                    logprobs=ComputedLogprobs()), last_of_step=last_of_step)
         return self.execute(step, training_instructions(rank_plan, memory), training=True)
 
     # ------------------------------------------------------------------ forward only

@@ -256,7 +256,8 @@ class PolicyActor:
         self._check_same_call(batch, "train_step", return_logprobs, isinstance(loss, SequenceLoss))
         t0 = time.perf_counter()
         with preserved_rng(), PeakMemory(self.layout.device, mode=self.config.memory_tracking) as mem:
-            result = engine.forward_backward(batch, loss, return_logprobs)
+            # (the step follows at once: each gradient bucket's reduce starts in the last backward)
+            result = engine.forward_backward(batch, loss, return_logprobs, last_of_step=True)
             t1 = time.perf_counter()
             result.outcome = engine.optimizer_step(skip=not np.isfinite(result.loss))
         times = result.metrics.setdefault("times", {})

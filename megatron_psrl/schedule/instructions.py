@@ -32,7 +32,7 @@ every rank of a group derives its stream from the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, List, Optional, Tuple
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
 from megatron_psrl.schedule.memory import MemoryPlan
 from megatron_psrl.schedule.plan import RankPlan
@@ -137,6 +137,28 @@ class ReleaseKV(Instruction):
 def lockstep_passes(instructions: List[Instruction]) -> List[Tuple[str, int]]:
     """``(pass, micro-batch)`` of every model run, in order: the expert lockstep's plan."""
     return [(x.pass_kind, x.micro_batch) for x in instructions if x.pass_kind is not None]
+
+
+LOCAL_INSTRUCTIONS = (AllocateKV, ReleaseKV)
+"""Instructions that neither run the model nor communicate."""
+
+
+def last_backward(instructions: List[Instruction],
+                  empty: Callable[[ForwardBackward], bool] = lambda x: False) -> Optional[int]:
+    """Index of the step's last backward pass (the last :class:`ForwardBackward` or
+    :class:`Backward`; ``empty(x)``: that forward-backward certainly runs no backward, e.g. a
+    micro-batch without a claimed token, and is passed over): no gradient changes after it,
+    so a parameter's gradient of the step is complete once that pass has produced it. None
+    when the stream has no backward, or when an instruction after it communicates (a head's
+    dK/dV returned to its home rank): a gradient reduce started during the backward would
+    queue ahead of that message on a rank whose peer waits for the message before its own
+    reduce (NCCL runs one communicator's operations in the order they were posted)."""
+    for k in range(len(instructions) - 1, -1, -1):  # from the end: ``empty`` asked of the tail only
+        x = instructions[k]
+        if isinstance(x, LOCAL_INSTRUCTIONS) or (isinstance(x, ForwardBackward) and empty(x)):
+            continue
+        return k if isinstance(x, (ForwardBackward, Backward)) else None
+    return None
 
 
 def _exports(rank_plan: RankPlan) -> Dict[int, Tuple[int, ...]]:

@@ -192,10 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=float, default=0.0, help="SGD momentum")
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip; 0 disables")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (optimizer state sharded over data-parallel ranks)")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="megatron DDP's asynchronous bucketed gradient reduce. With prefix "
-                        "sharing it starts after the step's last backward pass: the backward pattern follows the "
-                        "trees, which megatron's in-backward trigger assumes fixed")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="megatron DDP's asynchronous bucketed gradient reduce, each bucket's reduce started during "
+                        "the step's last backward pass once its gradients are in (the same sums as after it); "
+                        "--no-overlap-grad-reduce: one bucket, reduced at the optimizer step")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per gradient bucket with --overlap-grad-reduce (default: megatron's, "
+                        "max(40M, 1M x data-parallel size))")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: overlap the parameter all-gather, launched after the "
                         "optimizer step, with what follows it (each module waits for its parameters)")

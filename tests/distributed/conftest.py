@@ -22,6 +22,8 @@ CASES = {  # id: (script, arguments, the tests that read it: "file::name" or a p
                     "test_megatron_optimizer.py::test_megatron_optimizer_over_gloo[calibration-", "a"),
     "param-gather": ("megatron_optimizer_steps.py", ["--case", "param-gather"],
                      "test_megatron_optimizer.py::test_megatron_optimizer_over_gloo[param-gather-", "a"),
+    "grad-overlap": ("megatron_optimizer_steps.py", ["--case", "grad-overlap"],
+                     "test_megatron_optimizer.py::test_megatron_optimizer_over_gloo[grad-overlap-", "a"),
 }
 
 

@@ -8,6 +8,11 @@
 - param-gather (R4): ``--overlap-param-gather`` with a rank that has no micro-batch in a step,
   an extra forward on one rank and a weight read on one rank: equal to the synchronous
   all-gather bit for bit. Before the fix: mismatched collectives (a gloo timeout).
+- grad-overlap: ``--overlap-grad-reduce`` started during a prefix-shared step's last backward
+  pass: gradients bit for bit those of the reduce after the step (one bucket, and the same
+  buckets), the distributed optimizer's step too; buckets start in order, none before the
+  last backward, some before its last gradient arrives (and, when the last backward is a shared
+  prompt's dK/dV only, before it produces any); a gradient after its bucket started raises.
 """
 
 from __future__ import annotations
@@ -24,11 +29,50 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "me
                      "OK calibration overlap_grad_reduce=True distributed=True",
                      "OK calibration overlap_grad_reduce=False distributed=False"]),
     ("param-gather", ["OK param-gather"]),
+    ("grad-overlap", ["OK grad-overlap"]),
 ])
 def test_megatron_optimizer_over_gloo(distributed_launches, case, expected):
     out = distributed_launches(case)  # SCRIPT --case CASE, 2 ranks (one launch with others: conftest.py)
     for line in expected:
         assert out.count(line) == 2, out[-3000:]  # both ranks
+
+
+def test_reachable_parameters_follow_the_backward_graph():
+    """What a backward from given roots reaches decides which buckets are complete from the
+    start of the step's last backward: a root that skips a layer leaves its weight out; a
+    reentrant checkpoint hides its parameters, so nothing can be told."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from megatron_psrl.engine.grad_reduce import reachable_parameters
+
+    low, high = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    x = torch.randn(3, 4)
+    hidden = low(x)
+    loss = high(hidden).sum()
+    assert reachable_parameters([hidden]) == {id(low.weight), id(low.bias)}
+    assert reachable_parameters([loss, hidden]) == {id(p) for p in (*low.parameters(), *high.parameters())}
+    kept = checkpoint(low, x, use_reentrant=False)  # (non-reentrant: the graph holds the weights)
+    assert reachable_parameters([kept]) == {id(low.weight), id(low.bias)}
+    hidden_again = checkpoint(low, x.requires_grad_(), use_reentrant=True)
+    assert reachable_parameters([hidden_again]) is None
+
+
+def test_gradient_accumulation_fusion_only_where_its_kernel_is(monkeypatch):
+    """On for a training model on CUDA when apex's fused_weight_gradient_mlp_cuda imports;
+    off on CPU (no such kernel) and without the extension."""
+    import sys
+    import types
+
+    import torch
+
+    from megatron_psrl.compat import training_fusions
+
+    monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", types.ModuleType("fused_weight_gradient_mlp_cuda"))
+    assert training_fusions(torch.device("cuda")) == {"gradient_accumulation_fusion": True}
+    assert training_fusions(torch.device("cpu")) == {"gradient_accumulation_fusion": False}
+    monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", None)  # (import fails)
+    assert training_fusions(torch.device("cuda")) == {"gradient_accumulation_fusion": False}
 
 
 def test_cpu_calls_patch_only_while_megatron_runs():

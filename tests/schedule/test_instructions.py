@@ -120,6 +120,35 @@ def _check_training_stream(rank_plan, memory, stream):
             assert isinstance(stream[k + 1], ins.Backward) and stream[k + 1].micro_batch == x.micro_batch
 
 
+def test_last_backward_is_the_last_model_backward_with_only_local_work_after_it():
+    """The pass during which the data-parallel gradient reduce may start: the last backward of
+    the stream, unless something after it communicates (a head's dK/dV returned to its home)."""
+    B, FB, K = ins.Backward, ins.ForwardBackward, ins.ForwardKeep
+    local = [ins.ReleaseKV((0,), ins.ALL_KINDS), ins.AllocateKV((1,))]
+    assert ins.last_backward([K(0), FB(1), B(0)] + local) == 2
+    assert ins.last_backward([K(0), B(0, recompute=True), FB(1)]) == 2
+    assert ins.last_backward([K(0), B(0), ins.ReturnHeadGrads(0)] + local) is None
+    assert ins.last_backward([ins.Forward(0)]) is None and ins.last_backward([]) is None
+    # a forward-backward that certainly runs no backward (nothing claimed) is passed over
+    assert ins.last_backward([K(0), B(0), FB(1)] + local, empty=lambda x: x.micro_batch == 1) == 1
+    assert ins.last_backward([FB(1)], empty=lambda x: True) is None
+    armed = 0
+    for make_tree in (_stepwise, _search_tree):
+        for layout in LAYOUTS:
+            for plan, memories in _generous_and_tight(make_tree, layout):
+                for rank_plan, memory in zip(plan.ranks, memories):
+                    stream = ins.training_instructions(rank_plan, memory)
+                    k = ins.last_backward(stream)
+                    runs = [j for j, x in enumerate(stream) if isinstance(x, (B, FB))]
+                    if k is None:
+                        assert not runs or any(not isinstance(x, ins.LOCAL_INSTRUCTIONS)
+                                               for x in stream[runs[-1] + 1:])
+                    else:
+                        armed += 1
+                        assert k == runs[-1]
+    assert armed, "no layout arms a backward"
+
+
 def test_the_layouts_exercise_every_instruction_kind():
     """The layouts above reach every kind the executor knows (a guard on the test's coverage)."""
     kinds = set()
