@@ -18,7 +18,15 @@ os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint  # noqa: E402
 from helpers.tolerance import assert_equal_up_to_rounding  # noqa: E402
 from helpers.verl_harness import (  # noqa: E402
-    ONE_PASS_CASES, TWO_PASS_CASES, VOCAB, case_batch, case_config, metric_values, multi_turn_samples, reference)
+    ONE_PASS_CASES,
+    TWO_PASS_CASES,
+    VOCAB,
+    case_batch,
+    case_config,
+    metric_values,
+    multi_turn_samples,
+    reference,
+)
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import HFModelConfig, McoreOptimizerConfig  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
@@ -72,7 +80,12 @@ def _log_prob_passes(engine):
     return calls, lambda: setattr(engine.engine, "compute_logprobs", original)
 
 
-@pytest.mark.parametrize("name", list(ONE_PASS_CASES) + list(TWO_PASS_CASES))
+QUICK = ("vanilla-token-mean-entropy", "vanilla-seq-mean-token-sum-k3-is", "gspo-seq-mean-token-mean")
+"""The cases of the quick suite (the rest are marked slow: a few seconds each)."""
+
+
+@pytest.mark.parametrize("name", [name if name in QUICK else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in list(ONE_PASS_CASES) + list(TWO_PASS_CASES)])
 def test_train_batch_matches_verls_ppo_loss(engine, hf_model, name):
     """train_batch's loss and every metric verl reports equal verl's ppo_loss on the engine's own
     log-probs; every parameter's gradient (SGD, lr 1) equals verl's loss on per-sample HF
