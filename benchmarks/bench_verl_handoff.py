@@ -62,6 +62,8 @@ def stub_model(engine) -> None:
 
 
 def child(args) -> None:
+    """One row: build the batch and the stubbed engine with the package at ``args.code``, time
+    the calls, print them as JSON."""
     sys.path.insert(0, args.code)
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
     from functools import partial
@@ -101,7 +103,7 @@ def child(args) -> None:
             batch = data.clone()
             t0 = time.perf_counter()
             with engine.train_mode():
-                engine.forward_backward_batch(batch, loss, forward_only=forward_only)
+                engine.forward_backward_batch(batch, None if forward_only else loss, forward_only=forward_only)
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 

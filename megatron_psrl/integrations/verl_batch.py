@@ -49,10 +49,7 @@ class VerlSequences:
     def response_index(self) -> np.ndarray:
         """int64 ``[sum of response lengths]``: the flat index of every response token, sample
         after sample (the order of verl's response-shaped tensors' valid entries)."""
-        starts = self.starts
-        lengths = np.diff(starts) - self.prompt_lengths
-        first = np.repeat(starts[:-1] + self.prompt_lengths - _exclusive_cumsum(lengths), lengths)
-        return first + np.arange(int(lengths.sum()), dtype=np.int64)
+        return np.flatnonzero(response_mask(self.starts, self.prompt_lengths))
 
     def per_token(self, values: torch.Tensor, index: Optional[np.ndarray] = None, dtype=np.float32) -> np.ndarray:
         """A verl response-shaped tensor (padded ``[B, R]`` or jagged ``[B, r_i]``) as a per-token
@@ -72,10 +69,13 @@ class VerlSequences:
         return out
 
 
-def _exclusive_cumsum(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=out[1:])
-    return out
+def response_mask(offsets: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray:
+    """bool ``[offsets[-1]]``: the response tokens of samples delimited by ``offsets`` (one pass
+    over the tokens: +1 where a response starts, -1 where it ends, summed)."""
+    steps = np.zeros(int(offsets[-1]) + 1, dtype=np.int8)
+    np.add.at(steps, offsets[:-1] + prompt_lengths, 1)
+    np.add.at(steps, offsets[1:], -1)
+    return np.cumsum(steps[:-1], dtype=np.int8) > 0
 
 
 def sequences_of(data) -> VerlSequences:
@@ -104,8 +104,10 @@ def sequences_of(data) -> VerlSequences:
     if "position_ids" in data.keys():
         positions = data["position_ids"]
         if positions.is_nested and positions.values().dim() == 1:
-            want = np.arange(len(tokens), dtype=np.int64) - np.repeat(offsets[:-1].numpy(), lengths)
-            if not np.array_equal(positions.values().to("cpu", torch.int64).numpy(), want):
+            values = positions.values().to("cpu", torch.int64).numpy()
+            steps = np.diff(values)  # 1 within a sample; the step into the next sample must start at 0
+            steps[offsets[1:-1].numpy() - 1] = 1
+            if len(values) and not (np.all(values[offsets[:-1].numpy()] == 0) and np.all(steps == 1)):
                 raise ConfigurationError("verl batch: position_ids are not 0, 1, 2, ... per sample; the psrl engine "
                                          "derives positions from each sample's tokens (text models)")
         elif positions.is_nested:
@@ -183,9 +185,7 @@ class GatheredSequences:
 
     def response_mask(self) -> np.ndarray:
         """bool ``[N]``: every response token (the prompt's are False)."""
-        lengths = np.diff(self.offsets)
-        position = np.arange(len(self.tokens), dtype=np.int64) - np.repeat(self.offsets[:-1], lengths)
-        return position >= np.repeat(self.prompt_lengths, lengths)
+        return response_mask(self.offsets, self.prompt_lengths)
 
 
 def gather_sequences(seqs: VerlSequences, group, size: int, rank: int, device) -> GatheredSequences:
