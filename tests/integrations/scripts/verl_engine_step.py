@@ -68,6 +68,7 @@ before = engine.actor.state_dict_hf()
 with engine.train_mode():
     trained = engine.train_batch(shards[rank].clone(), partial(ppo_loss, config))
 after = engine.actor.state_dict_hf()
+engine.actor.load_hf_state_dict(before)  # the cases below start from the checkpoint's weights too
 
 mine = {"rank": dist.get_rank(), "dp_rank": rank, "src": engine.is_mp_src_rank_with_outputs(),
         "loss": trained["loss"][0], "grad_norm": trained["metrics"].get("grad_norm"),  # on reporting ranks
