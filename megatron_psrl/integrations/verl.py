@@ -15,24 +15,33 @@ CPU. A verl config selects it with::
 What a call does. verl hands each data-parallel rank its share of a mini-batch, after
 ``left_right_2_no_padding``: jagged ``input_ids``, the padded ``prompts`` / ``responses`` /
 ``attention_mask`` / ``response_mask``, ``old_log_probs``, ``advantages``, ... and settings as
-non-tensor entries. :meth:`PsrlEngine.forward_backward_batch`
+non-tensor entries. :meth:`PsrlEngine.forward_backward_batch` first gathers every
+data-parallel rank's token sequences (flat token ids and lengths, as tensors:
+:mod:`~megatron_psrl.integrations.verl_batch`), so the engine's planner sees the whole
+mini-batch: GRPO groups, multi-turn histories and any other shared prefix are computed once,
+whichever rank verl sent them to. Then, for training:
 
-1. gathers every data-parallel rank's token sequences (token ids only), so the engine's
-   planner sees the whole mini-batch: GRPO groups, multi-turn histories and any other shared
-   prefix are computed once, whichever rank verl sent them to;
-2. runs the prefix-shared log-prob pass (forward only) for the whole mini-batch, and hands this
-   rank's log-probs (and entropies when ``calculate_entropy``) to verl's ``loss_function``
-   unchanged, as the nested tensors verl's own engines produce (position t holds
-   log p(token t+1));
-3. for training, differentiates verl's loss with respect to those log-probs (and entropies):
-   ``g[t] = dL/dlogp[t]``. Because verl's loss depends on the parameters only through them,
-   ``sum_t g[t] * logp[t]`` (evaluated at the same parameters) has exactly the loss's
-   parameter gradient; the engine runs that per-token loss forward and backward over the whole
-   mini-batch with prefix sharing (mechanisms 1 and 2), every rank's ``g`` gathered first.
+- **verl's own** ``ppo_loss`` (``functools.partial(ppo_loss, config=...)``, what verl's worker
+  sets), with a policy-loss mode that is a per-token function (``vanilla`` / dual-clip,
+  ``dppo_tv``, ``dppo_kl``, ``sapo``, ``gpg``, ``dro``, ``cispo``), any ``loss_agg_mode``,
+  entropy and KL terms: **one forward and one backward**. The loss is evaluated claim by claim
+  inside the engine's step (:mod:`~megatron_psrl.integrations.verl_loss`), configured from
+  verl's actor config; verl gets back its loss, metrics and log-probs per rank as ``ppo_loss``
+  computes them.
+- **any other loss function** (and ``gspo``, ``geo_mean``, ``clip_cov``, ``kl_cov``,
+  ``bypass_mode``, whose terms depend on other tokens): two passes. The prefix-shared log-prob
+  pass (forward only) over the whole mini-batch; this rank's log-probs (and entropies when
+  ``calculate_entropy``) go to verl's ``loss_function`` unchanged, as the nested tensors verl's
+  own engines produce (position t holds log p(token t+1)); the engine differentiates the loss
+  with respect to them, ``g[t] = dL/dlogp[t]``, and, since the loss depends on the parameters
+  only through them, runs ``sum_t g[t] * logp[t]`` forward and backward over the whole
+  mini-batch with prefix sharing, every rank's ``g`` gathered first. This costs one forward
+  pass more than the one-pass path.
 
-The gradient equals verl's: verl's engines average gradients over data-parallel ranks, so each
-rank's ``g`` is divided by the data-parallel size before the engine sums over ranks. The cost
-is one forward pass more than a single fused pass (the log-prob pass); the rest is shared.
+The engine logs once which path verl's loss takes, and why. Either way the gradient equals
+verl's: verl's engines average gradients over data-parallel ranks, so each rank's share is
+divided by the data-parallel size before the engine sums over ranks. With pipeline
+parallelism, ``ppo_loss`` takes the two-pass path too.
 
 Not supported yet (refused at the call, in one line): a sampling ``temperature`` other than 1,
 pipeline parallelism with ``calculate_entropy``, parameter / optimizer offload, LoRA.
