@@ -432,7 +432,7 @@ class PsrlEngine(BaseEngine):
                                              self.actor.arch.vocab_size, entropy_wanted)
         self.actor.forward_backward(batch, loss_fn=loss, return_logprobs=False)
         outputs = {"log_probs": loss.log_probs, "entropy": loss.entropy}
-        if torch.distributed.get_world_size(gradient_group()) > 1:  # each claim ran on one rank of the group
+        if dist.get_world_size(gradient_group()) > 1:  # each claim ran on one rank of the group
             for tensor in (loss.sums, loss.log_probs, loss.entropy):
                 if tensor is not None:
                     dist.all_reduce(tensor, group=gradient_group())

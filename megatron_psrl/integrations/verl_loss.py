@@ -260,7 +260,7 @@ class VerlPolicyLoss:
         coef_pg, coef_other = self.coef_pg[claims.sample], self.coef_other[claims.sample]
         pg = coef_pg * pg_losses
         loss = pg.sum()
-        columns = {"pg": pg, **{k: v for k, v in token_metrics.items()}}
+        columns = {"pg": pg, **token_metrics}
         self.log_probs[claims.token] = logp.detach()
         if self.needs_entropy:
             ent = entropy[claims.row]
@@ -278,7 +278,7 @@ class VerlPolicyLoss:
 
     def rank_result(self, rank: int, shares: RankShares, info: Dict[str, Any]) -> Tuple[float, Dict[str, Any]]:
         """``(loss, metrics)`` as verl's ``ppo_loss`` returns them on data-parallel rank ``rank``
-        (after :meth:`sums` were summed over the engine's ranks)."""
+        (once ``sums`` holds the sums of every rank of the engine's gradient group)."""
         sums = dict(zip(_SUM_KEYS, self.sums[rank].tolist()))
         scale = float(info["dp_size"])  # verl's agg_loss multiplies each rank's share by dp_size
         tokens = float(shares.response_tokens[rank]) + 1e-8  # verl's masked_mean
