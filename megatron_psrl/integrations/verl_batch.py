@@ -49,7 +49,11 @@ class VerlSequences:
     def response_index(self) -> np.ndarray:
         """int64 ``[sum of response lengths]``: the flat index of every response token, sample
         after sample (the order of verl's response-shaped tensors' valid entries)."""
-        return np.flatnonzero(response_mask(self.starts, self.prompt_lengths))
+        starts = self.starts
+        lengths = np.diff(starts) - self.prompt_lengths
+        before = np.zeros(len(lengths), dtype=np.int64)  # response tokens of the samples before
+        np.cumsum(lengths[:-1], out=before[1:])
+        return np.repeat(starts[:-1] + self.prompt_lengths - before, lengths) + np.arange(int(lengths.sum()))
 
     def per_token(self, values: torch.Tensor, index: Optional[np.ndarray] = None, dtype=np.float32) -> np.ndarray:
         """A verl response-shaped tensor (padded ``[B, R]`` or jagged ``[B, r_i]``) as a per-token
@@ -57,15 +61,16 @@ class VerlSequences:
         index = self.response_index() if index is None else index
         lengths = np.diff(self.starts) - self.prompt_lengths
         if getattr(values, "is_nested", False):
-            valid = values.values()
+            valid = values.values().detach().to("cpu").numpy()
         else:
-            width = values.shape[1]
+            padded = values.detach().to("cpu").numpy()
+            width = padded.shape[1]
             if width < lengths.max(initial=0):
                 raise ConfigurationError(f"verl batch: a response-shaped tensor of width {width} for responses of up "
                                          f"to {int(lengths.max())} tokens")
-            valid = values[torch.arange(width, device=values.device)[None, :] < torch.from_numpy(lengths)[:, None].to(values.device)]
+            valid = padded[np.arange(width)[None, :] < lengths[:, None]]  # (numpy: torch's mask indexing is slower)
         out = np.zeros(len(self.tokens), dtype=dtype)
-        out[index] = valid.detach().to("cpu").numpy().astype(dtype, copy=False)
+        out[index] = valid
         return out
 
 
