@@ -15,24 +15,33 @@ CPU. A verl config selects it with::
 What a call does. verl hands each data-parallel rank its share of a mini-batch, after
 ``left_right_2_no_padding``: jagged ``input_ids``, the padded ``prompts`` / ``responses`` /
 ``attention_mask`` / ``response_mask``, ``old_log_probs``, ``advantages``, ... and settings as
-non-tensor entries. :meth:`PsrlEngine.forward_backward_batch`
+non-tensor entries. :meth:`PsrlEngine.forward_backward_batch` first gathers every
+data-parallel rank's token sequences (flat token ids and lengths, as tensors:
+:mod:`~megatron_psrl.integrations.verl_batch`), so the engine's planner sees the whole
+mini-batch: GRPO groups, multi-turn histories and any other shared prefix are computed once,
+whichever rank verl sent them to. Then, for training:
 
-1. gathers every data-parallel rank's token sequences (token ids only), so the engine's
-   planner sees the whole mini-batch: GRPO groups, multi-turn histories and any other shared
-   prefix are computed once, whichever rank verl sent them to;
-2. runs the prefix-shared log-prob pass (forward only) for the whole mini-batch, and hands this
-   rank's log-probs (and entropies when ``calculate_entropy``) to verl's ``loss_function``
-   unchanged, as the nested tensors verl's own engines produce (position t holds
-   log p(token t+1));
-3. for training, differentiates verl's loss with respect to those log-probs (and entropies):
-   ``g[t] = dL/dlogp[t]``. Because verl's loss depends on the parameters only through them,
-   ``sum_t g[t] * logp[t]`` (evaluated at the same parameters) has exactly the loss's
-   parameter gradient; the engine runs that per-token loss forward and backward over the whole
-   mini-batch with prefix sharing (mechanisms 1 and 2), every rank's ``g`` gathered first.
+- **verl's own** ``ppo_loss`` (``functools.partial(ppo_loss, config=...)``, what verl's worker
+  sets), with a policy-loss mode that is a per-token function (``vanilla`` / dual-clip,
+  ``dppo_tv``, ``dppo_kl``, ``sapo``, ``gpg``, ``dro``, ``cispo``), any ``loss_agg_mode``,
+  entropy and KL terms: **one forward and one backward**. The loss is evaluated claim by claim
+  inside the engine's step (:mod:`~megatron_psrl.integrations.verl_loss`), configured from
+  verl's actor config; verl gets back its loss, metrics and log-probs per rank as ``ppo_loss``
+  computes them.
+- **any other loss function** (and ``gspo``, ``geo_mean``, ``clip_cov``, ``kl_cov``,
+  ``bypass_mode``, whose terms depend on other tokens): two passes. The prefix-shared log-prob
+  pass (forward only) over the whole mini-batch; this rank's log-probs (and entropies when
+  ``calculate_entropy``) go to verl's ``loss_function`` unchanged, as the nested tensors verl's
+  own engines produce (position t holds log p(token t+1)); the engine differentiates the loss
+  with respect to them, ``g[t] = dL/dlogp[t]``, and, since the loss depends on the parameters
+  only through them, runs ``sum_t g[t] * logp[t]`` forward and backward over the whole
+  mini-batch with prefix sharing, every rank's ``g`` gathered first. This costs one forward
+  pass more than the one-pass path.
 
-The gradient equals verl's: verl's engines average gradients over data-parallel ranks, so each
-rank's ``g`` is divided by the data-parallel size before the engine sums over ranks. The cost
-is one forward pass more than a single fused pass (the log-prob pass); the rest is shared.
+The engine logs once which path verl's loss takes, and why. Either way the gradient equals
+verl's: verl's engines average gradients over data-parallel ranks, so each rank's share is
+divided by the data-parallel size before the engine sums over ranks. With pipeline
+parallelism, ``ppo_loss`` takes the two-pass path too.
 
 Not supported yet (refused at the call, in one line): a sampling ``temperature`` other than 1,
 pipeline parallelism with ``calculate_entropy``, parameter / optimizer offload, LoRA.
@@ -40,6 +49,7 @@ pipeline parallelism with ``calculate_entropy``, parameter / optimizer offload, 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -57,11 +67,24 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("megatron_psrl.integrations.verl needs verl: pip install -e \".[verl]\" "
                       f"(verl 0.9.x; {exc})") from exc
 
+from megatron_psrl.distributed.setup import gradient_group
 from megatron_psrl.dtypes import canonical_dtype_name
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.optimizer import OptimizerSettings
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.integrations.verl_batch import (
+    GatheredSequences,
+    VerlSequences,
+    from_verl,
+    gather_flat,
+    gather_sequences,
+    sequences_of,
+    to_verl,
+)
+from megatron_psrl.integrations.verl_loss import one_pass_batch, one_pass_config
 from megatron_psrl.rl.loss import PerClaimLoss
+
+_LOG = logging.getLogger(__name__)
 
 BACKEND = "psrl"
 """The backend (``engine.strategy``) name this engine registers under."""
@@ -196,60 +219,6 @@ def training_batch(samples, advantages: torch.Tensor, old_log_probs: torch.Tenso
     return td
 
 
-@dataclass
-class VerlSequences:
-    """One data-parallel rank's share of a verl mini-batch, as token sequences."""
-
-    tokens: List[np.ndarray]
-    """Per sample: prompt + response token ids (padding removed)."""
-
-    prompt_lengths: np.ndarray
-    """Per sample: tokens of the prompt (>= 1)."""
-
-    offsets: torch.Tensor
-    """int64 ``[B + 1]``: the jagged offsets of verl's ``input_ids`` (the layout of its outputs)."""
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.tokens)
-
-
-def sequences_of(data: TensorDict) -> VerlSequences:
-    """The token sequences of a verl batch in the no-padding layout (``left_right_2_no_padding``:
-    jagged ``input_ids``; prompt lengths from ``prompts`` / ``attention_mask``, as verl's
-    ``no_padding_2_padding`` reads them). Positions must be 0, 1, 2, ... per sample (text
-    models; 3-D rope positions of vision-language models are refused)."""
-    input_ids = data["input_ids"]
-    if not getattr(input_ids, "is_nested", False):
-        raise ConfigurationError("the psrl engine takes verl's no-padding layout (jagged input_ids from "
-                                 "left_right_2_no_padding), got a padded input_ids")
-    offsets = input_ids.offsets().to("cpu", torch.int64)
-    values = input_ids.values().to("cpu").numpy().astype(np.int64)
-    lengths = offsets.diff().numpy()
-    prompts = data["prompts"]
-    if getattr(prompts, "is_nested", False):
-        prompt_lengths = prompts.offsets().diff().to("cpu").numpy()
-    else:
-        prompt_lengths = data["attention_mask"][:, : prompts.shape[1]].sum(dim=1).to("cpu").numpy()
-    prompt_lengths = prompt_lengths.astype(np.int64)
-    for i, (p, n) in enumerate(zip(prompt_lengths, lengths)):
-        if not 1 <= p < n:
-            raise ConfigurationError(f"verl batch, sample {i}: prompt of {p} tokens in a sequence of {n} "
-                                     "(needs at least one prompt and one response token)")
-    if "position_ids" in data.keys():
-        positions = data["position_ids"]
-        if positions.is_nested and positions.values().dim() == 1:
-            want = torch.cat([torch.arange(int(n)) for n in lengths])
-            if not torch.equal(positions.values().to("cpu", torch.int64), want):
-                raise ConfigurationError("verl batch: position_ids are not 0, 1, 2, ... per sample; the psrl engine "
-                                         "derives positions from each sample's tokens (text models)")
-        elif positions.is_nested:
-            raise ConfigurationError("verl batch: multi-dimensional position_ids (vision-language rope) are not "
-                                     "supported by the psrl engine")
-    tokens = [values[offsets[i]:offsets[i + 1]] for i in range(len(lengths))]
-    return VerlSequences(tokens=tokens, prompt_lengths=prompt_lengths, offsets=offsets)
-
-
 def _check_temperature(data: TensorDict) -> None:
     temperature = tu.get_non_tensor_data(data, key="temperature", default=None)
     if temperature is None and "temperature" in data.keys():
@@ -262,26 +231,10 @@ def _check_temperature(data: TensorDict) -> None:
                                  f"temperature {values.flatten()[:4].tolist()} (set rollout.temperature=1.0)")
 
 
-def _shift_to_verl(per_sample: List[np.ndarray]) -> List[torch.Tensor]:
-    """The project's ``x[t]`` (about token t given tokens[:t]) in verl's layout ``y[t] = x[t + 1]``
-    (position t predicts token t + 1; the last position predicts nothing: 0)."""
-    return [torch.from_numpy(np.concatenate([x[1:], np.zeros(1, np.float32)]).astype(np.float32)) for x in per_sample]
-
-
-def _shift_from_verl(per_sample: torch.Tensor, offsets: torch.Tensor) -> List[np.ndarray]:
-    """Inverse of :func:`_shift_to_verl` on a flat ``[total]`` tensor with jagged ``offsets``."""
-    flat = per_sample.detach().to("cpu", torch.float32).numpy()
-    out = []
-    for i in range(len(offsets) - 1):
-        y = flat[offsets[i]:offsets[i + 1]]
-        out.append(np.concatenate([np.zeros(1, np.float32), y[:-1]]))
-    return out
-
-
-def _leaf(tensors: List[torch.Tensor], device, requires_grad: bool) -> torch.Tensor:
+def _leaf(values: torch.Tensor, device, requires_grad: bool) -> torch.Tensor:
     """The flat ``[total]`` values of a jagged output, a leaf that verl's loss is differentiated
     against (a nested tensor's ``values()`` is a new view on every call, not the leaf)."""
-    values = torch.cat(tensors).to(device)
+    values = values.to(device)
     return values.requires_grad_(True) if requires_grad else values
 
 
@@ -391,40 +344,53 @@ class PsrlEngine(BaseEngine):
         "loss": [loss], "metrics": {name: [value]}}`` for this rank's samples."""
         _check_temperature(data)
         seqs = sequences_of(data)
-        engine, layout = self.engine, self.actor.layout
-        device = layout.device
+        layout = self.actor.layout
         dp_group, dp = self.get_data_parallel_group(), self.get_data_parallel_size()
 
         # verl's global normalisers, as its engines set them before the loss
         loss_mask = data["loss_mask"]
         local_tokens = (loss_mask.values() if loss_mask.is_nested else loss_mask).sum().to(torch.float64)
-        num_tokens = local_tokens.reshape(1).to(device)
+        num_tokens = local_tokens.reshape(1).to(layout.device)
         if dp_group is not None:
             dist.all_reduce(num_tokens, group=dp_group)
         tu.assign_non_tensor(data, batch_num_tokens=int(num_tokens.item()), dp_size=dp)
-
-        # the whole mini-batch on every rank: the planner shares prefixes across verl's DP split
-        everyone = [(seqs.tokens, seqs.prompt_lengths)]
-        if dp_group is not None:
-            everyone = [None] * dp
-            dist.all_gather_object(everyone, (seqs.tokens, seqs.prompt_lengths), group=dp_group)
-        first = sum(len(t) for t, _ in everyone[:self.get_data_parallel_rank()]) if dp_group is not None else 0
-        tokens = [t for part, _ in everyone for t in part]
-        prompts = np.concatenate([p for _, p in everyone])
-        mine = slice(first, first + seqs.num_samples)
 
         entropy_wanted = bool(tu.get_non_tensor_data(data, key="calculate_entropy", default=False))
         if entropy_wanted and layout.pipeline_parallel_size > 1:
             raise ConfigurationError("calculate_entropy with pipeline parallelism is not supported by the psrl "
                                      "engine yet")
-        batch = self.actor.as_batch(self._samples(tokens, prompts), training=False)
-        result = engine.compute_logprobs(batch, with_entropy=entropy_wanted)
-        logprobs, entropies = result if entropy_wanted else (result, None)
-
+        # the whole mini-batch on every rank: the planner shares prefixes across verl's DP split
+        every = gather_sequences(seqs, dp_group, dp, self.get_data_parallel_rank(), layout.device)
         trains = not forward_only and loss_function is not None
-        leaves = {"log_probs": _leaf(_shift_to_verl(logprobs[mine]), device, trains)}
+        if trains:
+            config, why = one_pass_config(loss_function, data)
+            if config is not None and layout.pipeline_parallel_size > 1:
+                config, why = None, "pipeline parallelism (one pass needs the loss on every rank)"
+            self._log_path(config is not None, why)
+            if config is not None:
+                return self._one_pass(data, config, seqs, every, entropy_wanted)
+        return self._two_pass(data, loss_function, seqs, every, entropy_wanted, trains)
+
+    def _log_path(self, one_pass: bool, why: str) -> None:
+        """Say once per path which one verl's loss takes (one pass, or log-probs then update)."""
+        said = self.__dict__.setdefault("_paths_logged", set())
+        if one_pass not in said:
+            said.add(one_pass)
+            how = "one forward and backward" if one_pass else "two passes (log-probs, then the loss's gradient)"
+            _LOG.info("psrl engine: verl's loss runs in %s: %s", how, why)
+
+    def _two_pass(self, data: TensorDict, loss_function, seqs: VerlSequences, every: GatheredSequences,
+                  entropy_wanted: bool, trains: bool):
+        """Any loss function: log-probs for verl's ``loss_function``, then its gradient through the
+        engine (the module docstring's steps 2 and 3)."""
+        device, dp_group = self.actor.layout.device, self.get_data_parallel_group()
+        batch = self.actor.as_batch(every.batch(every.response_mask(), self.actor.arch.vocab_size), training=False)
+        result = self.engine.compute_logprobs(batch, with_entropy=entropy_wanted)
+        logprobs, entropies = result if entropy_wanted else (result, None)
+        mine, starts = every.mine, seqs.starts
+        leaves = {"log_probs": _leaf(to_verl(_concat(logprobs[mine]), starts), device, trains)}
         if entropies is not None:
-            leaves["entropy"] = _leaf(_shift_to_verl(entropies[mine]), device, trains)
+            leaves["entropy"] = _leaf(to_verl(_concat(entropies[mine]), starts), device, trains)
         offsets = seqs.offsets.to(device)
         model_output = {k: torch.nested.nested_tensor_from_jagged(v, offsets=offsets) for k, v in leaves.items()}
         loss_value, metrics = 0.0, {}
@@ -432,47 +398,50 @@ class PsrlEngine(BaseEngine):
             loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
             loss_value = float(loss.detach())
             if trains:
-                self._backward(loss, leaves, seqs, tokens, prompts, dp, dp_group)
+                self._backward(loss, leaves, seqs, every)
         detached = {k: torch.nested.nested_tensor_from_jagged(v.detach(), offsets=offsets) for k, v in leaves.items()}
         return {"model_output": detached, "loss": [loss_value], "metrics": {k: [v] for k, v in metrics.items()}}
 
-    def _samples(self, tokens: List[np.ndarray], prompts: np.ndarray,
-                 coefficients: Optional[List[np.ndarray]] = None,
-                 entropy_coefficients: Optional[List[np.ndarray]] = None) -> List[Dict[str, Any]]:
-        """Sample dicts with every response token claimed (verl reads log-probs at all of them;
-        its loss masks tool tokens itself). ``coefficients``: the per-token dL/dlogp carried as
-        the per-token ``advantage``; ``entropy_coefficients``: dL/dentropy, carried in the
-        per-token ``ref_logprobs`` field (both read by :func:`_surrogate`, nothing else)."""
-        out = []
-        for i, (t, p) in enumerate(zip(tokens, prompts)):
-            mask = np.zeros(len(t), dtype=np.int64)
-            mask[int(p):] = 1
-            sample: Dict[str, Any] = {"id": i, "tokens": t.tolist(), "loss_mask": mask.tolist()}
-            if coefficients is not None:
-                sample["advantage"] = coefficients[i].tolist()
-            if entropy_coefficients is not None:
-                sample["ref_logprobs"] = entropy_coefficients[i].tolist()
-            out.append(sample)
-        return out
-
     def _backward(self, loss: torch.Tensor, leaves: Dict[str, torch.Tensor], seqs: VerlSequences,
-                  tokens: List[np.ndarray], prompts: np.ndarray, dp: int, dp_group) -> None:
-        """The gradient of verl's loss through the engine (the module docstring's step 3)."""
+                  every: GatheredSequences) -> None:
+        """The gradient of verl's loss through the engine (the module docstring's step 3): the
+        per-token coefficients ``dL/dlogp`` (and ``dL/dentropy``) ride in the batch's
+        ``advantages`` (and ``ref_logprobs``) columns, read by :func:`_surrogate` only."""
+        dp, dp_group, device = self.get_data_parallel_size(), self.get_data_parallel_group(), self.actor.layout.device
         keys = list(leaves)
         grads = torch.autograd.grad(loss, [leaves[k] for k in keys], allow_unused=True)
-        per_key = {}
+        columns = {}
         for key, leaf, grad in zip(keys, leaves.values(), grads):
             grad = torch.zeros_like(leaf) if grad is None else grad
             # verl's engines average gradients over data-parallel ranks; the engine sums them
-            per_key[key] = _shift_from_verl(grad / dp, seqs.offsets)
-        gathered = [per_key]
-        if dp_group is not None:
-            gathered = [None] * dp
-            dist.all_gather_object(gathered, per_key, group=dp_group)
-        logp_coef = [c for part in gathered for c in part["log_probs"]]
-        ent_coef = [c for part in gathered for c in part["entropy"]] if "entropy" in per_key else None
-        batch = self._samples(tokens, prompts, logp_coef, ent_coef)
+            columns[key] = gather_flat(from_verl(grad / dp, seqs.starts), dp_group, dp, device)
+        ent_coef = columns.get("entropy")
+        batch = every.batch(every.response_mask(), self.actor.arch.vocab_size, advantages=columns["log_probs"],
+                            ref_logprobs=ent_coef)
         self.actor.forward_backward(batch, loss_fn=_surrogate(ent_coef is not None), return_logprobs=False)
+
+    def _one_pass(self, data: TensorDict, config, seqs: VerlSequences, every: GatheredSequences, entropy_wanted: bool):
+        """verl's ``ppo_loss`` evaluated claim by claim inside one forward and backward
+        (:mod:`megatron_psrl.integrations.verl_loss`): the same loss, metrics and gradient, no
+        log-prob pass."""
+        dp, dp_group, device = self.get_data_parallel_size(), self.get_data_parallel_group(), self.actor.layout.device
+        info = dict(dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"],
+                    global_batch_size=data["global_batch_size"], loss_scale_factor=config.loss_scale_factor)
+        config.global_batch_info.update(info)  # as ppo_loss leaves it
+        batch, loss, shares = one_pass_batch(data, config, seqs, every, dp_group, dp, device,
+                                             self.actor.arch.vocab_size, entropy_wanted)
+        self.actor.forward_backward(batch, loss_fn=loss, return_logprobs=False)
+        outputs = {"log_probs": loss.log_probs, "entropy": loss.entropy}
+        if dist.get_world_size(gradient_group()) > 1:  # each claim ran on one rank of the group
+            for tensor in (loss.sums, loss.log_probs, loss.entropy):
+                if tensor is not None:
+                    dist.all_reduce(tensor, group=gradient_group())
+        value, metrics = loss.rank_result(every.rank, shares, info)
+        mine, offsets = every.my_tokens, seqs.offsets.to(device)
+        model_output = {k: torch.nested.nested_tensor_from_jagged(to_verl(v[mine].cpu().numpy(), seqs.starts).to(device),
+                                                                  offsets=offsets)
+                        for k, v in outputs.items() if v is not None}
+        return {"model_output": model_output, "loss": [value], "metrics": {k: [v] for k, v in metrics.items()}}
 
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(self, **kwargs):
@@ -495,9 +464,13 @@ class PsrlEngine(BaseEngine):
         self.actor.load(local_path)
 
 
+def _concat(per_sample: List[np.ndarray]) -> np.ndarray:
+    return np.concatenate(per_sample).astype(np.float32, copy=False) if per_sample else np.zeros(0, np.float32)
+
+
 def _surrogate(with_entropy: bool) -> PerClaimLoss:
     """The per-token loss whose parameter gradient is verl's: ``sum g * logp (+ g_ent * entropy)``
-    with the coefficients that :meth:`PsrlEngine._samples` put into the batch."""
+    with the coefficients that :meth:`PsrlEngine._backward` put into the batch."""
 
     def per_claim(view):
         terms = view.advantage * view.logp

@@ -132,6 +132,10 @@ class ClaimBatch:
     sample_claims: Optional[Tensor] = None
     """``[c]``: number of claims of the claim's sample (its trained tokens)."""
 
+    token: Optional[Tensor] = None
+    """int64 ``[c]``: index of the claim's token in the batch's per-token arrays (for a loss
+    that reads per-token inputs of its own, aligned with the batch)."""
+
     @property
     def num_claims(self) -> int:
         return int(self.row.shape[0])
@@ -178,6 +182,7 @@ def gather_claims(
         metric_coef=torch.full((total,), 1.0 / max(1, len(tree.claim_token)), dtype=torch.float32, device=device),
         sample=host_to_device(sample.astype(np.int64), device),
         sample_claims=as_t(_claims_per_sample(tree)[sample]),
+        token=host_to_device(flat.astype(np.int64), device),
     )
 
 

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric import Metric
 from verl.workers.config import ActorConfig as VerlActorConfig
+from verl.workers.config import PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
 
 from megatron_psrl.integrations.verl import training_batch
@@ -55,21 +57,72 @@ def verl_batch(samples, *, global_batch_size: int, calculate_entropy: bool = Fal
                           calculate_entropy=calculate_entropy)
 
 
-def verl_loss_config(loss_agg_mode: str = "token-mean", entropy_coeff: float = 0.0) -> VerlActorConfig:
-    """verl's actor config as its PPO trainer builds it (clip 0.2, the given aggregation)."""
+def verl_loss_config(loss_agg_mode: str = "token-mean", entropy_coeff: float = 0.0, loss_mode: str = "vanilla",
+                     **fields) -> VerlActorConfig:
+    """verl's actor config as its PPO trainer builds it (clip 0.2, the given aggregation and
+    policy-loss mode; ``fields``: more of its fields, ``dro_beta`` into its policy-loss config)."""
+    policy = {"loss_mode": loss_mode}
+    if "dro_beta" in fields:
+        policy["dro_beta"] = fields.pop("dro_beta")
+    fields = dict(dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2), **fields)
     return VerlActorConfig(strategy="megatron", rollout_n=3, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
                            use_dynamic_bsz=False, loss_agg_mode=loss_agg_mode, entropy_coeff=entropy_coeff,
-                           clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2)
+                           policy_loss=PolicyLossConfig(**policy), **fields)
+
+
+ONE_PASS_CASES: Dict[str, dict] = {
+    "vanilla-token-mean-entropy": dict(entropy_coeff=0.01, clip_ratio_high=0.28),
+    "vanilla-seq-mean-token-sum-k3-is": dict(loss_agg_mode="seq-mean-token-sum", use_kl_loss=True,
+                                             kl_loss_type="low_var_kl", kl_loss_coef=0.1, is_weights=True),
+    "vanilla-seq-mean-token-sum-norm-k1plus": dict(loss_agg_mode="seq-mean-token-sum-norm", use_kl_loss=True,
+                                                   kl_loss_type="k1+", kl_loss_coef=0.05),
+    "vanilla-seq-mean-token-mean-mse": dict(loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, kl_loss_type="mse",
+                                            entropy_coeff=0.02),
+    "vanilla-token-sum-abs": dict(loss_agg_mode="token-sum", use_kl_loss=True, kl_loss_type="abs", clip_ratio_c=2.0),
+    "dppo_tv": dict(loss_mode="dppo_tv"),
+    "dppo_kl-seq-mean-token-mean": dict(loss_mode="dppo_kl", loss_agg_mode="seq-mean-token-mean"),
+    "sapo-entropy": dict(loss_mode="sapo", entropy_coeff=0.01),
+    "gpg-k2": dict(loss_mode="gpg", use_kl_loss=True, kl_loss_type="k2", kl_loss_coef=0.1),
+    "dro-seq-mean-token-sum": dict(loss_mode="dro", dro_beta=0.5, loss_agg_mode="seq-mean-token-sum"),
+    "cispo-k3plus": dict(loss_mode="cispo", use_kl_loss=True, kl_loss_type="k3+", kl_loss_coef=0.1,
+                         is_weights=True),
+}
+"""verl ``ppo_loss`` configurations the engine runs in one pass, each a config and batch
+(``calculate_entropy`` when ``entropy_coeff`` is set; ``is_weights``: rollout correction weights)."""
+
+TWO_PASS_CASES: Dict[str, dict] = {"gspo-seq-mean-token-mean": dict(loss_mode="gspo",
+                                                                    loss_agg_mode="seq-mean-token-mean")}
+"""A configuration the engine refuses to run in one pass (the two-pass path, exact all the same)."""
+
+
+def case_config(case: dict) -> VerlActorConfig:
+    return verl_loss_config(**{k: v for k, v in case.items() if k != "is_weights"})
+
+
+def case_batch(samples, case: dict, *, global_batch_size: int, seed: int = 0) -> TensorDict:
+    """verl's batch for a case: old log-probs around the model's (ratios on both sides of every
+    clip, dual-clip included), reference log-probs and rollout weights where the case needs them."""
+    data = verl_batch(samples, global_batch_size=global_batch_size, seed=seed,
+                      calculate_entropy=case.get("entropy_coeff", 0.0) != 0.0)
+    rng = np.random.default_rng(seed + 7)
+    mask = data["response_mask"].float()
+    data["old_log_probs"] = torch.from_numpy(rng.normal(-4.6, 1.2, size=mask.shape).astype(np.float32)) * mask
+    if case.get("use_kl_loss"):
+        data["ref_log_prob"] = torch.from_numpy(rng.normal(-4.6, 0.8, size=mask.shape).astype(np.float32)) * mask
+    if case.get("is_weights"):
+        data["rollout_is_weights"] = torch.from_numpy(rng.uniform(0.5, 1.5, size=mask.shape).astype(np.float32)) * mask
+    return data
 
 
 def reference(model, shards: List[TensorDict], config, entropy: bool) -> Dict[str, object]:
     """verl's loss of every data-parallel shard from per-sample HF log-probs, and the gradient of
-    their mean (verl's engines average over data-parallel ranks): ``{"losses", "grads",
-    "log_probs", "entropy"}`` (the last two per shard, verl's nested layout, as flat tensors)."""
+    their mean (verl's engines average over data-parallel ranks): ``{"losses", "metrics", "grads",
+    "log_probs", "entropy"}`` (metrics as floats; the last two per shard, verl's nested layout,
+    as flat tensors)."""
     model.zero_grad(set_to_none=True)
     dp = len(shards)
     num_tokens = sum(int(s["loss_mask"].sum()) for s in shards)
-    losses, log_probs, entropies = [], [], []
+    losses, metrics, log_probs, entropies = [], [], [], []
     total = 0.0
     for data in shards:
         data = data.clone()
@@ -86,14 +139,20 @@ def reference(model, shards: List[TensorDict], config, entropy: bool) -> Dict[st
         out = {"log_probs": torch.nested.nested_tensor_from_jagged(torch.cat(lps), offsets=offsets)}
         if entropy:
             out["entropy"] = torch.nested.nested_tensor_from_jagged(torch.cat(ents), offsets=offsets)
-        loss, _ = ppo_loss(config, out, data)
+        loss, shard_metrics = ppo_loss(config, out, data)
+        metrics.append(metric_values(shard_metrics))
         total = total + loss / dp
         losses.append(float(loss.detach()))
         log_probs.append(torch.cat(lps).detach())
         entropies.append(torch.cat(ents).detach())
     total.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return {"losses": losses, "grads": grads, "log_probs": log_probs, "entropy": entropies}
+    return {"losses": losses, "metrics": metrics, "grads": grads, "log_probs": log_probs, "entropy": entropies}
+
+
+def metric_values(metrics: Dict[str, object]) -> Dict[str, float]:
+    """verl's loss metrics as floats (``Metric`` objects aggregated)."""
+    return {k: float(v.aggregate() if isinstance(v, Metric) else v) for k, v in metrics.items()}
 
 
 def response_positions(data: TensorDict) -> torch.Tensor:

@@ -15,7 +15,16 @@ os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")  # verl assumes CUDA unless t
 
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint  # noqa: E402
 from helpers.torchrun import REPO_ROOT, run_torchrun  # noqa: E402
-from helpers.verl_harness import VOCAB, multi_turn_samples, reference, response_positions, verl_batch, verl_loss_config  # noqa: E402
+from helpers.verl_harness import (  # noqa: E402
+    ONE_PASS_CASES,
+    TWO_PASS_CASES,
+    VOCAB,
+    multi_turn_samples,
+    reference,
+    response_positions,
+    verl_batch,
+    verl_loss_config,
+)
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import HFModelConfig, McoreOptimizerConfig  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
@@ -150,11 +159,16 @@ def test_verl_optimizer_config_maps_to_megatron_names():
 def test_two_ranks_match_the_per_sample_reference(hf_dir, tmp_path, tp):
     """Under torchrun (gloo): DP=2, each rank its own half of the GRPO groups (verl's split,
     so each group's prompt is on both ranks and is computed once), and TP=2; every share's
-    loss, the log-probs and entropies, and every gradient equal the reference's."""
+    loss, the log-probs and entropies, and every gradient equal the reference's. The DP=2 launch
+    also runs every verl ppo_loss configuration of the one-pass tests (test_verl_one_pass.py)
+    and the two-pass one: each rank's loss and metrics against verl's function, every gradient."""
     out = tmp_path / "summary.json"
-    run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--tp", str(tp), "--entropy-coeff", "0.01", "--out", str(out)],
-                 nproc=2, timeout=900)
+    cases = ",".join(list(ONE_PASS_CASES) + list(TWO_PASS_CASES)) if tp == 1 else ""
+    run_torchrun(SCRIPT, ["--hf-dir", hf_dir, "--tp", str(tp), "--entropy-coeff", "0.01", "--cases", cases,
+                          "--out", str(out)], nproc=2, timeout=1800)
     summary = json.loads(out.read_text())
     assert summary["dp"] == 2 // tp and summary["tp"] == tp
     assert summary["parameters"] == 21 and summary["worst_grad"] <= 2e-6 + 1e-4
     assert len(summary["losses"]) == 2 and all(np.isfinite(v) for v in summary["losses"].values())
+    if tp == 1:
+        assert sorted(summary["cases"]) == sorted(list(ONE_PASS_CASES) + list(TWO_PASS_CASES))
