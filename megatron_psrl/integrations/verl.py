@@ -120,6 +120,15 @@ class PsrlEngineConfig(EngineConfig):
                                      "(param_offload / optimizer_offload must be false)")
 
 
+def _open_process_groups(config: ActorConfig):
+    """This process's :class:`~megatron_psrl.distributed.setup.ParallelLayout`: megatron's
+    groups over the process group verl's worker opened (or a one-process gloo group when
+    there is none, e.g. an engine built outside a worker)."""
+    from megatron_psrl.engine.builder import process_groups
+
+    return process_groups(config, None)
+
+
 def _get(config: Any, name: str, default: Any = None) -> Any:
     value = getattr(config, name, default) if config is not None else default
     return default if value is None else value
@@ -314,9 +323,16 @@ class PsrlEngine(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.mode = None
         self.actor = None
+        self.config = actor_config(engine_config, optimizer_config)
+        # verl asks for the data-parallel rank, size and output ranks right after building the
+        # engine, before initialize(); like verl's own engines, the process groups (megatron's
+        # TP / PP / CP / DP over the world verl opened) are set up here, the model later
+        self.layout = _open_process_groups(self.config)
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
+        """Build the model and optimizer (verl's ``TrainingWorker.reset``); a second call
+        rebuilds them from the model path."""
         from megatron_psrl.rl.actor import PolicyActor
 
         path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path", None)
@@ -324,8 +340,9 @@ class PsrlEngine(BaseEngine):
             raise ConfigurationError("verl's model config names no model path (model.path)")
         if getattr(self.model_config, "lora_rank", 0):
             raise ConfigurationError("the psrl engine does not train LoRA adapters yet (model.lora_rank must be 0)")
-        config = actor_config(self.engine_config, self.optimizer_config)
-        self.actor = PolicyActor(os.fspath(path), config, for_training=not self.engine_config.forward_only)
+        self.actor = None  # a reset drops the old model before building the new one
+        self.actor = PolicyActor(os.fspath(path), self.config, for_training=not self.engine_config.forward_only,
+                                 layout=self.layout)
 
     @property
     def engine(self):
@@ -358,10 +375,10 @@ class PsrlEngine(BaseEngine):
 
     # ------------------------------------------------------------------ process groups
     def get_data_parallel_rank(self) -> int:
-        return self.actor.layout.dp_rank
+        return self.layout.dp_rank
 
     def get_data_parallel_size(self) -> int:
-        return self.actor.layout.data_parallel_size
+        return self.layout.data_parallel_size
 
     def get_data_parallel_group(self):
         from megatron.core import parallel_state
@@ -369,7 +386,7 @@ class PsrlEngine(BaseEngine):
         return parallel_state.get_data_parallel_group() if self.get_data_parallel_size() > 1 else None
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        layout = self.actor.layout
+        layout = self.layout
         return layout.tp_rank == 0 and layout.pp_rank == layout.pipeline_parallel_size - 1 and layout.cp_rank == 0
 
     # ------------------------------------------------------------------ optimizer
