@@ -381,9 +381,12 @@ class PsrlEngine(BaseEngine):
         return self.layout.data_parallel_size
 
     def get_data_parallel_group(self):
+        """megatron's data-parallel group, also of one rank: verl's worker gathers metrics over it
+        whenever it is not None, and its ``train_mini_batch`` expects them gathered (as verl's
+        own engines, which always return their group, give them)."""
         from megatron.core import parallel_state
 
-        return parallel_state.get_data_parallel_group() if self.get_data_parallel_size() > 1 else None
+        return parallel_state.get_data_parallel_group()
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         layout = self.layout
@@ -451,7 +454,7 @@ class PsrlEngine(BaseEngine):
             if trains:
                 self._backward(loss, leaves, seqs, tokens, prompts, dp, dp_group)
         detached = {k: torch.nested.nested_tensor_from_jagged(v.detach(), offsets=offsets) for k, v in leaves.items()}
-        return {"model_output": detached, "loss": [loss_value], "metrics": {k: [v] for k, v in metrics.items()}}
+        return {"model_output": detached, "loss": [loss_value], "metrics": _as_verl_metrics(metrics)}
 
     def _samples(self, tokens: List[np.ndarray], prompts: np.ndarray,
                  coefficients: Optional[List[np.ndarray]] = None,
@@ -510,6 +513,18 @@ class PsrlEngine(BaseEngine):
     def load_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, del_local_after_load: bool = True,
                         **kwargs) -> None:
         self.actor.load(local_path)
+
+
+def _as_verl_metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """A loss function's metrics as verl's engines return them (``append_to_dict`` over the
+    micro-batches): a ``Metric`` stays a ``Metric`` (its own list), anything else becomes a
+    list; verl's ``train_mini_batch`` aggregates the first with ``Metric.aggregate_dp`` and
+    chains the second."""
+    from verl.utils.py_functional import append_to_dict
+
+    out: Dict[str, Any] = {}
+    append_to_dict(out, metrics)
+    return out
 
 
 def _surrogate(with_entropy: bool) -> PerClaimLoss:

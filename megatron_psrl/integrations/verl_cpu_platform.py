@@ -17,7 +17,8 @@ with ``VERL_ENGINE_DEVICE=cuda`` and then runs on CPU with this platform.
 
 What it answers, and how:
 
-- device ``cpu``, vendor ``cpu``, one device (index 0), no compute capability, no IPC;
+- device ``cpu``, vendor ``cpu``, one device; the current device is ``"cpu"``, not an index (verl
+  passes it to ``.to()``, where ``0`` would mean ``cuda:0``); no compute capability, no IPC;
 - collectives on gloo (the worker's process group is ``cpu:gloo``);
 - Ray: one CPU per worker as its "accelerator" (``num_cpus``);
 - memory statistics verl logs (``max_memory_allocated`` and the like) are the process's
@@ -67,7 +68,7 @@ def _device_module() -> types.ModuleType:
                               "module docstring of megatron_psrl.integrations.verl_cpu_platform)")
     for name in ("Event", "Stream", "StreamContext", "current_stream", "stream", "synchronize", "is_available"):
         setattr(module, name, getattr(torch.cpu, name))
-    module.current_device = lambda: 0
+    module.current_device = torch.cpu.current_device  # "cpu"
     module.device_count = lambda: 1
     module.set_device = lambda device=None: None
     module.get_device_name = lambda device=None: "cpu"
@@ -113,8 +114,9 @@ class PlatformCPU(PlatformBase):
     def is_platform_available(self, use_smi_check: bool = False) -> bool:
         return True
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> str:
+        # verl passes this as a device (``model.to(get_device_id())``): an index would mean cuda:N
+        return "cpu"
 
     def device_count(self) -> int:
         return 1
