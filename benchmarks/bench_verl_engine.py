@@ -12,7 +12,8 @@ Workload: ``--groups`` prompts of ``--prompt-tokens`` tokens, ``--group-size`` r
 first tool call), then continues with its own turns.
 
 Engines, all in one process on CPU (verl's FSDP2 engine through the CPU platform module
-``megatron_psrl.integrations.verl_cpu_platform``, looked up as a ``cuda`` engine, with
+``megatron_psrl.integrations.verl_cpu_platform``, looked up as a ``cuda`` engine (verl
+registers it for cuda and npu only), with
 remove-padding on, ``sdpa`` attention and fp32 parameters, reduction and buffers):
 
 - ``psrl`` (tree): the psrl engine, mechanisms 1 and 2 (``prefix_sharing=tree``);
@@ -42,8 +43,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # verl imports these when it is imported: the CPU platform first (verl's device), then the engine
 os.environ.setdefault("VERL_USE_EXTERNAL_MODULES",
                       "megatron_psrl.integrations.verl_cpu_platform,megatron_psrl.integrations.verl")
-# verl registers FSDP2 for cuda (and npu) only; psrl is registered for cuda and cpu
-os.environ["VERL_ENGINE_DEVICE"] = "cuda"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -102,15 +101,20 @@ def psrl_engine(hf_dir: str, sharing: str, micro_batch_tokens: int, optimizer: s
 
 def fsdp2_engine(hf_dir: str, micro_batch_tokens: int, optimizer: str = "AdamW", lr: float = 0.0):
     """verl's FSDP2 engine on CPU: remove-padding on, ``sdpa`` attention, fp32 throughout."""
+    from unittest import mock
+
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-    engine = EngineRegistry.new(
-        "language_model", backend="fsdp2",
-        model_config=HFModelConfig(path=hf_dir, load_tokenizer=False, use_remove_padding=True,
-                                   override_config={"attn_implementation": "sdpa"}),
-        engine_config=FSDPEngineConfig(strategy="fsdp2", forward_only=False, model_dtype="fp32", mixed_precision=fp32,
-                                       use_dynamic_bsz=True, max_token_len_per_gpu=micro_batch_tokens),
-        optimizer_config=FSDPOptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=1e9, weight_decay=0.0),
-        checkpoint_config=None)
+    # verl registers FSDP2 for cuda (and npu) only: looked up as cuda, it runs on the platform's CPU
+    with mock.patch.dict(os.environ, {"VERL_ENGINE_DEVICE": "cuda"}):
+        engine = EngineRegistry.new(
+            "language_model", backend="fsdp2",
+            model_config=HFModelConfig(path=hf_dir, load_tokenizer=False, use_remove_padding=True,
+                                       override_config={"attn_implementation": "sdpa"}),
+            engine_config=FSDPEngineConfig(strategy="fsdp2", forward_only=False, model_dtype="fp32",
+                                           mixed_precision=fp32, use_dynamic_bsz=True,
+                                           max_token_len_per_gpu=micro_batch_tokens),
+            optimizer_config=FSDPOptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=1e9, weight_decay=0.0),
+            checkpoint_config=None)
     with _without_trl_value_head():
         engine.initialize()
     return engine

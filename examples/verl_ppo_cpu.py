@@ -31,8 +31,9 @@ import os
 import socket
 import sys
 import tempfile
+from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List
+from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("VERL_USE_EXTERNAL_MODULES",
@@ -161,9 +162,19 @@ def sync_weights(actor, model) -> int:
     return count
 
 
+@dataclass
+class Loop:
+    """What :func:`run` leaves: one dict of metrics per iteration, and the loop's parts."""
+
+    history: List[Dict[str, float]]
+    actor: Any
+    ref: Any
+    rollout_model: Any
+
+
 def run(iterations: int = 3, prompts: int = 2, group_size: int = 4, response_length: int = 12, lr: float = 1e-3,
-        seed: int = 0, workdir: str = None, log=print) -> List[Dict[str, float]]:
-    """The loop (see the module docstring); one dict of metrics per iteration."""
+        seed: int = 0, workdir: str = None, log=print) -> Loop:
+    """The loop (see the module docstring)."""
     from transformers import AutoModelForCausalLM
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
     from verl.workers.config import ActorConfig as VerlActorConfig
@@ -199,7 +210,7 @@ def run(iterations: int = 3, prompts: int = 2, group_size: int = 4, response_len
         history.append(row)
         log("iteration {iteration}: reward {reward:.3f}, loss {loss:.4f}, grad norm {grad_norm:.3f}, "
             "kl {kl_loss:.2e}, {response_tokens} response tokens, {tensors_synced} tensors to the rollout".format(**row))
-    return history
+    return Loop(history, actor, ref, model)
 
 
 def _free_port() -> str:
