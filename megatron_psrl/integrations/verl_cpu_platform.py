@@ -49,9 +49,10 @@ PLATFORM = "cpu"
 
 
 def _peak_rss_bytes() -> int:
-    # ru_maxrss is in kilobytes on Linux (bytes on macOS)
+    # ru_maxrss is in kilobytes on Linux (bytes on macOS); the kernel updates it lazily, so it
+    # can trail the resident set read now
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+    return max(int(peak) if sys.platform == "darwin" else int(peak) * 1024, _rss_bytes())
 
 
 def _rss_bytes() -> int:
