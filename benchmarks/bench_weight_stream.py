@@ -95,7 +95,7 @@ def ways(engine, bucket_bytes: int) -> dict:
 
     def plain_copy():
         weights = {}
-        for chunk in actor.model:
+        for _, chunk in actor.engine.stage_chunks():
             for name, tensor in chunk.state_dict().items():
                 if isinstance(tensor, torch.Tensor):
                     weights[name] = tensor.detach().clone()
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     hf_dir = hf_checkpoint(config, dtype)
     engine = engine_of(hf_dir, args.dtype)
-    params = sum(p.numel() for chunk in engine.actor.model for p in chunk.parameters())
+    params = sum(p.numel() for _, chunk in engine.engine.stage_chunks() for p in chunk.parameters())
     print(f"model: {'tiny qwen2' if args.quick else 'Qwen2.5-1.5B dims'}, {params / 1e9:.2f}B parameters, "
           f"{args.dtype}, built in {time.perf_counter() - start:.0f} s")
     rows = []
