@@ -198,6 +198,9 @@ def parse_args(argv=None):
 
 
 def build_engines(args, hf_dir: str, names):
+    from megatron_psrl.integrations.verl_cpu_platform import open_process_group
+
+    open_process_group()  # one gloo rank (verl's FSDP engine needs an open group)
     engines = {}
     for name in names:
         if name == "fsdp2":

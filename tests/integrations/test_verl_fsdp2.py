@@ -13,11 +13,12 @@ import torch
 
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install -e \".[verl]\")")
 
+# isort: off
 import megatron_psrl.integrations.verl_cpu_platform  # noqa: E402,F401  (verl's device: CPU)
+# isort: on
 from helpers.hf_reference import make_hf_checkpoint  # noqa: E402
 from helpers.torchrun import REPO_ROOT  # noqa: E402
 from helpers.verl_harness import VOCAB, multi_turn_samples, response_positions, verl_batch, verl_loss_config  # noqa: E402
-
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from megatron_psrl.model import tiny_config  # noqa: E402

@@ -16,7 +16,9 @@ import torch
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install -e \".[verl]\")")
 pytest.importorskip("uvicorn", reason="verl's worker module imports uvicorn and fastapi")
 
+# isort: off
 import megatron_psrl.integrations.verl_cpu_platform as cpu_platform  # noqa: E402  (before verl looks up its device)
+# isort: on
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint  # noqa: E402
 from helpers.torchrun import REPO_ROOT  # noqa: E402
 from helpers.verl_harness import VOCAB, multi_turn_samples, reference, response_positions, verl_batch, verl_loss_config  # noqa: E402
