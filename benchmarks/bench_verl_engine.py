@@ -228,11 +228,12 @@ def run(args) -> list:
     seconds = {n: [] for n in names}
     for n in names:  # warm-up (first-call costs: planner calibration, allocator)
         train_step(engines[n], batches[n], loss)
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for n in names:
             start = time.perf_counter()
             train_step(engines[n], batches[n], loss)
             seconds[n].append(time.perf_counter() - start)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {seconds[n][-1]:.2f} s" for n in names), file=sys.stderr, flush=True)
     rows = []
     total = int(data["input_ids"].offsets()[-1])
     for n in names:
