@@ -25,6 +25,12 @@ What it answers, and how:
   resident set: its peak (``max_*``) and current size, as psutil and ``getrusage`` see them; a
   CPU has no allocator cache, so ``empty_cache`` frees nothing.
 
+verl resolves its platform once while ``import verl`` runs, before its hook imports this module
+(it logs a fallback to ``nvidia``, then "Replacing already-initialised platform 'cuda' with
+'cpu'"): verl's functions ask the platform at each call and get this one; a value a verl module
+computed at its own import in between keeps ``cuda`` (the FSDP engine module's ``device_name``,
+used only for Ulysses sequence-parallel meshes).
+
 Not for production: it makes verl run its CUDA code paths on CPU tensors; use it to try a
 configuration, to test, and to debug.
 """
