@@ -143,6 +143,15 @@ class PsrlEngineConfig(EngineConfig):
                                      "(param_offload / optimizer_offload must be false)")
 
 
+def _open_process_groups(config: ActorConfig):
+    """This process's :class:`~megatron_psrl.distributed.setup.ParallelLayout`: megatron's
+    groups over the process group verl's worker opened (or a one-process gloo group when
+    there is none, e.g. an engine built outside a worker)."""
+    from megatron_psrl.engine.builder import process_groups
+
+    return process_groups(config, None)
+
+
 def _get(config: Any, name: str, default: Any = None) -> Any:
     value = getattr(config, name, default) if config is not None else default
     return default if value is None else value
@@ -267,9 +276,16 @@ class PsrlEngine(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.mode = None
         self.actor = None
+        self.config = actor_config(engine_config, optimizer_config)
+        # verl asks for the data-parallel rank, size and output ranks right after building the
+        # engine, before initialize(); like verl's own engines, the process groups (megatron's
+        # TP / PP / CP / DP over the world verl opened) are set up here, the model later
+        self.layout = _open_process_groups(self.config)
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
+        """Build the model and optimizer (verl's ``TrainingWorker.reset``); a second call
+        rebuilds them from the model path."""
         from megatron_psrl.rl.actor import PolicyActor
 
         path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path", None)
@@ -277,8 +293,9 @@ class PsrlEngine(BaseEngine):
             raise ConfigurationError("verl's model config names no model path (model.path)")
         if getattr(self.model_config, "lora_rank", 0):
             raise ConfigurationError("the psrl engine does not train LoRA adapters yet (model.lora_rank must be 0)")
-        config = actor_config(self.engine_config, self.optimizer_config)
-        self.actor = PolicyActor(os.fspath(path), config, for_training=not self.engine_config.forward_only)
+        self.actor = None  # a reset drops the old model before building the new one
+        self.actor = PolicyActor(os.fspath(path), self.config, for_training=not self.engine_config.forward_only,
+                                 layout=self.layout)
 
     @property
     def engine(self):
@@ -311,18 +328,21 @@ class PsrlEngine(BaseEngine):
 
     # ------------------------------------------------------------------ process groups
     def get_data_parallel_rank(self) -> int:
-        return self.actor.layout.dp_rank
+        return self.layout.dp_rank
 
     def get_data_parallel_size(self) -> int:
-        return self.actor.layout.data_parallel_size
+        return self.layout.data_parallel_size
 
     def get_data_parallel_group(self):
+        """megatron's data-parallel group, also of one rank: verl's worker gathers metrics over it
+        whenever it is not None, and its ``train_mini_batch`` expects them gathered (as verl's
+        own engines, which always return their group, give them)."""
         from megatron.core import parallel_state
 
-        return parallel_state.get_data_parallel_group() if self.get_data_parallel_size() > 1 else None
+        return parallel_state.get_data_parallel_group()
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        layout = self.actor.layout
+        layout = self.layout
         return layout.tp_rank == 0 and layout.pp_rank == layout.pipeline_parallel_size - 1 and layout.cp_rank == 0
 
     # ------------------------------------------------------------------ optimizer
@@ -400,7 +420,7 @@ class PsrlEngine(BaseEngine):
             if trains:
                 self._backward(loss, leaves, seqs, every)
         detached = {k: torch.nested.nested_tensor_from_jagged(v.detach(), offsets=offsets) for k, v in leaves.items()}
-        return {"model_output": detached, "loss": [loss_value], "metrics": {k: [v] for k, v in metrics.items()}}
+        return {"model_output": detached, "loss": [loss_value], "metrics": _as_verl_metrics(metrics)}
 
     def _backward(self, loss: torch.Tensor, leaves: Dict[str, torch.Tensor], seqs: VerlSequences,
                   every: GatheredSequences) -> None:
@@ -441,7 +461,7 @@ class PsrlEngine(BaseEngine):
         model_output = {k: torch.nested.nested_tensor_from_jagged(to_verl(v[mine].cpu().numpy(), seqs.starts).to(device),
                                                                   offsets=offsets)
                         for k, v in outputs.items() if v is not None}
-        return {"model_output": model_output, "loss": [value], "metrics": {k: [v] for k, v in metrics.items()}}
+        return {"model_output": model_output, "loss": [value], "metrics": _as_verl_metrics(metrics)}
 
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(self, **kwargs):
@@ -466,6 +486,18 @@ class PsrlEngine(BaseEngine):
 
 def _concat(per_sample: List[np.ndarray]) -> np.ndarray:
     return np.concatenate(per_sample).astype(np.float32, copy=False) if per_sample else np.zeros(0, np.float32)
+
+
+def _as_verl_metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """A loss function's metrics as verl's engines return them (``append_to_dict`` over the
+    micro-batches): a ``Metric`` stays a ``Metric`` (its own list), anything else becomes a
+    list; verl's ``train_mini_batch`` aggregates the first with ``Metric.aggregate_dp`` and
+    chains the second."""
+    from verl.utils.py_functional import append_to_dict
+
+    out: Dict[str, Any] = {}
+    append_to_dict(out, metrics)
+    return out
 
 
 def _surrogate(with_entropy: bool) -> PerClaimLoss:
