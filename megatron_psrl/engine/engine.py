@@ -33,6 +33,7 @@ from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.logprobs import per_sample_logprobs, run_logprobs
 from megatron_psrl.engine.optimizer import StepOutcome
 from megatron_psrl.engine.step import StepRunner
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
@@ -260,7 +261,7 @@ class Engine:
         me = self.layout.placement_rank
         with self.layout.monitor.phase(f"sequence-loss forward of iteration {self.iteration + 1}"):
             local = self.runner.sequence_sums(plan, me, loss, forward_memories[me])
-            sums = torch.tensor(local, dtype=torch.float64, device=self.layout.device)
+            sums = host_to_device(local, self.layout.device, np.float64)
             if dist.get_world_size(gradient_group()) > 1:
                 dist.all_reduce(sums, group=gradient_group())
         sums = sums.float().requires_grad_(True)
@@ -271,9 +272,9 @@ class Engine:
             last = np.full(n, -1, dtype=np.int64)  # flat index of every sample's last trained token
             np.maximum.at(last, tree.claim_sample, tree.claim_flat.astype(np.int64))
             advantage[trained] = batch.advantages[last[trained]]
-        inputs = SequenceInputs(advantage=torch.from_numpy(advantage).to(device),
-                                weight=torch.from_numpy(batch.weights.astype(np.float32)).to(device),
-                                trained=torch.from_numpy(trained).to(device))
+        inputs = SequenceInputs(advantage=host_to_device(advantage, device),
+                                weight=host_to_device(batch.weights, device, np.float32),
+                                trained=host_to_device(trained, device))
         value = loss.sequence_loss(sums, inputs)
         (grad,) = torch.autograd.grad(value, sums)
         self._sequence_value = float(value.detach())
@@ -332,7 +333,7 @@ class Engine:
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, values: List[float], op=dist.ReduceOp.SUM, group=None) -> List[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.layout.device)
+        t = host_to_device(values, self.layout.device, np.float64)
         dist.all_reduce(t, op=op, group=group)
         return t.tolist()
 

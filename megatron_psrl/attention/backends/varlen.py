@@ -23,10 +23,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Dict, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from megatron_psrl.attention.plan import AttentionPlan
 from megatron_psrl.errors import MissingRequirementError
+from megatron_psrl.host_copy import host_to_device
 
 Tensor = torch.Tensor
 
@@ -42,9 +44,9 @@ def gather_index(plan: AttentionPlan, device: torch.device):
     cache: Dict = plan.__dict__.setdefault("_device_cache", {})
     if device not in cache:
         cache[device] = (
-            torch.from_numpy(key_index).to(device),
-            torch.from_numpy(cu_q).to(device=device, dtype=torch.int32),
-            torch.from_numpy(cu_k).to(device=device, dtype=torch.int32),
+            host_to_device(key_index, device, np.int64),
+            host_to_device(cu_q, device, np.int32),
+            host_to_device(cu_k, device, np.int32),
             int((cu_q[1:] - cu_q[:-1]).max()) if len(cu_q) > 1 else 0,
             int((cu_k[1:] - cu_k[:-1]).max()) if len(cu_k) > 1 else 0,
         )
