@@ -43,7 +43,7 @@ from megatron_psrl.model.stages import stage_counts, virtual_stages
 from megatron_psrl.rl.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.cost import CostModel
-from megatron_psrl.schedule.memory import MemoryPlan, MemorySettings
+from megatron_psrl.schedule.memory import MemoryPlan, MemorySettings, VarlenCharge
 from megatron_psrl.schedule.plan import StepPlan, token_aliases
 from megatron_psrl.schedule.with_memory import memory_plans, plan_with_memory, transfer_reasons
 from megatron_psrl.tree.build import build_prefix_tree
@@ -161,7 +161,13 @@ class Engine:
         backward; recomputation re-reads cached prefixes)."""
         return MemorySettings(self.plan_geometry, self.config.kv_cache_budget, self.act_bytes,
                               rereads=self.recompute, gathers_in_backward=self.backend_name == "torch",
-                              head_bytes=self.head_bytes)
+                              head_bytes=self.head_bytes, varlen=self.varlen_charge)
+
+    @property
+    def varlen_charge(self) -> Optional[VarlenCharge]:
+        """The flash / te backends' gathered K/V and padded statistics (None: torch, dense)."""
+        dtype_bytes = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        return VarlenCharge.of(self.arch, self.layout.tensor_parallel_size, dtype_bytes, self.backend_name)
 
     def planner_config(self, prefix_sharing: Optional[str] = None) -> PlannerConfig:
         c = self.config
