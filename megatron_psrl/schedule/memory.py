@@ -76,10 +76,9 @@ def attention_saved_bytes_per_token(arch: ModelArchitecture, tensor_parallel_siz
     saves them as a recipe over the pack's K/V and gathers again in backward, so what stays is
     the pack's key and value (a test measures it, ``tests/kvcache/test_varlen_saved_bytes.py``).
     Cached prefixes read by the attention are charged per micro-batch, not here (``held_reads``:
-    flash and te keep their materialised copies; torch reads them again in backward). Not
-    counted: Transformer Engine's cuDNN softmax statistics padded to segments x longest
-    segment on cuDNN before 9.6 (fp32 per head and padded row, well inside the allocator margin
-    beside the layer's other 100+ KB per token at 1.5B size)."""
+    flash and te keep their materialised copies; torch reads them again in backward). What the
+    varlen kernels hold beyond this count (their gathered copies while a layer runs, softmax
+    statistics padded to segments x longest segment) is :class:`VarlenCharge`'s, per micro-batch."""
     if backend not in MODELLED_BACKENDS:
         raise ValueError(f"the memory plan models the attention backends {MODELLED_BACKENDS}, not {backend!r}")
     hd, tp = arch.head_dim, tensor_parallel_size

@@ -88,3 +88,24 @@ def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engin
         assert row["mechanism2"] and row["micro_batches"] > 1, row
         if name == "grpo":  # the gathered copies are what the plan without the charge misses
             assert row["measured_bytes"] > row["predicted_without_charge"], row
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [64, 256, 4096])
+def test_segment_shapes_are_the_packs_gathered_keys(micro_batch_tokens):
+    """``add_segment_shapes`` counts from the tree what packing builds: per micro-batch its
+    segments, its longest segment and the rows ``AttentionPlan.gathered_keys`` gathers."""
+    from megatron_psrl.schedule.config import PlannerConfig
+    from megatron_psrl.schedule.memory import add_segment_shapes
+    from megatron_psrl.schedule.planner import plan_step
+    from megatron_psrl.tree import build_prefix_tree
+
+    for batch in _workloads(1000).values():
+        plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=micro_batch_tokens))
+        rank = plan.ranks[0]
+        add_segment_shapes(plan.index, rank)
+        assert set(rank.segment_shapes) == set(range(len(rank.micro_batches)))
+        for i, (segments, longest, keys) in rank.segment_shapes.items():
+            pack = rank.pack(plan.index, i).plan
+            key_index, cu_q, _ = pack.gathered_keys()
+            lengths = cu_q[1:] - cu_q[:-1]
+            assert (segments, longest, keys) == (len(lengths), int(lengths.max()), len(key_index)), i

@@ -67,7 +67,7 @@ class GatherRows(torch.autograd.Function):
     adds serially. The sum is rounded to the model dtype once, where autograd hands it to
     ``source`` (the ``torch`` backend's ``dk.to(k.dtype)``): one rounding whatever the number of
     readers. Transient cost in backward: the gradient of the copies in fp32 (twice their bytes
-    in bf16) and the fp32 sum over the source rows (``varlen_transient_bytes`` in the memory plan)."""
+    in bf16) and the fp32 sum over the source rows (the memory plan's ``VarlenCharge``)."""
 
     @staticmethod
     def forward(ctx, source: Tensor, idx: Tensor) -> Tensor:
