@@ -74,6 +74,7 @@ def _measured_and_planned(gpu_acceptance, engine, batch):
 
 
 @pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
+@pytest.mark.slow  # a process of its own, six CPU training steps (100-230 s on the loaded 2-core machine)
 @pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
 def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engine):
     gpu_acceptance, engine = varlen_engine
