@@ -15,7 +15,9 @@ Parts, each in a process of its own with a time limit, each printed as one ``PAS
    run (``benchmarks/gpu_train_check.py``);
 3. ``memory``: per backend, the measured peak of a training step
    (``torch.cuda.max_memory_allocated`` above the step's start) against the memory plan's
-   prediction (:func:`megatron_psrl.schedule.memory.step_peak_bytes`) on the Qwen2.5-1.5B shape;
+   prediction (:func:`megatron_psrl.schedule.memory.step_peak_bytes`) on the Qwen2.5-1.5B shape,
+   and the host syncs of one step (``torch.cuda.set_sync_debug_mode("warn")``'s warnings,
+   counted and printed; a figure, not a pass condition);
 4. ``bench``: the update step on the Qwen2.5-1.5B shape (random weights, bf16) with prefix
    sharing, without (``--no-prefix-sharing``) and as one causal pass over the same number of
    unique tokens (the floor sharing aims at).
@@ -459,7 +461,7 @@ def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False)
     its measured peak and the plan's prediction of it."""
     from megatron_psrl.engine.memory import PeakMemory
     from megatron_psrl.rl.loss import LossConfig
-    from megatron_psrl.schedule.memory import plan_memory, step_peak_bytes
+    from megatron_psrl.schedule.memory import add_segment_shapes, plan_memory, step_peak_bytes
     from megatron_psrl.schedule.planner import plan_step
     from megatron_psrl.tree import build_prefix_tree
 
@@ -474,9 +476,11 @@ def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False)
         t0 = time.perf_counter()
         tree = build_prefix_tree(batch)
         plan = plan_step(tree, engine.planner_config(mode))
-        rank = plan.ranks[0]
+        rank, varlen = plan.ranks[0], engine.varlen_charge
+        if varlen is not None:  # flash / te: the gathered K/V follow the segments
+            add_segment_shapes(plan.index, rank)
         memory = plan_memory(rank, engine.plan_geometry, engine.config.kv_cache_budget, engine.act_bytes,
-                             gathers_in_backward=backend == "torch", head_bytes=engine.head_bytes) \
+                             gathers_in_backward=backend == "torch", head_bytes=engine.head_bytes, varlen=varlen) \
             if rank.sources else None
         out = runner.train(plan, 0, LossConfig(loss_agg="token-mean"), memory)
         _sync(device)
@@ -486,8 +490,30 @@ def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False)
            "mechanism2": bool(rank.sources)}
     if measure:
         row["measured_bytes"] = int(mem.peak_bytes - mem.start_bytes)
-        row["predicted_bytes"] = int(step_peak_bytes(rank, memory, engine.act_bytes, engine.head_bytes))
+        row["predicted_bytes"] = int(step_peak_bytes(rank, memory, engine.act_bytes, engine.head_bytes, varlen))
     return row
+
+
+SYNC_WARNING = "synchronizing CUDA operation"
+"""What ``torch.cuda.set_sync_debug_mode("warn")`` says at every operation that makes the host
+wait for the device."""
+
+
+def _host_syncs(engine, batch, backend: str) -> int:
+    """Host syncs of one update step: the warnings ``torch.cuda.set_sync_debug_mode("warn")``
+    raises, counted (the design is one, where the step's sums are read; not yet measured)."""
+    import warnings
+
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(engine, engine.runner, batch, "tree", backend)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
 def _workloads(vocab: int) -> Dict:
@@ -539,6 +565,7 @@ def memory_part(out_path: str, target: Target) -> int:
         for name, batch in _workloads(engine.arch.vocab_size).items():
             _step(engine, engine.runner, batch, "tree", backend)
             row = _step(engine, engine.runner, batch, "tree", backend, measure=True)
+            row["host_syncs"] = _host_syncs(engine, batch, backend) if target.device == "cuda" else None
             ratio = row["measured_bytes"] / max(row["predicted_bytes"], 1)
             ok = ratio <= MEMORY_MARGIN and row["mechanism2"]
             failed |= not ok
@@ -548,7 +575,7 @@ def memory_part(out_path: str, target: Target) -> int:
             print(f"{PASS if ok else FAIL} memory {backend} {name}: measured {row['measured_bytes'] / 2**30:.2f} GiB, "
                   f"plan {row['predicted_bytes'] / 2**30:.2f} GiB (measured / plan {ratio:.2f}, <= {MEMORY_MARGIN}), "
                   f"{row['micro_batches']} micro-batches, mechanism 2 {'on' if row['mechanism2'] else 'OFF'}, "
-                  f"layers {engine.transformer_impl}", flush=True)
+                  f"layers {engine.transformer_impl}, host syncs in one step {row['host_syncs']}", flush=True)
         del engine
         if target.device == "cuda":
             torch.cuda.empty_cache()

@@ -11,7 +11,8 @@
 # 2. train-bf16:  3 bf16 training steps per kernel, mechanism 2 active, against an fp32 run
 #                 (benchmarks/gpu_train_check.py: loss and gradient norm within its tolerances)
 # 3. memory:      per kernel, a step's measured peak (torch.cuda.max_memory_allocated) against
-#                 the memory plan's prediction, on the Qwen2.5-1.5B shape
+#                 the memory plan's prediction, on the Qwen2.5-1.5B shape; and the host syncs of
+#                 one step, counted under torch.cuda.set_sync_debug_mode("warn") and printed
 # 4. bench:       the update step on the Qwen2.5-1.5B shape (random weights, bf16): prefix
 #                 sharing vs --no-prefix-sharing vs one causal pass over the unique tokens
 # 5-9. with 2+ GPUs, NCCL parts (2 GPUs each, torchrun of pretrain_agent_rl.py, bf16): nccl-tp2,

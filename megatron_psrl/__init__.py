@@ -17,6 +17,8 @@ Subpackages, one per concern:
 - ``training``: the command line's training loop, its arguments, logging and start-up checks
 - ``integrations``: adapters to RL frameworks' data (slime)
 - ``checkpoint``: checkpoint formats, loading and saving
+- ``host_copy``, ``dtypes``, ``errors``, ``options``: small utilities every layer may use (host-to-device
+  copies of a step, dtype names, error types, option names)
 """
 
 __version__ = "0.1.0"

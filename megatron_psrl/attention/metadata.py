@@ -19,6 +19,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_psrl.attention.plan import AttentionPlan
+from megatron_psrl.host_copy import host_to_device
 
 
 @runtime_checkable
@@ -131,6 +132,6 @@ class TreeAttentionMetadata(PackedSeqParams):
         if cached is None or cached.query_rows.device != torch.device(device):
             rows = np.ascontiguousarray(self.output_rows, dtype=np.int64)
             cached = dataclasses.replace(self, plan=self.plan.select_queries(rows), output_rows=None,
-                                         query_rows=torch.from_numpy(rows).to(device))
+                                         query_rows=host_to_device(rows, device))
             self.__dict__["_rows_view"] = cached
         return cached

@@ -8,7 +8,7 @@
   losses, head sends, the KV cache's pool); ``prefix_kv``: the attention hook of one forward;
 - ``pipeline``: the same with pipeline stages (and megatron's 1F1B where it applies);
 - ``head_sends``: split trees' heads sent between exchange groups (point to point);
-- ``optimizer``, ``calibration``, ``memory``, ``host_copy``, ``logprobs``, ``runners``,
+- ``optimizer``, ``calibration``, ``memory``, ``logprobs``, ``runners``,
   ``weights``: the engine's parts.
 
 Planning lives in :mod:`megatron_psrl.schedule`, checkpoint saving in

@@ -279,7 +279,8 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     with layout.monitor.phase("cost calibration"):
         m, origin = calibrate_for_planning(model, arch, geometry, layout.device, config.micro_batch_tokens, group,
                                            profile=config.cost_profile, overlap_kv_exchange=config.overlap_kv_exchange,
-                                           recorded=resume.planning_costs, recalibrate=config.recalibrate)
+                                           recorded=resume.planning_costs, recalibrate=config.recalibrate,
+                                           backend=attention_backend_name(config, layout.device))
     if resume.iteration_dir is not None and origin != "checkpoint" and not config.recalibrate:
         why = ("records no cost calibration (its run measured none, or saved before checkpoints kept it)"
                if resume.planning_costs is None
@@ -291,8 +292,17 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     log(f"cost calibration ({source}): {m.seconds_per_token * 1e6:.1f} us/token, {m.seconds_per_key * 1e9:.2f} "
         f"ns/key pair, {m.seconds_per_micro_batch * 1e3:.2f} ms/micro-batch, exchange "
         f"{m.seconds_per_exchange * 1e3:.2f} ms + {1 / max(m.seconds_per_byte, 1e-15) / 1e9:.2f} GB/s, "
-        f"{m.exchange_exposed_fraction:.0%} of it exposed when overlapped")
+        + (f"{m.exchange_exposed_fraction:.0%} of it exposed when overlapped" if m.overlap_kv_exchange else
+           "all of it charged (not overlapped: --no-overlap-kv-exchange, or an attention backend that waits "
+           "for the rows)"))
     return placement, flop_model, m
+
+
+def attention_backend_name(config: ActorConfig, device: torch.device) -> str:
+    """The attention backend the run uses: the configured one, or the device's default."""
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    return default_backend(device.type, config.torch_dtype)
 
 
 def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
@@ -300,7 +310,7 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
     """``(attention backend, KV cache, step runner)``: the pipeline runner with PP > 1."""
     device = layout.device
     backend = None if config.attention_backend == "auto" else config.attention_backend
-    backend_name = backend or default_backend(device.type, config.torch_dtype)
+    backend_name = attention_backend_name(config, device)
     check_attention_backend(backend_name, device.type, config.torch_dtype)  # its kernel exists here, or fail now
     if device.type == "cuda" and backend is None and backend_name == "torch":
         log("warning: flash-attn is not installed, so tree attention runs the torch backend's reference "

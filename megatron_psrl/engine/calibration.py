@@ -10,9 +10,17 @@ run that may place tree fragments across ranks measures, on its own model:
 - seconds per byte and per exchange of the prefix K/V all-to-all over the exchange group;
 - the share of that exchange the overlap leaves exposed (``exchange_exposed_fraction``): one
   layer's all-to-all started asynchronously while one layer's attention over a micro-batch's
-  keys runs, as the overlapped exchange does (:func:`measure_exchange_overlap`). With the
-  overlap on (``--no-overlap-kv-exchange`` turns it off) the planner charges only that share
-  of the exchange (:func:`megatron_psrl.schedule.cost.exposed_exchange_cost`).
+  keys runs, as the overlapped exchange does, through the attention backend the run uses
+  (:func:`measure_exchange_overlap`). With the overlap on (``--no-overlap-kv-exchange`` turns
+  it off) the planner charges only that share of the exchange
+  (:func:`megatron_psrl.schedule.cost.exposed_exchange_cost`). Only the ``torch`` backend
+  overlaps (:data:`~megatron_psrl.attention.backends.OVERLAPS_EXCHANGE`): ``flash``, ``te``
+  and ``dense`` wait for the received rows before their kernel starts, so a run with them is
+  charged the whole exchange and nothing is measured.
+
+Every time is taken by :func:`timed_seconds`, which drains the device before the clock starts
+and before it stops: CUDA kernels and NCCL collectives run asynchronously, and a host timer
+around their launch would time the launch (an exchange would look free).
 
 The measurements are averaged over all ranks, so every rank plans with the same numbers (the
 plans, and so the collectives, must be identical everywhere). The measuring passes leave no
@@ -38,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.attention import TreeAttentionMetadata, causal_plan
-from megatron_psrl.attention.partial import partial_attention_forward
+from megatron_psrl.attention.backends import OVERLAPS_EXCHANGE, blockwise_tree_attention
 from megatron_psrl.checkpoint.atomic import atomic_write_text
 from megatron_psrl.distributed.kv_exchange import ExchangeInFlight, return_replica_grads
 from megatron_psrl.errors import CheckpointError
@@ -130,15 +138,28 @@ class MeasuredCosts:
                 + self.seconds_per_micro_batch * micro_batches)
 
 
-def median_seconds(fn, repeats: int) -> float:
-    """Median wall time of ``repeats`` calls of ``fn`` after one warm-up call."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def drain(device) -> None:
+    """Wait until the work queued on ``device`` has run (CUDA: every stream of the device, NCCL's
+    included; CPU runs synchronously: nothing)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_seconds(fn, device=None) -> float:
+    """Seconds ``fn()`` keeps ``device`` busy: the device is drained before the clock starts (work
+    queued earlier is not ``fn``'s) and before it stops (``fn``'s own kernels have run, not only
+    been launched). The one clock of the calibration (a test checks it is the only one)."""
+    drain(device)
+    t0 = time.perf_counter()
+    fn()
+    drain(device)
+    return time.perf_counter() - t0
+
+
+def median_seconds(fn, repeats: int, device=None) -> float:
+    """Median of ``repeats`` :func:`timed_seconds` of ``fn`` on ``device`` after one warm-up call."""
+    timed_seconds(fn, device)  # warm-up
+    return float(np.median([timed_seconds(fn, device) for _ in range(repeats)]))
 
 
 def discard_gradients(model) -> None:
@@ -170,8 +191,6 @@ def pack_step(model, vocab_size: int, device, segments: List[int], rows: int):
             loss = loss + logp.sum()
         loss.backward()
         model.zero_grad(set_to_none=True)  # (megatron's DDP hooks moved it to main_grad already)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     return run
 
@@ -192,7 +211,7 @@ def measure_compute(model, vocab_size: int, device, max_tokens: int, repeats: in
             tokens = sum(segments)
             keys = sum(s * (s + 1) // 2 for s in segments)
             rows_a.append([tokens, keys, rows, 1.0])
-            times.append(median_seconds(pack_step(model, vocab_size, device, segments, rows), repeats))
+            times.append(median_seconds(pack_step(model, vocab_size, device, segments, rows), repeats, device))
     finally:
         # Once, not per pass: zeroing a large model's fp32 buffer would count as per-pass cost.
         discard_gradients(model)
@@ -210,18 +229,24 @@ def measure_exchange(group, bytes_per_row: int, device, repeats: int = 3) -> np.
     for rows in sizes:
         send = torch.zeros((rows * g, max(1, bytes_per_row // 4)), dtype=torch.float32, device=device)
         counts = [rows] * g
-        times.append(median_seconds(lambda send=send, counts=counts: return_replica_grads(send, counts, counts, group), repeats))
+        times.append(median_seconds(lambda send=send, counts=counts: return_replica_grads(send, counts, counts, group),
+                                    repeats, device))
     per_byte = max((times[1] - times[0]) / ((sizes[1] - sizes[0]) * (g - 1) * bytes_per_row), 0.0)
     return np.array([per_byte, max(times[0], 0.0)])
 
 
 def measure_exchange_overlap(group, num_heads: int, num_groups: int, head_dim: int, dtype, device, tokens: int,
-                             rows: int, repeats: int = 3) -> float:
+                             rows: int, repeats: int = 3, backend: str = "torch") -> float:
     """The exposed share of one layer's prefix K/V all-to-all (``rows`` rows of K and V to every
-    rank of ``group``) overlapped with one layer's attention over ``tokens`` causal keys (the
-    forward of a micro-batch's own attention, what the overlapped exchange hides it behind):
-    hidden = t(exchange) + t(attention) - t(both), exposed share =
-    ``max(0, t(exchange) - hidden) / t(exchange)`` (:func:`exposed_exchange_fraction`)."""
+    rank of ``group``) overlapped with one layer's attention over ``tokens`` causal keys through
+    ``backend`` (the forward of a micro-batch's own attention, what the overlapped exchange
+    hides it behind): hidden = t(exchange) + t(attention) - t(both), exposed share =
+    ``max(0, t(exchange) - hidden) / t(exchange)`` (:func:`exposed_exchange_fraction`).
+
+    1 without measuring for a backend that does not overlap the exchange (not in
+    :data:`OVERLAPS_EXCHANGE`): it waits for the received rows before its kernel starts."""
+    if backend not in OVERLAPS_EXCHANGE:
+        return 1.0
     g = dist.get_world_size(group)
     gen = torch.Generator().manual_seed(tokens + rows)
     send = torch.randn((rows * g, 2, num_groups, head_dim), generator=gen).to(device=device, dtype=dtype)
@@ -229,23 +254,20 @@ def measure_exchange_overlap(group, num_heads: int, num_groups: int, head_dim: i
     q = torch.randn((tokens, num_heads, head_dim), generator=gen).to(device=device, dtype=dtype)
     k = torch.randn((tokens, num_groups, head_dim), generator=gen).to(device=device, dtype=dtype)
     v = torch.randn((tokens, num_groups, head_dim), generator=gen).to(device=device, dtype=dtype)
-    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    plan = causal_plan([tokens])
 
     def exchange():
         ExchangeInFlight(send, counts, counts, group).wait()
-        sync()
 
     def attention():
-        partial_attention_forward(q, k, v, True, head_dim ** -0.5)
-        sync()
+        blockwise_tree_attention(q, k, v, plan, (), head_dim ** -0.5)
 
     def both():
         transfer = ExchangeInFlight(send, counts, counts, group)
-        partial_attention_forward(q, k, v, True, head_dim ** -0.5)
+        blockwise_tree_attention(q, k, v, plan, (), head_dim ** -0.5)
         transfer.wait()
-        sync()
 
-    t_exchange, t_attention, t_both = (median_seconds(fn, repeats) for fn in (exchange, attention, both))
+    t_exchange, t_attention, t_both = (median_seconds(fn, repeats, device) for fn in (exchange, attention, both))
     return exposed_exchange_fraction(t_exchange, t_exchange + t_attention - t_both)
 
 
@@ -254,16 +276,17 @@ PLANNING_COST_ORIGINS = ("measured", "profile", "checkpoint")
 checkpoint it resumes."""
 
 
-def planning_key(arch, geometry, device, group_size: int) -> str:
-    """What a planning measurement is valid for: the model, dtype, device and layout."""
+def planning_key(arch, geometry, device, group_size: int, backend: str = "torch") -> str:
+    """What a planning measurement is valid for: the model, dtype, device, attention backend
+    (the overlap is measured through it) and layout."""
     return (f"{arch.model_type}-h{arch.hidden_size}-L{arch.num_layers}-{geometry.dtype}-{device.type}"
-            f"-kv{geometry.num_groups}x{geometry.head_dim}-group{group_size}")
+            f"-kv{geometry.num_groups}x{geometry.head_dim}-{backend}-group{group_size}")
 
 
 def calibrate_for_planning(model, arch, geometry, device, max_tokens: int, exchange_group,
                            profile: Optional[str] = None, overlap_kv_exchange: bool = True,
-                           recorded: Optional[MeasuredCosts] = None,
-                           recalibrate: bool = False) -> Tuple[MeasuredCosts, str]:
+                           recorded: Optional[MeasuredCosts] = None, recalibrate: bool = False,
+                           backend: str = "torch") -> Tuple[MeasuredCosts, str]:
     """:func:`calibrate` for a run that places trees over an exchange group (training and the
     log-prob tool alike): ``(costs, origin)``, ``origin`` one of :data:`PLANNING_COST_ORIGINS`.
 
@@ -271,16 +294,17 @@ def calibrate_for_planning(model, arch, geometry, device, max_tokens: int, excha
     when they were measured for this run's key (model, dtype, device, layout), before a
     ``profile``, because plans (placement, tree-to-rank assignment, fragment cuts) follow the
     costs, and another plan sums the same numbers in another order. ``recalibrate``: measure
-    anew whatever is stored (and replace ``profile``'s content)."""
+    anew whatever is stored (and replace ``profile``'s content). ``backend``: the run's attention
+    backend; one that does not overlap the exchange is charged all of it."""
     g = dist.get_world_size(exchange_group) if exchange_group is not None else 1
-    key = planning_key(arch, geometry, device, g)
+    key = planning_key(arch, geometry, device, g, backend)
     heads = geometry.num_groups * (arch.num_attention_heads // arch.num_kv_heads)  # this TP rank's query heads
     stored, origin = _stored_or_measured(
         key, profile, lambda: measure_costs(
             model, arch.vocab_size, device, max_tokens, exchange_group, 2 * geometry.bytes_per_token // geometry.num_layers,
-            key=key, attention_shape=(heads, geometry.num_groups, geometry.head_dim, geometry.dtype)),
+            key=key, attention_shape=(heads, geometry.num_groups, geometry.head_dim, geometry.dtype), backend=backend),
         recorded, recalibrate)
-    return replace(stored, overlap_kv_exchange=overlap_kv_exchange), origin
+    return replace(stored, overlap_kv_exchange=overlap_kv_exchange and backend in OVERLAPS_EXCHANGE), origin
 
 
 def _stored_or_measured(key: str, profile: Optional[str], measure, recorded: Optional[MeasuredCosts] = None,
@@ -315,7 +339,7 @@ def calibrate(model, vocab_size: int, device, max_tokens: int, exchange_group=No
 
 
 def measure_costs(model, vocab_size: int, device, max_tokens: int, exchange_group=None, layer_row_bytes: int = 0,
-                  key: str = "", attention_shape: Optional[tuple] = None) -> MeasuredCosts:
+                  key: str = "", attention_shape: Optional[tuple] = None, backend: str = "torch") -> MeasuredCosts:
     """Measure this run's costs on every rank and average them (a collective)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     compute = measure_compute(model, vocab_size, device, max_tokens)
@@ -326,7 +350,8 @@ def measure_costs(model, vocab_size: int, device, max_tokens: int, exchange_grou
             # one layer of a micro-batch: its own keys (at most 1024, as measure_compute), a
             # quarter of them sent to every other rank
             tokens = int(max(64, min(max_tokens, 1024)))
-            link[2] = measure_exchange_overlap(exchange_group, *attention_shape, device, tokens, tokens // 4)
+            link[2] = measure_exchange_overlap(exchange_group, *attention_shape, device, tokens, tokens // 4,
+                                               backend=backend)
     values = torch.tensor(np.concatenate([compute, link]), dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(values)

@@ -33,6 +33,7 @@ from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.logprobs import per_sample_logprobs, run_logprobs
 from megatron_psrl.engine.optimizer import StepOutcome
 from megatron_psrl.engine.step import StepRunner
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import model_chunks
@@ -42,7 +43,7 @@ from megatron_psrl.model.stages import stage_counts, virtual_stages
 from megatron_psrl.rl.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.cost import CostModel
-from megatron_psrl.schedule.memory import MemoryPlan, MemorySettings
+from megatron_psrl.schedule.memory import MemoryPlan, MemorySettings, VarlenCharge
 from megatron_psrl.schedule.plan import StepPlan, token_aliases
 from megatron_psrl.schedule.with_memory import memory_plans, plan_with_memory, transfer_reasons
 from megatron_psrl.tree.build import build_prefix_tree
@@ -160,7 +161,13 @@ class Engine:
         backward; recomputation re-reads cached prefixes)."""
         return MemorySettings(self.plan_geometry, self.config.kv_cache_budget, self.act_bytes,
                               rereads=self.recompute, gathers_in_backward=self.backend_name == "torch",
-                              head_bytes=self.head_bytes)
+                              head_bytes=self.head_bytes, varlen=self.varlen_charge)
+
+    @property
+    def varlen_charge(self) -> Optional[VarlenCharge]:
+        """The flash / te backends' gathered K/V and padded statistics (None: torch, dense)."""
+        dtype_bytes = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        return VarlenCharge.of(self.arch, self.layout.tensor_parallel_size, dtype_bytes, self.backend_name)
 
     def planner_config(self, prefix_sharing: Optional[str] = None) -> PlannerConfig:
         c = self.config
@@ -264,7 +271,7 @@ class Engine:
         me = self.layout.placement_rank
         with self.layout.monitor.phase(f"sequence-loss forward of iteration {self.iteration + 1}"):
             local = self.runner.sequence_sums(plan, me, loss, forward_memories[me])
-            sums = torch.tensor(local, dtype=torch.float64, device=self.layout.device)
+            sums = host_to_device(local, self.layout.device, np.float64)
             if dist.get_world_size(gradient_group()) > 1:
                 dist.all_reduce(sums, group=gradient_group())
         sums = sums.float().requires_grad_(True)
@@ -275,9 +282,9 @@ class Engine:
             last = np.full(n, -1, dtype=np.int64)  # flat index of every sample's last trained token
             np.maximum.at(last, tree.claim_sample, tree.claim_flat.astype(np.int64))
             advantage[trained] = batch.advantages[last[trained]]
-        inputs = SequenceInputs(advantage=torch.from_numpy(advantage).to(device),
-                                weight=torch.from_numpy(batch.weights.astype(np.float32)).to(device),
-                                trained=torch.from_numpy(trained).to(device))
+        inputs = SequenceInputs(advantage=host_to_device(advantage, device),
+                                weight=host_to_device(batch.weights, device, np.float32),
+                                trained=host_to_device(trained, device))
         value = loss.sequence_loss(sums, inputs)
         (grad,) = torch.autograd.grad(value, sums)
         self._sequence_value = float(value.detach())
@@ -336,7 +343,7 @@ class Engine:
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, values: List[float], op=dist.ReduceOp.SUM, group=None) -> List[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.layout.device)
+        t = host_to_device(values, self.layout.device, np.float64)
         dist.all_reduce(t, op=op, group=group)
         return t.tolist()
 

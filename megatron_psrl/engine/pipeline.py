@@ -49,9 +49,9 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.compat import install_cpu_pipeline_shims
-from megatron_psrl.engine.host_copy import DeviceSums, host_to_device
 from megatron_psrl.engine.step import ComputedLogprobs, StepOutput, StepRunner
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.host_copy import DeviceSums, host_to_device
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.rl.loss import ClaimLoss, claim_coefficients
 from megatron_psrl.schedule.memory import MemoryPlan
@@ -64,7 +64,17 @@ _clock = time.perf_counter  # the bubble's clock (a test replaces it with a fake
 
 
 def _settle(device: Optional[torch.device]) -> None:
-    """Wait for the work queued on ``device`` (CUDA runs it asynchronously; CPU: nothing)."""
+    """Wait for the work queued on ``device`` (CUDA runs it asynchronously; CPU: nothing).
+
+    Kept on purpose before every pipeline transfer, and it costs no wait the step would not
+    have anyway: megatron-core 0.16's ``P2PCommunicator._communicate`` drains the device itself
+    on every call this runner makes. Tree-packed micro-batches differ in length
+    (``variable_seq_lengths``), so it first exchanges shapes, then calls
+    ``torch.cuda.synchronize()`` unconditionally and reads the shapes with ``.tolist()``
+    (``_communicate_shapes``), and after the batched isend/irecv it synchronises again
+    (``batch_p2p_sync``, on by default). Draining here, outside the timer, moves that wait in
+    front of the clock: the bubble measured is the neighbour and the wire, not this stage's
+    own queued compute."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 

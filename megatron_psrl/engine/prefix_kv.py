@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start
-from megatron_psrl.engine.host_copy import host_to_device
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.schedule.packing import PackedMicroBatch
 from megatron_psrl.schedule.plan import RankPlan

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.distributed.kv_exchange import return_replica_grads
 from megatron_psrl.engine.head_sends import HeadSends
-from megatron_psrl.engine.host_copy import DeviceSums, host_to_device
 from megatron_psrl.engine.participants import step_participants
 from megatron_psrl.engine.prefix_kv import PrefixKV
+from megatron_psrl.host_copy import DeviceSums, host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_logprobs

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron_psrl.errors import PsrlError
+from megatron_psrl.host_copy import host_to_device
 
 Tensor = torch.Tensor
 
@@ -246,7 +247,7 @@ class BlockKVCache:
             blocks = np.array([self._free.pop() for _ in range(n_blocks)], dtype=np.int64)
             self._tables[(source_id, kind)] = blocks
             slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)[None, :]).reshape(-1)[:n_slots]
-            self._slots[(source_id, kind)] = torch.from_numpy(slots).to(self.geometry.device)
+            self._slots[(source_id, kind)] = host_to_device(slots, self.geometry.device)
             if kind.startswith("g"):
                 self.pool[:, blocks] = 0
             self.metrics.allocated_slots += n_blocks * self.block_size

@@ -28,6 +28,7 @@ import torch
 from megatron_psrl.compat import install_cpu_moe_shims
 from megatron_psrl.data.validation import RoutingShape
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.sequence_parallel import sequence_parallel_group, shard_rows, tensor_parallel_rank_and_size
 from megatron_psrl.options import MOE_TOKEN_DISPATCHERS
@@ -498,7 +499,7 @@ class RouterReplayer:
         missing = rows[:, 0, 0] < 0
         if missing.any():
             rows[missing] = np.arange(rows.shape[2], dtype=np.int64)
-        return torch.from_numpy(rows).to(device)
+        return host_to_device(rows, device)
 
     def set(self, routes: Optional[Tensor], output_rows: Optional[np.ndarray] = None) -> None:
         """The routes ``[t, L, k]`` of the next forward's t tokens (``output_rows``: the rows the
@@ -507,7 +508,7 @@ class RouterReplayer:
 
         rows = None
         if routes is not None and output_rows is not None:
-            rows = torch.from_numpy(np.asarray(output_rows, dtype=np.int64)).to(routes.device)
+            rows = host_to_device(output_rows, routes.device, np.int64)
         if routes is not None and self.sequence_parallel:
             # the routers see this tensor-parallel rank's share of the (padded) rows; padding rows
             # go to experts 0..k-1 (their output is read by nothing)

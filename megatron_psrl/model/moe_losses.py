@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.model.sequence_parallel import sequence_parallel_group, shard_rows, tensor_parallel_rank_and_size
 
 Tensor = torch.Tensor
@@ -195,7 +196,7 @@ class RouterLosses:
         self._aux_factor = None
         if self.aux_coeff > 0:
             if tree.batch.routed_experts is not None:
-                counts = torch.from_numpy(replayed_counts(tree.batch, self.num_layers, self.num_experts)).to(device)
+                counts = host_to_device(replayed_counts(tree.batch, self.num_layers, self.num_experts), device)
             elif self._route_counts is not None:
                 counts = self._route_counts
             else:
@@ -214,7 +215,7 @@ class RouterLosses:
         if not (self._active or self._counting is not None):
             return
         w = self._multiplicity[pack.tree_tokens] * pack.owned
-        self._weights = torch.from_numpy(w.astype(np.float32)).to(self.routers[0].weight.device)
+        self._weights = host_to_device(w, self.routers[0].weight.device, np.float32)
         if self.sequence_group is not None:  # this TP rank's share of the padded rows (padding: 0)
             rank, tp = tensor_parallel_rank_and_size()
             self._weights = shard_rows(self._weights, rank, tp)

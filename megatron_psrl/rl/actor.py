@@ -52,6 +52,7 @@ from megatron_psrl.engine.memory import PeakMemory
 from megatron_psrl.engine.optimizer import StepOutcome
 from megatron_psrl.engine.weights import DEFAULT_BUCKET_BYTES, iter_hf_weights, iter_mcore_weights, streams_one_copy
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.rl.loss import ClaimLoss, PerClaimLoss, SequenceLoss
 
@@ -172,7 +173,7 @@ class PolicyActor:
         positions = np.arange(batch.num_tokens, dtype=np.float64) % 65521 + 1
         digest = [float(batch.num_samples), float(batch.num_tokens), float(np.dot(batch.tokens, positions)),
                   float(np.count_nonzero(batch.loss_mask)), *map(float, flags)]
-        t = torch.tensor(digest + [-x for x in digest], dtype=torch.float64, device=self.layout.device)
+        t = host_to_device(digest + [-x for x in digest], self.layout.device, np.float64)
         with self.layout.monitor.phase(f"{what} call check (iteration {self.iteration + 1})"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         high, low = t[:len(digest)], -t[len(digest):]

@@ -33,8 +33,8 @@ from typing import Callable, Dict, Optional, Protocol, Tuple
 import numpy as np
 import torch
 
-from megatron_psrl.engine.host_copy import host_to_device
 from megatron_psrl.errors import ConfigurationError
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.options import LOSS_AGGREGATIONS
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
@@ -174,7 +174,7 @@ def gather_claims(
     as_t = lambda a: host_to_device(np.ascontiguousarray(a, dtype=np.float32), device)  # noqa: E731
     return ClaimBatch(
         row=host_to_device(row, device),
-        coef=torch.from_numpy(coefficients[claim]).to(device=device, dtype=torch.float32),
+        coef=as_t(coefficients[claim]),
         advantage=as_t(advantages[flat]),
         old_logprob=as_t(old),
         ref_logprob=ref,

@@ -15,7 +15,11 @@ against the budget:
 - the K/V copies gathered from the cache by the micro-batch that is running (all layers' for
   kernels that save them; one layer's at a time when gathered again in backward);
 - the running micro-batch's loss head (``head_bytes``: one chunk of claimed rows' logits and
-  their gradients, :func:`megatron_psrl.model.logits.loss_head_peak_bytes`).
+  their gradients, :func:`megatron_psrl.model.logits.loss_head_peak_bytes`);
+- with the ``flash`` and ``te`` backends (:class:`VarlenCharge`): one layer's gathered K/V
+  copies, in the forward and again in the backward regather, with the kernel's gradients of
+  them and their fp32 sum, while a micro-batch runs; and the kernel's softmax statistics
+  padded to segments x longest segment, where a kernel pads them, in every kept graph.
 
 Gathering again in backward trades the copies a kept graph held (every reader its whole
 prefix chain) for keeping the prefix's K/V blocks until the reader's backward.
@@ -28,13 +32,14 @@ dropped greedily (see :func:`plan_memory`). If no choice fits, the plan is infea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from megatron_psrl.kvcache.manager import KINDS, CacheBudgetError, KVGeometry, choose_block_size
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.schedule.plan import RankPlan
+from megatron_psrl.tree.index import TreeIndex, chain_structure
 
 # The norms' internals and statistics and the attention's log-sum-exp stay fp32 in any dtype.
 _FP32_BYTES = 4
@@ -71,10 +76,9 @@ def attention_saved_bytes_per_token(arch: ModelArchitecture, tensor_parallel_siz
     saves them as a recipe over the pack's K/V and gathers again in backward, so what stays is
     the pack's key and value (a test measures it, ``tests/kvcache/test_varlen_saved_bytes.py``).
     Cached prefixes read by the attention are charged per micro-batch, not here (``held_reads``:
-    flash and te keep their materialised copies; torch reads them again in backward). Not
-    counted: Transformer Engine's cuDNN softmax statistics padded to segments x longest
-    segment on cuDNN before 9.6 (fp32 per head and padded row, well inside the allocator margin
-    beside the layer's other 100+ KB per token at 1.5B size)."""
+    flash and te keep their materialised copies; torch reads them again in backward). What the
+    varlen kernels hold beyond this count (their gathered copies while a layer runs, softmax
+    statistics padded to segments x longest segment) is :class:`VarlenCharge`'s, per micro-batch."""
     if backend not in MODELLED_BACKENDS:
         raise ValueError(f"the memory plan models the attention backends {MODELLED_BACKENDS}, not {backend!r}")
     hd, tp = arch.head_dim, tensor_parallel_size
@@ -159,6 +163,69 @@ def activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: in
     return int(ALLOCATOR_MARGIN * (saved + arch.hidden_size * dtype_bytes))
 
 
+def add_segment_shapes(index: TreeIndex, plan: RankPlan) -> None:
+    """Set ``plan.segment_shapes``: per micro-batch that runs the model, ``(segments, longest
+    segment, gathered keys)``, what a varlen kernel's memory follows. A segment's queries see its
+    ancestors (in the pack, cached or received) and its own tokens: as many keys as its last
+    token's position plus one (the rows ``AttentionPlan.gathered_keys`` lists for it)."""
+    if plan.segment_shapes is not None:
+        return
+    shapes = {}
+    for i, mb in enumerate(plan.micro_batches):
+        tokens = mb.computed_tokens
+        if not len(tokens):
+            continue
+        _, continues = chain_structure(index, tokens)
+        starts = np.flatnonzero(~continues)
+        ends = np.append(starts[1:], len(tokens))
+        keys = int((index.position[tokens[ends - 1]] + 1).sum())
+        shapes[i] = (len(starts), int((ends - starts).max()), keys)
+    plan.segment_shapes = shapes
+
+
+@dataclass(frozen=True)
+class VarlenCharge:
+    """What the ``flash`` and ``te`` backends hold beyond the per-token saved tensors
+    (:func:`attention_saved_bytes_per_token`), from a micro-batch's segment shape
+    (:func:`add_segment_shapes`). ``None`` for the ``torch`` backend, which gathers nothing.
+
+    While a layer's attention runs (forward, or its backward), per gathered key
+    (``bytes_per_gathered_key``, one layer): the K and V copies (``2 kv b``; the forward's,
+    freed after the kernel, or the backward's regather); in backward the kernel's gradients of
+    them (``2 kv b``; flash-attn 2 with fewer K/V heads than query heads first writes them per
+    query head, ``2 q b``); the fp32 copy of one of them and the fp32 sum over the source rows
+    (at most one per gathered key) that ``GatherRows`` adds them into (``8 kv``). One layer at a
+    time: charged once per running micro-batch, not per layer.
+
+    In a kept graph, per layer (``lse_bytes_per_row``): the kernel's fp32 log-sum-exp, counted
+    per token already; older flash-attn 2 releases and cuDNN before 9.6 pad it to
+    segments x longest segment rows, so the padding rows are charged here."""
+
+    bytes_per_gathered_key: int
+    """One layer's transient bytes per gathered K/V row (see the class doc)."""
+    lse_bytes_per_row: int
+    """fp32 log-sum-exp bytes of one query row, all of this stage's layers."""
+
+    @classmethod
+    def of(cls, arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int, backend: str,
+           num_layers: Optional[int] = None) -> Optional["VarlenCharge"]:
+        if backend not in ("flash", "te"):
+            return None
+        hd, tp, b = arch.head_dim, tensor_parallel_size, dtype_bytes
+        q, kv = arch.num_attention_heads * hd // tp, arch.num_kv_heads * hd // tp
+        grads = 2 * (q if backend == "flash" else kv) * b
+        layers = arch.num_layers if num_layers is None else num_layers
+        return cls(bytes_per_gathered_key=2 * kv * b + grads + 2 * _FP32_BYTES * kv,
+                   lse_bytes_per_row=_FP32_BYTES * (q // hd) * layers)
+
+    def transient(self, shape: Tuple[int, int, int]) -> int:
+        return shape[2] * self.bytes_per_gathered_key
+
+    def held(self, shape: Tuple[int, int, int], tokens: int) -> int:
+        segments, longest, _ = shape
+        return max(0, segments * longest - tokens) * self.lse_bytes_per_row
+
+
 @dataclass
 class MemoryPlan:
     """Decisions for one rank and step."""
@@ -229,7 +296,7 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_
         # A forward+backward, a graph-less forward, a recomputation (and, gathering again in
         # backward, every pass) hold their gathered K/V copies only while they run.
         runs = op == "forward_backward" or not kept or tables.gathers_in_backward
-        transient = running_reads[i] if runs else 0
+        transient = (running_reads[i] if runs else 0) + tables.attention.get(i, 0)
         blocks_held.append(blocks)
         other_held.append(graphs + transient + tables.head_bytes)
         if op == "backward":
@@ -262,45 +329,60 @@ class _ByteTables:
     head_bytes: int = 0
     """The loss head's transient peak, charged at every step (a micro-batch is running)."""
 
+    attention: Dict[int, int] = field(default_factory=dict)
+    """A varlen backend's transient while the micro-batch runs (:class:`VarlenCharge`)."""
+
 
 def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
-                 gathers_in_backward: bool = False, head_bytes: int = 0) -> _ByteTables:
+                 gathers_in_backward: bool = False, head_bytes: int = 0,
+                 varlen: Optional[VarlenCharge] = None) -> _ByteTables:
     """Per micro-batch: its graph's activations, and the prefix K/V it holds while it runs (or,
     kept, until its backward): copies gathered from the cache and K/V received from other
     ranks in the same step (cross-rank peers, always kept as copies). Gathered again in
     backward, cached prefixes cost one layer's K/V copies and their fp32 gradients at a time."""
     graph = {i: len(mb.computed_tokens) * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
+    attention = {}
+    if varlen is not None:
+        if plan.segment_shapes is None:
+            raise ValueError("a varlen backend's memory plan needs the micro-batches' segment shapes "
+                             "(schedule.memory.add_segment_shapes)")
+        for i, shape in plan.segment_shapes.items():
+            graph[i] += varlen.held(shape, plan.micro_batches[i].num_tokens)
+            attention[i] = varlen.transient(shape)
     kv = 2 * geometry.bytes_per_token  # K and V, all layers of this stage
     cached = {i: kv * sum(plan.sources[s].length for s in mb.reads) for i, mb in enumerate(plan.micro_batches)}
     peers = {i: kv * sum(p.length for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
     if not gathers_in_backward:
         reads = {i: cached[i] + peers[i] for i in cached}
-        return _ByteTables(graph, reads, reads, False, head_bytes)
+        return _ByteTables(graph, reads, reads, False, head_bytes, attention)
     one_layer = {i: -(-cached[i] * (1 + geometry.grad_slots_per_token) // geometry.num_layers) for i in cached}
-    return _ByteTables(graph, peers, {i: one_layer[i] + peers[i] for i in cached}, True, head_bytes)
+    return _ByteTables(graph, peers, {i: one_layer[i] + peers[i] for i in cached}, True, head_bytes, attention)
 
 
 def simulated_peak_bytes(
     plan: RankPlan, geometry: KVGeometry, keep_graph: Dict[int, bool], act_bytes_per_token: int,
     block_size: Optional[int] = None, gathers_in_backward: bool = False, head_bytes: int = 0,
+    varlen: Optional[VarlenCharge] = None,
 ) -> int:
     """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
     block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
-    tables = _byte_tables(plan, geometry, act_bytes_per_token, gathers_in_backward, head_bytes)
+    tables = _byte_tables(plan, geometry, act_bytes_per_token, gathers_in_backward, head_bytes, varlen)
     blocks, other, _ = _simulate(plan, keep_graph, block_size, tables, grad_slots=geometry.grad_slots_per_token)
     return int((blocks * geometry.block_bytes(block_size) + other).max(initial=0))
 
 
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int,
-                rereads: bool = False, gathers_in_backward: bool = False, head_bytes: int = 0) -> MemoryPlan:
+                rereads: bool = False, gathers_in_backward: bool = False, head_bytes: int = 0,
+                varlen: Optional[VarlenCharge] = None) -> MemoryPlan:
     """Decide block size, pool size and keep/recompute for every producer of ``plan``."""
     return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token, rereads, gathers_in_backward,
-                             head_bytes)[0]
+                             head_bytes, varlen)[0]
 
 
 def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes: int,
                       act_bytes_per_token: int, rereads: bool = False,
-                      gathers_in_backward: bool = False, head_bytes: int = 0) -> List[MemoryPlan]:
+                      gathers_in_backward: bool = False, head_bytes: int = 0,
+                      varlen: Optional[VarlenCharge] = None) -> List[MemoryPlan]:
     """:func:`plan_memory` for ranks that run one schedule in lockstep (a cross-rank group;
     or a single rank): a producer step keeps or drops its graph on all of them alike, because
     a recomputation re-runs the step's exchange, in which every rank takes part.
@@ -314,7 +396,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     reads its cached prefixes again (their K/V stay until then). ``gathers_in_backward``: the
     attention gathers cached K/V again in its backward pass (the ``torch`` backend) instead of
     keeping copies in the graph; every backward then re-reads too. ``head_bytes``: the loss
-    head's transient peak, charged at every step.
+    head's transient peak, charged at every step. ``varlen``: the ``flash`` / ``te`` backends'
+    gathered K/V and padded statistics (:class:`VarlenCharge`; the plans' ``segment_shapes``).
     """
     schedule = plans[0].schedule
     block_size = choose_block_size([s.length for p in plans for s in p.sources.values()])
@@ -324,7 +407,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     # (an import holds no graph: it receives K/V; an idle step holds nothing)
     producers = sorted(i for i in forward_at if all(p.micro_batches[i].computes for p in plans))
     keep = {p: True for p in producers}
-    tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward, head_bytes) for p in plans]
+    tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward, head_bytes, varlen) for p in plans]
 
     def timelines(decisions) -> List[np.ndarray]:
         out = []
@@ -376,18 +459,28 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
 
 
 def step_peak_bytes(plan: RankPlan, memory: Optional[MemoryPlan], act_bytes_per_token: int,
-                    head_bytes: int = 0) -> int:
+                    head_bytes: int = 0, varlen: Optional[VarlenCharge] = None) -> int:
     """Predicted peak of one training step above the weights and their gradients: the memory
-    plan's timeline (KV blocks, kept graphs, gathered K/V copies, the loss head) plus, at every
-    schedule step, the graph of the micro-batch running then when the plan does not hold it
-    already (a forward+backward, or the recomputed forward of a producer that dropped its
-    graph). ``memory`` None: a step without cached prefixes (every step a forward+backward)."""
+    plan's timeline (KV blocks, kept graphs, gathered K/V copies, the loss head, a varlen
+    backend's gathered copies) plus, at every schedule step, the graph of the micro-batch
+    running then when the plan does not hold it already (a forward+backward, or the recomputed
+    forward of a producer that dropped its graph). ``memory`` None: a step without cached
+    prefixes (every step a forward+backward; ``varlen``'s charges added here, the plans'
+    ``segment_shapes`` set)."""
     keep = memory.keep_graph if memory is not None else {}
     timeline = memory.timeline_bytes if memory is not None else [head_bytes] * len(plan.schedule)
+    shapes = plan.segment_shapes if varlen is not None else None
+    if varlen is not None and shapes is None:
+        raise ValueError("a varlen backend's step peak needs the micro-batches' segment shapes (add_segment_shapes)")
     peak = 0
     for t, (op, i) in enumerate(plan.schedule):
+        mb = plan.micro_batches[i]
         running = op == "forward_backward" or (op == "backward" and not keep.get(i, True))
-        peak = max(peak, timeline[t] + (plan.micro_batches[i].num_tokens * act_bytes_per_token if running else 0))
+        extra = mb.num_tokens * act_bytes_per_token if running else 0
+        if shapes is not None and i in shapes:
+            extra += varlen.held(shapes[i], mb.num_tokens) if running else 0
+            extra += varlen.transient(shapes[i]) if memory is None else 0  # (a plan's timeline has it)
+        peak = max(peak, timeline[t] + extra)
     return int(peak)
 
 
@@ -424,6 +517,8 @@ __all__ = [
     "MemoryPlan",
     "ALLOCATOR_MARGIN",
     "MODELLED_BACKENDS",
+    "VarlenCharge",
+    "add_segment_shapes",
     "activation_bytes_per_token",
     "attention_saved_bytes_per_token",
     "moe_saved_bytes_per_token",
@@ -455,10 +550,12 @@ class MemorySettings:
     """The attention gathers cached K/V again in its backward (the ``torch`` backend)."""
     head_bytes: int = 0
     """The loss head's transient peak, charged at every step."""
+    varlen: Optional[VarlenCharge] = None
+    """The ``flash`` / ``te`` backends' gathered K/V and padded statistics (None: ``torch``)."""
 
     def __call__(self, plans: List[RankPlan]) -> List[MemoryPlan]:
         return plan_memory_group(plans, self.geometry, self.budget_bytes, self.act_bytes_per_token, self.rereads,
-                                 self.gathers_in_backward, self.head_bytes)
+                                 self.gathers_in_backward, self.head_bytes, self.varlen)
 
     def forward(self, plans: List[RankPlan]) -> List[MemoryPlan]:
         return [plan_forward_memory(plan, self.geometry, self.budget_bytes) for plan in plans]

@@ -287,6 +287,11 @@ class RankPlan:
     """Part of a cross-rank plan: every rank of the group runs the same schedule in lockstep,
     exchanging prefix K/V (``MicroBatchSpec.exchange``)."""
 
+    segment_shapes: Optional[Dict[int, Tuple[int, int, int]]] = None
+    """Per micro-batch that runs the model: ``(segments, longest segment, gathered keys)``, what
+    the memory plan of a varlen attention backend needs (set by
+    :func:`megatron_psrl.schedule.memory.add_segment_shapes`; None: not computed)."""
+
     def pack(self, index: TreeIndex, i: int) -> PackedMicroBatch:
         """The packed micro-batch i (built on demand: packing is cheap next to the model).
 

@@ -7,7 +7,7 @@ from typing import Callable, List, Optional, Tuple
 
 from megatron_psrl.kvcache import CacheBudgetError
 from megatron_psrl.schedule.config import PlannerConfig
-from megatron_psrl.schedule.memory import MemoryPlan
+from megatron_psrl.schedule.memory import MemoryPlan, add_segment_shapes
 from megatron_psrl.schedule.plan import PlanningError, RankPlan, StepPlan
 from megatron_psrl.schedule.planner import assign_groups, plan_step
 from megatron_psrl.tree.prefix_tree import PrefixTree
@@ -42,6 +42,9 @@ def memory_plans(plan: StepPlan, group_memory: GroupMemory) -> List[Optional[Mem
     memories: List[Optional[MemoryPlan]] = [None] * len(plan.ranks)
     for group in plan.groups:
         ranks = [plan.ranks[r] for r in group]
+        if getattr(group_memory, "varlen", None) is not None:  # (a varlen backend's charges follow the segments)
+            for rank in ranks:
+                add_segment_shapes(plan.index, rank)
         lockstep = len(group) > 1
         if lockstep or ranks[0].sources:
             for r, memory in zip(group, group_memory(ranks)):

@@ -15,10 +15,10 @@ import types
 import numpy as np
 import pytest
 import torch
+from helpers.varlen_reference import reference_kernel as reference_kernel_with
 
 from megatron_psrl.attention.backends import blockwise_tree_attention
 from megatron_psrl.attention.backends.varlen import varlen_tree_attention
-from megatron_psrl.attention.partial import partial_attention_backward, partial_attention_forward
 from megatron_psrl.attention.plan import tree_plan
 from megatron_psrl.engine.memory import heap_bytes_in_use
 from megatron_psrl.schedule.memory import ALLOCATOR_MARGIN, attention_saved_bytes_per_token
@@ -27,35 +27,7 @@ NP, NG, HN, SCALE = 4, 2, 32, 0.125
 PROMPT, RESPONSES, RESPONSE, SYSTEM = 512, 16, 16, 128
 
 
-class ReferenceVarlen(torch.autograd.Function):
-    """flash_attn_varlen_func's contract in plain torch (CPU): causal aligned to the bottom
-    right of every segment, and the same tensors saved for backward."""
-
-    @staticmethod
-    def forward(ctx, q, kg, vg, cu_q, cu_k):
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32)
-        ctx.bounds = list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()))
-        for a, b, c, d in ctx.bounds:
-            out[a:b], lse[a:b] = partial_attention_forward(q[a:b], kg[c:d], vg[c:d], True, SCALE, impl="math")
-        ctx.save_for_backward(q, kg, vg, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, kg, vg, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kg), torch.zeros_like(vg)
-        for a, b, c, d in ctx.bounds:
-            g = partial_attention_backward(dout[a:b], q[a:b], kg[c:d], vg[c:d], out[a:b], lse[a:b], True, SCALE,
-                                           impl="math")
-            dq[a:b] += g[0]
-            dk[c:d] += g[1]
-            dv[c:d] += g[2]
-        return dq, dk, dv, None, None
-
-
-def reference_kernel(q, kg, vg, cu_q, cu_k, max_q, max_k):
-    return ReferenceVarlen.apply(q, kg, vg, cu_q, cu_k)
+reference_kernel = reference_kernel_with(SCALE)
 
 
 def grpo_plan():

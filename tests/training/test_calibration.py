@@ -71,3 +71,92 @@ def test_a_malformed_cost_record_is_one_line_naming_its_file(tmp_path):
         with pytest.raises(CheckpointError, match=f"^{path}: not a cost calibration record: .*{reason}") as info:
             MeasuredCosts.from_record(record, path)
         assert "\n" not in str(info.value)
+
+
+def _calls_in(tree, name):
+    """Functions (by name) of ``tree`` that reference ``name`` (an attribute chain like ``time.perf_counter``)."""
+    import ast
+
+    found = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and ast.unparse(node) == name:
+                    found.add(fn.name)
+    return found
+
+
+def test_the_calibration_has_one_clock_and_one_drain():
+    """Every time the calibration takes goes through ``timed_seconds``: the module reads the
+    clock there only, and drains the device (``torch.cuda.synchronize``) in ``drain`` only,
+    which ``timed_seconds`` calls before starting and before stopping the clock."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(calibration))
+    assert _calls_in(tree, "time.perf_counter") == {"timed_seconds"}
+    assert _calls_in(tree, "time.time") == set() and _calls_in(tree, "time.monotonic") == set()
+    assert _calls_in(tree, "torch.cuda.synchronize") == {"drain"}
+    assert [n.func.id for n in ast.walk(ast.parse(inspect.getsource(calibration.timed_seconds)))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)] == ["drain", "fn", "drain"]
+
+
+def _counting(monkeypatch):
+    """Count the calls of ``timed_seconds`` and of ``drain`` (the real ones still run)."""
+    counts = {"timed": 0, "drain": 0}
+    real_timed, real_drain = calibration.timed_seconds, calibration.drain
+
+    def timed(fn, device=None):
+        counts["timed"] += 1
+        assert device is not None, "a measurement that does not name its device cannot drain it"
+        return real_timed(fn, device)
+
+    def drain(device):
+        counts["drain"] += 1
+        real_drain(device)
+
+    monkeypatch.setattr(calibration, "timed_seconds", timed)
+    monkeypatch.setattr(calibration, "drain", drain)
+    return counts
+
+
+def test_every_measurement_is_timed_by_the_helper(model, monkeypatch):
+    """The compute fit and the overlap measurement: every timed call is one ``timed_seconds``
+    naming the device, which drains it twice (patched, counted; CPU: draining does nothing)."""
+    import torch.distributed as dist
+
+    arch, m = model
+    counts = _counting(monkeypatch)
+    calibration.measure_compute(m, arch.vocab_size, torch.device("cpu"), 128, repeats=2)
+    assert counts == {"timed": 5 * (1 + 2), "drain": 2 * 5 * (1 + 2)}  # 5 packs, a warm-up and 2 repeats each
+    counts.update(timed=0, drain=0)
+    share = calibration.measure_exchange_overlap(dist.group.WORLD, 4, 2, 16, torch.float32, torch.device("cpu"),
+                                                 64, 16, repeats=1)
+    assert 0.0 <= share <= 1.0 and counts == {"timed": 3 * 2, "drain": 2 * 3 * 2}  # exchange, attention, both
+
+
+def test_a_backend_that_does_not_overlap_is_charged_the_whole_exchange(monkeypatch):
+    """flash / te / dense wait for the received rows: no overlap is measured for them and the
+    planner charges the whole exchange, whatever ``--overlap-kv-exchange`` says; the torch
+    backend's measured share stays in force."""
+    import types
+
+    import torch.distributed as dist
+
+    counts = _counting(monkeypatch)
+    for backend in ("flash", "te", "dense"):
+        assert calibration.measure_exchange_overlap(dist.group.WORLD, 4, 2, 16, torch.float32, torch.device("cpu"),
+                                                    64, 16, repeats=1, backend=backend) == 1.0
+    assert counts["timed"] == 0
+    arch = types.SimpleNamespace(model_type="llama", hidden_size=64, num_layers=2, num_attention_heads=4,
+                                 num_kv_heads=2)
+    geometry = types.SimpleNamespace(dtype="float32", num_groups=2, head_dim=16, num_layers=2, bytes_per_token=256)
+    for backend, overlapped in (("torch", True), ("flash", False), ("te", False)):
+        key = calibration.planning_key(arch, geometry, torch.device("cpu"), 1, backend)
+        recorded = MeasuredCosts(1e-4, 1e-7, 2e-5, 5e-3, seconds_per_byte=1e-9, seconds_per_exchange=1e-4,
+                                 exchange_exposed_fraction=0.25, key=key)
+        costs, origin = calibration.calibrate_for_planning(None, arch, geometry, torch.device("cpu"), 256, None,
+                                                           recorded=recorded, backend=backend)
+        assert origin == "checkpoint" and costs.overlap_kv_exchange is overlapped, backend
+        settings = costs.planner_settings(num_layers=2, kv_bytes_per_token=256)
+        assert settings["cost_per_exchange"] == pytest.approx((0.25 if overlapped else 1.0) * 4 * 1e-4), backend

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_psrl.engine.host_copy import DeviceSums, host_to_device
+from megatron_psrl.host_copy import DeviceSums, host_to_device
 
 
 def test_device_sums_add_tensors_and_floats_and_read_once():

@@ -30,6 +30,16 @@ from megatron_psrl.options import ATTENTION_BACKENDS
 BACKENDS = ATTENTION_BACKENDS
 
 
+OVERLAPS_EXCHANGE = frozenset({"torch"})
+"""Backends that overlap a cross-rank step's prefix K/V exchange with their attention: the
+``torch`` backend attends to its other keys while the rows are in flight, then waits, attends
+to them and merges by log-sum-exp (``ArrivingPrefixKV``). ``flash``, ``te`` and ``dense`` take
+their keys as tensors, so they ``materialize`` the received rows (wait) before their kernel
+starts: nothing overlaps, and the planner charges them the whole exchange (the calibration
+measures no overlap for them). The flash and te kernels return their log-sum-exp, so they
+could attend to the local keys first and merge as ``torch`` does; not done."""
+
+
 def default_backend(device_type: str, dtype=None) -> str:
     """``flash`` on CUDA for fp16/bf16 when flash-attn is installed, else ``torch``."""
     import torch
@@ -188,6 +198,7 @@ def check_attention_backend(backend: str, device_type: str, dtype=None, facts: O
 
 __all__ = [
     "BACKENDS",
+    "OVERLAPS_EXCHANGE",
     "KernelFacts",
     "attention_backend_problem",
     "check_attention_backend",

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_psrl.attention.plan import AttentionPlan
+from megatron_psrl.host_copy import host_to_device
 
 Tensor = torch.Tensor
 
@@ -23,7 +24,7 @@ def dense_tree_attention(
     """``[t, np, hn] -> [t, np, hn]``; keys are [pack, external sources...] in plan order."""
     keys = torch.cat([k] + [e[0] for e in external], dim=0)
     values = torch.cat([v] + [e[1] for e in external], dim=0)
-    mask = torch.from_numpy(plan.dense_mask()).to(q.device)
+    mask = host_to_device(plan.dense_mask(), q.device)
     # [t, h, d] -> [h, t, d]; GQA via enable_gqa (no repeated K/V materialised by us).
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),

@@ -4,8 +4,8 @@ Every segment's queries attend to [its ancestors' keys, its own keys]; the plan 
 key indices once per micro-batch (``AttentionPlan.gathered_keys``). A varlen kernel with a
 causal mask aligned to the bottom right of every (queries, keys) pair is then exact: a query
 sees every ancestor key and the earlier tokens of its own segment. Ancestor keys are
-gathered (copied) per segment; autograd's index_select backward sums their gradients back
-onto the single copy of every shared prefix token (and onto cached external K/V).
+gathered (copied) per segment; :class:`GatherRows` sums their gradients back onto the single
+copy of every shared prefix token (and onto cached external K/V) in fp32, deterministically.
 
 The kernels save their inputs for the backward pass, the gathered copies included: every
 segment its whole ancestor chain (a GRPO group of 16 responses on one prompt: 16 copies of the
@@ -23,10 +23,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Dict, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from megatron_psrl.attention.plan import AttentionPlan
 from megatron_psrl.errors import MissingRequirementError
+from megatron_psrl.host_copy import host_to_device
 
 Tensor = torch.Tensor
 
@@ -42,18 +44,52 @@ def gather_index(plan: AttentionPlan, device: torch.device):
     cache: Dict = plan.__dict__.setdefault("_device_cache", {})
     if device not in cache:
         cache[device] = (
-            torch.from_numpy(key_index).to(device),
-            torch.from_numpy(cu_q).to(device=device, dtype=torch.int32),
-            torch.from_numpy(cu_k).to(device=device, dtype=torch.int32),
+            host_to_device(key_index, device, np.int64),
+            host_to_device(cu_q, device, np.int32),
+            host_to_device(cu_k, device, np.int32),
             int((cu_q[1:] - cu_q[:-1]).max()) if len(cu_q) > 1 else 0,
             int((cu_k[1:] - cu_k[:-1]).max()) if len(cu_k) > 1 else 0,
         )
     return cache[device]
 
 
+class GatherRows(torch.autograd.Function):
+    """``source.index_select(0, idx)`` whose backward sums the copies' gradients in fp32, in a
+    fixed order.
+
+    A shared prefix row is gathered once per segment that reads it (a GRPO prompt: once per
+    response), so its dK/dV is the sum of that many gradients. ``index_select``'s own backward
+    adds them in the model dtype (bf16: rounded after every addition, an error that grows with
+    the number of readers) and, on CUDA, with atomics (the order, and so the bits, change from
+    run to run). Here they are added into an fp32 buffer with ``index_put_(accumulate=True)``:
+    on CUDA its sort-based kernel (stable sort of the indices, then every destination row summed
+    by one thread in index order) is deterministic, unlike ``index_add_``'s atomics, and on CPU it
+    adds serially. The sum is rounded to the model dtype once, where autograd hands it to
+    ``source`` (the ``torch`` backend's ``dk.to(k.dtype)``): one rounding whatever the number of
+    readers. Transient cost in backward: the gradient of the copies in fp32 (twice their bytes
+    in bf16) and the fp32 sum over the source rows (the memory plan's ``VarlenCharge``)."""
+
+    @staticmethod
+    def forward(ctx, source: Tensor, idx: Tensor) -> Tensor:
+        ctx.save_for_backward(idx)
+        ctx.rows = source.shape[0]
+        return source.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (idx,) = ctx.saved_tensors
+        total = torch.zeros((ctx.rows,) + tuple(grad.shape[1:]), dtype=torch.float32, device=grad.device)
+        total.index_put_((idx,), grad.float(), accumulate=True)
+        return total, None
+
+
 def _gather(parts: Sequence[Tensor], idx: Tensor) -> Tensor:
-    """Rows ``idx`` of the concatenation of ``parts`` (the pack's K or V, then external sources)."""
-    return (torch.cat(list(parts), dim=0) if len(parts) > 1 else parts[0]).index_select(0, idx)
+    """Rows ``idx`` of the concatenation of ``parts`` (the pack's K or V, then external sources),
+    their gradients summed in fp32 (:class:`GatherRows`)."""
+    source = torch.cat(list(parts), dim=0) if len(parts) > 1 else parts[0]
+    if torch.is_grad_enabled() and source.requires_grad:
+        return GatherRows.apply(source, idx)
+    return source.index_select(0, idx)
 
 
 _REGATHER = object()  # marks a saved tensor packed as a recipe
