@@ -39,8 +39,10 @@ setup(
         # pytest-randomly: the suite runs in a random order, its seed printed (README, "Testing").
         "test": ["pytest>=7", "pytest-randomly>=3.15", "transformers>=4.45", "hypothesis>=6", "tensorboard>=2.14"],
         # The verl training engine (megatron_psrl.integrations.verl; docs/integrations.md). verl is
-        # pinned: its engine interface changes between releases.
-        "verl": ["verl==0.9.1"],
+        # pinned: its engine interface changes between releases. uvicorn and fastapi: verl's worker
+        # layer (verl.workers.engine_workers, the TrainingWorker tests) imports them, and verl does
+        # not declare them.
+        "verl": ["verl==0.9.1", "uvicorn", "fastapi"],
         # Experiment tracking (--tensorboard-dir needs tensorboard, --wandb-project needs wandb).
         "logging": ["tensorboard>=2.14", "wandb>=0.16"],
     },
