@@ -109,6 +109,7 @@ from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
 
 quiet_expected_import_warnings()
 
+import memory_curve  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -1457,6 +1458,8 @@ def run(args, log=print) -> dict:
     }
     for name, block in _dta_blocks(args.dta_blocks).items():
         all_c[name] = ArealDtaContender(hf_config, state, args.max_forward_tokens, block, name)
+    if args.memory_curve or args.memory_breakdown:
+        return run_memory(args, bench, all_c, hf_config, state, log)
     chosen = [n for n in (args.contenders.split(",") if args.contenders else all_c)]
     unknown = [n for n in chosen if n not in all_c]
     if unknown:
@@ -1533,6 +1536,65 @@ def run(args, log=print) -> dict:
     return out
 
 
+def run_memory(args, bench: PeerBench, all_c: Dict[str, Contender], hf_config: dict, state, log) -> dict:
+    """``--memory-breakdown`` (the step's peak at the defaults by holder, beside the memory
+    plan's prediction) and ``--memory-curve`` (the project's budgets against every peer's
+    settings), on the selected workloads (default: the default four)."""
+    names = workloads(bench.arch.vocab_size, args.quick)
+    selected = args.workloads.split(",") if args.workloads else (list(names) if args.quick else DEFAULT_WORKLOADS)
+    out = {"meta": {"repeats": args.repeats, "threads": torch.get_num_threads(), "versions": _versions(),
+                    "load_average": " / ".join(f"{x:.1f}" for x in os.getloadavg()), "memory_mode": MEMORY_MODE,
+                    "dta_blocks": memory_curve.CURVE_DTA_BLOCKS},
+           "breakdown": [], "curves": []}
+    os.makedirs(args.out_dir, exist_ok=True)
+    contenders: List[Contender] = []
+    if args.memory_curve:
+        dta = [ArealDtaContender(hf_config, state, args.max_forward_tokens, block, name)
+               for name, block in _dta_blocks(memory_curve.CURVE_DTA_BLOCKS).items()]
+        contenders = ([all_c["hf-per-sample"]] + memory_curve.curve_contenders(bench, PsrlContender)
+                      + [all_c[n] for n in memory_curve.CURVE_PEERS[1:]] + dta)
+        for c in contenders:
+            c._unavailable = c.unavailable()
+        for c in dta:
+            memory_curve.skip_same_blocks(c)
+    for name in selected if args.memory_breakdown else []:  # first: cheap, and every workload's
+        work = Work.built(name, names[name](), bench.cost)
+        out["breakdown"].append(memory_curve.breakdown(bench, work))
+        m = out["breakdown"][-1]["measured"]
+        log(f"{name} breakdown: peak {m['peak_bytes'] / 2**20:.1f} MB at {m['phase']} mb {m['micro_batch']}")
+        write_memory(args.out_dir, out)
+    for name in selected if args.memory_curve else []:
+        work = Work.built(name, names[name](), bench.cost)
+        log(f"{name}: {work.batch.num_samples} samples, {work.batch.num_tokens} tokens, {work.tree_tokens} tree tokens")
+        results, order = bench_workload(work, contenders, bench, args, log)
+        s = summarise(work, results, order)
+        for r in s["rows"]:
+            c = next(c for c in contenders if c.name == r["contender"])
+            if isinstance(c, PsrlContender) and r["status"] == "ok":
+                r["micro_batches"] = bench.micro_batches(work.batch, **c.overrides)
+            if r["median_s"] is not None:
+                log(f"  {r['contender']:>16}: {r['median_s']:.3f} s  peak {_f(r['peak_mb'], '.0f')} MB")
+        s["png"] = memory_curve.plot(s, os.path.join(args.out_dir, f"memory_curve_{name}.png"))
+        out["curves"].append(s)
+        write_memory(args.out_dir, out)
+    return out
+
+
+def write_memory(out_dir: str, out: dict) -> str:
+    meta = out["meta"]
+    lines = ["# bench_peers: memory", "",
+             f"{meta['threads']} threads, load average {meta['load_average']}, {meta['repeats']} interleaved rounds; "
+             f"peak = C-heap bytes in use above the step's start, PeakMemory `{meta['memory_mode']}` mode.", ""]
+    if out["breakdown"]:
+        lines += ["## The step's peak at the defaults, by holder (MB)", ""] + memory_curve.breakdown_md(out["breakdown"])
+    for s in out["curves"]:
+        png = os.path.basename(s["png"]) if s.get("png") else None
+        lines += memory_curve.curve_md(s, png)
+    md = "\n".join(lines)
+    write_results(out_dir, "bench_peers_memory", out, md)
+    return md
+
+
 def write(out_dir: str, out: dict) -> str:
     md = markdown(out)
     write_results(out_dir, "bench_peers", out, md)
@@ -1592,6 +1654,11 @@ def _main(argv=None):
     p.add_argument("--baseline-profile", default=None, metavar="WORKLOAD",
                    help="the no-sharing baseline's per-token cost, profiled on this workload")
     p.add_argument("--baseline-repeats", type=int, default=3)
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="the step's peak at the defaults broken down by holder, beside the memory plan's prediction")
+    p.add_argument("--memory-curve", action="store_true",
+                   help="the project at micro-batch budgets 512..32768, KV budget at its floor and with "
+                        "recomputation, against every peer's settings: a table and a PNG per workload")
     p.add_argument("--out-dir", default="runs/bench_peers")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -1604,7 +1671,7 @@ def _main(argv=None):
     if args.guard is None:
         args.guard = "all" if args.quick else DEFAULT_GUARDS
     out = run(args)
-    md = write(args.out_dir, out)
+    md = write_memory(args.out_dir, out) if "curves" in out else write(args.out_dir, out)
     print()
     print(md)
     return out, args
