@@ -1544,7 +1544,7 @@ def run_memory(args, bench: PeerBench, all_c: Dict[str, Contender], hf_config: d
     selected = args.workloads.split(",") if args.workloads else (list(names) if args.quick else DEFAULT_WORKLOADS)
     out = {"meta": {"repeats": args.repeats, "threads": torch.get_num_threads(), "versions": _versions(),
                     "load_average": " / ".join(f"{x:.1f}" for x in os.getloadavg()), "memory_mode": MEMORY_MODE,
-                    "dta_blocks": memory_curve.CURVE_DTA_BLOCKS},
+                    "dta_blocks": memory_curve.CURVE_DTA_BLOCKS, "clock": args.clock},
            "breakdown": [], "curves": []}
     os.makedirs(args.out_dir, exist_ok=True)
     contenders: List[Contender] = []
@@ -1553,6 +1553,9 @@ def run_memory(args, bench: PeerBench, all_c: Dict[str, Contender], hf_config: d
                for name, block in _dta_blocks(memory_curve.CURVE_DTA_BLOCKS).items()]
         contenders = ([all_c["hf-per-sample"]] + memory_curve.curve_contenders(bench, PsrlContender)
                       + [all_c[n] for n in memory_curve.CURVE_PEERS[1:]] + dta)
+        if args.contenders:  # a subset (the gradient reference always runs)
+            keep = set(args.contenders.split(",")) | {"hf-per-sample"}
+            contenders = [c for c in contenders if c.name in keep]
         for c in contenders:
             c._unavailable = c.unavailable()
         for c in dta:
@@ -1574,7 +1577,7 @@ def run_memory(args, bench: PeerBench, all_c: Dict[str, Contender], hf_config: d
                 r["micro_batches"] = bench.micro_batches(work.batch, **c.overrides)
             if r["median_s"] is not None:
                 log(f"  {r['contender']:>16}: {r['median_s']:.3f} s  peak {_f(r['peak_mb'], '.0f')} MB")
-        s["png"] = memory_curve.plot(s, os.path.join(args.out_dir, f"memory_curve_{name}.png"))
+        s["png"] = memory_curve.plot(s, os.path.join(args.out_dir, f"memory_curve_{name}.png"), args.clock)
         out["curves"].append(s)
         write_memory(args.out_dir, out)
     return out
@@ -1589,7 +1592,7 @@ def write_memory(out_dir: str, out: dict) -> str:
         lines += ["## The step's peak at the defaults, by holder (MB)", ""] + memory_curve.breakdown_md(out["breakdown"])
     for s in out["curves"]:
         png = os.path.basename(s["png"]) if s.get("png") else None
-        lines += memory_curve.curve_md(s, png)
+        lines += memory_curve.curve_md(s, png, meta.get("clock", "wall"))
     md = "\n".join(lines)
     write_results(out_dir, "bench_peers_memory", out, md)
     return md

@@ -128,10 +128,10 @@ def curve_rows(summary: dict) -> List[dict]:
     return out
 
 
-def curve_md(summary: dict, png: Optional[str]) -> List[str]:
+def curve_md(summary: dict, png: Optional[str], clock: str = "wall") -> List[str]:
     rows = curve_rows(summary)
     lines = [f"**{summary['workload']}** (time-memory curve; {summary['tree_tokens']} tree tokens)", "",
-             "| contender | micro-batches | median s | min-max s | peak MB | faster and leaner than every peer |",
+             f"| contender | micro-batches | median s ({clock} clock) | min-max s | peak MB | faster and leaner than every peer |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         sp = r["spread"] or {}
@@ -144,7 +144,7 @@ def curve_md(summary: dict, png: Optional[str]) -> List[str]:
     return lines + [""]
 
 
-def plot(summary: dict, path: str) -> Optional[str]:
+def plot(summary: dict, path: str, clock: str = "wall") -> Optional[str]:
     """One PNG: peak MB (x) against median seconds (y); the project's budgets as a line."""
     try:
         import matplotlib
@@ -173,7 +173,7 @@ def plot(summary: dict, path: str) -> Optional[str]:
         if r["dominates"]:
             ax.plot([r["peak_mb"]], [r["median_s"]], "o", markersize=14, markerfacecolor="none", color="tab:green")
     ax.set_xlabel("peak MB (heap above the step's start)")
-    ax.set_ylabel("median step s (wall)")
+    ax.set_ylabel(f"median step s ({clock} clock)")
     ax.set_title(f"{summary['workload']}: time against memory (green ring: faster and leaner than every peer)",
                  fontsize=9)
     ax.grid(alpha=0.3)
