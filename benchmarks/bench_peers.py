@@ -6,6 +6,10 @@ survive a noisy machine (issues 13 and 23).
                                      [--out-dir runs/bench_peers] [--profile none|all|NAME,...]
                                      [--guard all|none|NAME,...] [--baseline-profile NAME]
     python benchmarks/bench_peers.py --quick          # tiny sizes, 3 repeats (the smoke test)
+    python benchmarks/bench_peers.py --memory-breakdown --memory-curve [--contenders ...]
+                                     # the step's peak by holder, and the time-memory curve
+                                     # (benchmarks/memory_curve.py; bench_peers_memory.md + one PNG
+                                     # per workload in --out-dir)
 
 Every contender runs in this one process on the same weights (one random Hugging Face Llama,
 h256 / i512 / 4 layers / 8 heads / 4 KV heads / vocab 2048, fp32, loaded into megatron_psrl
