@@ -1624,7 +1624,8 @@ def _versions() -> Dict[str, str]:
 
 def main(argv=None) -> int:
     out, args = _main(argv)
-    failed = [(s["workload"], r["contender"]) for s in out["workloads"] for r in s["rows"]
+    summaries = out.get("workloads", out.get("curves", []))
+    failed = [(s["workload"], r["contender"]) for s in summaries for r in s["rows"]
               if r["status"] in ("FAILED", "error") and r["contender"] in ("psrl", "psrl-no-sharing", "hf-per-sample")]
     return 1 if failed else 0
 
@@ -1671,8 +1672,8 @@ def _main(argv=None):
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.quick else 7
-    if args.slow_seconds is None:
-        args.slow_seconds = float("inf") if args.quick else 30.0
+    if args.slow_seconds is None:  # (the memory curve needs every point's peak: no warm-up-only timing)
+        args.slow_seconds = float("inf") if args.quick or args.memory_curve else 30.0
     if args.profile is None:
         args.profile = "none"
     if args.guard is None:
