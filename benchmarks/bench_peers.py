@@ -6,6 +6,10 @@ survive a noisy machine (issues 13 and 23).
                                      [--out-dir runs/bench_peers] [--profile none|all|NAME,...]
                                      [--guard all|none|NAME,...] [--baseline-profile NAME]
     python benchmarks/bench_peers.py --quick          # tiny sizes, 3 repeats (the smoke test)
+    python benchmarks/bench_peers.py --memory-breakdown --memory-curve [--contenders ...]
+                                     # the step's peak by holder, and the time-memory curve
+                                     # (benchmarks/memory_curve.py; bench_peers_memory.md + one PNG
+                                     # per workload in --out-dir)
 
 Every contender runs in this one process on the same weights (one random Hugging Face Llama,
 h256 / i512 / 4 layers / 8 heads / 4 KV heads / vocab 2048, fp32, loaded into megatron_psrl
@@ -109,6 +113,7 @@ from megatron_psrl.compat import quiet_expected_import_warnings  # noqa: E402
 
 quiet_expected_import_warnings()
 
+import memory_curve  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -1457,6 +1462,8 @@ def run(args, log=print) -> dict:
     }
     for name, block in _dta_blocks(args.dta_blocks).items():
         all_c[name] = ArealDtaContender(hf_config, state, args.max_forward_tokens, block, name)
+    if args.memory_curve or args.memory_breakdown:
+        return run_memory(args, bench, all_c, hf_config, state, log)
     chosen = [n for n in (args.contenders.split(",") if args.contenders else all_c)]
     unknown = [n for n in chosen if n not in all_c]
     if unknown:
@@ -1533,6 +1540,68 @@ def run(args, log=print) -> dict:
     return out
 
 
+def run_memory(args, bench: PeerBench, all_c: Dict[str, Contender], hf_config: dict, state, log) -> dict:
+    """``--memory-breakdown`` (the step's peak at the defaults by holder, beside the memory
+    plan's prediction) and ``--memory-curve`` (the project's budgets against every peer's
+    settings), on the selected workloads (default: the default four)."""
+    names = workloads(bench.arch.vocab_size, args.quick)
+    selected = args.workloads.split(",") if args.workloads else (list(names) if args.quick else DEFAULT_WORKLOADS)
+    out = {"meta": {"repeats": args.repeats, "threads": torch.get_num_threads(), "versions": _versions(),
+                    "load_average": " / ".join(f"{x:.1f}" for x in os.getloadavg()), "memory_mode": MEMORY_MODE,
+                    "dta_blocks": memory_curve.CURVE_DTA_BLOCKS, "clock": args.clock},
+           "breakdown": [], "curves": []}
+    os.makedirs(args.out_dir, exist_ok=True)
+    contenders: List[Contender] = []
+    if args.memory_curve:
+        dta = [ArealDtaContender(hf_config, state, args.max_forward_tokens, block, name)
+               for name, block in _dta_blocks(memory_curve.CURVE_DTA_BLOCKS).items()]
+        contenders = ([all_c["hf-per-sample"]] + memory_curve.curve_contenders(bench, PsrlContender)
+                      + [all_c[n] for n in memory_curve.CURVE_PEERS[1:]] + dta)
+        if args.contenders:  # a subset (the gradient reference always runs)
+            keep = set(args.contenders.split(",")) | {"hf-per-sample"}
+            contenders = [c for c in contenders if c.name in keep]
+        for c in contenders:
+            c._unavailable = c.unavailable()
+        for c in dta:
+            memory_curve.skip_same_blocks(c)
+    for name in selected if args.memory_breakdown else []:  # first: cheap, and every workload's
+        work = Work.built(name, names[name](), bench.cost)
+        out["breakdown"].append(memory_curve.breakdown(bench, work))
+        m = out["breakdown"][-1]["measured"]
+        log(f"{name} breakdown: peak {m['peak_bytes'] / 2**20:.1f} MB at {m['phase']} mb {m['micro_batch']}")
+        write_memory(args.out_dir, out)
+    for name in selected if args.memory_curve else []:
+        work = Work.built(name, names[name](), bench.cost)
+        log(f"{name}: {work.batch.num_samples} samples, {work.batch.num_tokens} tokens, {work.tree_tokens} tree tokens")
+        results, order = bench_workload(work, contenders, bench, args, log)
+        s = summarise(work, results, order)
+        for r in s["rows"]:
+            c = next(c for c in contenders if c.name == r["contender"])
+            if isinstance(c, PsrlContender) and r["status"] == "ok":
+                r["micro_batches"] = bench.micro_batches(work.batch, **c.overrides)
+            if r["median_s"] is not None:
+                log(f"  {r['contender']:>16}: {r['median_s']:.3f} s  peak {_f(r['peak_mb'], '.0f')} MB")
+        s["png"] = memory_curve.plot(s, os.path.join(args.out_dir, f"memory_curve_{name}.png"), args.clock)
+        out["curves"].append(s)
+        write_memory(args.out_dir, out)
+    return out
+
+
+def write_memory(out_dir: str, out: dict) -> str:
+    meta = out["meta"]
+    lines = ["# bench_peers: memory", "",
+             f"{meta['threads']} threads, load average {meta['load_average']}, {meta['repeats']} interleaved rounds; "
+             f"peak = C-heap bytes in use above the step's start, PeakMemory `{meta['memory_mode']}` mode.", ""]
+    if out["breakdown"]:
+        lines += ["## The step's peak at the defaults, by holder (MB)", ""] + memory_curve.breakdown_md(out["breakdown"])
+    for s in out["curves"]:
+        png = os.path.basename(s["png"]) if s.get("png") else None
+        lines += memory_curve.curve_md(s, png, meta.get("clock", "wall"))
+    md = "\n".join(lines)
+    write_results(out_dir, "bench_peers_memory", out, md)
+    return md
+
+
 def write(out_dir: str, out: dict) -> str:
     md = markdown(out)
     write_results(out_dir, "bench_peers", out, md)
@@ -1555,7 +1624,8 @@ def _versions() -> Dict[str, str]:
 
 def main(argv=None) -> int:
     out, args = _main(argv)
-    failed = [(s["workload"], r["contender"]) for s in out["workloads"] for r in s["rows"]
+    summaries = out.get("workloads", out.get("curves", []))
+    failed = [(s["workload"], r["contender"]) for s in summaries for r in s["rows"]
               if r["status"] in ("FAILED", "error") and r["contender"] in ("psrl", "psrl-no-sharing", "hf-per-sample")]
     return 1 if failed else 0
 
@@ -1592,19 +1662,24 @@ def _main(argv=None):
     p.add_argument("--baseline-profile", default=None, metavar="WORKLOAD",
                    help="the no-sharing baseline's per-token cost, profiled on this workload")
     p.add_argument("--baseline-repeats", type=int, default=3)
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="the step's peak at the defaults broken down by holder, beside the memory plan's prediction")
+    p.add_argument("--memory-curve", action="store_true",
+                   help="the project at micro-batch budgets 512..32768, KV budget at its floor and with "
+                        "recomputation, against every peer's settings: a table and a PNG per workload")
     p.add_argument("--out-dir", default="runs/bench_peers")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.quick else 7
-    if args.slow_seconds is None:
-        args.slow_seconds = float("inf") if args.quick else 30.0
+    if args.slow_seconds is None:  # (the memory curve needs every point's peak: no warm-up-only timing)
+        args.slow_seconds = float("inf") if args.quick or args.memory_curve else 30.0
     if args.profile is None:
         args.profile = "none"
     if args.guard is None:
         args.guard = "all" if args.quick else DEFAULT_GUARDS
     out = run(args)
-    md = write(args.out_dir, out)
+    md = write_memory(args.out_dir, out) if "curves" in out else write(args.out_dir, out)
     print()
     print(md)
     return out, args

@@ -89,12 +89,27 @@ class PrefixSharingAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
         self.default_backend = backend
         self._te: Optional[TETreeAttention] = None
+        self.copies_value = not config.qk_layernorm
+        """Save a copy of V, not V itself, in a graph (see :meth:`_own_value`). With q/k norms the
+        key norm's input, a view of the same projection output, keeps that buffer alive anyway."""
         if backend == "te" and te_builds_with_model():
             # Built now, not at the first forward: its ``_extra_state`` is then in the (sharded)
             # state dict from the start, so a checkpoint saved before any step loads after one.
             tp = config.tensor_model_parallel_size
             self._te = TETreeAttention(config.num_attention_heads // tp, config.num_query_groups // tp, self.head_dim,
                                        self.softmax_scale, layer_number)
+
+    def _own_value(self, v: Tensor) -> Tensor:
+        """``v`` in a storage of its own when a graph would save it. V is a view of the fused QKV
+        projection's output ``[t, (np + 2 ng) hn]``; saved as a view it keeps that whole buffer
+        alive until the backward, its Q and K parts included, which the attention never reads
+        again (it saves Q and K after RoPE, separate tensors). A copy of V costs ``ng hn`` per
+        token and frees ``(np + 2 ng) hn`` (tiny Llama: 1.5 KB per token and layer in fp32)."""
+        if not (self.copies_value and v.requires_grad and torch.is_grad_enabled()):
+            return v
+        if v.untyped_storage().nbytes() <= v.numel() * v.element_size():
+            return v  # owns its storage already
+        return v.clone(memory_format=torch.contiguous_format)
 
     # ------------------------------------------------------------------ dispatch
     def _run(self, backend: str, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external) -> Tensor:
@@ -147,6 +162,7 @@ class PrefixSharingAttention(MegatronModule):
             padding = q.shape[0] - rows if meta.query_rows is None else 0
             if padding > 0:
                 q, k, v = q[:rows], k[:rows], v[:rows]
+            v = self._own_value(v)
             external = ()
             if meta.kv_hook is not None:
                 replaced = meta.kv_hook.on_kv(self.layer_number, k, v)

@@ -96,7 +96,9 @@ def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_si
 
     - each of the two RMSNorms: its input and the normalised input in fp32 (torch's RMSNorm
       computes in fp32), its output in the model dtype (the next linear's input): 2h fp32 + h;
-    - the fused QKV output (V is saved as a view of it): (np + 2 ng) hd / tp;
+    - V: a copy of it, ng hd / tp (the core attention copies V out of the fused QKV output, so
+      a kept graph does not hold that whole buffer); with Qwen3's q/k norms the key norm's
+      input is a view of it, which keeps the fused QKV output, (np + 2 ng) hd / tp, instead;
     - the query after RoPE and the attention output: 2 np hd / tp; the key after RoPE: ng hd / tp;
     - RoPE's cos and sin for queries and keys: 4 hd;
     - Qwen3's per-head q/k norms: the query's input and normalised input in fp32 (2 np hd / tp);
@@ -114,7 +116,8 @@ def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_si
     q, kv = arch.num_attention_heads * hd // tp, arch.num_kv_heads * hd // tp
     fp32 = _FP32_BYTES
     norms = 2 * (2 * h * fp32 + h * b)
-    attention = (q + 2 * kv) * b + 4 * hd * b + attention_saved_bytes_per_token(arch, tp, b, backend)
+    value = (q + 2 * kv if arch.qk_norm else kv) * b
+    attention = value + 4 * hd * b + attention_saved_bytes_per_token(arch, tp, b, backend)
     qk_norms = 2 * q * fp32 + (1 if b == fp32 else 2) * kv * fp32 if arch.qk_norm else 0
     mlp = moe_saved_bytes_per_token(arch, b) if arch.is_moe else 5 * f // tp * b
     stats = fp32 * (2 + ((q + kv) // hd if arch.qk_norm else 0))

@@ -1,0 +1,44 @@
+"""Smoke test of bench_peers' memory modes on a tiny workload: ``--memory-breakdown`` accounts
+the measured peak by holder (every part non-negative, the parts summing to the peak, saved
+activations seen by the hooks), beside the memory plan's prediction; ``--memory-curve`` runs the
+project's points (budget 512, KV budget at its floor, recomputation) through bench_peers'
+protocol with gradients checked, a peak per point, a table and a PNG. No timing is asserted."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a benchmark run in a subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+POINTS = ["psrl-mb512", "psrl-kv-floor", "psrl-recompute"]
+
+
+def test_bench_peers_memory_modes(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--quick", "--out-dir", str(out),
+         "--workloads", "stepwise-4x32", "--repeats", "1", "--memory-breakdown", "--memory-curve",
+         "--contenders", ",".join(POINTS)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "bench_peers_memory.json").read_text())
+    (row,) = result["breakdown"]
+    m = row["measured"]
+    parts = (sum(m["saved_running"].values()) + sum(m["saved_kept"].values()) + m["kv_cache"] + m["param_grads"]
+             + m["other"])
+    assert parts == m["peak_bytes"] > 0, m
+    assert min(m["kv_cache"], m["param_grads"], m["other"], *m["saved_running"].values()) >= 0, m
+    assert row["predicted"]["step_peak"] > 0 and row["predicted"]["micro_batches"] >= 1, row["predicted"]
+    (curve,) = result["curves"]
+    rows = {r["contender"]: r for r in curve["rows"]}
+    for name in ["hf-per-sample"] + POINTS:
+        assert rows[name]["status"] == "ok" and rows[name]["grad_rel_err"] <= 1e-4, rows[name]
+        assert rows[name]["peak_mb"] > 0 and rows[name]["median_s"] > 0, rows[name]
+    assert rows["psrl-mb512"]["micro_batches"] >= 1
+    assert os.path.isfile(curve["png"]) and os.path.getsize(curve["png"]) > 0
+    md = (out / "bench_peers_memory.md").read_text()
+    assert "faster and leaner than every peer" in md and "saved: attention core" in md
