@@ -7,7 +7,7 @@ import, gradients back, gradients in) and a forward-only one's, in the order the
 them, on a stand-in KV cache, and checks every received head and every returned gradient.
 
 Under ``PSRL_EMULATE_NCCL=1`` (NCCL's order and rendezvous) a protocol whose two ranks' messages
-cross would end with the emulation's timeout (3 s here); each case prints ``OK <case> <pass>``.
+cross would end with the emulation's timeout (60 s here); each case prints ``OK <case> <pass>``.
 
     torchrun --nproc_per_node 2 head_sends_both_ways.py
 """
@@ -25,7 +25,7 @@ from megatron_psrl.engine.head_sends import HeadSends
 from megatron_psrl.kvcache import KVGeometry
 from megatron_psrl.schedule.plan import HeadImport, HeadSend
 
-os.environ.setdefault(nccl_emulation.TIMEOUT_ENV, "3")
+os.environ.setdefault(nccl_emulation.TIMEOUT_ENV, "60")  # (a loaded machine: a real hang only)
 layout = initialize_parallel(1, 1, seed=0, device="cpu", timeout_minutes=1)
 rank = layout.rank
 GEOMETRY = KVGeometry(2, 1, 2, torch.float32, torch.device("cpu"))
