@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,13 +17,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout: int = 600) -> str:
-    """Run ``script`` with ``nproc`` ranks; returns combined output; raises with it on failure."""
+def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout: int = 600,
+                 env: Optional[Dict[str, str]] = None) -> str:
+    """Run ``script`` with ``nproc`` ranks; returns combined output; raises with it on failure.
+    ``env``: variables set for the launch on top of this process's environment."""
     cmd: List[str] = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
         f"--master_port={_free_port()}", script, *args,
     ]
-    env = dict(os.environ)
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.path.join(REPO_ROOT, "tests") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -70,13 +72,14 @@ def worker_pids(agent_pid: int) -> dict:
 CASES_DRIVER = os.path.join(REPO_ROOT, "tests", "helpers", "torchrun_cases.py")
 
 
-def run_torchrun_cases(cases: Sequence[tuple], nproc: int = 2, timeout: int = 600) -> Dict[str, tuple]:
+def run_torchrun_cases(cases: Sequence[tuple], nproc: int = 2, timeout: int = 600,
+                       env: Optional[Dict[str, str]] = None) -> Dict[str, tuple]:
     """Run ``cases`` (``(id, script, args)``) one after another in ONE ``torchrun`` launch of
     ``nproc`` ranks (tests/helpers/torchrun_cases.py): the imports and the start of the job are
     paid once. Returns ``{id: (failure, output)}``: ``output``, what every rank of the case
     wrote (stdout and stderr, rank by rank); ``failure``, None for a case that ran to its end,
     else the reason with the launch's output (for the case that failed, and for the cases
-    after it, which did not run). ``timeout`` is per case."""
+    after it, which did not run). ``timeout`` is per case; ``env`` as for :func:`run_torchrun`."""
     import json
     import shutil
     import tempfile
@@ -88,7 +91,7 @@ def run_torchrun_cases(cases: Sequence[tuple], nproc: int = 2, timeout: int = 60
                    for n, (i, s, args) in enumerate(cases)], f)
     try:
         try:
-            output = run_torchrun(CASES_DRIVER, [spec], nproc=nproc, timeout=timeout * len(cases))
+            output = run_torchrun(CASES_DRIVER, [spec], nproc=nproc, timeout=timeout * len(cases), env=env)
         except (AssertionError, subprocess.TimeoutExpired) as e:
             output = str(e)
         outcomes, failed = {}, None
@@ -129,8 +132,9 @@ class SharedLaunches:
         self._cases: Dict[str, tuple] = {}
         self._outcomes: Dict[str, tuple] = {}
 
-    def add(self, case_id: str, nproc: int, script: str, make_args, group=None) -> None:
-        self._cases[case_id] = (nproc, group if group is not None else nproc, script, make_args)
+    def add(self, case_id: str, nproc: int, script: str, make_args, group=None, env=None) -> None:
+        """``env``: variables the launch sets (the cases of one launch must agree on them)."""
+        self._cases[case_id] = (nproc, group if group is not None else nproc, script, make_args, env)
 
     def check(self, case_id: str) -> str:
         """Raises the case's failure; returns its output (every rank's stdout and stderr)."""
@@ -150,7 +154,7 @@ class SharedLaunches:
 
                     self._outcomes[i] = f"preparing case {i} failed:\n{traceback.format_exc()}", ""
             if cases:
-                self._outcomes.update(run_torchrun_cases(cases, nproc=nproc))
+                self._outcomes.update(run_torchrun_cases(cases, nproc=nproc, env=self._cases[case_id][4]))
         failure, output = self._outcomes[case_id]
         if failure is not None:
             raise AssertionError(failure)
