@@ -162,7 +162,8 @@ class _PairStream:
         """End the thread once its queue is done (a hung operation ends a second after its
         request timed out: no thread may sit in gloo while the process exits)."""
         self._items.put(None)
-        self._thread.join(timeout=_THREAD_GRACE_S + (self.running.timeout_s if self.running is not None else 0.0))
+        running = self.running
+        self._thread.join(timeout=_THREAD_GRACE_S + (min(running.timeout_s, 10.0) if running is not None else 0.0))
 
     def _run(self) -> None:
         while True:
