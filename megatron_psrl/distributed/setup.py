@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_psrl.compat import quiet_expected_import_warnings, seed_model_parallel_rng
+from megatron_psrl.distributed import nccl_emulation
 from megatron_psrl.distributed.monitor import DEFAULT_TIMEOUT_MINUTES, CollectiveMonitor, timeout_delta
 from megatron_psrl.distributed.worker_group import close_worker_group_store, worker_group_store
 from megatron_psrl.errors import ConfigurationError, MissingRequirementError
@@ -128,6 +129,8 @@ def initialize_parallel(
         else:  # a plain single process; no environment variables are set (children inherit them)
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
+    # PSRL_EMULATE_NCCL=1: point-to-point on gloo behaves as on NCCL (CI catches ordering hangs)
+    nccl_emulation.install(timeout_delta(timeout_minutes).total_seconds())
     world = dist.get_world_size()
     model_ranks = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     if world % model_ranks:
@@ -208,6 +211,7 @@ def shutdown_parallel() -> None:
         monitor.close()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    nccl_emulation.close_streams()
     if dist.is_initialized():
         dist.destroy_process_group()
     close_worker_group_store()

@@ -1,5 +1,5 @@
 """The 2-rank torchrun scripts of test_kv_exchange.py, test_kv_exchange_overlap.py and
-test_megatron_optimizer.py share launches (``distributed_launches(case)``: the case's output,
+test_megatron_optimizer.py (and two of test_nccl_emulation.py) share launches (``distributed_launches(case)``: the case's output,
 every rank's), started by the first of those tests that needs one.
 
 The two kv_exchange scripts start their process group themselves (``dist.init_process_group``
@@ -24,6 +24,8 @@ CASES = {  # id: (script, arguments, the tests that read it: "file::name" or a p
                      "test_megatron_optimizer.py::test_megatron_optimizer_over_gloo[param-gather-", "a"),
     "grad-overlap": ("megatron_optimizer_steps.py", ["--case", "grad-overlap"],
                      "test_megatron_optimizer.py::test_megatron_optimizer_over_gloo[grad-overlap-", "a"),
+    "nccl-p2p": ("nccl_p2p_semantics.py", [], "test_nccl_emulation.py::test_the_emulation_catches_", "a"),
+    "head-sends-both-ways": ("head_sends_both_ways.py", [], "test_nccl_emulation.py::test_head_sends_", "a"),
 }
 
 

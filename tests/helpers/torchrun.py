@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from helpers.launch_pool import pool_for, pools_enabled
 
@@ -19,22 +19,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_env() -> dict:
-    env = dict(os.environ)
+def _launch_env(extra: Optional[Dict[str, str]] = None) -> dict:
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.path.join(REPO_ROOT, "tests") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
 def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout: int = 600,
-                 pooled: bool = True) -> str:
+                 pooled: bool = True, env: Optional[Dict[str, str]] = None) -> str:
     """Run ``script`` with ``nproc`` ranks; returns combined output; raises with it on failure.
+    ``env``: variables set for the case on top of this process's environment (a pool started
+    with them runs it).
 
     By default the case runs in the session's launch pool of ``nproc`` ranks
     (:mod:`helpers.launch_pool`: imports paid once per session, a forked child per case, the
     output rank by rank); ``pooled=False`` (or ``PSRL_TEST_NO_POOL=1``) starts a launch of its
     own, for what tests ``torchrun`` itself."""
-    env = _launch_env()
+    env = _launch_env(env)
     if pooled and pools_enabled():
         outcome = pool_for(nproc, env).run(script, args, env, timeout)
         if outcome.timed_out:
@@ -87,7 +89,8 @@ def worker_pids(agent_pid: int) -> dict:
     return workers
 
 
-def run_torchrun_cases(cases: Sequence[tuple], nproc: int = 2, timeout: int = 600) -> Dict[str, tuple]:
+def run_torchrun_cases(cases: Sequence[tuple], nproc: int = 2, timeout: int = 600,
+                       env: Optional[Dict[str, str]] = None) -> Dict[str, tuple]:
     """Run ``cases`` (``(id, script, args)``) one after another with ``nproc`` ranks (in the
     session's launch pool: each case a fresh fork of pre-imported ranks). Returns
     ``{id: (failure, output)}``: ``output``, what every rank of the case wrote (stdout and
@@ -100,7 +103,7 @@ def run_torchrun_cases(cases: Sequence[tuple], nproc: int = 2, timeout: int = 60
             outcomes[case_id] = f"case {case_id} did not run: case {failed} failed before it", ""
             continue
         try:
-            outcomes[case_id] = None, run_torchrun(script, args, nproc=nproc, timeout=timeout)
+            outcomes[case_id] = None, run_torchrun(script, args, nproc=nproc, timeout=timeout, env=env)
         except (AssertionError, subprocess.TimeoutExpired) as e:
             failed = case_id
             output = e.output if isinstance(e, subprocess.TimeoutExpired) else str(e)
@@ -125,8 +128,9 @@ class SharedLaunches:
         self._cases: Dict[str, tuple] = {}
         self._outcomes: Dict[str, tuple] = {}
 
-    def add(self, case_id: str, nproc: int, script: str, make_args, group=None) -> None:
-        self._cases[case_id] = (nproc, group if group is not None else nproc, script, make_args)
+    def add(self, case_id: str, nproc: int, script: str, make_args, group=None, env=None) -> None:
+        """``env``: variables the case's ranks get (the cases of one group must agree on them)."""
+        self._cases[case_id] = (nproc, group if group is not None else nproc, script, make_args, env)
 
     def check(self, case_id: str) -> str:
         """Raises the case's failure; returns its output (every rank's stdout and stderr)."""
@@ -146,7 +150,7 @@ class SharedLaunches:
 
                     self._outcomes[i] = f"preparing case {i} failed:\n{traceback.format_exc()}", ""
             if cases:
-                self._outcomes.update(run_torchrun_cases(cases, nproc=nproc))
+                self._outcomes.update(run_torchrun_cases(cases, nproc=nproc, env=self._cases[case_id][4]))
         failure, output = self._outcomes[case_id]
         if failure is not None:
             raise AssertionError(failure)
