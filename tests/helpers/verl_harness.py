@@ -155,6 +155,13 @@ def metric_values(metrics: Dict[str, object]) -> Dict[str, float]:
     return {k: float(v.aggregate() if isinstance(v, Metric) else v) for k, v in metrics.items()}
 
 
+def trained_metric_values(trained: Dict[str, object]) -> Dict[str, float]:
+    """The loss metrics of one ``train_batch`` call as floats: verl's engines return a ``Metric``
+    as it is and anything else in a list of one value per micro-batch call (``append_to_dict``)."""
+    return metric_values({k: v if isinstance(v, Metric) else v[0] for k, v in trained["metrics"].items()
+                          if k != "grad_norm"})
+
+
 def response_positions(data: TensorDict) -> torch.Tensor:
     """Bool over the flat jagged layout: positions whose log-prob verl's loss reads (the
     response's tokens are predicted from the position before each)."""
