@@ -43,9 +43,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.schedule.plan import StepPlan
 
@@ -125,7 +127,7 @@ class HeadSends:
                             self._flags.setdefault(t, []).append((r, j, flag))
                             messages.setdefault(r, []).append((False, flag, self._tag(t, j, _FLAG)))
                 elif h.group == self.rank // g:
-                    wanted = torch.tensor([int((t, j) in self.imports)], dtype=torch.int64, device=device)
+                    wanted = host_to_device(np.array([int((t, j) in self.imports)], dtype=np.int64), device)
                     messages.setdefault(transfer.home_rank, []).append((True, wanted, self._tag(t, j, _FLAG)))
         return messages
 
@@ -189,7 +191,7 @@ class HeadSends:
             self._wait("heads", self.plan.head_sends[t].home_rank)
             buf = self._heads.pop((t, j))
             for s in sources:
-                rows = torch.as_tensor(index.position[self.plan.ranks[self.rank].sources[s].tokens], device=buf.device)
+                rows = host_to_device(index.position[self.plan.ranks[self.rank].sources[s].tokens], buf.device)
                 chunk = buf.index_select(0, rows)
                 for li, layer in enumerate(self.cache.geometry.layers):
                     self.cache.write(s, layer, chunk[:, li, 0], chunk[:, li, 1])
@@ -209,7 +211,7 @@ class HeadSends:
             grad = torch.zeros((transfer.imports[j].length,) + self.row_shape, dtype=torch.float32,
                                device=self.cache.geometry.device)
             for s in sources:
-                rows = torch.as_tensor(self.plan.index.position[rank_plan.sources[s].tokens], device=grad.device)
+                rows = host_to_device(self.plan.index.position[rank_plan.sources[s].tokens], grad.device)
                 grad.index_copy_(0, rows, self._stacked(s, grads=True))
             self._grads_out[(t, j)] = grad
         self._imports_left.discard(i)

@@ -160,6 +160,12 @@ class LastBackward(StepParticipant):
         self.position = 0
 
     def begin(self, step) -> None:
+        if step.plan.head_sends:
+            # A plan that sends heads between groups: a rank's point-to-point head messages and
+            # its peers' bucket reduces interleave differently on each rank (a gloo run fails on
+            # a message-size mismatch), so every bucket starts after the step's last backward.
+            self.at = None
+            return
         self.at = last_backward(self.instructions, empty=lambda x: self.runner.runs_no_backward(x, step))
 
     def before(self, instruction: Instruction, step) -> None:

@@ -22,8 +22,6 @@ STEP_PATH = ("attention", "kvcache", "model", "rl", "engine", "distributed")
 ALLOWED = {
     "engine/calibration.py": "start-up measurement of costs, before any step; not timed through these copies",
     "engine/weights.py": "weight loading and streaming between steps, not a step's inputs",
-    "engine/head_sends.py": "its point-to-point protocol is being reworked for NCCL semantics on another branch "
-                            "(issue 33, item 1); its two row indices move to host_to_device there",
     "model/builder.py": "moves the model to its device once, at build time",
     "model/architecture.py": "RoPE frequencies built on the host at model build time",
     "distributed/setup.py": "process-group set-up, before any step",
