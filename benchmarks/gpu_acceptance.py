@@ -455,15 +455,39 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _planned(engine, batch, mode: str, backend: str):
+    """The step's tree, rank plan and memory plan (``None`` without cached prefixes), as the
+    engine plans them: the arithmetic of a step, nothing run."""
+    from megatron_psrl.schedule.memory import add_segment_shapes, plan_memory
+    from megatron_psrl.schedule.planner import plan_step
+    from megatron_psrl.tree import build_prefix_tree
+
+    tree = build_prefix_tree(batch)
+    plan = plan_step(tree, engine.planner_config(mode))
+    rank, varlen = plan.ranks[0], engine.varlen_charge
+    if varlen is not None:  # flash / te: the gathered K/V follow the segments
+        add_segment_shapes(plan.index, rank)
+    memory = plan_memory(rank, engine.plan_geometry, engine.config.kv_cache_budget, engine.act_bytes,
+                         gathers_in_backward=backend == "torch", head_bytes=engine.head_bytes, varlen=varlen) \
+        if rank.sources else None
+    return tree, plan, memory
+
+
+def predicted_peak_bytes(engine, batch, mode: str, backend: str) -> int:
+    """The memory plan's prediction of the step's peak (``schedule.memory.step_peak_bytes``)."""
+    from megatron_psrl.schedule.memory import step_peak_bytes
+
+    _, plan, memory = _planned(engine, batch, mode, backend)
+    return int(step_peak_bytes(plan.ranks[0], memory, engine.act_bytes, engine.head_bytes, engine.varlen_charge))
+
+
 def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False) -> Dict:
     """One update step (tree build, plan, memory plan, forward + backward of every micro-batch;
     no optimizer), the way the engine runs one; returns its time, loss and, with ``measure``,
     its measured peak and the plan's prediction of it."""
     from megatron_psrl.engine.memory import PeakMemory
     from megatron_psrl.rl.loss import LossConfig
-    from megatron_psrl.schedule.memory import add_segment_shapes, plan_memory, step_peak_bytes
-    from megatron_psrl.schedule.planner import plan_step
-    from megatron_psrl.tree import build_prefix_tree
+    from megatron_psrl.schedule.memory import step_peak_bytes
 
     # Gradients stay allocated between steps (set_to_none=False after the first): the peak is
     # then the step's own memory, what the plan predicts, not the weights' gradient buffers.
@@ -474,14 +498,8 @@ def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False)
     _sync(device)
     with PeakMemory(device, enabled=measure) as mem:
         t0 = time.perf_counter()
-        tree = build_prefix_tree(batch)
-        plan = plan_step(tree, engine.planner_config(mode))
-        rank, varlen = plan.ranks[0], engine.varlen_charge
-        if varlen is not None:  # flash / te: the gathered K/V follow the segments
-            add_segment_shapes(plan.index, rank)
-        memory = plan_memory(rank, engine.plan_geometry, engine.config.kv_cache_budget, engine.act_bytes,
-                             gathers_in_backward=backend == "torch", head_bytes=engine.head_bytes, varlen=varlen) \
-            if rank.sources else None
+        tree, plan, memory = _planned(engine, batch, mode, backend)
+        rank = plan.ranks[0]
         out = runner.train(plan, 0, LossConfig(loss_agg="token-mean"), memory)
         _sync(device)
         seconds = time.perf_counter() - t0
@@ -490,7 +508,8 @@ def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False)
            "mechanism2": bool(rank.sources)}
     if measure:
         row["measured_bytes"] = int(mem.peak_bytes - mem.start_bytes)
-        row["predicted_bytes"] = int(step_peak_bytes(rank, memory, engine.act_bytes, engine.head_bytes, varlen))
+        row["predicted_bytes"] = int(step_peak_bytes(rank, memory, engine.act_bytes, engine.head_bytes,
+                                                     engine.varlen_charge))
     return row
 
 

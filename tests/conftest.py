@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PSRL_CHECK_PLANS", "1")
 
 from helpers.fresh_process import is_fresh_child, run_in_fresh_process  # noqa: E402
+from helpers.launch_pool import starts_summary  # noqa: E402
 from helpers.reference_cache import CACHE_ENV  # noqa: E402
 
 # Per-sample references are computed once per session (helpers/reference_cache.py): every rank
@@ -50,3 +51,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     seed = getattr(config.option, "randomly_seed", None)
     if seed is not None and config.pluginmanager.has_plugin("randomly"):
         terminalreporter.write_line(f"test order: random, replay with --randomly-seed={seed}")
+    pools = starts_summary()
+    if pools:
+        terminalreporter.write_line(pools)

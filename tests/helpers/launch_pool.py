@@ -12,8 +12,8 @@ on a port of its own.
 What a pool does not give, and what keeps its own launch (``pooled=False``): the behaviour of
 ``torchrun``'s agent itself (restarts, a killed or hung worker, the agent's exit code and
 messages: tests/reliability). A case runs in a pool started with its own environment (one pool
-per distinct environment, the ``MAX_POOLS`` last used kept), so what is read at import time is
-what the case asked for. ``PSRL_TEST_NO_POOL=1`` turns pools off (a launch per case).
+per distinct environment; the last used are kept, up to ``MAX_POOL_RANKS`` ranks in all), so
+what is read at import time is what the case asked for. ``PSRL_TEST_NO_POOL=1`` turns pools off (a launch per case).
 
 A case of several ranks that fails (a rank's non-zero exit, a time-out) ends its pool, so a rank
 still waiting in a collective for the failed one cannot hang the next case; the next case
@@ -174,8 +174,13 @@ class LaunchPool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-MAX_POOLS = 5  # started pools kept at once (each rank holds its imports: ~0.5 GB)
+# Ranks kept started at once, over all pools (each holds its imports: ~430 MB resident, much
+# of it torch's shared libraries). Enough for every pool a session uses (one- to four-rank
+# launches, a few environments): in random order, a smaller limit restarted pools over and over.
+MAX_POOL_RANKS = 20
 _POOLS: Dict[Tuple, LaunchPool] = {}  # in order of last use
+STARTS: List[Tuple[int, bool, str]] = []  # (nproc, torchrun, why) of every pool the session started
+_CLOSED: set = set()  # keys of pools closed before the session's end (evicted, failed or died)
 
 
 def pool_for(nproc: int, env: Dict[str, str], torchrun: bool = True) -> LaunchPool:
@@ -185,12 +190,30 @@ def pool_for(nproc: int, env: Dict[str, str], torchrun: bool = True) -> LaunchPo
     if pool is not None and not pool.alive():
         pool.close()
         pool = None
+        _CLOSED.add(key)
     if pool is None:
-        while len(_POOLS) >= MAX_POOLS:
-            _POOLS.pop(next(iter(_POOLS))).close()
+        while _POOLS and sum(p.nproc for p in _POOLS.values()) + nproc > MAX_POOL_RANKS:
+            evicted = next(iter(_POOLS))
+            _POOLS.pop(evicted).close()
+            _CLOSED.add(evicted)
+        STARTS.append((nproc, torchrun, "again" if key in _CLOSED else "new"))
         pool = LaunchPool(nproc, env, torchrun)
     _POOLS[key] = pool
     return pool
+
+
+def starts_summary() -> str:
+    """One line on the session's pools: how many started, by size, and how many of them were
+    started again after an eviction or a failure (each start costs the ranks' imports)."""
+    if not STARTS:
+        return ""
+    sizes: Dict[str, int] = {}
+    for nproc, torchrun, _ in STARTS:
+        name = f"{nproc} rank{'s' if nproc > 1 else ''}" if torchrun else "1 process"
+        sizes[name] = sizes.get(name, 0) + 1
+    again = sum(why == "again" for *_, why in STARTS)
+    return (f"launch pools: {len(STARTS)} started ({', '.join(f'{n} x {k}' for k, n in sorted(sizes.items()))}), "
+            f"{again} of them started again after an eviction or a failure")
 
 
 @atexit.register

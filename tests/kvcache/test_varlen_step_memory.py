@@ -66,15 +66,14 @@ def _measured_and_planned(gpu_acceptance, engine, batch):
     charged = type(engine).__dict__["varlen_charge"]
     try:
         type(engine).varlen_charge = property(lambda self: None)  # the plan as it was: no varlen terms
-        row["predicted_without_charge"] = gpu_acceptance._step(engine, engine.runner, batch, "tree", "flash",
-                                                               measure=True)["predicted_bytes"]
+        row["predicted_without_charge"] = gpu_acceptance.predicted_peak_bytes(engine, batch, "tree", "flash")
     finally:
         type(engine).varlen_charge = charged
     return row
 
 
 @pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
-@pytest.mark.slow  # a process of its own, six CPU training steps (100-230 s on the loaded 2-core machine)
+@pytest.mark.slow  # a process of its own, four CPU training steps (two per workload: a warm-up and the measured one)
 @pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
 def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engine):
     gpu_acceptance, engine = varlen_engine
