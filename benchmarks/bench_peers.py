@@ -1514,7 +1514,7 @@ def run(args, log=print) -> dict:
         summaries.append(s)
         for r in s["rows"]:
             if r["median_s"] is not None:
-                sp = r["spread_wall"]
+                sp = r["spread_cpu" if args.clock == "cpu" else "spread_wall"]
                 log(f"  {r['contender']:>16}: {r['median_s']:.3f} s [{_range(sp)}]  peak {_f(r['peak_mb'], '.0f')} MB  "
                     f"vs best peer {_f(r['vs_best_peer'], '.2f')}  vs floor {_f(r['vs_floor'], '.2f')}")
         if name in want_guard:
