@@ -11,12 +11,11 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a benchmark run in a subprocess
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POINTS = ["psrl-mb512", "psrl-kv-floor", "psrl-recompute"]
 
 
+@pytest.mark.slow  # a benchmark run in a subprocess
 def test_bench_peers_memory_modes(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -42,3 +41,27 @@ def test_bench_peers_memory_modes(tmp_path):
     assert os.path.isfile(curve["png"]) and os.path.getsize(curve["png"]) > 0
     md = (out / "bench_peers_memory.md").read_text()
     assert "faster and leaner than every peer" in md and "saved: attention core" in md
+
+
+def _summary(clock_median):
+    """A curve summary of two rows whose wall and CPU clocks differ (CPU = 2 x wall: 2 threads)."""
+    def row(name, wall):
+        return {"contender": name, "median_s": clock_median(wall), "peak_mb": 100.0, "micro_batches": None,
+                "spread_wall": {"min": wall - 0.1, "max": wall + 0.1},
+                "spread_cpu": {"min": 2 * (wall - 0.1), "max": 2 * (wall + 0.1)}}
+    return {"workload": "w", "tree_tokens": 10, "rows": [row("psrl-mb512", 1.0), row("trl-tree", 2.0)]}
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_curve_range_is_on_the_clock_of_its_median(clock):
+    """The table's min-max is the rounds' range on ``--clock``, the clock of the median beside it
+    (it once showed the wall range beside a CPU median)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import memory_curve
+
+    scale = 2.0 if clock == "cpu" else 1.0
+    summary = _summary(lambda wall: scale * wall)
+    for r in memory_curve.curve_rows(summary, clock):
+        assert r["spread"]["min"] <= r["median_s"] <= r["spread"]["max"], r
+    lines = memory_curve.curve_md(summary, None, clock)
+    assert f"| psrl-mb512 | - | {scale:.3f} | {scale * 0.9:.3f}-{scale * 1.1:.3f} | 100 |" in "\n".join(lines)
