@@ -48,7 +48,9 @@ def test_cases_run_on_every_rank_with_their_own_group_and_fresh_state(case_scrip
 
 
 def test_a_failed_rank_fails_the_case_and_the_next_case_runs(case_script):
-    with pytest.raises(AssertionError, match=r"exit codes by rank: \{1: 3"):
+    # rank 1 exits with 3; rank 0, waiting in a barrier for it, is ended by the pool, or fails by
+    # itself first when gloo sees the connection reset (then its code is listed too, before or after)
+    with pytest.raises(AssertionError, match=r"exit codes by rank: \{[^}]*(?<!\d)1: 3\b"):
         run_torchrun(case_script, ["fail-rank-1"], nproc=2, timeout=120)
     assert "rank 1 sum 3" in run_torchrun(case_script, ["after"], nproc=2, timeout=120)
 
