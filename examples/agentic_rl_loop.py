@@ -43,7 +43,7 @@ holds on any machine (:func:`compare`):
 
 ``--plot`` writes the curves to a PNG. The exit status is 1 if a check fails.
 
-    python examples/agentic_rl_loop.py --plot reward.png      # about 3 minutes on 2 CPU cores
+    python examples/agentic_rl_loop.py --plot reward.png      # about 30 s on 2 quiet CPU cores
 """
 
 from __future__ import annotations
