@@ -946,8 +946,13 @@ class Result:
     clock: str = "wall"
 
     @property
+    def clocked_times(self) -> List[float]:
+        """The rounds' times on ``clock`` (``--clock``): what ``median`` and a row's ``spread_s`` read."""
+        return self.cpu_times if self.clock == "cpu" else self.times
+
+    @property
     def median(self) -> Optional[float]:
-        t = self.cpu_times if self.clock == "cpu" else self.times
+        t = self.clocked_times
         return statistics.median(t) if t else None
 
     @property
@@ -1057,6 +1062,7 @@ def summarise(work: Work, results: Dict[str, Result], order: List[str]) -> dict:
             "contender": n, "status": r.status, "reason": r.reason, "kernels": r.kernels, "median_s": t,
             "runs": len(r.times), "median_wall_s": r.median_wall, "median_cpu_s": r.median_cpu,
             "spread_wall": spread(r.times), "spread_cpu": spread(r.cpu_times),
+            "spread_s": spread(r.clocked_times),  # the rounds' range on median_s's clock
             "peak_mb": None if r.peak_bytes is None else r.peak_bytes / 2**20,
             "vs_best_peer": t / peers[best_peer] if t is not None and best_peer else None,
             "vs_floor": t / floor_used if t is not None and floor_used else None,
@@ -1311,7 +1317,7 @@ def markdown(out: dict) -> str:
         for r in s["rows"]:
             if r["status"] == "skipped" and r["contender"] in meta["unavailable"]:
                 continue
-            sp = r["spread_wall"] if meta["clock"] == "wall" else r["spread_cpu"]
+            sp = r["spread_s"]
             check = "-" if r["grad_rel_err"] is None else \
                 f"{'ok' if r['status'] != 'FAILED' else 'FAILED'} ({r['grad_rel_err']:.1e})"
             note = (r["status"] if r["status"] != "ok" else "") + (": " if r["reason"] and r["status"] != "ok" else "") \
@@ -1393,7 +1399,7 @@ def summary_table(summaries: List[dict], meta: dict) -> List[str]:
             elif r["status"] != "ok":
                 cells.append(r["status"])
             else:
-                sp = r["spread_wall"] if meta["clock"] == "wall" else r["spread_cpu"]
+                sp = r["spread_s"]
                 star = "*" if r["runs"] == 1 and meta["repeats"] > 1 else ""
                 cells.append(f"{r['median_s']:.3f}{star} [{_range(sp)}], {_f(r['peak_mb'], '.0f')} MB")
         est = " (est.)" if s["floor_kind"] == "est." and s["psrl_over_floor"] is not None else ""
@@ -1514,7 +1520,7 @@ def run(args, log=print) -> dict:
         summaries.append(s)
         for r in s["rows"]:
             if r["median_s"] is not None:
-                sp = r["spread_cpu" if args.clock == "cpu" else "spread_wall"]
+                sp = r["spread_s"]
                 log(f"  {r['contender']:>16}: {r['median_s']:.3f} s [{_range(sp)}]  peak {_f(r['peak_mb'], '.0f')} MB  "
                     f"vs best peer {_f(r['vs_best_peer'], '.2f')}  vs floor {_f(r['vs_floor'], '.2f')}")
         if name in want_guard:

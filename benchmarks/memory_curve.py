@@ -111,10 +111,10 @@ def is_project(name: str) -> bool:
     return name.startswith("psrl")
 
 
-def curve_rows(summary: dict, clock: str = "wall") -> List[dict]:
+def curve_rows(summary: dict) -> List[dict]:
     """The curve's points (contenders that ran), each marked ``dominates`` when it is a project
-    point both faster and leaner than every peer; ``spread`` is the rounds' min-max on ``clock``,
-    the clock of ``median_s``."""
+    point both faster and leaner than every peer; ``spread`` is the rounds' range on the clock of
+    ``median_s``."""
     rows = [r for r in summary["rows"] if r["median_s"] is not None and r["peak_mb"] is not None]
     peers = [r for r in rows if not is_project(r["contender"]) and not r["contender"].startswith("floor")]
     fastest = min((r["median_s"] for r in peers), default=None)
@@ -123,14 +123,14 @@ def curve_rows(summary: dict, clock: str = "wall") -> List[dict]:
     for r in rows:
         dominates = (is_project(r["contender"]) and fastest is not None and r["median_s"] < fastest
                      and r["peak_mb"] < leanest)
-        out.append({"contender": r["contender"], "median_s": r["median_s"], "spread": r["spread_cpu" if clock == "cpu" else "spread_wall"],
+        out.append({"contender": r["contender"], "median_s": r["median_s"], "spread": r["spread_s"],
                     "peak_mb": r["peak_mb"], "micro_batches": r.get("micro_batches"), "dominates": dominates,
                     "peer": r in peers})
     return out
 
 
 def curve_md(summary: dict, png: Optional[str], clock: str = "wall") -> List[str]:
-    rows = curve_rows(summary, clock)
+    rows = curve_rows(summary)
     lines = [f"**{summary['workload']}** (time-memory curve; {summary['tree_tokens']} tree tokens)", "",
              f"| contender | micro-batches | median s ({clock} clock) | min-max s | peak MB | faster and leaner than every peer |",
              "|---|---|---|---|---|---|"]
@@ -154,7 +154,7 @@ def plot(summary: dict, path: str, clock: str = "wall") -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = curve_rows(summary, clock)
+    rows = curve_rows(summary)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     line = [r for r in rows if r["contender"].startswith("psrl-mb")]
     line.sort(key=lambda r: int(r["contender"][len("psrl-mb"):]))

@@ -43,13 +43,23 @@ def test_bench_peers_memory_modes(tmp_path):
     assert "faster and leaner than every peer" in md and "saved: attention core" in md
 
 
-def _summary(clock_median):
-    """A curve summary of two rows whose wall and CPU clocks differ (CPU = 2 x wall: 2 threads)."""
-    def row(name, wall):
-        return {"contender": name, "median_s": clock_median(wall), "peak_mb": 100.0, "micro_batches": None,
-                "spread_wall": {"min": wall - 0.1, "max": wall + 0.1},
-                "spread_cpu": {"min": 2 * (wall - 0.1), "max": 2 * (wall + 0.1)}}
-    return {"workload": "w", "tree_tokens": 10, "rows": [row("psrl-mb512", 1.0), row("trl-tree", 2.0)]}
+def _summary(clock):
+    """bench_peers' summary of two contenders whose wall and CPU clocks differ (CPU = 2 x wall:
+    2 threads), timed in three rounds, with ``clock`` as ``--clock``."""
+    from types import SimpleNamespace
+
+    import bench_peers
+
+    def result(name, wall):
+        times = [wall - 0.1, wall, wall + 0.1]
+        r = bench_peers.Result(name, times=times, cpu_times=[2 * t for t in times], clock=clock)
+        r.peak_bytes = 100 * 2**20
+        return r
+
+    work = SimpleNamespace(name="w", batch=SimpleNamespace(num_samples=1, num_tokens=10), tree_tokens=10,
+                           num_claims=1, ideal_speedup=1.0)
+    results = {r.name: r for r in (result("psrl-mb512", 1.0), result("trl-tree", 2.0))}
+    return bench_peers.summarise(work, results, list(results))
 
 
 @pytest.mark.parametrize("clock", ["wall", "cpu"])
@@ -60,8 +70,8 @@ def test_curve_range_is_on_the_clock_of_its_median(clock):
     import memory_curve
 
     scale = 2.0 if clock == "cpu" else 1.0
-    summary = _summary(lambda wall: scale * wall)
-    for r in memory_curve.curve_rows(summary, clock):
+    summary = _summary(clock)
+    for r in memory_curve.curve_rows(summary):
         assert r["spread"]["min"] <= r["median_s"] <= r["spread"]["max"], r
     lines = memory_curve.curve_md(summary, None, clock)
     assert f"| psrl-mb512 | - | {scale:.3f} | {scale * 0.9:.3f}-{scale * 1.1:.3f} | 100 |" in "\n".join(lines)
