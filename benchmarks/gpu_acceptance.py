@@ -473,12 +473,17 @@ def _planned(engine, batch, mode: str, backend: str):
     return tree, plan, memory
 
 
-def predicted_peak_bytes(engine, batch, mode: str, backend: str) -> int:
-    """The memory plan's prediction of the step's peak (``schedule.memory.step_peak_bytes``)."""
+def _plan_peak(engine, rank, memory) -> int:
+    """The memory plan's prediction of a rank's step peak (``schedule.memory.step_peak_bytes``)."""
     from megatron_psrl.schedule.memory import step_peak_bytes
 
+    return int(step_peak_bytes(rank, memory, engine.act_bytes, engine.head_bytes, engine.varlen_charge))
+
+
+def predicted_peak_bytes(engine, batch, mode: str, backend: str) -> int:
+    """The plan's prediction of the step's peak, planned but not run."""
     _, plan, memory = _planned(engine, batch, mode, backend)
-    return int(step_peak_bytes(plan.ranks[0], memory, engine.act_bytes, engine.head_bytes, engine.varlen_charge))
+    return _plan_peak(engine, plan.ranks[0], memory)
 
 
 def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False) -> Dict:
@@ -487,7 +492,6 @@ def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False)
     its measured peak and the plan's prediction of it."""
     from megatron_psrl.engine.memory import PeakMemory
     from megatron_psrl.rl.loss import LossConfig
-    from megatron_psrl.schedule.memory import step_peak_bytes
 
     # Gradients stay allocated between steps (set_to_none=False after the first): the peak is
     # then the step's own memory, what the plan predicts, not the weights' gradient buffers.
@@ -508,8 +512,7 @@ def _step(engine, runner, batch, mode: str, backend: str, measure: bool = False)
            "mechanism2": bool(rank.sources)}
     if measure:
         row["measured_bytes"] = int(mem.peak_bytes - mem.start_bytes)
-        row["predicted_bytes"] = int(step_peak_bytes(rank, memory, engine.act_bytes, engine.head_bytes,
-                                                     engine.varlen_charge))
+        row["predicted_bytes"] = _plan_peak(engine, rank, memory)
     return row
 
 
