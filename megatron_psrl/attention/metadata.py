@@ -47,7 +47,8 @@ class ArrivingPrefixKV(Protocol):
     """One external source's K/V still in flight from another rank (the overlapped cross-rank
     exchange, :class:`megatron_psrl.distributed.kv_exchange.ReceivedKV`).
 
-    Its rows are ``buffer[offset:offset + length]`` (``[n, 2, ng, hn]``, K then V), valid once
+    Its rows are ``buffer[offset:offset + length]`` (the layer's transport rows; the
+    ``exchange.unpack(rows)`` views are K and V, of the rows or of their gradients), valid once
     ``exchange.wait()`` returned. The ``torch`` backend attends to every other source first,
     then waits, then attends to these rows and merges by log-sum-exp; in its backward it
     computes their gradients first and hands the whole buffer's gradient (padding and unread
@@ -58,7 +59,7 @@ class ArrivingPrefixKV(Protocol):
     offset: int
     length: int
     exchange: object
-    """``wait()`` (block until the rows are here), ``return_grad(grad_buffer)``."""
+    """``wait()`` (block until the rows are here), ``unpack(rows)``, ``return_grad(grad_buffer)``."""
 
     def materialize(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` after waiting, tensors whose autograd gradients reach ``buffer``."""

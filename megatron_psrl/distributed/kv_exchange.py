@@ -49,6 +49,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_psrl.kvcache.prefix_state import PrefixState
+
 Tensor = torch.Tensor
 
 
@@ -61,65 +63,75 @@ def _all_to_all(send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[
     return _unpad_rows(out, recv_counts)
 
 
-def _rows_to_send(k: Tensor, v: Tensor, send_rows: Tensor) -> Tensor:
-    """``[n_send, 2, ng, hn]``: K then V of the rows ``send_rows`` of ``k`` / ``v`` ``[t, ng, hn]``."""
-    return torch.stack([k.index_select(0, send_rows), v.index_select(0, send_rows)], dim=1)
+def kv_state(k: Tensor, v: Tensor) -> PrefixState:
+    """The transport layout of a softmax layer's K ``[t, ng, hk]`` and V ``[t, ng, hv]``."""
+    return PrefixState.softmax(k.shape[1], k.shape[2], v.shape[2], dtype=k.dtype)
 
 
-def _add_returned_grads(grad_k: Optional[Tensor], grad_v: Optional[Tensor], shape, send_rows: Tensor,
-                        back: Tensor) -> Tuple[Tensor, Tensor]:
-    """The gradients of ``k`` / ``v`` (``shape``): what reached them here (None: nothing) plus the
-    gradients ``back`` ``[n_send, 2, ng, hn]`` the readers returned for the rows sent."""
-    gk = grad_k.clone() if grad_k is not None else back.new_zeros(shape)
-    gv = grad_v.clone() if grad_v is not None else back.new_zeros(shape)
-    gk.index_add_(0, send_rows, back[:, 0].to(gk.dtype))
-    gv.index_add_(0, send_rows, back[:, 1].to(gv.dtype))
+def _rows_to_send(k: Tensor, v: Tensor, send_rows: Tensor, state: PrefixState) -> Tensor:
+    """``[n_send, *row_shape]``: the K and V rows ``send_rows`` of ``k`` / ``v`` in the layer
+    state's transport layout (:meth:`PrefixState.pack_rows`)."""
+    return state.pack_rows((k, v), send_rows)
+
+
+def _add_returned_grads(grad_k: Optional[Tensor], grad_v: Optional[Tensor], shapes, send_rows: Tensor,
+                        back: Tensor, state: PrefixState) -> Tuple[Tensor, Tensor]:
+    """The gradients of ``k`` / ``v`` (``shapes``): what reached them here (None: nothing) plus
+    the gradients ``back`` ``[n_send, *row_shape]`` the readers returned for the rows sent."""
+    back_k, back_v = state.unpack_rows(back)
+    gk = grad_k.clone() if grad_k is not None else back.new_zeros(shapes[0])
+    gv = grad_v.clone() if grad_v is not None else back.new_zeros(shapes[1])
+    gk.index_add_(0, send_rows, back_k.to(gk.dtype))
+    gv.index_add_(0, send_rows, back_v.to(gv.dtype))
     return gk, gv
 
 
 class ExchangeKV(torch.autograd.Function):
     """``(k, v) -> (k, v, received)``: send rows of k/v, receive other ranks' rows.
 
-    ``received`` is ``[n_recv, 2, ng, hn]`` (K then V of every received row, sources in rank
-    order, rows in the order each sender listed them)."""
+    ``received`` is ``[n_recv, *row_shape]`` (the layer state's transport rows,
+    :attr:`PrefixState.row_shape`; softmax K/V of equal width: ``[n_recv, 2, ng, hn]``, K then
+    V), sources in rank order, rows in the order each sender listed them."""
 
     @staticmethod
-    def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group):
-        kv = _rows_to_send(k, v, send_rows)
+    def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,
+                state: PrefixState):
+        kv = _rows_to_send(k, v, send_rows, state)
         received = _all_to_all(kv, send_counts, recv_counts, group)
         ctx.save_for_backward(send_rows)
         ctx.counts = (send_counts, recv_counts)
-        ctx.group = group
-        ctx.shape, ctx.dtype = k.shape, k.dtype
+        ctx.group, ctx.state = group, state
+        ctx.shapes, ctx.dtype = (k.shape, v.shape), k.dtype
         return k.view_as(k), v.view_as(v), received
 
     @staticmethod
     def backward(ctx, grad_k: Optional[Tensor], grad_v: Optional[Tensor], grad_received: Optional[Tensor]):
         (send_rows,) = ctx.saved_tensors
         send_counts, recv_counts = ctx.counts
-        ng_hn = ctx.shape[1:]
         if grad_received is None:  # this rank attended to none of the rows it received
-            grad_received = torch.zeros((int(sum(recv_counts)), 2) + tuple(ng_hn), dtype=ctx.dtype,
+            grad_received = torch.zeros((int(sum(recv_counts)),) + ctx.state.row_shape, dtype=ctx.dtype,
                                         device=send_rows.device)
         # What each owner gets back: the gradients of the rows it sent (reverse direction).
-        back = _all_to_all(grad_received, recv_counts, send_counts, ctx.group)  # [n_send, 2, ng, hn]
-        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shape, send_rows, back)
-        return gk, gv, None, None, None, None
+        back = _all_to_all(grad_received, recv_counts, send_counts, ctx.group)  # [n_send, *row_shape]
+        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shapes, send_rows, back, ctx.state)
+        return gk, gv, None, None, None, None, None
 
 
 def exchange_kv(k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,
-                differentiable: bool):
-    """:class:`ExchangeKV` (``differentiable``) or the same exchange without autograd."""
+                differentiable: bool, state: Optional[PrefixState] = None):
+    """:class:`ExchangeKV` (``differentiable``) or the same exchange without autograd
+    (``state``: the layer's prefix state, by default the softmax state of ``k`` and ``v``)."""
+    state = state or kv_state(k, v)
     if differentiable and torch.is_grad_enabled():
-        return ExchangeKV.apply(k, v, send_rows, send_counts, recv_counts, group)
+        return ExchangeKV.apply(k, v, send_rows, send_counts, recv_counts, group, state)
     with torch.no_grad():
-        kv = _rows_to_send(k, v, send_rows)
+        kv = _rows_to_send(k, v, send_rows, state)
         return k, v, _all_to_all(kv, send_counts, recv_counts, group)
 
 
 def return_replica_grads(send: Tensor, send_counts: List[int], recv_counts: List[int], group) -> Tensor:
-    """Send replica gradients ``[n_send, layers, 2, ng, hn]`` to their owners; returns what this
-    rank receives (``[n_recv, layers, 2, ng, hn]``) as owner."""
+    """Send replica gradients ``[n_send, layers, *row_shape]`` to their owners; returns what this
+    rank receives (``[n_recv, layers, *row_shape]``) as owner."""
     with torch.no_grad():
         return _all_to_all(send, send_counts, recv_counts, group)
 
@@ -168,12 +180,15 @@ class ExchangeInFlight:
     """One layer's prefix K/V all-to-all in flight (forward), and the return of the received
     rows' gradients (backward).
 
-    ``buffer`` is the padded receive buffer (``[sum(max(recv, 1)), 2, ng, hn]``, detached: the
+    ``buffer`` is the padded receive buffer (``[sum(max(recv, 1)), *row_shape]``, detached: the
     autograd output of :class:`ExchangeKVAsync` shares its storage); its rows are valid after
     :meth:`wait`, None after :meth:`release`. It holds no tensor of the graph (the autograd
     function's context holds it)."""
 
-    def __init__(self, send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group):
+    def __init__(self, send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group,
+                 state: Optional[PrefixState] = None):
+        self.state = state
+        """The layer's prefix state: the layout of a row (:meth:`unpack`)."""
         self.send_counts, self.recv_counts = list(map(int, send_counts)), list(map(int, recv_counts))
         self.group = group
         self.offsets = split_offsets(self.recv_counts)
@@ -194,6 +209,10 @@ class ExchangeInFlight:
     @property
     def arrived(self) -> bool:
         return self._work is None
+
+    def unpack(self, rows: Tensor) -> Tuple[Tensor, ...]:
+        """Views of every field of received rows (or of their gradients) ``[n, *row_shape]``."""
+        return self.state.unpack_rows(rows)
 
     def on_arrival(self, fn: Callable[[Tensor], None]) -> None:
         """Call ``fn(buffer)`` once the rows are here (at once if they are)."""
@@ -242,7 +261,7 @@ class ExchangeInFlight:
                                                  padded_counts(self.recv_counts), group=self.group, async_op=True)
 
     def returned_grad(self) -> Tensor:
-        """``[n_send, 2, ng, hn]``: the gradients of the rows this rank sent (waits for them)."""
+        """``[n_send, *row_shape]``: the gradients of the rows this rank sent (waits for them)."""
         if self._grad_work is not None:
             t0 = time.perf_counter()
             self._grad_work.wait()
@@ -262,13 +281,13 @@ class ExchangeKVAsync(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,
-                box: list):
-        kv = _rows_to_send(k, v, send_rows)
-        exchange = ExchangeInFlight(kv, send_counts, recv_counts, group)
+                box: list, state: PrefixState):
+        kv = _rows_to_send(k, v, send_rows, state)
+        exchange = ExchangeInFlight(kv, send_counts, recv_counts, group, state)
         box.append(exchange)
         ctx.save_for_backward(send_rows)
         ctx.exchange = exchange
-        ctx.shape = k.shape
+        ctx.shapes = (k.shape, v.shape)
         return k.view_as(k), v.view_as(v), exchange.buffer.view_as(exchange.buffer)
 
     @staticmethod
@@ -280,31 +299,33 @@ class ExchangeKVAsync(torch.autograd.Function):
                 shape, dtype, device = exchange.buffer_like
                 grad_buffer = torch.zeros(shape, dtype=dtype, device=device)
             exchange.return_grad(grad_buffer)
-        back = exchange.returned_grad()  # [n_send, 2, ng, hn]
+        back = exchange.returned_grad()  # [n_send, *row_shape]
         ctx.exchange = None
-        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shape, send_rows, back)
-        return gk, gv, None, None, None, None, None
+        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shapes, send_rows, back, exchange.state)
+        return gk, gv, None, None, None, None, None, None
 
 
 def exchange_kv_start(k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int],
-                      group, differentiable: bool):
+                      group, differentiable: bool, state: Optional[PrefixState] = None):
     """Start the exchange: ``(k, v, buffer, exchange)``; ``buffer`` (the autograd tensor with
     :class:`ExchangeKVAsync` differentiable, else ``exchange.buffer``) is filled after
-    ``exchange.wait()``."""
+    ``exchange.wait()`` (``state``: the layer's prefix state, by default the softmax state of
+    ``k`` and ``v``)."""
+    state = state or kv_state(k, v)
     box: list = []
     if differentiable and torch.is_grad_enabled():
-        k, v, buffer = ExchangeKVAsync.apply(k, v, send_rows, send_counts, recv_counts, group, box)
+        k, v, buffer = ExchangeKVAsync.apply(k, v, send_rows, send_counts, recv_counts, group, box, state)
         return k, v, buffer, box[0]
     with torch.no_grad():
-        kv = _rows_to_send(k, v, send_rows)
-        exchange = ExchangeInFlight(kv, send_counts, recv_counts, group)
+        kv = _rows_to_send(k, v, send_rows, state)
+        exchange = ExchangeInFlight(kv, send_counts, recv_counts, group, state)
         return k, v, exchange.buffer, exchange
 
 
 class ReceivedKV:
     """One received chain the attention reads (the attention's ``ArrivingPrefixKV``): rows
-    ``offset:offset + length`` of ``buffer`` (``[n, 2, ng, hn]``, K then V), valid after
-    ``exchange.wait()``."""
+    ``offset:offset + length`` of ``buffer`` (``[n, *row_shape]``, :meth:`ExchangeInFlight.unpack`
+    gives K and V), valid after ``exchange.wait()``."""
 
     __slots__ = ("exchange", "buffer", "offset", "length")
 
@@ -315,5 +336,5 @@ class ReceivedKV:
         """``(k, v)`` copies after waiting (autograd reaches ``buffer``), for kernels that take
         tensors: no overlap beyond what ran before this call."""
         self.exchange.wait()
-        chunk = self.buffer[self.offset:self.offset + self.length]
-        return chunk[:, 0].clone(), chunk[:, 1].clone()
+        k, v = self.exchange.unpack(self.buffer[self.offset:self.offset + self.length])
+        return k.clone(), v.clone()

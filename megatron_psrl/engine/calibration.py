@@ -50,6 +50,7 @@ from megatron_psrl.attention.backends import OVERLAPS_EXCHANGE, blockwise_tree_a
 from megatron_psrl.checkpoint.atomic import atomic_write_text
 from megatron_psrl.distributed.kv_exchange import ExchangeInFlight, return_replica_grads
 from megatron_psrl.errors import CheckpointError
+from megatron_psrl.kvcache.prefix_state import PrefixState
 from megatron_psrl.model.logits import vocab_parallel_logprobs
 from megatron_psrl.schedule.cost import CostModel, exposed_exchange_fraction
 
@@ -249,7 +250,8 @@ def measure_exchange_overlap(group, num_heads: int, num_groups: int, head_dim: i
         return 1.0
     g = dist.get_world_size(group)
     gen = torch.Generator().manual_seed(tokens + rows)
-    send = torch.randn((rows * g, 2, num_groups, head_dim), generator=gen).to(device=device, dtype=dtype)
+    row_shape = PrefixState.softmax(num_groups, head_dim, dtype=dtype).row_shape  # one token's K and V
+    send = torch.randn((rows * g,) + row_shape, generator=gen).to(device=device, dtype=dtype)
     counts = [rows] * g
     q = torch.randn((tokens, num_heads, head_dim), generator=gen).to(device=device, dtype=dtype)
     k = torch.randn((tokens, num_groups, head_dim), generator=gen).to(device=device, dtype=dtype)
@@ -301,7 +303,7 @@ def calibrate_for_planning(model, arch, geometry, device, max_tokens: int, excha
     heads = geometry.num_groups * (arch.num_attention_heads // arch.num_kv_heads)  # this TP rank's query heads
     stored, origin = _stored_or_measured(
         key, profile, lambda: measure_costs(
-            model, arch.vocab_size, device, max_tokens, exchange_group, 2 * geometry.bytes_per_token // geometry.num_layers,
+            model, arch.vocab_size, device, max_tokens, exchange_group, geometry.row_bytes_per_token // geometry.num_layers,
             key=key, attention_shape=(heads, geometry.num_groups, geometry.head_dim, geometry.dtype), backend=backend),
         recorded, recalibrate)
     return replace(stored, overlap_kv_exchange=overlap_kv_exchange and backend in OVERLAPS_EXCHANGE), origin

@@ -171,7 +171,7 @@ class Engine:
 
     def planner_config(self, prefix_sharing: Optional[str] = None) -> PlannerConfig:
         c = self.config
-        costs = (self.measured.planner_settings(self.geometry.num_layers, 2 * self.geometry.bytes_per_token)
+        costs = (self.measured.planner_settings(self.geometry.num_layers, self.geometry.row_bytes_per_token)
                  if self.measured else dict(cost_model=self.cost_model))
         cross_group_prefix = c.cross_group_prefix
         if transfer_reasons(self.layout.pipeline_parallel_size, self.recompute, self.arch.is_moe):
@@ -401,11 +401,11 @@ def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[Measur
         "placement": "+".join(sorted(set(plan.placements) - {"unplanned"})),
         "plan_imbalance": plan.imbalance(),
         "plan_rank_cost": [round(float(c), 6) for c in plan.rank_costs()],
-        "exchanged_bytes": plan.exchanged_bytes(2 * geometry.bytes_per_token),
+        "exchanged_bytes": plan.exchanged_bytes(geometry.row_bytes_per_token),
         "tokens_duplicated": plan.mechanism_counts()["duplicated_tokens"],
         "tokens_recomputed_across_groups": plan.split_tokens_recomputed,
         "tokens_transferred_across_groups": plan.head_tokens_sent(),
-        "transferred_bytes": plan.transfer_bytes(2 * geometry.bytes_per_token),
+        "transferred_bytes": plan.transfer_bytes(geometry.row_bytes_per_token),
     }
     if measured is not None:
         planned = plan.planned_groups if plan.planned_groups is not None else range(len(plan.placements))

@@ -65,7 +65,6 @@ class HeadSends:
             raise RuntimeError(f"placement rank {rank} is rank {dist.get_rank(group)} of the head-send group")
         rank_plan = plan.ranks[rank]
         geometry = cache.geometry
-        self.row_shape = (geometry.num_layers, 2, geometry.num_groups, geometry.head_dim)
         self.imports: Dict[Tuple[int, int], List[int]] = {}  # (transfer, import) -> sources it fills
         self.exports: Dict[int, int] = {}  # transfer -> the exported source
         for s, src in rank_plan.sources.items():
@@ -163,11 +162,15 @@ class HeadSends:
         self._post("grads", messages)
         self._grads_out.clear()
 
+    @property
+    def row_shape(self):
+        """``(layers, *row_shape)``: one token of a head, every layer of this rank."""
+        return self.cache.source_row_shape
+
     # ------------------------------------------------------------------ phase 2
     def _stacked(self, s: int, grads: bool) -> Tensor:
-        """``[n, layers, 2, ng, hn]``: a source's K/V (or fp32 dK/dV) of every layer of this rank."""
-        read = self.cache.read_grad if grads else (lambda s, layer: self.cache.read(s, layer, count=False))
-        return torch.stack([torch.stack(read(s, layer), dim=1) for layer in self.cache.geometry.layers], dim=1)
+        """``[n, layers, *row_shape]``: a source's values (or fp32 gradients) of every layer of this rank."""
+        return self.cache.source_rows(s, grads=grads)
 
     def after_forward(self, i: int) -> None:
         """Micro-batch ``i`` ran forward: keep a copy of the heads it exports (the step's next
@@ -192,9 +195,7 @@ class HeadSends:
             buf = self._heads.pop((t, j))
             for s in sources:
                 rows = host_to_device(index.position[self.plan.ranks[self.rank].sources[s].tokens], buf.device)
-                chunk = buf.index_select(0, rows)
-                for li, layer in enumerate(self.cache.geometry.layers):
-                    self.cache.write(s, layer, chunk[:, li, 0], chunk[:, li, 1])
+                self.cache.write_source_rows(s, buf.index_select(0, rows))
 
     # ------------------------------------------------------------------ phase 3
     def return_grads(self, i: int) -> None:
@@ -221,7 +222,6 @@ class HeadSends:
     def collect_grads(self, i: int) -> None:
         """Before the backward of micro-batch ``i``: the gradients every importer returned for the
         heads it exports, added to their dK/dV."""
-        layers = self.cache.geometry.layers
         for t in sorted(t for t, s in self.exports.items() if self.plan.ranks[self.rank].sources[s].producer == i):
             s = self.exports[t]
             n = self.plan.head_sends[t].length
@@ -229,8 +229,7 @@ class HeadSends:
                 self._wait("grads", r)
                 if len(grad) < n:  # a copy that imports fewer rows returns fewer
                     grad = torch.cat([grad, grad.new_zeros((n - len(grad),) + self.row_shape)])
-                for li, layer in enumerate(layers):
-                    self.cache.accumulate_grad(s, layer, grad[:, li, 0], grad[:, li, 1])
+                self.cache.accumulate_source_grad_rows(s, grad)
 
     def finish(self) -> None:
         """The step's messages are complete (their buffers may go)."""

@@ -10,7 +10,7 @@ ranks need (:mod:`megatron_psrl.distributed.kv_exchange`).
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -18,10 +18,52 @@ import torch
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start
 from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
+from megatron_psrl.kvcache.prefix_state import VALUES
 from megatron_psrl.schedule.packing import PackedMicroBatch
 from megatron_psrl.schedule.plan import RankPlan
 
 Tensor = torch.Tensor
+
+
+class CapturedRows(NamedTuple):
+    """A produced source's rows of one layer, kept with the producer's graph: its backward
+    injects the gradients every reader accumulated into them."""
+
+    source: int
+    """Cached source id."""
+    layer: int
+    """megatron layer number."""
+    fields: Tuple[Tensor, ...]
+    """The layer's prefix-state fields of the source's rows (K and V), in the graph."""
+
+
+class ReceivedChain(NamedTuple):
+    """Where one chain received in a layer's exchange lies, and what it is for."""
+
+    offset: int
+    """First row in the synchronous exchange's (unpadded) received rows."""
+    src: int
+    """Sending rank (in the exchange group)."""
+    within: int
+    """First row within that rank's split (the overlapped exchange's padded buffer)."""
+    length: int
+    """Rows of the chain."""
+    peer: Optional[int]
+    """Index among the micro-batch's peer reads (attended to now), or None."""
+    replica: Optional[int]
+    """Cached source that stores it for later steps, or None."""
+
+
+class LayerExchange(NamedTuple):
+    """What a micro-batch sends and receives in every layer (the same in each)."""
+
+    send_rows: Tensor
+    """Pack rows sent, destinations in rank order."""
+    send_counts: List[int]
+    recv_counts: List[int]
+    received: List[ReceivedChain]
+    group: object
+    """The exchange's process group."""
 
 
 class InjectCachedGrad(torch.autograd.Function):
@@ -80,9 +122,9 @@ class PrefixKV:
         # Pack rows of every source this rank computes here (replicas arrive by exchange).
         own = [s for s in mb.produces if rank_plan.sources[s].replica_of is None]
         self.rows = {s: pack_rows(rank_plan.sources[s].tokens) for s in own}
-        self.stored = [s for s in own if "k" in rank_plan.sources[s].kinds]
-        self.captured: List[Tuple[int, int, Tensor, Tensor]] = []
-        self.exchange = None
+        self.stored = [s for s in own if VALUES in rank_plan.sources[s].kinds]
+        self.captured: List[CapturedRows] = []
+        self.exchange: Optional[LayerExchange] = None
         self.overlap = overlap
         """Overlap the exchange with the attention over local keys (``--no-overlap-kv-exchange``
         turns it off): the peers are handed over in flight (:class:`ReceivedKV`)."""
@@ -98,10 +140,11 @@ class PrefixKV:
             for src in range(group_size):
                 within = 0
                 for use in ex.recv.get(src, []):
-                    layout.append((offset, src, within, use.length, use.peer, use.replica))
+                    layout.append(ReceivedChain(offset, src, within, use.length, use.peer, use.replica))
                     offset += use.length
                     within += use.length
-            self.exchange = (send_rows, ex.send_counts(group_size), ex.recv_counts(group_size), layout, group)
+            self.exchange = LayerExchange(send_rows, ex.send_counts(group_size), ex.recv_counts(group_size), layout,
+                                          group)
 
     @property
     def injects(self) -> bool:
@@ -116,7 +159,8 @@ class PrefixKV:
             if self.store and s in self.stored and first_pass:
                 self.cache.write(s, layer_number, key.detach().index_select(0, rows), value.detach().index_select(0, rows))
             if self.capture and not self.inject:
-                self.captured.append((s, layer_number, key.index_select(0, rows), value.index_select(0, rows)))
+                self.captured.append(CapturedRows(s, layer_number, (key.index_select(0, rows),
+                                                                    value.index_select(0, rows))))
         if self.injects and torch.is_grad_enabled():
             sources = list(self.rows.items())
             key = InjectCachedGrad.apply(key, self.cache, layer_number, 0, sources)
@@ -125,20 +169,20 @@ class PrefixKV:
                 return key, value
         if self.exchange is None:
             return None
-        send_rows, send_counts, recv_counts, layout, group = self.exchange
         if self.overlap:
             return self._start_exchange(layer_number, key, value)
-        key, value, received = exchange_kv(key, value, send_rows, send_counts, recv_counts, group,
-                                           differentiable=self.track_grads)
+        ex, state = self.exchange, self.cache.geometry.state_of(layer_number)
+        key, value, received = exchange_kv(key, value, ex.send_rows, ex.send_counts, ex.recv_counts, ex.group,
+                                           differentiable=self.track_grads, state=state)
         peers = [None] * self.num_peers
-        for offset, _, _, length, peer, replica in layout:
-            chunk = received[offset:offset + length]  # [n, 2, ng, hn]
-            if replica is not None and self.store:
-                self.cache.write(replica, layer_number, chunk[:, 0], chunk[:, 1])
-            if peer is not None:
+        for chain in ex.received:
+            fields = state.unpack_rows(received[chain.offset:chain.offset + chain.length])
+            if chain.replica is not None and self.store:
+                self.cache.write(chain.replica, layer_number, *fields)
+            if chain.peer is not None:
                 # Copies: the attention saves them for backward, and a view would keep the whole
                 # received buffer (replica rows included) alive with a kept graph.
-                peers[peer] = (chunk[:, 0].clone(), chunk[:, 1].clone())
+                peers[chain.peer] = tuple(f.clone() for f in fields)
         self.peers[layer_number] = peers
         # The attention reads these (the exchange's outputs), so its backward runs on every rank.
         return key, value
@@ -146,18 +190,20 @@ class PrefixKV:
     def _start_exchange(self, layer_number: int, key: Tensor, value: Tensor):
         """The overlapped exchange: start the all-to-all, hand the peers to the attention in
         flight (it attends to its other keys first), write the replicas once the rows are here."""
-        send_rows, send_counts, recv_counts, layout, group = self.exchange
-        key, value, buffer, exchange = exchange_kv_start(key, value, send_rows, send_counts, recv_counts, group,
-                                                         differentiable=self.track_grads)
+        ex = self.exchange
+        key, value, buffer, exchange = exchange_kv_start(key, value, ex.send_rows, ex.send_counts, ex.recv_counts,
+                                                         ex.group, differentiable=self.track_grads,
+                                                         state=self.cache.geometry.state_of(layer_number))
         peers = [None] * self.num_peers
-        for _, src, within, length, peer, replica in layout:
-            offset = exchange.offsets[src] + within  # the buffer keeps the padding rows
-            if replica is not None and self.store:
+        for chain in ex.received:
+            offset = exchange.offsets[chain.src] + chain.within  # the buffer keeps the padding rows
+            if chain.replica is not None and self.store:
                 # (the cache, not the hook: the exchange lives in the graph, see CachedRead)
-                exchange.on_arrival(lambda buf, cache=self.cache, s=replica, o=offset, n=length, layer=layer_number:
-                                    cache.write(s, layer, buf[o:o + n, 0], buf[o:o + n, 1]))
-            if peer is not None:
-                peers[peer] = ReceivedKV(exchange, buffer, offset, length)
+                exchange.on_arrival(lambda buf, cache=self.cache, s=chain.replica, o=offset, n=chain.length,
+                                    layer=layer_number, unpack=exchange.unpack:
+                                    cache.write(s, layer, *unpack(buf[o:o + n])))
+            if chain.peer is not None:
+                peers[chain.peer] = ReceivedKV(exchange, buffer, offset, chain.length)
         self.peers[layer_number] = peers
         self.in_flight[layer_number] = exchange
         return key, value

@@ -37,6 +37,7 @@ from megatron_psrl.engine.participants import step_participants
 from megatron_psrl.engine.prefix_kv import PrefixKV
 from megatron_psrl.host_copy import DeviceSums, host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
+from megatron_psrl.kvcache.prefix_state import GRAD_DTYPE
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_logprobs
 from megatron_psrl.rl.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
@@ -550,9 +551,9 @@ class StepRunner:
         for participant in step.participants:
             participant.before_graph_backward(x, step)
         kv_grads = []
-        for s, layer, k_rows, v_rows in captured:
-            gk, gv = cache.read_grad(s, layer)  # fp32 sums over every reader; rounded once here
-            kv_grads += [(layer, k_rows, gk.to(k_rows.dtype)), (layer, v_rows, gv.to(v_rows.dtype))]
+        for rows in captured:
+            grads = cache.read_grad(rows.source, rows.layer)  # fp32 sums over every reader; rounded once here
+            kv_grads += [(rows.layer, field, grad.to(field.dtype)) for field, grad in zip(rows.fields, grads)]
         self._stage_backward(i, step.scaled(loss), kv_grads)
 
     def run_allocate_kv(self, x: AllocateKV, step: "StepState") -> None:
@@ -584,16 +585,9 @@ class StepRunner:
         rank_plan = step.rank_plan
         ex = rank_plan.micro_batches[x.micro_batch].exchange
         cache, g = self.kv_cache, dist.get_world_size(self.exchange_group)
-        geometry = cache.geometry
-        layers = geometry.layers
-
-        def stacked(s: int) -> Tensor:  # [n, layers, 2, ng, hn]
-            return torch.stack([torch.stack(cache.read_grad(s, layer), dim=1) for layer in layers], dim=1)
-
         send_ids = [s for owner in range(g) for s in ex.grad_send.get(owner, [])]
-        shape = (0, geometry.num_layers, 2, geometry.num_groups, geometry.head_dim)
-        send = torch.cat([stacked(s) for s in send_ids]) if send_ids else \
-            torch.zeros(shape, dtype=torch.float32, device=geometry.device)  # dK/dV travel in fp32
+        send = torch.cat([cache.source_rows(s, grads=True) for s in send_ids]) if send_ids else \
+            torch.zeros((0,) + cache.source_row_shape, dtype=GRAD_DTYPE, device=cache.geometry.device)
         length = lambda s: rank_plan.sources[s].length  # noqa: E731
         send_counts = [sum(length(s) for s in ex.grad_send.get(r, [])) for r in range(g)]
         recv_counts = [sum(length(s) for s in ex.grad_recv.get(r, [])) for r in range(g)]
@@ -601,10 +595,8 @@ class StepRunner:
         offset = 0
         for src in range(g):
             for s in ex.grad_recv.get(src, []):
-                chunk = received[offset:offset + length(s)]
+                cache.accumulate_source_grad_rows(s, received[offset:offset + length(s)])
                 offset += length(s)
-                for j, layer in enumerate(layers):
-                    cache.accumulate_grad(s, layer, chunk[:, j, 0], chunk[:, j, 1])
 
 
 EXECUTE: Dict[type, str] = {

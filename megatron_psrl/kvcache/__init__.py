@@ -12,8 +12,28 @@ from megatron_psrl.kvcache.manager import (
     KVGeometry,
     choose_block_size,
 )
+from megatron_psrl.kvcache.prefix_state import (
+    ALL_ROLES,
+    GRADS,
+    VALUES,
+    CachePool,
+    Combine,
+    PrefixState,
+    StateField,
+    Storage,
+    Tap,
+)
 
 __all__ = [
+    "ALL_ROLES",
+    "CachePool",
+    "Combine",
+    "GRADS",
+    "PrefixState",
+    "StateField",
+    "Storage",
+    "Tap",
+    "VALUES",
     "BLOCK_SIZE_CLASSES",
     "BlockKVCache",
     "CacheBudgetError",

@@ -1,15 +1,20 @@
-"""The dynamic-block KV cache of mechanism 2: prefix K/V and their gradients, in block pools.
+"""The dynamic-block KV cache of mechanism 2: what cached prefixes keep, and their gradients.
 
-One pool per step holds fixed-size blocks; a block stores ``block_size`` tokens of *one* of
-K, V, dL/dK or dL/dV for *every* layer of this rank (``[layers, blocks, block_size, ng, hn]``),
-so one block table per tensor kind serves all layers. A cached source (a prefix chain produced
-by one micro-batch and read by later ones) owns four block tables. Layer ``l`` of a source is
-read with one gather over the slots its block table names, gradients are accumulated with one
-``index_add_``; this is how every attention backend reads cached K/V.
+What a layer keeps for a cached source is the model family's :class:`PrefixState`
+(:mod:`megatron_psrl.kvcache.prefix_state`: softmax K and V rows, a latent and a RoPE key, or a
+fixed-size recurrent state). The rank's layers are grouped into pools, one per distinct state
+(:class:`CachePool`): a pool of per-token rows is paged in blocks of ``block_size`` slots, a
+pool of fixed states in single slots, and a slot spans *every* layer of its pool
+(``[layers, blocks, block slots, slot elems]``), so one block table per block kind serves all
+layers. A cached source owns a block table per block kind and pool: its values (K and V) and
+their fp32 gradients (dK and dV). Layer ``l`` of a source is read with one gather over the
+slots its block table names, gradients are accumulated with one ``index_add_``; this is how
+every attention backend reads cached prefixes. A softmax model has one pool, whose slot is one
+token's K (or V) of every layer.
 
-Lifetimes follow reference counts the planner computes: K/V blocks are freed once the last
+Lifetimes follow reference counts the planner computes: values are freed once the last
 reader (including a reader that recomputes its forward later) has read them; gradient blocks
-are freed right after the producer's backward has consumed them. The pool never grows past
+are freed right after the producer's backward has consumed them. The pools never grow past
 the byte budget: :meth:`allocate` raises :class:`CacheBudgetError`, and the memory planner
 (``megatron_psrl.schedule.memory``) makes sure a plan never asks for more.
 
@@ -27,11 +32,11 @@ import torch
 
 from megatron_psrl.errors import PsrlError
 from megatron_psrl.host_copy import host_to_device
+from megatron_psrl.kvcache.prefix_state import ALL_ROLES, GRAD_DTYPE, GRADS, VALUES, CachePool, PrefixState, cache_pools
 
 Tensor = torch.Tensor
 
 BLOCK_SIZE_CLASSES = (16, 32, 64, 128, 256, 512)
-KINDS = ("k", "v", "gk", "gv")
 _BLOCK_TABLE_COST_TOKENS = 2.0
 """A block costs as much as this many wasted token slots (table entry, gather bookkeeping)."""
 
@@ -56,16 +61,17 @@ def choose_block_size(lengths: Sequence[int], classes: Sequence[int] = BLOCK_SIZ
 
 @dataclass
 class KVGeometry:
-    """Shape of the cached tensors on this rank."""
+    """What this rank's KV cache stores: its layers and what each keeps for a cached prefix
+    (:class:`~megatron_psrl.kvcache.prefix_state.PrefixState`), grouped into pools."""
 
     num_layers: int
     """Layers of this rank (its pipeline stage)."""
 
     num_groups: int
-    """Key/value heads of this tensor-parallel rank."""
+    """Key/value heads of this tensor-parallel rank (softmax layers)."""
 
     head_dim: int
-    """Per-head width."""
+    """Per-head width (softmax layers)."""
 
     dtype: torch.dtype
     """Storage dtype (the model's)."""
@@ -80,6 +86,14 @@ class KVGeometry:
     """megatron layer numbers of this rank's layers when they are not one contiguous range
     (virtual pipeline stages: a rank holds every ``pp``-th chunk); empty: contiguous."""
 
+    states: Tuple[PrefixState, ...] = ()
+    """What each of this rank's layers keeps for a cached prefix, in :attr:`layers` order (the
+    model family's); empty: softmax K/V of ``num_groups`` x ``head_dim`` in every layer."""
+
+    def __post_init__(self) -> None:
+        if self.states and len(self.states) != self.num_layers:
+            raise ValueError(f"KVGeometry: {len(self.states)} prefix states for {self.num_layers} layers")
+
     @property
     def layers(self) -> Tuple[int, ...]:
         """megatron layer numbers of this rank's layers, in pool order."""
@@ -90,6 +104,20 @@ class KVGeometry:
         if self.layer_numbers:
             return self.layer_numbers.index(layer)
         return layer - self.layer_offset
+
+    @property
+    def layer_states(self) -> Tuple[PrefixState, ...]:
+        """Every layer's :class:`PrefixState`, in :attr:`layers` order."""
+        return self.states or (PrefixState.softmax(self.num_groups, self.head_dim, dtype=self.dtype),) * self.num_layers
+
+    @property
+    def pools(self) -> Tuple[CachePool, ...]:
+        """The cache's storage pools: one per distinct state among this rank's layers."""
+        return cache_pools(self.layer_states, self.layers)
+
+    def state_of(self, layer: int) -> PrefixState:
+        """What megatron layer ``layer`` keeps."""
+        return self.layer_states[self.index(layer)]
 
     @classmethod
     def for_model(cls, arch, tensor_parallel_size: int, pipeline, dtype: torch.dtype,
@@ -105,9 +133,10 @@ class KVGeometry:
         numbers = tuple(n for vs in virtual_stages(pipeline_rank, pp, virtual_pipeline_size)
                         for n in range(1 + sum(counts[:vs]), 1 + sum(counts[:vs + 1])))
         contiguous = numbers == tuple(range(numbers[0], numbers[0] + len(numbers)))
+        states = model_prefix_states(arch, tensor_parallel_size, dtype)
         return cls(num_layers=len(numbers), num_groups=arch.num_kv_heads // tensor_parallel_size,
                    head_dim=arch.head_dim, dtype=dtype, device=device, layer_offset=numbers[0],
-                   layer_numbers=() if contiguous else numbers)
+                   layer_numbers=() if contiguous else numbers, states=tuple(states[n - 1] for n in numbers))
 
     @classmethod
     def for_pipeline_planning(cls, arch, tensor_parallel_size: int, pipeline, dtype: torch.dtype,
@@ -120,24 +149,65 @@ class KVGeometry:
 
         counts = stage_counts(arch, pipeline)
         pp = len(counts) // virtual_pipeline_size
-        layers = max(sum(counts[p::pp]) for p in range(pp))
-        return cls(num_layers=layers, num_groups=arch.num_kv_heads // tensor_parallel_size, head_dim=arch.head_dim,
-                   dtype=dtype, device=device)
+        stages = [[n for vs in range(p, len(counts), pp) for n in range(1 + sum(counts[:vs]), 1 + sum(counts[:vs + 1]))]
+                  for p in range(pp)]
+        states = model_prefix_states(arch, tensor_parallel_size, dtype)
+        largest = max(stages, key=lambda numbers: sum(states[n - 1].nbytes(1) for n in numbers))
+        return cls(num_layers=len(largest), num_groups=arch.num_kv_heads // tensor_parallel_size,
+                   head_dim=arch.head_dim, dtype=dtype, device=device,
+                   states=tuple(states[n - 1] for n in largest))
+
+    def _single_pool(self, what: str) -> CachePool:
+        pools = self.pools
+        if len(pools) != 1:
+            raise ValueError(f"{what} is defined for a cache of one pool; this one has {len(pools)} "
+                             f"(read KVGeometry.pools)")
+        return pools[0]
 
     @property
     def grad_slots_per_token(self) -> int:
-        """Pool slots one token of dK or dV takes: gradients accumulate in fp32 whatever the
-        model dtype (a bf16 sum over hundreds of readers would lose about 1e-2), so in a bf16
-        or fp16 pool each gradient row spans two slots (read as fp32 through a view)."""
-        return max(1, 4 // torch.tensor([], dtype=self.dtype).element_size())
+        """Pool slots one token of a gradient takes in a cache of one pool: gradients
+        accumulate in fp32 whatever the model dtype (a bf16 sum over hundreds of readers would
+        lose about 1e-2), so in a bf16 or fp16 pool of equally wide K and V each gradient row
+        spans two slots (read as fp32 through a view)."""
+        pool = self._single_pool("grad_slots_per_token")
+        return pool.slots_per_unit(pool.state.kinds(GRADS)[0])
+
+    @property
+    def row_bytes_per_token(self) -> int:
+        """Bytes of one token's values (every per-token field: K and V, or a latent and its
+        RoPE key) over this rank's layers: what a reader gathers and the exchange moves."""
+        return sum(len(p.layers) * p.state.nbytes(1, (VALUES,)) for p in self.pools if p.state.per_token)
+
+    @property
+    def fixed_bytes_per_source(self) -> int:
+        """Bytes of one source's fixed-size values (recurrent states) over this rank's layers."""
+        return sum(len(p.layers) * p.state.nbytes(1, (VALUES,)) for p in self.pools if not p.state.per_token)
+
+    def read_bytes(self, length: int) -> int:
+        """Bytes of the values a reader gathers from a source of ``length`` tokens, all layers."""
+        return length * self.row_bytes_per_token + self.fixed_bytes_per_source
+
+    def layer_read_bytes(self, length: int) -> int:
+        """Bytes of one layer's values and fp32 gradients of a source of ``length`` tokens (the
+        widest layer's): what a reader that gathers again in backward holds at a time."""
+        return max(p.state.nbytes(length, ALL_ROLES) for p in self.pools)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one token of one kind (K, V, dK or dV) over all layers."""
-        return self.num_layers * self.num_groups * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        """Bytes of one token of one kind (K, V, dK or dV; all equally wide) over all layers,
+        in a cache of one softmax pool (:attr:`row_bytes_per_token` is K and V together)."""
+        pool = self._single_pool("bytes_per_token")
+        return len(pool.layers) * pool.slot_bytes
 
     def block_bytes(self, block_size: int) -> int:
-        return block_size * self.bytes_per_token
+        """Bytes of one block in a cache of one pool (:meth:`CachePool.block_bytes` for each)."""
+        return self._single_pool("block_bytes").block_bytes(block_size)
+
+
+def model_prefix_states(arch, tensor_parallel_size: int, dtype: torch.dtype) -> Tuple[PrefixState, ...]:
+    """What every layer of the model keeps for a cached prefix (megatron layer order)."""
+    return (PrefixState.softmax(arch.num_kv_heads // tensor_parallel_size, arch.head_dim, dtype=dtype),) * arch.num_layers
 
 
 @dataclass
@@ -169,60 +239,77 @@ class CacheMetrics:
 
 
 class BlockKVCache:
-    """Block pools for the cached prefix K/V of one step on one rank."""
+    """Block pools for the cached prefixes of one step on one rank (:attr:`KVGeometry.pools`)."""
 
     def __init__(self, geometry: KVGeometry, budget_bytes: int):
         self.geometry = geometry
         self.budget_bytes = int(budget_bytes)
-        min_bytes = geometry.block_bytes(BLOCK_SIZE_CLASSES[0])
+        self.pools = geometry.pools
+        min_bytes = sum(p.block_bytes(BLOCK_SIZE_CLASSES[0]) for p in self.pools)
         if self.budget_bytes < min_bytes:
             raise CacheBudgetError(
                 f"--kv-cache-budget {self.budget_bytes} bytes cannot hold one KV block: the smallest block "
-                f"({BLOCK_SIZE_CLASSES[0]} tokens x {geometry.num_layers} layers x {geometry.num_groups} "
-                f"kv heads x {geometry.head_dim} dims) needs {min_bytes} bytes"
+                f"({'; '.join(p.describe_block(BLOCK_SIZE_CLASSES[0]) for p in self.pools)}) needs {min_bytes} bytes"
             )
-        self.pool: Optional[Tensor] = None
+        self._pool_of_layer = {layer: j for j, p in enumerate(self.pools) for layer in p.layers}
+        rows = [p for p in self.pools if p.state.per_token]
+        self._counted_layer = (rows or self.pools)[0].layers[0]
+        """The layer whose reads count the tokens read (one count per source read)."""
+        self._storage: List[Optional[Tensor]] = [None] * len(self.pools)
+        """Per pool ``[layers, blocks, block slots, slot elems]`` in the model dtype."""
         self.block_size = BLOCK_SIZE_CLASSES[0]
-        self._free: List[int] = []
-        self._tables: Dict[Tuple[int, str], np.ndarray] = {}
-        self._slots: Dict[Tuple[int, str], Tensor] = {}
-        self._lengths: Dict[int, int] = {}
+        self._free: List[List[int]] = [[] for _ in self.pools]
+        self._tables: Dict[Tuple[int, int, str], np.ndarray] = {}
+        self._slots: Dict[Tuple[int, int, str], Tensor] = {}
+        self._roles: Dict[int, set] = {}
         self.metrics = CacheMetrics()
 
     # ------------------------------------------------------------------ step lifecycle
     def max_blocks(self, block_size: int) -> int:
+        """Blocks of ``block_size`` the budget holds (a cache of one pool)."""
         return self.budget_bytes // self.geometry.block_bytes(block_size)
 
-    def begin_step(self, block_size: int, pool_blocks: int) -> None:
-        """(Re)allocate the pool for this step: ``pool_blocks`` blocks of ``block_size``."""
-        if pool_blocks > self.max_blocks(block_size):
+    def begin_step(self, block_size: int, pool_blocks: int, pool_sizes: Optional[Sequence[int]] = None) -> None:
+        """(Re)allocate the pools for this step: ``pool_sizes`` blocks in each (one pool:
+        ``pool_blocks``) of ``block_size`` tokens."""
+        sizes = tuple(int(n) for n in pool_sizes) if pool_sizes is not None else (int(pool_blocks),)
+        if len(sizes) != len(self.pools):
+            raise ValueError(f"{len(sizes)} pool sizes for a cache of {len(self.pools)} pools")
+        needed = sum(n * p.block_bytes(block_size) for n, p in zip(sizes, self.pools))
+        if needed > self.budget_bytes:
             raise CacheBudgetError(
-                f"the step needs {pool_blocks} KV blocks of {block_size} tokens "
-                f"({pool_blocks * self.geometry.block_bytes(block_size)} bytes) but --kv-cache-budget is "
-                f"{self.budget_bytes} bytes"
+                f"the step needs {sum(sizes)} KV blocks of {block_size} tokens "
+                f"({needed} bytes) but --kv-cache-budget is {self.budget_bytes} bytes"
             )
-        g = self.geometry
-        shape = (g.num_layers, pool_blocks, block_size, g.num_groups, g.head_dim)
-        if self.pool is None or tuple(self.pool.shape) != shape:
-            self.pool = None  # release the old pool before allocating the new one
-            self.pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
+        for j, (p, n) in enumerate(zip(self.pools, sizes)):
+            shape = (len(p.layers), n, p.block_slots(block_size), p.slot_elems)
+            if self._storage[j] is None or tuple(self._storage[j].shape) != shape:
+                self._storage[j] = None  # release the old pool before allocating the new one
+                self._storage[j] = torch.zeros(shape, dtype=p.state.dtype, device=self.geometry.device)
+            self._free[j] = list(range(n - 1, -1, -1))
         self.block_size = block_size
-        self._free = list(range(pool_blocks - 1, -1, -1))
         self._tables.clear()
         self._slots.clear()
-        self._lengths.clear()
-        self.metrics = CacheMetrics(block_size=block_size, pool_blocks=pool_blocks)
+        self._roles.clear()
+        self.metrics = CacheMetrics(block_size=block_size, pool_blocks=sum(sizes))
 
     def end_step(self) -> None:
         if self._tables:
             raise RuntimeError(f"KV cache still holds sources {sorted({k[0] for k in self._tables})} at step end")
 
     def release_pool(self) -> None:
-        self.pool = None
+        self._storage = [None] * len(self.pools)
+
+    @property
+    def pool(self) -> Optional[Tensor]:
+        """The storage of a cache of one pool (``[layers, blocks, block slots, slot elems]``)."""
+        if len(self.pools) != 1:
+            raise ValueError(f"a cache of {len(self.pools)} pools has no single storage tensor")
+        return self._storage[0]
 
     @property
     def blocks_in_use(self) -> int:
-        return (self.pool.shape[1] if self.pool is not None else 0) - len(self._free)
+        return sum((t.shape[1] if t is not None else 0) - len(free) for t, free in zip(self._storage, self._free))
 
     def _record_use(self) -> None:
         used = self.blocks_in_use
@@ -232,83 +319,129 @@ class BlockKVCache:
             m.utilisation_samples.append(used / m.pool_blocks)
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, source_id: int, length: int, kinds: Sequence[str] = KINDS) -> None:
-        """Block tables for ``length`` tokens of each kind; gradient blocks start at zero (and
-        take :attr:`KVGeometry.grad_slots_per_token` slots per token)."""
-        factor = self.geometry.grad_slots_per_token
-        slots_of = {kind: length * (factor if kind.startswith("g") else 1) for kind in kinds}
-        needed = sum(-(-n // self.block_size) for n in slots_of.values())
-        if needed > len(self._free):
-            raise CacheBudgetError(f"KV cache full: source {source_id} needs {needed} blocks, {len(self._free)} free")
-        self._lengths[source_id] = length
-        for kind in kinds:
-            n_slots = slots_of[kind]
-            n_blocks = -(-n_slots // self.block_size)
-            blocks = np.array([self._free.pop() for _ in range(n_blocks)], dtype=np.int64)
-            self._tables[(source_id, kind)] = blocks
-            slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)[None, :]).reshape(-1)[:n_slots]
-            self._slots[(source_id, kind)] = host_to_device(slots, self.geometry.device)
-            if kind.startswith("g"):
-                self.pool[:, blocks] = 0
-            self.metrics.allocated_slots += n_blocks * self.block_size
+    def allocate(self, source_id: int, length: int, kinds: Sequence[str] = ALL_ROLES) -> None:
+        """Block tables for a source of ``length`` tokens in every pool, for the given roles
+        (:data:`~megatron_psrl.kvcache.prefix_state.VALUES`, ``GRADS``); gradient blocks start
+        at zero."""
+        wanted = [(j, kind) for role in kinds for j, p in enumerate(self.pools) for kind in p.state.kinds(role)]
+        for j, p in enumerate(self.pools):
+            needed = sum(p.blocks(kind, length, self.block_size) for i, kind in wanted if i == j)
+            if needed > len(self._free[j]):
+                raise CacheBudgetError(f"KV cache full: source {source_id} needs {needed} blocks, "
+                                       f"{len(self._free[j])} free")
+        self._roles.setdefault(source_id, set()).update(kinds)
+        for j, kind in wanted:
+            p = self.pools[j]
+            n_slots, per_block = p.slots(kind, length), p.block_slots(self.block_size)
+            n_blocks = p.blocks(kind, length, self.block_size)
+            blocks = np.array([self._free[j].pop() for _ in range(n_blocks)], dtype=np.int64)
+            self._tables[(source_id, j, kind)] = blocks
+            slots = (blocks[:, None] * per_block + np.arange(per_block)[None, :]).reshape(-1)[:n_slots]
+            self._slots[(source_id, j, kind)] = host_to_device(slots, self.geometry.device)
+            if p.state.is_grad(kind):
+                self._storage[j][:, blocks] = 0
+            self.metrics.allocated_slots += n_blocks * per_block
             self.metrics.used_slots += n_slots
         self._record_use()
 
     def free(self, source_id: int, kinds: Sequence[str]) -> None:
-        """Return a source's blocks of the given kinds to the pool."""
-        for kind in kinds:
-            blocks = self._tables.pop((source_id, kind), None)
-            self._slots.pop((source_id, kind), None)
-            if blocks is not None:
-                self._free.extend(int(b) for b in blocks[::-1])
-        if not any(k[0] == source_id for k in self._tables):
-            self._lengths.pop(source_id, None)
+        """Return a source's blocks of the given roles to their pools."""
+        for role in kinds:
+            for j, p in enumerate(self.pools):
+                for kind in p.state.kinds(role):
+                    blocks = self._tables.pop((source_id, j, kind), None)
+                    self._slots.pop((source_id, j, kind), None)
+                    if blocks is not None:
+                        self._free[j].extend(int(b) for b in blocks[::-1])
+            self._roles.get(source_id, set()).discard(role)
+        if not self._roles.get(source_id, True):
+            self._roles.pop(source_id)
         self._record_use()
 
     def holds(self, source_id: int, kind: str) -> bool:
-        return (source_id, kind) in self._tables
+        """The source holds blocks of this role."""
+        return kind in self._roles.get(source_id, ())
 
     def block_table(self, source_id: int, kind: str) -> np.ndarray:
-        return self._tables[(source_id, kind)]
+        """Blocks of one block kind of a source (in the first pool that keeps that kind)."""
+        for j, p in enumerate(self.pools):
+            if (source_id, j, kind) in self._tables:
+                return self._tables[(source_id, j, kind)]
+        raise KeyError((source_id, kind))
 
     # ------------------------------------------------------------------ data
-    def _layer_view(self, layer: int) -> Tensor:
-        """``[blocks * block_size, ng, hn]`` flat slot view of one layer (no copy)."""
-        g = self.geometry
-        return self.pool[g.index(layer)].view(-1, g.num_groups, g.head_dim)
+    def _slot_view(self, layer: int, grads: bool) -> Tuple[int, Tensor]:
+        """``(pool, [slots, slot elems])`` flat slot view of one layer (no copy); ``grads``: as
+        fp32 (a gradient's row spans its consecutive slots)."""
+        j = self._pool_of_layer[layer]
+        p = self.pools[j]
+        view = self._storage[j][p.layers.index(layer)].view(-1, p.slot_elems)
+        return j, (view.view(GRAD_DTYPE) if grads else view)
 
-    def write(self, source_id: int, layer: int, key: Tensor, value: Tensor) -> None:
-        view = self._layer_view(layer)
-        view.index_copy_(0, self._slots[(source_id, "k")], key.detach().to(view.dtype))
-        view.index_copy_(0, self._slots[(source_id, "v")], value.detach().to(view.dtype))
+    def write(self, source_id: int, layer: int, *fields: Tensor) -> None:
+        """A source's values of one layer (each field ``[n, *shape]``, or ``[*shape]`` for a
+        fixed state) into its blocks."""
+        j, view = self._slot_view(layer, grads=False)
+        for kind, tensor in zip(self.pools[j].state.kinds(VALUES), fields):
+            view.index_copy_(0, self._slots[(source_id, j, kind)], tensor.detach().to(view.dtype).reshape(-1, view.shape[1]))
 
-    def read(self, source_id: int, layer: int, count: bool = True) -> Tuple[Tensor, Tensor]:
-        """Gather a source's K/V of one layer through its block tables: ``[n, ng, hn]`` copies
-        (``count``: in the hit metrics; a recomputation's second read is not)."""
-        view = self._layer_view(layer)
-        k = view.index_select(0, self._slots[(source_id, "k")])
-        v = view.index_select(0, self._slots[(source_id, "v")])
+    def read(self, source_id: int, layer: int, count: bool = True) -> Tuple[Tensor, ...]:
+        """Gather a source's values of one layer through its block tables: a copy of every
+        field, ``[n, *shape]`` (``[*shape]`` for a fixed state); ``count``: in the hit metrics
+        (a recomputation's second read is not)."""
+        j, view = self._slot_view(layer, grads=False)
+        state = self.pools[j].state
+        out = tuple(view.index_select(0, self._slots[(source_id, j, f.name)]).view(
+            (-1,) + f.shape if state.per_token else f.shape) for f in state.fields)
         if count:
             self.metrics.reads += 1
-            if layer == self.geometry.layer_offset:
-                self.metrics.tokens_read += k.shape[0]
-        return k, v
+            if layer == self._counted_layer:
+                self.metrics.tokens_read += out[0].shape[0]
+        return out
 
-    def _grad_view(self, layer: int) -> Tensor:
-        """``[slots, ng * hn / f]`` fp32 view of one layer's slots (f = grad_slots_per_token:
-        a token's fp32 gradient row is its f consecutive slots of the source's table)."""
-        g = self.geometry
-        return self.pool[g.index(layer)].view(-1, g.num_groups * g.head_dim).view(torch.float32)
-
-    def accumulate_grad(self, source_id: int, layer: int, grad_key: Optional[Tensor], grad_value: Optional[Tensor]) -> None:
-        """Add ``[n, ng, hn]`` gradients to a source's dK / dV (in fp32)."""
-        view = self._grad_view(layer)
-        for kind, grad in (("gk", grad_key), ("gv", grad_value)):
+    def accumulate_grad(self, source_id: int, layer: int, *grads: Optional[Tensor]) -> None:
+        """Add gradients (``None``: none for that field) to a source's gradient blocks of one
+        layer, in fp32."""
+        j, view = self._slot_view(layer, grads=True)
+        for kind, grad in zip(self.pools[j].state.kinds(GRADS), grads):
             if grad is not None:
-                view.index_add_(0, self._slots[(source_id, kind)], grad.float().reshape(-1, view.shape[1]))
+                view.index_add_(0, self._slots[(source_id, j, kind)], grad.float().reshape(-1, view.shape[1]))
 
-    def read_grad(self, source_id: int, layer: int) -> Tuple[Tensor, Tensor]:
-        """A source's accumulated dK, dV of one layer: ``[n, ng, hn]`` fp32 copies."""
-        g, view = self.geometry, self._grad_view(layer)
-        return tuple(view.index_select(0, self._slots[(source_id, kind)]).reshape(-1, g.num_groups, g.head_dim)
-                     for kind in ("gk", "gv"))
+    def read_grad(self, source_id: int, layer: int) -> Tuple[Tensor, ...]:
+        """A source's accumulated gradients of one layer: fp32 copies, one per field with a
+        gradient, ``[n, *shape]`` (``[*shape]`` for a fixed state)."""
+        j, view = self._slot_view(layer, grads=True)
+        state = self.pools[j].state
+        return tuple(view.index_select(0, self._slots[(source_id, j, f.grad_kind)]).view(
+            (-1,) + f.shape if state.per_token else f.shape) for f in state.fields if f.has_grad)
+
+    # ------------------------------------------------------------------ every layer at once
+    @property
+    def source_row_shape(self) -> Tuple[int, ...]:
+        """``(layers, *row_shape)`` of one token of a source over every layer of this rank
+        (:meth:`source_rows`; :attr:`PrefixState.row_shape`); one per-token pool only."""
+        pools = self.pools
+        if len(pools) != 1 or not pools[0].state.per_token:
+            raise NotImplementedError("moving a source's every layer as one row needs one per-token pool; "
+                                      f"this cache has {[p.state.storage.value for p in pools]}")
+        return (self.geometry.num_layers,) + pools[0].state.row_shape
+
+    def source_rows(self, source_id: int, grads: bool = False) -> Tensor:
+        """``[n, layers, *row_shape]``: a source's values (or fp32 gradients) of every layer of
+        this rank, each token's fields in one row (:meth:`PrefixState.pack_rows`)."""
+        read = self.read_grad if grads else (lambda s, layer: self.read(s, layer, count=False))
+        state = self.pools[0].state
+        return torch.stack([state.pack_rows(read(source_id, layer)) for layer in self.geometry.layers], dim=1)
+
+    def write_source_rows(self, source_id: int, rows: Tensor) -> None:
+        """:meth:`write` every layer from ``[n, layers, *row_shape]`` rows."""
+        state = self.pools[0].state
+        for li, layer in enumerate(self.geometry.layers):
+            self.write(source_id, layer, *state.unpack_rows(rows[:, li]))
+
+    def accumulate_source_grad_rows(self, source_id: int, rows: Tensor) -> None:
+        """:meth:`accumulate_grad` every layer from ``[n, layers, *row_shape]`` gradient rows."""
+        state = self.pools[0].state
+        for li, layer in enumerate(self.geometry.layers):
+            self.accumulate_grad(source_id, layer, *state.unpack_rows(rows[:, li]))
+

@@ -32,6 +32,7 @@ from typing import Dict, List
 
 import numpy as np
 
+from megatron_psrl.kvcache.prefix_state import GRADS
 from megatron_psrl.schedule.plan import PlanInvariantError, RankPlan, StepPlan
 from megatron_psrl.tree.index import TreeIndex
 
@@ -354,7 +355,7 @@ def _check_replica(ranks: List[RankPlan], r: int, s: int, src, at: str) -> None:
     q, sid = src.replica_of
     owner = ranks[q].sources.get(sid) if 0 <= q < g and q != r else None
     _require(owner is not None and owner.replica_of is None and owner.producer == src.producer
-             and np.array_equal(owner.tokens, src.tokens) and "gk" in owner.kinds,
+             and np.array_equal(owner.tokens, src.tokens) and GRADS in owner.kinds,
              f"{at} copies source {sid} of group rank {q}, which is not the same chain made at its step")
     e = ranks[r].micro_batches[src.producer].exchange
     received = [u.replica for u in e.recv.get(q, [])] if e is not None else []

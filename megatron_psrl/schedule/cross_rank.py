@@ -39,6 +39,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from megatron_psrl.kvcache.prefix_state import ALL_ROLES, GRADS_ONLY
 from megatron_psrl.schedule.plan import (
     CachedSource,
     ChainUse,
@@ -259,7 +260,7 @@ class _GroupBuild:
         owner = None
         if local_steps or any(st > mp for steps_r in by_rank.values() for st in steps_r):
             owner = self.new_source(q, producer=mp, tokens=chain, consumers=local_steps,
-                                    kinds=("k", "v", "gk", "gv") if local_steps else ("gk", "gv"))
+                                    kinds=ALL_ROLES if local_steps else GRADS_ONLY)
             self._read(q, owner, local_steps)
         for r in sorted(by_rank):
             later_steps = sorted(st for st in by_rank[r] if st > mp)

@@ -34,14 +34,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
+from megatron_psrl.kvcache.prefix_state import RELEASE_ALL, VALUES_ONLY
 from megatron_psrl.schedule.memory import MemoryPlan
 from megatron_psrl.schedule.plan import RankPlan
 
-ALL_KINDS = ("gk", "gv", "k", "v")
-"""Every kind of block a source holds: its gradients and its K/V."""
+ALL_KINDS = RELEASE_ALL
+"""Every block a source holds (its gradients, then its values: the roles of
+:mod:`megatron_psrl.kvcache.prefix_state`)."""
 
-KV_KINDS = ("k", "v")
-"""A source's K/V blocks."""
+KV_KINDS = VALUES_ONLY
+"""A source's values (K/V rows, a latent, a recurrent state)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class AllocateKV(Instruction):
     """Cached sources to allocate, in the plan's order."""
 
     kinds: Optional[Tuple[str, ...]] = None
-    """Block kinds of every source (None: each source's own ``CachedSource.kinds``)."""
+    """Block roles of every source (None: each source's own ``CachedSource.kinds``)."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class ReleaseKV(Instruction):
     """Cached sources whose blocks go."""
 
     kinds: Tuple[str, ...] = KV_KINDS
-    """Which of their blocks (``KV_KINDS``: the K/V only; ``ALL_KINDS``: everything)."""
+    """Which of their blocks (``KV_KINDS``: the values only; ``ALL_KINDS``: everything)."""
 
 
 def lockstep_passes(instructions: List[Instruction]) -> List[Tuple[str, int]]:

@@ -36,7 +36,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_psrl.kvcache.manager import KINDS, CacheBudgetError, KVGeometry, choose_block_size
+from megatron_psrl.kvcache.manager import CacheBudgetError, KVGeometry, choose_block_size
+from megatron_psrl.kvcache.prefix_state import ALL_ROLES, GRADS, VALUES
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.schedule.plan import RankPlan
 from megatron_psrl.tree.index import TreeIndex, chain_structure
@@ -237,7 +238,7 @@ class MemoryPlan:
     """Tokens per KV block (chosen from the sources' lengths)."""
 
     pool_blocks: int
-    """Blocks in the pool (the simulated peak; never above the budget)."""
+    """Blocks in the cache's pools together (each pool's simulated peak; never above the budget)."""
 
     keep_graph: Dict[int, bool]
     """Producer micro-batch -> keep its autograd graph (else recompute its forward)."""
@@ -258,14 +259,24 @@ class MemoryPlan:
     """Readers gather cached K/V again in their backward pass instead of keeping copies (the
     runner reads the cache that way, and K/V blocks stay until the last such re-read)."""
 
+    pool_sizes: Tuple[int, ...] = ()
+    """Blocks of each of the cache's pools (``KVGeometry.pools`` order): its simulated peak."""
 
-def _blocks(length: int, block_size: int) -> int:
-    return -(-length // block_size)
+
+def _source_blocks(geometry: KVGeometry, length: int, roles, block_size: int) -> np.ndarray:
+    """Blocks a source of ``length`` tokens takes in each pool of the cache, for the given roles."""
+    return np.array([p.source_blocks(length, roles, block_size) for p in geometry.pools], dtype=np.int64)
+
+
+def _block_bytes(geometry: KVGeometry, block_size: int) -> np.ndarray:
+    """Bytes of one block of each pool."""
+    return np.array([p.block_bytes(block_size) for p in geometry.pools], dtype=np.int64)
 
 
 def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_ByteTables",
-              grad_slots: int = 1, rereads: bool = False):
-    """Per schedule step: (blocks held, other bytes held); and every source's last K/V read.
+              geometry: KVGeometry, rereads: bool = False):
+    """Per schedule step: (blocks held in each pool ``[steps, pools]``, other bytes held); and
+    every source's last K/V read.
 
     Other bytes: retained producer graphs (their activations plus the K/V copies they saved),
     and the gathered K/V copies of the micro-batch running now.
@@ -281,19 +292,20 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_
             for s in plan.micro_batches[i].reads:
                 last_read[s] = t
     blocks_held, other_held = [], []
-    blocks = graphs = 0
-    kv_live: Dict[int, int] = {}
+    blocks = np.zeros(len(geometry.pools), dtype=np.int64)
+    graphs = 0
+    kv_live: Dict[int, np.ndarray] = {}
+    grad_blocks: Dict[int, np.ndarray] = {}
     for t, (op, i) in enumerate(steps):
         mb = plan.micro_batches[i]
         kept = keep.get(i, True)
         if op == "forward":
             for s in mb.produces:
                 src = plan.sources[s]
-                n = _blocks(src.length, block_size)
-                n_grad = _blocks(src.length * grad_slots, block_size)  # fp32 dK, dV (see KVGeometry)
-                # K, V, dK, dV (an owner read only by other ranks: dK, dV)
-                blocks += sum(n_grad if k.startswith("g") else n for k in src.kinds)
-                kv_live[s] = n * sum(k in ("k", "v") for k in src.kinds)
+                # values and gradients (an owner read only by other ranks: its gradients)
+                kv_live[s] = _source_blocks(geometry, src.length, [r for r in src.kinds if r == VALUES], block_size)
+                grad_blocks[s] = _source_blocks(geometry, src.length, [r for r in src.kinds if r == GRADS], block_size)
+                blocks = blocks + kv_live[s] + grad_blocks[s]
             if kept:
                 graphs += graph_bytes[i] + held_reads[i]
         # A forward+backward, a graph-less forward, a recomputation (and, gathering again in
@@ -304,14 +316,15 @@ def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_
         other_held.append(graphs + transient + tables.head_bytes)
         if op == "backward":
             for s in mb.produces:
-                blocks -= 2 * _blocks(plan.sources[s].length * grad_slots, block_size)  # dK, dV consumed
-                if not plan.sources[s].consumers:  # nothing read its K/V here (a replica's owner)
-                    blocks -= kv_live.pop(s, 0)
+                blocks = blocks - grad_blocks.pop(s)  # the gradients, consumed
+                if not plan.sources[s].consumers:  # nothing read its values here (a replica's owner)
+                    blocks = blocks - kv_live.pop(s, 0)
             if kept:
                 graphs -= graph_bytes[i] + held_reads[i]
         for s in [s for s, last in last_read.items() if last == t and s in kv_live]:
-            blocks -= kv_live.pop(s)  # K, V after their last read
-    return np.asarray(blocks_held, dtype=np.int64), np.asarray(other_held, dtype=np.int64), last_read
+            blocks = blocks - kv_live.pop(s)  # the values, after their last read
+    held = np.asarray(blocks_held, dtype=np.int64).reshape(len(steps), len(geometry.pools))
+    return held, np.asarray(other_held, dtype=np.int64), last_read
 
 
 @dataclass
@@ -352,13 +365,14 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
         for i, shape in plan.segment_shapes.items():
             graph[i] += varlen.held(shape, plan.micro_batches[i].num_tokens)
             attention[i] = varlen.transient(shape)
-    kv = 2 * geometry.bytes_per_token  # K and V, all layers of this stage
-    cached = {i: kv * sum(plan.sources[s].length for s in mb.reads) for i, mb in enumerate(plan.micro_batches)}
-    peers = {i: kv * sum(p.length for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
+    read = geometry.read_bytes  # the values of every layer of this stage
+    cached = {i: sum(read(plan.sources[s].length) for s in mb.reads) for i, mb in enumerate(plan.micro_batches)}
+    peers = {i: sum(read(p.length) for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
     if not gathers_in_backward:
         reads = {i: cached[i] + peers[i] for i in cached}
         return _ByteTables(graph, reads, reads, False, head_bytes, attention)
-    one_layer = {i: -(-cached[i] * (1 + geometry.grad_slots_per_token) // geometry.num_layers) for i in cached}
+    one_layer = {i: sum(geometry.layer_read_bytes(plan.sources[s].length) for s in mb.reads)
+                 for i, mb in enumerate(plan.micro_batches)}
     return _ByteTables(graph, peers, {i: one_layer[i] + peers[i] for i in cached}, True, head_bytes, attention)
 
 
@@ -370,8 +384,8 @@ def simulated_peak_bytes(
     """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
     block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
     tables = _byte_tables(plan, geometry, act_bytes_per_token, gathers_in_backward, head_bytes, varlen)
-    blocks, other, _ = _simulate(plan, keep_graph, block_size, tables, grad_slots=geometry.grad_slots_per_token)
-    return int((blocks * geometry.block_bytes(block_size) + other).max(initial=0))
+    blocks, other, _ = _simulate(plan, keep_graph, block_size, tables, geometry)
+    return int((blocks @ _block_bytes(geometry, block_size) + other).max(initial=0))
 
 
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int,
@@ -404,7 +418,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     """
     schedule = plans[0].schedule
     block_size = choose_block_size([s.length for p in plans for s in p.sources.values()])
-    block_bytes = geometry.block_bytes(block_size)
+    block_bytes = _block_bytes(geometry, block_size)
     forward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "forward"}
     backward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "backward"}
     # (an import holds no graph: it receives K/V; an idle step holds nothing)
@@ -415,8 +429,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     def timelines(decisions) -> List[np.ndarray]:
         out = []
         for plan, table in zip(plans, tables):
-            blocks, other, _ = _simulate(plan, decisions, block_size, table, geometry.grad_slots_per_token, rereads)
-            out.append(blocks * block_bytes + other)
+            blocks, other, _ = _simulate(plan, decisions, block_size, table, geometry, rereads)
+            out.append(blocks @ block_bytes + other)
         return out
 
     held = timelines(keep)
@@ -445,18 +459,20 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
         )
     memories = []
     for plan, table in zip(plans, tables):
-        blocks, other, last_read = _simulate(plan, keep, block_size, table, geometry.grad_slots_per_token, rereads)
-        held_r = blocks * block_bytes + other
+        blocks, other, last_read = _simulate(plan, keep, block_size, table, geometry, rereads)
+        held_r = blocks @ block_bytes + other
+        pool_sizes = tuple(int(n) for n in blocks.max(axis=0, initial=0))
         recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
         memories.append(MemoryPlan(
             block_size=block_size,
-            pool_blocks=int(blocks.max(initial=0)),
+            pool_blocks=sum(pool_sizes),
             keep_graph=dict(keep),
             kv_release_step=dict(last_read),
             peak_bytes=int(held_r.max(initial=0)),
             recompute_tokens=recompute,
             timeline_bytes=held_r.tolist(),
             gathers_in_backward=gathers_in_backward,
+            pool_sizes=pool_sizes,
         ))
     return memories
 
@@ -491,32 +507,34 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
     """The forward-only (log-prob) variant: micro-batches in order, K and V blocks only, freed
     after their last reader; no gradient blocks, no retained graphs."""
     block_size = choose_block_size([s.length for s in plan.sources.values()])
-    block_bytes = geometry.block_bytes(block_size)
+    block_bytes = _block_bytes(geometry, block_size)
     # Only sources read on this rank hold K/V (an owner read only by other ranks holds nothing);
     # an exported head holds them until it has been sent, after its producer's forward.
     last_read = {s: max(src.consumers) for s, src in plan.sources.items() if src.consumers}
     last_read.update({s: src.producer for s, src in plan.sources.items() if src.exported is not None})
     read_bytes = _byte_tables(plan, geometry, 0).running_reads
-    blocks, held, peak_blocks = 0, [], 0
+    values = {s: _source_blocks(geometry, src.length, (VALUES,), block_size) for s, src in plan.sources.items()}
+    blocks, held = np.zeros(len(geometry.pools), dtype=np.int64), []
+    peak_blocks = blocks
     for i, mb in enumerate(plan.micro_batches):
-        blocks += sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.produces if s in last_read)
-        held.append(blocks * block_bytes + read_bytes[i])
-        peak_blocks = max(peak_blocks, blocks)
-        blocks -= sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.reads if last_read[s] == i)
-        blocks -= sum(2 * _blocks(plan.sources[s].length, block_size) for s in mb.produces
-                      if plan.sources[s].exported is not None)
+        blocks = blocks + sum((values[s] for s in mb.produces if s in last_read), np.zeros_like(blocks))
+        held.append(int(blocks @ block_bytes) + read_bytes[i])
+        peak_blocks = np.maximum(peak_blocks, blocks)
+        blocks = blocks - sum((values[s] for s in mb.reads if last_read[s] == i), np.zeros_like(blocks))
+        blocks = blocks - sum((values[s] for s in mb.produces if plan.sources[s].exported is not None),
+                              np.zeros_like(blocks))
     peak = max(held, default=0)
     if peak > budget_bytes:
         raise CacheBudgetError(
             f"the cached prefixes need {peak} bytes of KV blocks at their peak but --kv-cache-budget is "
             f"{budget_bytes} bytes"
         )
-    return MemoryPlan(block_size=block_size, pool_blocks=peak_blocks, keep_graph={}, kv_release_step=last_read,
-                      peak_bytes=peak, timeline_bytes=held)
+    pool_sizes = tuple(int(n) for n in peak_blocks)
+    return MemoryPlan(block_size=block_size, pool_blocks=sum(pool_sizes), keep_graph={}, kv_release_step=last_read,
+                      peak_bytes=peak, timeline_bytes=held, pool_sizes=pool_sizes)
 
 
 __all__ = [
-    "KINDS",
     "MemoryPlan",
     "ALLOCATOR_MARGIN",
     "MODELLED_BACKENDS",

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_psrl.errors import PsrlError
+from megatron_psrl.kvcache.prefix_state import ALL_ROLES
 from megatron_psrl.schedule.packing import ExternalSource, PackedMicroBatch, pack_tokens
 from megatron_psrl.tree.index import TreeIndex
 from megatron_psrl.tree.prefix_tree import PrefixTree
@@ -54,8 +55,9 @@ class CachedSource:
     prefix, received at ``producer`` (the owner's step) and read here later; its gradients go
     back to the owner before the owner's deferred backward. None: this rank computes it."""
 
-    kinds: Tuple[str, ...] = ("k", "v", "gk", "gv")
-    """Cache blocks it needs: an owner whose prefix only other ranks read keeps dK/dV only."""
+    kinds: Tuple[str, ...] = ALL_ROLES
+    """Roles of the cache blocks it needs (``megatron_psrl.kvcache.prefix_state``: values and
+    gradients): an owner whose prefix only other ranks read keeps its gradients only."""
 
     exported: Optional[int] = None
     """Head send (index in ``StepPlan.head_sends``) whose head this is, on the home rank:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_psrl.data import make_workload
-from megatron_psrl.kvcache import BlockKVCache, CacheBudgetError, KVGeometry, choose_block_size
+from megatron_psrl.kvcache import ALL_ROLES, GRADS, VALUES, BlockKVCache, CacheBudgetError, KVGeometry, choose_block_size
 from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.memory import plan_memory, simulated_peak_bytes
 from megatron_psrl.schedule.planner import plan_step
@@ -49,11 +49,11 @@ def test_write_read_accumulate_through_block_tables():
         torch.testing.assert_close(gk, g1 + g2)
         torch.testing.assert_close(gv, g1)
     used = cache.blocks_in_use
-    cache.free(1, ("k", "v"))
+    cache.free(1, (VALUES,))  # K and V
     assert cache.blocks_in_use == used - 2 * 3
-    cache.free(1, ("gk", "gv"))
+    cache.free(1, (GRADS,))  # dK and dV
     for s in (0, 2):
-        cache.free(s, ("k", "v", "gk", "gv"))
+        cache.free(s, ALL_ROLES)
     cache.end_step()
     m = cache.metrics.to_dict()
     assert m["kv_peak_utilisation"] == pytest.approx(used / 40)

@@ -5,10 +5,11 @@ decisions of ample and tight budgets."""
 
 import numpy as np
 import pytest
+import torch
 from helpers.batches import cross_rank_batch, random_tree_batch
 
 from megatron_psrl.data import make_workload
-from megatron_psrl.kvcache import CacheBudgetError
+from megatron_psrl.kvcache import ALL_ROLES, GRADS, VALUES, CacheBudgetError, KVGeometry
 from megatron_psrl.schedule import instructions as ins
 from megatron_psrl.schedule.cost import CostModel
 from megatron_psrl.schedule.cross_rank import plan_group_cross_rank
@@ -18,13 +19,8 @@ from megatron_psrl.tree import build_prefix_tree
 from megatron_psrl.tree.index import TreeIndex
 
 
-class _Geometry:  # what the memory plan reads of a KVGeometry
-    bytes_per_token = 64
-    num_layers = 2
-    grad_slots_per_token = 1
-
-    def block_bytes(self, block_size):
-        return block_size * self.bytes_per_token
+# what the memory plan reads of a KVGeometry: 64 bytes per token and kind over 2 layers, fp32
+_GEOMETRY = KVGeometry(num_layers=2, num_groups=1, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
 
 
 class _Cache:
@@ -61,27 +57,27 @@ def _replay(plans, memories):
             elif isinstance(x, ins.ForwardBackward):
                 assert not mb.produces
                 for s in mb.reads:
-                    cache.need(s, ("k", "v", "gk", "gv"), "read")
+                    cache.need(s, ALL_ROLES, "read")
             elif isinstance(x, (ins.ForwardKeep, ins.ForwardDrop)):
                 for s in mb.reads:
-                    cache.need(s, ("k", "v"), "read")
+                    cache.need(s, (VALUES,), "read")
                 for s in mb.produces:
                     src = plan.sources[s]
-                    if src.replica_of is not None or "k" in src.kinds:
-                        cache.need(s, ("k", "v"), "write")
+                    if src.replica_of is not None or VALUES in src.kinds:
+                        cache.need(s, (VALUES,), "write")
             elif isinstance(x, ins.ReturnReplicaGrads):
                 for ids in list(mb.exchange.grad_send.values()) + list(mb.exchange.grad_recv.values()):
                     for s in ids:
-                        cache.need(s, ("gk", "gv"), "gradient return")
+                        cache.need(s, (GRADS,), "gradient return")
             elif isinstance(x, ins.Backward):
                 if x.recompute:
                     for s in mb.reads:
-                        cache.need(s, ("k", "v"), "recompute read")
+                        cache.need(s, (VALUES,), "recompute read")
                 for s in mb.reads:
-                    cache.need(s, ("gk", "gv"), "backward of a reader")
+                    cache.need(s, (GRADS,), "backward of a reader")
                 for s in mb.produces:
                     if plan.sources[s].replica_of is None:
-                        cache.need(s, ("gk", "gv"), "inject")
+                        cache.need(s, (GRADS,), "inject")
         assert not cache.held, cache.held
 
 
@@ -100,10 +96,10 @@ def test_cache_lifecycle_on_every_rank(g, budget):
         index = TreeIndex(tree)
         plans = plan_group_cross_rank(index, np.flatnonzero(tree.node_parent < 0), budget, g,
                                       token_cost_function(index, CostModel.named("tiny")))
-        peak = max(m.peak_bytes for m in plan_memory_group(plans, _Geometry(), 1 << 40, 100))
+        peak = max(m.peak_bytes for m in plan_memory_group(plans, _GEOMETRY, 1 << 40, 100))
         for kv_budget in (1 << 40, int(0.8 * peak), int(0.6 * peak), int(0.4 * peak)):
             try:
-                memories = plan_memory_group(plans, _Geometry(), kv_budget, 100)
+                memories = plan_memory_group(plans, _GEOMETRY, kv_budget, 100)
             except CacheBudgetError:
                 continue
             assert len({tuple(sorted(m.keep_graph.items())) for m in memories}) == 1  # decided jointly

@@ -95,9 +95,9 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         for j in arriving:
             r = readers[j]
             r.exchange.wait()
-            chunk = buffers[r.buffer][r.offset:r.offset + r.length]
+            rows_k, rows_v = r.exchange.unpack(buffers[r.buffer][r.offset:r.offset + r.length])
             # Copies: saved for backward, where a view would keep the whole buffer alive.
-            ext_k[j], ext_v[j] = chunk[:, 0].clone(), chunk[:, 1].clone()
+            ext_k[j], ext_v[j] = rows_k.clone(), rows_v.clone()
             arrived += [ext_k[j], ext_v[j]]
         for blk in blocks:
             if blk[4] in late:
@@ -155,8 +155,9 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             for j in arriving:
                 r = readers[j]
                 if r.buffer == b:
-                    d[r.offset:r.offset + r.length, 0] = d_ext_k[j].to(dtype)
-                    d[r.offset:r.offset + r.length, 1] = d_ext_v[j].to(dtype)
+                    rows_k, rows_v = r.exchange.unpack(d[r.offset:r.offset + r.length])
+                    rows_k.copy_(d_ext_k[j])
+                    rows_v.copy_(d_ext_v[j])
                     exchange = r.exchange
             exchange.return_grad(d)
             d_buffers[b] = d
