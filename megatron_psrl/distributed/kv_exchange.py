@@ -90,8 +90,8 @@ class ExchangeKV(torch.autograd.Function):
     """``(k, v) -> (k, v, received)``: send rows of k/v, receive other ranks' rows.
 
     ``received`` is ``[n_recv, *row_shape]`` (the layer state's transport rows,
-    :attr:`PrefixState.row_shape`; softmax K/V of equal width: ``[n_recv, 2, ng, hn]``, K then
-    V), sources in rank order, rows in the order each sender listed them."""
+    :attr:`PrefixState.row_shape`), sources in rank order, rows in the order each sender listed
+    them."""
 
     @staticmethod
     def forward(ctx, k: Tensor, v: Tensor, send_rows: Tensor, send_counts: List[int], recv_counts: List[int], group,

@@ -308,8 +308,13 @@ class BlockKVCache:
         return self._storage[0]
 
     @property
+    def pool_blocks_in_use(self) -> Tuple[int, ...]:
+        """Blocks allocated now in each pool."""
+        return tuple((t.shape[1] if t is not None else 0) - len(free) for t, free in zip(self._storage, self._free))
+
+    @property
     def blocks_in_use(self) -> int:
-        return sum((t.shape[1] if t is not None else 0) - len(free) for t, free in zip(self._storage, self._free))
+        return sum(self.pool_blocks_in_use)
 
     def _record_use(self) -> None:
         used = self.blocks_in_use
