@@ -126,6 +126,32 @@ def main(argv=None) -> int:
                 except (PlanningError, CacheBudgetError) as e:
                     line = f"refused {type(e).__name__}"
                 print(f"{workload:9s} {layout:12s} {budget_name:13s} {line}", flush=True)
+    # trees split between exchange groups, their heads sent (micro-batches of 96 tokens)
+    from megatron_psrl.data.synthetic import make_stepwise, make_tree_rollouts
+
+    heads = {"heads-stepwise": make_stepwise(num_trajectories=8, turns=(3, 5), obs_len=(10, 30), action_len=(4, 8),
+                                             system_len=40, task_len=(5, 10), vocab_size=97, seed=3),
+             "heads-tree": make_tree_rollouts(num_roots=1, branching=2, depth=3, segment_len=(6, 16),
+                                              prompt_len=(40, 60), obs_len=(8, 20), vocab_size=97, seed=5)}
+    for workload, batch in heads.items():
+        tree = build_prefix_tree(batch)
+        for ranks, group, placement in ((8, 1, "auto"), (8, 2, "whole-tree"), (8, 4, "cross-rank"),
+                                        (4, 2, "cross-rank"), (4, 2, "auto")):
+            roomy = None
+            for budget_name in ("roomy", "mid", "tight"):
+                kv_budget = 1 << 40 if roomy is None else int({"mid": 0.85, "tight": 0.6}[budget_name] * roomy)
+                config = PlannerConfig(micro_batch_tokens=96, data_parallel_size=ranks, exchange_group_size=group,
+                                       placement=placement, cross_group_prefix="transfer")
+                try:
+                    plan, memories, mode = plan_with_memory(tree, config, MemorySettings(geometry, kv_budget, act))
+                    if roomy is None:
+                        roomy = max((m.peak_bytes for m in memories if m is not None), default=0)
+                    recomputed = sum(m.recompute_tokens for m in memories if m is not None)
+                    line = f"{fingerprint(plan, memories)} {mode} heads {len(plan.head_sends)} recompute {recomputed}"
+                except (PlanningError, CacheBudgetError) as e:
+                    line = f"refused {type(e).__name__}"
+                layout = f"dp{ranks}-g{group}-{placement}"
+                print(f"{workload:9s} {layout:12s} {budget_name:13s} {line}", flush=True)
     return 0
 
 

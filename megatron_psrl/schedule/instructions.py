@@ -32,11 +32,13 @@ every rank of a group derives its stream from the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, ClassVar, Dict, List, Optional, Tuple
 
 from megatron_psrl.kvcache.prefix_state import RELEASE_ALL, VALUES_ONLY
-from megatron_psrl.schedule.memory import MemoryPlan
 from megatron_psrl.schedule.plan import RankPlan
+
+if TYPE_CHECKING:
+    from megatron_psrl.schedule.memory import MemoryPlan
 
 ALL_KINDS = RELEASE_ALL
 """Every block a source holds (its gradients, then its values: the roles of
@@ -64,26 +66,51 @@ class MicroBatchInstruction(Instruction):
 
 @dataclass(frozen=True)
 class ForwardBackward(MicroBatchInstruction):
+    """Forward with a graph, loss, backward at once: nobody reads the micro-batch later.
+
+    Cache: reads its cached prefixes (values) and adds their gradients; holds its gathered
+    copies and its graph only while it runs."""
+
     pass_kind: ClassVar[Optional[str]] = "P"
 
 
 @dataclass(frozen=True)
 class ForwardKeep(MicroBatchInstruction):
+    """A producer's forward, its graph kept until its :class:`Backward`.
+
+    Cache: writes its sources' values (allocated just before), reads its cached prefixes;
+    memory: its graph and the copies it keeps stay until its backward."""
+
     pass_kind: ClassVar[Optional[str]] = "K"
 
 
 @dataclass(frozen=True)
 class ForwardDrop(MicroBatchInstruction):
+    """A producer's forward without a graph: its :class:`Backward` recomputes it.
+
+    Cache: writes its sources' values, reads its cached prefixes; memory: its gathered copies
+    only while it runs (and again in the recomputation)."""
+
     pass_kind: ClassVar[Optional[str]] = "N"
 
 
 @dataclass(frozen=True)
 class Forward(MicroBatchInstruction):
+    """A forward-only pass (log-probs, sequence sums), no graph.
+
+    Cache: writes the values of the sources read later on this rank, reads its cached prefixes."""
+
     pass_kind: ClassVar[Optional[str]] = "N"
 
 
 @dataclass(frozen=True)
 class Backward(MicroBatchInstruction):
+    """A producer's backward, after its readers': the gradients they accumulated injected into
+    its sources' rows (recomputing its forward first when the graph was dropped).
+
+    Cache: reads its sources' gradients (a :class:`ReleaseKV` of everything follows), and its
+    cached prefixes' values again when it recomputes; memory: its kept graph goes."""
+
     recompute: bool = False
     """The forward dropped its graph: run it again (with a graph) before the backward."""
 
@@ -95,31 +122,48 @@ class Backward(MicroBatchInstruction):
 
 @dataclass(frozen=True)
 class SendHeads(MicroBatchInstruction):
-    pass
+    """The heads micro-batch ``micro_batch`` exports go to the ranks that import them.
+
+    Cache: reads the exported sources' values (a copy is sent; a :class:`ReleaseKV` of their
+    values follows)."""
 
 
 @dataclass(frozen=True)
 class ImportHead(MicroBatchInstruction):
-    pass
+    """An import micro-batch receives prefix heads from their home rank into its sources (no model).
+
+    Cache: writes the received values into sources allocated just before."""
 
 
 @dataclass(frozen=True)
 class ReturnReplicaGrads(MicroBatchInstruction):
-    pass
+    """Cross-rank, before a deferred backward: the gradients readers accumulated in replicas
+    of this step's prefixes go to their owners (one collective over the exchange group).
+
+    Cache: reads the replicas' gradients; adds the received ones to the owners' gradients."""
 
 
 @dataclass(frozen=True)
 class CollectHeadGrads(MicroBatchInstruction):
-    pass
+    """Before the backward of a micro-batch that exported heads: the gradients importers
+    returned are added to the heads' gradients.
+
+    Cache: adds to the exported sources' gradients."""
 
 
 @dataclass(frozen=True)
 class ReturnHeadGrads(MicroBatchInstruction):
-    pass
+    """The backward of an import micro-batch: its heads' accumulated gradients go back home.
+
+    Cache: reads the imported sources' gradients (a :class:`ReleaseKV` of everything follows)."""
 
 
 @dataclass(frozen=True)
 class AllocateKV(Instruction):
+    """Blocks for sources a micro-batch is about to produce or receive (gradients zeroed).
+
+    Memory: the sources' blocks of the given roles, until a :class:`ReleaseKV`."""
+
     sources: Tuple[int, ...]
     """Cached sources to allocate, in the plan's order."""
 
@@ -129,6 +173,10 @@ class AllocateKV(Instruction):
 
 @dataclass(frozen=True)
 class ReleaseKV(Instruction):
+    """Blocks of sources nobody needs now go back to their pools.
+
+    Memory: whatever of the given roles the sources still hold."""
+
     sources: Tuple[int, ...]
     """Cached sources whose blocks go."""
 
@@ -189,18 +237,56 @@ def _send_heads(i: int, exports: Dict[int, Tuple[int, ...]], held=None) -> List[
     return [SendHeads(i)] + _release(release)
 
 
-def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
-    """The rank's training step: its schedule with the memory plan's decisions (kept or dropped
-    graphs, when cached K/V go) and the step's communication made explicit."""
-    out: List[Instruction] = []
+@dataclass(frozen=True)
+class LoweredStep:
+    """One step of the rank's schedule and the instructions that carry it out, in order: the
+    unit the memory plan counts (:func:`megatron_psrl.schedule.memory.count_stream`), which
+    reads what a step holds after its allocations and model run, before its releases."""
+
+    micro_batch: int
+    """The micro-batch the schedule step is about."""
+
+    instructions: Tuple[Instruction, ...]
+    """What the rank does in this step."""
+
+
+def flatten(steps: List[LoweredStep]) -> List[Instruction]:
+    """The instruction stream of lowered steps."""
+    return [x for step in steps for x in step.instructions]
+
+
+def last_reads(rank_plan: RankPlan, keep: Dict[int, bool], rereads: bool = False) -> Dict[int, int]:
+    """Source -> the schedule step of its last read: the one lifetime rule of cached values.
+
+    A micro-batch reads its cached prefixes in its forward (or forward-backward); a backward
+    reads them again when it recomputes the forward: a dropped graph always, any graph when
+    ``rereads`` (activation recomputation, or an attention that gathers again in its backward)."""
+    out: Dict[int, int] = {}
+    for t, (op, i) in enumerate(rank_plan.schedule):
+        if op in ("forward", "forward_backward") or (op == "backward" and (rereads or not keep.get(i, True))):
+            for s in rank_plan.micro_batches[i].reads:
+                out[s] = t
+    return out
+
+
+def lower_training(rank_plan: RankPlan, keep: Dict[int, bool], release_step: Dict[int, int]) -> List[LoweredStep]:
+    """The rank's training step, a :class:`LoweredStep` per schedule step: its schedule with
+    the memory decisions (``keep``: producer -> keep its graph; ``release_step``: source -> the
+    step after which its values go, :func:`last_reads`) and the step's communication explicit.
+
+    Per step: blocks for what a forward produces before it, the model run, then releases: an
+    exported head's values once sent, a producer's every block after its backward, and the
+    values whose last reader this step was."""
+    steps: List[LoweredStep] = []
     exports = _exports(rank_plan)
-    release_after: Dict[int, List[int]] = {}  # schedule step -> sources whose K/V go then
-    for s, last in (memory.kv_release_step.items() if rank_plan.sources else ()):
+    release_after: Dict[int, List[int]] = {}  # schedule step -> sources whose values go then
+    for s, last in (release_step.items() if rank_plan.sources else ()):
         release_after.setdefault(last, []).append(s)
     for step, (op, i) in enumerate(rank_plan.schedule):
+        out: List[Instruction] = []
         mb = rank_plan.micro_batches[i]
         produces = tuple(mb.produces)
-        keep = memory.keep_graph.get(i, True) if memory is not None else True
+        kept = keep.get(i, True)
         if not mb.computes:  # an import receives heads and returns their gradients; idle: nothing
             if mb.role == "import" and op == "forward":
                 out += _allocate(produces) + [ImportHead(i)]
@@ -209,30 +295,54 @@ def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> 
         elif op == "forward_backward":
             out.append(ForwardBackward(i))
         elif op == "forward":
-            out += _allocate(produces) + [ForwardKeep(i) if keep else ForwardDrop(i)]
+            out += _allocate(produces) + [ForwardKeep(i) if kept else ForwardDrop(i)]
             out += _send_heads(i, exports)
         else:
             out += [CollectHeadGrads(i)] if i in exports else []
             ex = mb.exchange
             out += [ReturnReplicaGrads(i)] if ex is not None and ex.backward_collective else []
-            out += [Backward(i, recompute=not keep)] + _release(produces, ALL_KINDS)
+            out += [Backward(i, recompute=not kept)] + _release(produces, ALL_KINDS)
         out += _release(tuple(release_after.get(step, ())))
-    return out
+        steps.append(LoweredStep(i, tuple(out)))
+    return steps
 
 
-def forward_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
-    """The rank's forward-only pass: every micro-batch in order, a cached source's K/V
-    allocated only if this rank reads it later and freed after its last reader."""
-    out: List[Instruction] = []
+def training_instructions(rank_plan: RankPlan, memory: Optional["MemoryPlan"]) -> List[Instruction]:
+    """The rank's training step as the memory plan lowered and counted it (kept or dropped
+    graphs, when cached values go) with the step's communication explicit."""
+    if memory is None:
+        return flatten(lower_training(rank_plan, {}, {}))
+    return flatten(lower_training(rank_plan, memory.keep_graph, memory.kv_release_step))
+
+
+def forward_release_steps(rank_plan: RankPlan) -> Dict[int, int]:
+    """Forward-only: source -> the micro-batch after which its values go: its last reader on
+    this rank, or its producer for a head sent to other ranks (an owner read only elsewhere
+    holds nothing)."""
+    last = {s: max(src.consumers) for s, src in rank_plan.sources.items() if src.consumers}
+    last.update({s: src.producer for s, src in rank_plan.sources.items() if src.exported is not None})
+    return last
+
+
+def lower_forward(rank_plan: RankPlan, last_reader: Dict[int, int]) -> List[LoweredStep]:
+    """The rank's forward-only pass, a :class:`LoweredStep` per micro-batch in order: a cached
+    source's values allocated only if this rank reads it later (``last_reader``,
+    :func:`forward_release_steps`) and freed after its last reader."""
+    steps: List[LoweredStep] = []
     exports = _exports(rank_plan)
-    last_reader = memory.kv_release_step if rank_plan.sources else {}
     for i, mb in enumerate(rank_plan.micro_batches):
         # (an owner read only elsewhere holds nothing)
-        out += _allocate(tuple(s for s in mb.produces if s in last_reader), KV_KINDS)
+        out = _allocate(tuple(s for s in mb.produces if s in last_reader), KV_KINDS)
         if not mb.computes:
             out += [ImportHead(i)] if mb.role == "import" else []
-            continue
-        out.append(Forward(i))
-        out += _send_heads(i, exports, last_reader)
-        out += _release(tuple(s for s in mb.reads if last_reader[s] == i))
-    return out
+        else:
+            out.append(Forward(i))
+            out += _send_heads(i, exports, last_reader)
+            out += _release(tuple(s for s in mb.reads if last_reader[s] == i))
+        steps.append(LoweredStep(i, tuple(out)))
+    return steps
+
+
+def forward_instructions(rank_plan: RankPlan, memory: Optional["MemoryPlan"]) -> List[Instruction]:
+    """The rank's forward-only pass as its memory plan lowered and counted it."""
+    return flatten(lower_forward(rank_plan, memory.kv_release_step if rank_plan.sources else {}))

@@ -39,6 +39,7 @@ import numpy as np
 from megatron_psrl.kvcache.manager import CacheBudgetError, KVGeometry, choose_block_size
 from megatron_psrl.kvcache.prefix_state import ALL_ROLES, GRADS, VALUES
 from megatron_psrl.model.architecture import ModelArchitecture
+from megatron_psrl.schedule import instructions as ins
 from megatron_psrl.schedule.plan import RankPlan
 from megatron_psrl.tree.index import TreeIndex, chain_structure
 
@@ -276,55 +277,65 @@ def _block_bytes(geometry: KVGeometry, block_size: int) -> np.ndarray:
 def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_ByteTables",
               geometry: KVGeometry, rereads: bool = False):
     """Per schedule step: (blocks held in each pool ``[steps, pools]``, other bytes held); and
-    every source's last K/V read.
+    every source's last read. The step is lowered (:func:`~megatron_psrl.schedule.instructions.lower_training`,
+    what the runner executes) and its instructions counted (:func:`count_stream`)."""
+    last_read = ins.last_reads(plan, keep, rereads or tables.gathers_in_backward)
+    blocks, other = count_stream(plan, ins.lower_training(plan, keep, last_read), block_size, tables, geometry)
+    return blocks, other, last_read
 
-    Other bytes: retained producer graphs (their activations plus the K/V copies they saved),
-    and the gathered K/V copies of the micro-batch running now.
+
+def count_stream(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", geometry: KVGeometry):
+    """What a lowered step stream holds: per schedule step, the blocks of each pool and the
+    other bytes (kept graphs with their gathered copies, the running micro-batch's gathered
+    copies and attention temporaries, the loss head), read after the step's allocations and
+    model run and before its releases. Each instruction's effect:
+
+    - ``AllocateKV``: the sources' blocks of the given roles (their own ``kinds`` by default);
+    - ``ReleaseKV``: whatever of those roles the sources still hold;
+    - ``ForwardKeep``: its graph and the copies it keeps, until its ``Backward``;
+    - ``ForwardBackward``, ``ForwardDrop``, ``Forward``, a recomputing ``Backward`` (and every pass when the
+      attention gathers again in backward): the gathered copies while it runs;
+    - every step: the micro-batch's attention temporaries and the loss head.
     """
     graph_bytes, held_reads, running_reads = tables.graph, tables.held_reads, tables.running_reads
-    rereads = rereads or tables.gathers_in_backward
-    steps = plan.schedule
-    last_read: Dict[int, int] = {}
-    for t, (op, i) in enumerate(steps):
-        # A backward re-reads its cached prefixes when it recomputes the forward: a dropped
-        # graph always, any graph with activation recomputation (``rereads``).
-        if op in ("forward", "forward_backward") or (op == "backward" and (rereads or not keep.get(i, True))):
-            for s in plan.micro_batches[i].reads:
-                last_read[s] = t
+    zero = np.zeros(len(geometry.pools), dtype=np.int64)
+    held: Dict[int, Dict[str, np.ndarray]] = {}  # source -> role -> its blocks in each pool
+    blocks, graphs = zero, 0
     blocks_held, other_held = [], []
-    blocks = np.zeros(len(geometry.pools), dtype=np.int64)
-    graphs = 0
-    kv_live: Dict[int, np.ndarray] = {}
-    grad_blocks: Dict[int, np.ndarray] = {}
-    for t, (op, i) in enumerate(steps):
-        mb = plan.micro_batches[i]
-        kept = keep.get(i, True)
-        if op == "forward":
-            for s in mb.produces:
-                src = plan.sources[s]
-                # values and gradients (an owner read only by other ranks: its gradients)
-                kv_live[s] = _source_blocks(geometry, src.length, [r for r in src.kinds if r == VALUES], block_size)
-                grad_blocks[s] = _source_blocks(geometry, src.length, [r for r in src.kinds if r == GRADS], block_size)
-                blocks = blocks + kv_live[s] + grad_blocks[s]
-            if kept:
+    for step in steps:
+        i = step.micro_batch
+        runs, frees_graph, recorded = tables.gathers_in_backward, False, False
+        for x in step.instructions:
+            if isinstance(x, ins.ReleaseKV) and not recorded:  # releases come after the step's reading
+                blocks_held.append(blocks)
+                other_held.append(graphs + (running_reads[i] if runs else 0) + tables.attention.get(i, 0)
+                                  + tables.head_bytes)
+                recorded = True
+            if isinstance(x, ins.AllocateKV):
+                for s in x.sources:
+                    src = plan.sources[s]
+                    for role in (x.kinds or src.kinds):
+                        held.setdefault(s, {})[role] = _source_blocks(geometry, src.length, (role,), block_size)
+                        blocks = blocks + held[s][role]
+            elif isinstance(x, ins.ReleaseKV):
+                for s in x.sources:
+                    for role in x.kinds:
+                        blocks = blocks - held.get(s, {}).pop(role, zero)
+            elif isinstance(x, ins.ForwardKeep):
                 graphs += graph_bytes[i] + held_reads[i]
-        # A forward+backward, a graph-less forward, a recomputation (and, gathering again in
-        # backward, every pass) hold their gathered K/V copies only while they run.
-        runs = op == "forward_backward" or not kept or tables.gathers_in_backward
-        transient = (running_reads[i] if runs else 0) + tables.attention.get(i, 0)
-        blocks_held.append(blocks)
-        other_held.append(graphs + transient + tables.head_bytes)
-        if op == "backward":
-            for s in mb.produces:
-                blocks = blocks - grad_blocks.pop(s)  # the gradients, consumed
-                if not plan.sources[s].consumers:  # nothing read its values here (a replica's owner)
-                    blocks = blocks - kv_live.pop(s, 0)
-            if kept:
-                graphs -= graph_bytes[i] + held_reads[i]
-        for s in [s for s, last in last_read.items() if last == t and s in kv_live]:
-            blocks = blocks - kv_live.pop(s)  # the values, after their last read
-    held = np.asarray(blocks_held, dtype=np.int64).reshape(len(steps), len(geometry.pools))
-    return held, np.asarray(other_held, dtype=np.int64), last_read
+            elif isinstance(x, (ins.ForwardBackward, ins.ForwardDrop, ins.Forward)):
+                runs = True
+            elif isinstance(x, ins.Backward):
+                runs = runs or x.recompute
+                frees_graph = not x.recompute
+        if not recorded:
+            blocks_held.append(blocks)
+            other_held.append(graphs + (running_reads[i] if runs else 0) + tables.attention.get(i, 0)
+                              + tables.head_bytes)
+        if frees_graph:
+            graphs -= graph_bytes[i] + held_reads[i]
+    out = np.asarray(blocks_held, dtype=np.int64).reshape(len(blocks_held), len(geometry.pools))
+    return out, np.asarray(other_held, dtype=np.int64)
 
 
 @dataclass
@@ -508,21 +519,11 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
     after their last reader; no gradient blocks, no retained graphs."""
     block_size = choose_block_size([s.length for s in plan.sources.values()])
     block_bytes = _block_bytes(geometry, block_size)
-    # Only sources read on this rank hold K/V (an owner read only by other ranks holds nothing);
-    # an exported head holds them until it has been sent, after its producer's forward.
-    last_read = {s: max(src.consumers) for s, src in plan.sources.items() if src.consumers}
-    last_read.update({s: src.producer for s, src in plan.sources.items() if src.exported is not None})
-    read_bytes = _byte_tables(plan, geometry, 0).running_reads
-    values = {s: _source_blocks(geometry, src.length, (VALUES,), block_size) for s, src in plan.sources.items()}
-    blocks, held = np.zeros(len(geometry.pools), dtype=np.int64), []
-    peak_blocks = blocks
-    for i, mb in enumerate(plan.micro_batches):
-        blocks = blocks + sum((values[s] for s in mb.produces if s in last_read), np.zeros_like(blocks))
-        held.append(int(blocks @ block_bytes) + read_bytes[i])
-        peak_blocks = np.maximum(peak_blocks, blocks)
-        blocks = blocks - sum((values[s] for s in mb.reads if last_read[s] == i), np.zeros_like(blocks))
-        blocks = blocks - sum((values[s] for s in mb.produces if plan.sources[s].exported is not None),
-                              np.zeros_like(blocks))
+    last_read = ins.forward_release_steps(plan)
+    tables = _byte_tables(plan, geometry, 0)
+    blocks, other = count_stream(plan, ins.lower_forward(plan, last_read), block_size, tables, geometry)
+    held = (blocks @ block_bytes + other).tolist()
+    peak_blocks = blocks.max(axis=0, initial=0)
     peak = max(held, default=0)
     if peak > budget_bytes:
         raise CacheBudgetError(
