@@ -181,6 +181,13 @@ class CostModel:
         return cls(float(linear), float(attention), float(head), name=name)
 
     @classmethod
+    def for_architecture(cls, arch) -> "CostModel":
+        """The cost model of a :class:`~megatron_psrl.model.architecture.ModelArchitecture`: the
+        dense transformer its family charges per token (``ModelFamily.cost_dims``: for MoE, the
+        experts a token is routed to and the router, not all of them), named by ``model_type``."""
+        return cls.from_model_dims(arch.family.cost_dims(arch), name=arch.model_type)
+
+    @classmethod
     def named(cls, name: str) -> "CostModel":
         """The cost model of a model size in :data:`NAMED_MODEL_DIMS`."""
         if name not in NAMED_MODEL_DIMS:
