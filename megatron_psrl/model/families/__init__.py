@@ -28,8 +28,10 @@ from megatron_psrl.model.families.registry import (
     unregister_family,
 )
 
-# The built-in families, in the order the supported types are listed (error messages name them).
-from megatron_psrl.model.families import llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral  # noqa: E402,F401  isort: skip
+# The built-in families register on import, in the order the supported types are listed (error
+# messages name them in it).
+from megatron_psrl.model.families import llama, mistral, qwen2, qwen3  # noqa: E402,F401  isort: skip
+from megatron_psrl.model.families import qwen3_moe, qwen2_moe, mixtral  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "FP32_BYTES",
