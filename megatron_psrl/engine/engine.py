@@ -388,11 +388,7 @@ def same_layout(info, tensor_parallel_size: int, vpp: int, split) -> bool:
 
 def cost_model_for(arch: ModelArchitecture) -> CostModel:
     """The FLOP cost model of a model (the planner's default before any measurement)."""
-    return CostModel.from_dims(
-        hidden_size=arch.hidden_size, num_layers=arch.num_layers, num_heads=arch.num_attention_heads,
-        num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, ffn_hidden_size=arch.active_ffn_hidden_size(),
-        vocab_size=arch.vocab_size, name=arch.model_type,
-    )
+    return CostModel.for_architecture(arch)
 
 
 def plan_metrics(plan: StepPlan, geometry: KVGeometry, measured: Optional[MeasuredCosts]) -> Dict[str, object]:

@@ -1,12 +1,14 @@
 """Model architecture parsed from a Hugging Face config, and its megatron TransformerConfig.
 
-Supported: the Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 families (dense decoder-only, GQA,
-RoPE, RMSNorm, SwiGLU, tied or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm),
-and the mixture-of-experts families Qwen3-MoE (Qwen3 attention, every layer a top-k mixture of
-SwiGLU experts), Qwen2-MoE (Qwen2 attention, routed experts plus a sigmoid-gated shared expert)
-and Mixtral (Mistral attention, top-k of softmax renormalised; docs/moe.md). Anything else
-(other MoE families, LayerNorm models, unknown RoPE scaling, sliding-window layers) is refused with a message naming what is unsupported, before
-any weight is read.
+Supported: the families registered in :mod:`megatron_psrl.model.families`, one bundle each:
+Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 (dense decoder-only, GQA, RoPE, RMSNorm, SwiGLU, tied
+or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm), and the mixture-of-experts
+families Qwen3-MoE (Qwen3 attention, every layer a top-k mixture of SwiGLU experts), Qwen2-MoE
+(Qwen2 attention, routed experts plus a sigmoid-gated shared expert) and Mixtral (Mistral
+attention, top-k of softmax renormalised; docs/moe.md). Anything else (other MoE families,
+LayerNorm models, unknown RoPE scaling, sliding-window layers) is refused with a message naming
+what is unsupported, before any weight is read. This module holds what every family shares
+(the fields, RoPE, the checks); the family's bundle parses its own keys.
 """
 
 from __future__ import annotations
@@ -15,17 +17,38 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from megatron_psrl.errors import CheckpointError, PsrlError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 _REQUIRED = object()
+
+
+def _supported_model_types() -> Tuple[str, ...]:
+    # the families import this module (its fields and errors): the registry is imported late
+    from megatron_psrl.model.families import supported_model_types
+
+    return supported_model_types()
+
+
+def _moe_model_types() -> Tuple[str, ...]:
+    from megatron_psrl.model.families import moe_model_types
+
+    return moe_model_types()
+
+
+def __getattr__(name: str) -> Any:
+    """``SUPPORTED_MODEL_TYPES`` and ``MOE_MODEL_TYPES``: derived from the family registry when
+    asked, so that a family registered later is listed too."""
+    if name == "SUPPORTED_MODEL_TYPES":
+        return _supported_model_types()
+    if name == "MOE_MODEL_TYPES":
+        return _moe_model_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class UnsupportedModelError(PsrlError, ValueError):
@@ -170,8 +193,8 @@ class ModelArchitecture:
     """A dense decoder-only transformer of a supported Hugging Face family."""
 
     model_type: str
-    """Hugging Face ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``,
-    ``qwen2_moe`` or ``mixtral``."""
+    """Hugging Face ``model_type`` of a registered family (:mod:`megatron_psrl.model.families`):
+    ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe`` or ``mixtral``."""
 
     vocab_size: int
     """Vocabulary size (unpadded)."""
@@ -249,9 +272,10 @@ class ModelArchitecture:
     """The original config.json content, written back unchanged by mcore-to-hf."""
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        supported = _supported_model_types()
+        if self.model_type not in supported:
             raise UnsupportedModelError(
-                f"unsupported model type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported model type {self.model_type!r}; supported: {', '.join(supported)}"
             )
         if self.num_attention_heads % self.num_kv_heads:
             raise UnsupportedModelError(
@@ -260,7 +284,7 @@ class ModelArchitecture:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "head_dim", "ffn_hidden_size"):
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
-        if (self.num_experts is not None) != (self.model_type in MOE_MODEL_TYPES):
+        if (self.num_experts is not None) != self.family.is_moe:
             raise UnsupportedModelError(f"model type {self.model_type!r} with num_experts={self.num_experts}")
         if self.is_moe:
             if not self.moe_ffn_hidden_size or self.moe_ffn_hidden_size <= 0:
@@ -279,30 +303,26 @@ class ModelArchitecture:
     def from_hf_config(cls, hf: Dict[str, Any]) -> "ModelArchitecture":
         """Parse (and check) a Hugging Face config.json dict."""
         model_type = hf.get("model_type", "<missing>")
+        supported, moe_types = _supported_model_types(), _moe_model_types()
         moe = [k for k in _MOE_KEYS if hf.get(k)]
-        if model_type not in MOE_MODEL_TYPES and (moe or "moe" in str(model_type) or model_type == "mixtral"):
+        if model_type not in moe_types and (moe or "moe" in str(model_type)):
             raise UnsupportedModelError(
-                f"mixture-of-experts models other than {', '.join(MOE_MODEL_TYPES)} are not supported "
+                f"mixture-of-experts models other than {', '.join(moe_types)} are not supported "
                 f"(model_type {model_type!r}" + (f", config keys {moe}" if moe else "") + ")"
             )
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in supported:
             raise UnsupportedModelError(
                 f"unsupported model type {model_type!r} (normalisation, attention and MLP layout are "
-                f"known only for {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"known only for {', '.join(supported)})"
             )
+        from megatron_psrl.model.families import get_family
+
+        family = get_family(model_type)
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported activation {act!r}: only SwiGLU (silu) MLPs are supported")
-        if model_type in ("llama", "mistral", "mixtral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
-            raise UnsupportedModelError("attention_bias / mlp_bias on Llama-style models is not supported")
-        if model_type in ("qwen3", "qwen3_moe") and hf.get("attention_bias"):
-            raise UnsupportedModelError("attention_bias on Qwen3 models is not supported")
-        sliding = None
-        if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
-            if hf.get("use_sliding_window"):
-                raise UnsupportedModelError("sliding-window attention (use_sliding_window) is not supported")
-        elif hf.get("sliding_window") is not None:
-            sliding = int(hf["sliding_window"])
+        attention_fields = family.hf_attention_fields(hf)  # q/k/v bias, q/k norm, sliding window
+
         def number(key: str, kind=int, default: Any = _REQUIRED) -> Any:
             """A numeric config field; a wrong type names the field and its value."""
             value = hf.get(key)
@@ -320,15 +340,16 @@ class ModelArchitecture:
         if heads < 1:
             raise UnsupportedModelError(f"num_attention_heads must be positive, got {heads}")
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-        moe_fields: Dict[str, Any] = {}
-        if model_type in MOE_MODEL_TYPES:
-            try:
-                moe_fields = _MOE_FIELDS[model_type](hf, number)
-            except KeyError as exc:  # a field transformers would default: refused, as for dense models
-                raise UnsupportedModelError(f"mixture-of-experts model type {model_type!r}: missing field "
-                                            f"{exc.args[0]!r}") from None
+        try:
+            mlp_fields = family.hf_mlp_fields(hf, number)
+        except KeyError as exc:  # a field transformers would default: refused, as for dense models
+            if not family.is_moe:
+                raise
+            raise UnsupportedModelError(f"mixture-of-experts model type {model_type!r}: missing field "
+                                        f"{exc.args[0]!r}") from None
         return cls(
-            **moe_fields,
+            **mlp_fields,
+            **attention_fields,
             model_type=model_type,
             vocab_size=number("vocab_size"),
             hidden_size=hidden,
@@ -340,11 +361,8 @@ class ModelArchitecture:
             rms_norm_eps=number("rms_norm_eps", float, 1e-6),
             max_position_embeddings=number("max_position_embeddings", default=4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=RopeConfig.from_hf(hf),
             initializer_range=number("initializer_range", float, 0.02),
-            sliding_window=sliding,
             torch_dtype=str(dtype).replace("torch.", ""),
             hf_config=dict(hf),
         )
@@ -401,29 +419,22 @@ class ModelArchitecture:
         """Every layer's MLP is a mixture of experts."""
         return self.num_experts is not None
 
+    @property
+    def family(self):
+        """The bundle of this model's family (:class:`megatron_psrl.model.families.ModelFamily`)."""
+        from megatron_psrl.model.families import get_family
+
+        return get_family(self.model_type)
+
     def mlp_parameters(self) -> int:
         """Parameters of one layer's MLP: SwiGLU, or the experts, the router and the shared
-        expert (with its gate) of an MoE layer."""
-        h = self.hidden_size
-        if self.is_moe:
-            return self.num_experts * (3 * h * self.moe_ffn_hidden_size + h) + self._shared_expert_parameters()
-        return 3 * h * self.ffn_hidden_size
+        expert (with its gate) of an MoE layer (the family counts them)."""
+        return self.family.mlp_parameters(self)
 
     def active_mlp_parameters(self) -> int:
         """Parameters one token multiplies with in a layer's MLP (MoE: its top-k experts, the
         router and the shared expert), which its FLOPs are proportional to."""
-        h = self.hidden_size
-        if self.is_moe:
-            return (self.moe_router_topk * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
-                    + self._shared_expert_parameters())
-        return 3 * h * self.ffn_hidden_size
-
-    def _shared_expert_parameters(self) -> int:
-        """Parameters of one layer's shared expert and its gate (0 without one)."""
-        if self.moe_shared_expert_ffn_hidden_size is None:
-            return 0
-        h = self.hidden_size
-        return 3 * h * self.moe_shared_expert_ffn_hidden_size + (h if self.moe_shared_expert_gate else 0)
+        return self.family.active_mlp_parameters(self)
 
     def active_ffn_hidden_size(self) -> int:
         """The SwiGLU width of a dense MLP with the FLOPs per token of this model's MLP: the
@@ -442,75 +453,3 @@ class ModelArchitecture:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
-
-def _refuse_dense_layers(hf: Dict[str, Any], number, family: str) -> None:
-    """Qwen-MoE configs may make some layers dense (``mlp_only_layers``, ``decoder_sparse_step``
-    > 1); refused: every layer must be an MoE layer."""
-    num_layers = number("num_hidden_layers")
-    dense = sorted(set(hf.get("mlp_only_layers") or []))
-    step = number("decoder_sparse_step", default=1)
-    if step < 1:
-        raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
-    dense += [i for i in range(num_layers) if (i + 1) % step and i not in dense]
-    if dense:
-        raise UnsupportedModelError(f"{family} with dense MLP layers {sorted(dense)[:8]} (mlp_only_layers / "
-                                    "decoder_sparse_step) is not supported: every layer must be an MoE layer")
-
-
-def _num_experts(hf: Dict[str, Any], key: str) -> int:
-    """The routed-expert count, under ``key`` or the other of ``num_experts`` /
-    ``num_local_experts`` (transformers >= 5 maps one onto the other for some families)."""
-    other = "num_local_experts" if key == "num_experts" else "num_experts"
-    experts = hf.get(key) if hf.get(key) is not None else hf.get(other)
-    if experts is None:
-        raise KeyError(key)
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise UnsupportedModelError(f"field {key!r} must be a positive integer, got {experts!r}")
-    return experts
-
-
-def _qwen3_moe_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
-    """The MoE fields of a Qwen3-MoE config.json; refuses the variants not implemented."""
-    _refuse_dense_layers(hf, number, "Qwen3-MoE")
-    if hf.get("shared_expert_intermediate_size"):
-        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported for Qwen3-MoE")
-    return dict(
-        num_experts=_num_experts(hf, "num_experts"),  # transformers >= 5 saves it as num_local_experts
-        moe_ffn_hidden_size=number("moe_intermediate_size"),
-        moe_router_topk=number("num_experts_per_tok"),
-        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-    )
-
-
-def _qwen2_moe_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
-    """The MoE fields of a Qwen2-MoE config.json: routed experts and a shared expert of width
-    ``shared_expert_intermediate_size`` gated by ``sigmoid(mlp.shared_expert_gate(x))``;
-    ``norm_topk_prob`` defaults to false (transformers' default, and the published models')."""
-    _refuse_dense_layers(hf, number, "Qwen2-MoE")
-    return dict(
-        num_experts=_num_experts(hf, "num_experts"),
-        moe_ffn_hidden_size=number("moe_intermediate_size"),
-        moe_router_topk=number("num_experts_per_tok"),
-        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        moe_shared_expert_ffn_hidden_size=number("shared_expert_intermediate_size"),
-        moe_shared_expert_gate=True,
-    )
-
-
-def _mixtral_fields(hf: Dict[str, Any], number) -> Dict[str, Any]:
-    """The MoE fields of a Mixtral config.json: ``num_local_experts`` experts of width
-    ``intermediate_size``, softmax over all experts, top k, renormalised (always)."""
-    jitter = number("router_jitter_noise", float, 0.0)
-    if jitter:
-        raise UnsupportedModelError(f"router_jitter_noise {jitter} is not supported (random training-time "
-                                    "scaling of the MoE input)")
-    return dict(
-        num_experts=_num_experts(hf, "num_local_experts"),
-        moe_ffn_hidden_size=number("intermediate_size"),
-        moe_router_topk=number("num_experts_per_tok"),
-        moe_norm_topk_prob=True,
-    )
-
-
-_MOE_FIELDS = {"qwen3_moe": _qwen3_moe_fields, "qwen2_moe": _qwen2_moe_fields, "mixtral": _mixtral_fields}
-"""``model_type`` -> the parser of its MoE fields (raises KeyError naming a missing field)."""

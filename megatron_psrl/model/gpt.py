@@ -91,13 +91,8 @@ def build_transformer_config(
         num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim,
         ffn_hidden_size=arch.ffn_hidden_size,
-        normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        **arch.family.transformer_config_fields(arch),  # norm, MLP, biases, q/k norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.initializer_range,
@@ -123,32 +118,11 @@ def build_transformer_config(
 
 
 def moe_config_fields(arch: ModelArchitecture) -> dict:
-    """TransformerConfig fields of an MoE architecture (none for a dense one).
-
-    The router of every supported family (Qwen3-MoE, Qwen2-MoE, Mixtral) is megatron's softmax
-    top-k router: renormalised over the top k (``norm_topk_prob``; always for Mixtral) = softmax
-    over the top-k logits (``moe_router_pre_softmax=False``), else the top k of the softmax over
-    all experts (``moe_router_pre_softmax=True``). Qwen2-MoE's shared expert is megatron's
-    ``SharedExpertMLP`` of width ``moe_shared_expert_intermediate_size``, its sigmoid gate
-    ``moe_shared_expert_gate`` (no overlap with the dispatcher: that needs CUDA streams).
-    Routing is dropless (no capacity factor); the load-balancing loss is off unless
-    ``moe_aux_loss_coeff`` overrides it."""
-    if not arch.is_moe:
-        return {}
-    return dict(
-        num_moe_experts=arch.num_experts,
-        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-        moe_router_topk=arch.moe_router_topk,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=0.0,
-        moe_expert_capacity_factor=None,
-        moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
-        moe_shared_expert_gate=arch.moe_shared_expert_gate,
-        moe_shared_expert_overlap=False,
-        expert_tensor_parallel_size=1,  # whole experts on every rank that holds them (EP splits them)
-    )
+    """TransformerConfig fields of an MoE architecture (none for a dense one): its family's
+    (:meth:`megatron_psrl.model.families.ModelFamily.moe_config_fields`; every supported MoE
+    family uses megatron's softmax top-k router, dropless, load-balancing loss off unless
+    ``moe_aux_loss_coeff`` overrides it)."""
+    return arch.family.moe_config_fields(arch)
 
 
 def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", moe_grouped_gemm: bool = False,
@@ -156,20 +130,21 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
     """megatron's GPT layer spec with PrefixSharingAttention in the core-attention slot, built for
     ``attention_backend`` (None: chosen at run time; ``te`` builds Transformer Engine's attention
     with the model) (MoE architectures: megatron's MoELayer as the MLP; ``moe_grouped_gemm``: its
-    grouped-GEMM experts, GPU only). megatron's MoE spec always carries a ``SharedExpertMLP``
-    submodule; the MoELayer builds it only when the config sets
-    ``moe_shared_expert_intermediate_size`` (Qwen2-MoE)."""
-    experts = arch.num_experts if arch.is_moe else None
+    grouped-GEMM experts, GPU only). What the spec is built with (experts, q/k norms, the norm)
+    is the family's choice (:meth:`megatron_psrl.model.families.ModelFamily.layer_spec_choices`)."""
+    choices = arch.family.layer_spec_choices(arch)
+    experts = choices.num_experts
     grouped = bool(moe_grouped_gemm and experts)
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=grouped,
-                                                          qk_layernorm=arch.qk_norm)
+                                                          qk_layernorm=choices.qk_layernorm)
     elif transformer_impl == "local":
         # (torch norms that also run under sequence parallelism; as megatron's without it)
         spec = with_sequence_parallel_norms(get_gpt_layer_local_spec(
-            num_experts=experts, moe_grouped_gemm=grouped, normalization="RMSNorm", qk_layernorm=arch.qk_norm))
+            num_experts=experts, moe_grouped_gemm=grouped, normalization=choices.normalization,
+            qk_layernorm=choices.qk_layernorm))
     else:
         raise ConfigurationError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
     spec.submodules.self_attention.submodules.core_attention = (

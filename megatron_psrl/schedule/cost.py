@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Union
+from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from megatron_psrl.tree.key_pairs import (
     unshared_key_pairs,
 )
 from megatron_psrl.tree.prefix_tree import PrefixTree
+
+if TYPE_CHECKING:  # the planner does not load model code
+    from megatron_psrl.model.architecture import ModelArchitecture
 
 FORWARD_BACKWARD_FACTOR = 3.0
 """Backward costs about twice the forward (gradients w.r.t. inputs and weights)."""
@@ -179,6 +182,13 @@ class CostModel:
         head = FORWARD_BACKWARD_FACTOR * 2.0 * dims.hidden_size * dims.vocab_size
         attention = FORWARD_BACKWARD_FACTOR * dims.num_layers * 2.0 * 2.0 * q_width
         return cls(float(linear), float(attention), float(head), name=name)
+
+    @classmethod
+    def for_architecture(cls, arch: "ModelArchitecture") -> "CostModel":
+        """The cost model of a :class:`~megatron_psrl.model.architecture.ModelArchitecture`: the
+        dense transformer its family charges per token (``ModelFamily.cost_dims``: for MoE, the
+        experts a token is routed to and the router, not all of them), named by ``model_type``."""
+        return cls.from_model_dims(arch.family.cost_dims(arch), name=arch.model_type)
 
     @classmethod
     def named(cls, name: str) -> "CostModel":

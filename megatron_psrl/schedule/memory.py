@@ -65,11 +65,16 @@ MODELLED_BACKENDS = ("torch", "flash", "te")
 keeps its t x t mask and probabilities: not a training backend, not modelled)."""
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in MODELLED_BACKENDS:
+        raise ValueError(f"the memory plan models the attention backends {MODELLED_BACKENDS}, not {backend!r}")
+
+
 def attention_saved_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int,
                                     backend: str = "torch") -> int:
     """Bytes per token that one layer's core attention keeps for backward beyond the fused QKV
     output (the value is a view of it): the query and key after RoPE, the output, and the fp32
-    log-sum-exp.
+    log-sum-exp (the family counts them: ``ModelFamily.attention_saved_bytes_per_token``).
 
     The same for every modelled backend. ``torch`` saves its inputs and merges in place;
     ``flash`` and ``te`` save their per-segment *gathered* K/V, which would cost every segment
@@ -81,81 +86,34 @@ def attention_saved_bytes_per_token(arch: ModelArchitecture, tensor_parallel_siz
     flash and te keep their materialised copies; torch reads them again in backward). What the
     varlen kernels hold beyond this count (their gathered copies while a layer runs, softmax
     statistics padded to segments x longest segment) is :class:`VarlenCharge`'s, per micro-batch."""
-    if backend not in MODELLED_BACKENDS:
-        raise ValueError(f"the memory plan models the attention backends {MODELLED_BACKENDS}, not {backend!r}")
-    hd, tp = arch.head_dim, tensor_parallel_size
-    q, kv = arch.num_attention_heads * hd // tp, arch.num_kv_heads * hd // tp
-    return (2 * q + kv) * dtype_bytes + _FP32_BYTES * (q // hd)
+    _check_backend(backend)
+    return arch.family.attention_saved_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
 
 
 def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int,
                                      backend: str = "torch") -> int:
-    """Bytes of the tensors autograd saves for backward per token (all layers), exactly.
-
-    Counted from megatron's local layer with the project's core attention (a test compares it
-    with the storages ``torch.autograd.graph.saved_tensors_hooks`` sees, fp32 and bf16). Per
-    layer:
-
-    - each of the two RMSNorms: its input and the normalised input in fp32 (torch's RMSNorm
-      computes in fp32), its output in the model dtype (the next linear's input): 2h fp32 + h;
-    - V: a copy of it, ng hd / tp (the core attention copies V out of the fused QKV output, so
-      a kept graph does not hold that whole buffer); with Qwen3's q/k norms the key norm's
-      input is a view of it, which keeps the fused QKV output, (np + 2 ng) hd / tp, instead;
-    - the query after RoPE and the attention output: 2 np hd / tp; the key after RoPE: ng hd / tp;
-    - RoPE's cos and sin for queries and keys: 4 hd;
-    - Qwen3's per-head q/k norms: the query's input and normalised input in fp32 (2 np hd / tp);
-      the key's normalised input, and its input where the cast to fp32 copies it (a view of
-      the fused QKV output in fp32): (1 or 2) ng hd / tp;
-    - SwiGLU: the fc1 output (2f / tp), its two halves' activation products and the fc2 input
-      (3f / tp); an MoE layer's instead: :func:`moe_saved_bytes_per_token`;
-    - fp32 statistics: the norms' reciprocal RMS (2, plus np + ng per-head ones with q/k
-      norms) and the attention's log-sum-exp (np / tp).
-
-    Plus the final norm (2h fp32 and its statistic) and the input ids (int64). The attention's
-    share is :func:`attention_saved_bytes_per_token` (the same for ``torch``, ``flash``, ``te``).
-    """
-    h, f, hd, tp, b = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim, tensor_parallel_size, dtype_bytes
-    q, kv = arch.num_attention_heads * hd // tp, arch.num_kv_heads * hd // tp
-    fp32 = _FP32_BYTES
-    norms = 2 * (2 * h * fp32 + h * b)
-    value = (q + 2 * kv if arch.qk_norm else kv) * b
-    attention = value + 4 * hd * b + attention_saved_bytes_per_token(arch, tp, b, backend)
-    qk_norms = 2 * q * fp32 + (1 if b == fp32 else 2) * kv * fp32 if arch.qk_norm else 0
-    mlp = moe_saved_bytes_per_token(arch, b) if arch.is_moe else 5 * f // tp * b
-    stats = fp32 * (2 + ((q + kv) // hd if arch.qk_norm else 0))
-    per_layer = norms + attention + qk_norms + mlp + stats
-    return arch.num_layers * per_layer + 2 * h * fp32 + fp32 + 8
+    """Bytes of the tensors autograd saves for backward per token (all layers), exactly: the
+    family's count (``ModelFamily.saved_activation_bytes_per_token``; for the Llama-like
+    families, megatron's local layer with the project's core attention, per tensor in
+    :meth:`megatron_psrl.model.families.LlamaLikeFamily.saved_activation_bytes_per_token`; a
+    test compares it with the storages ``torch.autograd.graph.saved_tensors_hooks`` sees, fp32
+    and bf16). The attention's share is :func:`attention_saved_bytes_per_token` (the same for
+    ``torch``, ``flash``, ``te``); an MoE layer's MLP is :func:`moe_saved_bytes_per_token`."""
+    _check_backend(backend)
+    return arch.family.saved_activation_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
 
 
 def moe_saved_bytes_per_token(arch: ModelArchitecture, dtype_bytes: int) -> int:
     """Bytes per token that one MoE layer's router, token dispatcher and experts save for backward
-    (megatron's ``MoELayer``; the pre-MLP norm is counted with the layer's norms: its output is
-    the router's and the shared expert's input), in place of a dense MLP's ``5 f``. Counted from
-    megatron-core 0.16's ``TopKRouter``, the ``allgather`` and ``alltoall`` dispatchers and the
-    ``SequentialMLP`` experts (a test compares it with what ``saved_tensors_hooks`` sees, every
-    MoE family, fp32 and bf16). Per token, with ``E`` experts, top ``k``, expert width ``f``:
-
-    - the router: its top-k ids (int64, ``8k``) and fp32 scores: the softmax over the top-k
-      logits (``4k``; renormalised routing, ``norm_topk_prob``) or over all experts (``4E``);
-    - the dispatcher: the permutation's source rows (int64, ``8k``) and the routing map and
-      weights as ``[E, tokens]`` (bool ``E``, model dtype ``E b``);
-    - the experts, per routed copy of the token (``k`` of them, dropless: exactly ``k`` per
-      token however they spread): the permuted hidden state (``h``, the first fc1's input),
-      its routing weight (``1``), SwiGLU as in a dense MLP (``5f``) and the weighted activation
-      (``f``; megatron scales each expert's activation by the routing weight before fc2);
-    - a shared expert of width ``S`` (Qwen2-MoE): a dense SwiGLU (``5S``), its output (``h``,
-      kept for the gate's product) and the sigmoid gate (``1``).
-
-    Expert parallelism: these are the bytes of this rank's tokens; the experts' part lives on
-    the ranks their experts are on (balanced routing: as many as this rank's experts receive).
-    """
-    b, h, k, e = dtype_bytes, arch.hidden_size, arch.moe_router_topk, arch.num_experts
-    router = 8 * k + _FP32_BYTES * (k if arch.moe_norm_topk_prob else e)
-    dispatcher = 8 * k + e + e * b
-    experts = k * (h + 1 + 6 * arch.moe_ffn_hidden_size) * b
-    shared = arch.moe_shared_expert_ffn_hidden_size
-    shared_bytes = (5 * shared + h + (1 if arch.moe_shared_expert_gate else 0)) * b if shared else 0
-    return router + dispatcher + experts + shared_bytes
+    (megatron's ``MoELayer``), in place of a dense MLP's ``5 f``: the family's count
+    (:meth:`megatron_psrl.model.families.MoEFamily.moe_saved_bytes_per_token`, counted from
+    megatron-core 0.16's router, dispatchers and experts; a test compares it with what
+    ``saved_tensors_hooks`` sees, every MoE family, fp32 and bf16). Expert parallelism: these
+    are the bytes of this rank's tokens."""
+    family = arch.family
+    if not family.is_moe:
+        raise ValueError(f"model type {arch.model_type!r} has no mixture-of-experts layers")
+    return family.moe_saved_bytes_per_token(arch, dtype_bytes)
 
 
 def activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int,

@@ -25,8 +25,6 @@ GetTensor = Callable[[str], Tensor]
 class LlamaStyleAdapter:
     """Llama / Mistral; subclasses add Qwen2's q/k/v bias and Qwen3's q/k norms."""
 
-    model_types: Tuple[str, ...] = ("llama", "mistral")
-
     def __init__(self, arch: ModelArchitecture):
         self.arch = arch
 

@@ -37,10 +37,6 @@ from megatron_psrl.model.adapters.grouped_experts import from_expert_layout, to_
 _FUSED = re.compile(r"^(.*\.)mlp\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(.*\.)mlp\.gate\.weight$")
 
-_CHECKPOINT_NAMES: Dict[str, Tuple[str, Tuple[str, str, str]]] = {}
-"""``model_type`` -> (its MoE block's prefix, its expert projections' names (gate, up, down)) in
-checkpoints; filled in by every :class:`RoutedExpertsMixin` subclass."""
-
 
 class RoutedExpertsMixin:
     """The MoE MLP of an adapter: a router and ``E`` SwiGLU experts, and the hooks of a shared
@@ -51,11 +47,6 @@ class RoutedExpertsMixin:
 
     hf_expert_projections: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """One expert's gate, up and down projections' names, on the Hub."""
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        for model_type in cls.model_types:
-            _CHECKPOINT_NAMES[model_type] = (cls.hf_moe_block, cls.hf_expert_projections)
 
     def hf_mlp_shapes(self) -> Dict[str, Tuple[int, ...]]:
         a = self.arch
@@ -130,8 +121,11 @@ def unfuse_experts(state: Dict[str, Tensor], model_type: Optional[str] = None) -
 
     ``model_type`` None: read from the state dict's attention and MLP tensors
     (:func:`_infer_model_type`)."""
-    model_type = model_type or _infer_model_type(state)
-    block, (gate, up, down) = _CHECKPOINT_NAMES[model_type]
+    # imported here: the families refer to the adapter classes of this package
+    from megatron_psrl.model.families import get_family
+
+    adapter = get_family(model_type or _infer_model_type(state)).adapter  # the family's checkpoint names
+    block, (gate, up, down) = adapter.hf_moe_block, adapter.hf_expert_projections
     out: Dict[str, Tensor] = {}
     for name, tensor in state.items():
         router = _ROUTER.match(name)

@@ -18,6 +18,5 @@ from megatron_psrl.model.adapters.experts import RoutedExpertsMixin
 class MixtralAdapter(RoutedExpertsMixin, LlamaStyleAdapter):
     """Mixtral: Mistral's layout with a mixture-of-experts MLP in every layer."""
 
-    model_types = ("mixtral",)
     hf_moe_block = "block_sparse_moe."
     hf_expert_projections = ("w1", "w3", "w2")

@@ -10,8 +10,6 @@ from megatron_psrl.model.adapters.base import GetTensor, LlamaStyleAdapter, Tens
 class Qwen2Adapter(LlamaStyleAdapter):
     """Qwen2 / Qwen2.5: Llama layout plus biases on the q, k and v projections."""
 
-    model_types = ("qwen2",)
-
     def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
         q, kv = self.arch.num_attention_heads * self.arch.head_dim, self.arch.num_kv_heads * self.arch.head_dim
         return {**super().hf_layer_shapes(), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
@@ -32,8 +30,6 @@ class Qwen2Adapter(LlamaStyleAdapter):
 
 class Qwen3Adapter(LlamaStyleAdapter):
     """Qwen3: Llama layout plus RMSNorm over each query and key head (before RoPE)."""
-
-    model_types = ("qwen3",)
 
     def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
         hd = self.arch.head_dim

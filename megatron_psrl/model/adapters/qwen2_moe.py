@@ -26,8 +26,6 @@ _BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.b
 class Qwen2MoeAdapter(RoutedExpertsMixin, Qwen2Adapter):
     """Qwen2-MoE: Qwen2's layout with routed experts and a gated shared expert in every layer."""
 
-    model_types = ("qwen2_moe",)
-
     # ------------------------------------------------------------------ q/k/v bias (optional)
     def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
         shapes = super().hf_layer_shapes()

@@ -21,7 +21,5 @@ from megatron_psrl.model.adapters.qwen import Qwen3Adapter
 class Qwen3MoeAdapter(RoutedExpertsMixin, Qwen3Adapter):
     """Qwen3-MoE: Qwen3's layout with a mixture-of-experts MLP in every layer."""
 
-    model_types = ("qwen3_moe",)
-
 
 __all__ = ["Qwen3MoeAdapter", "unfuse_experts"]

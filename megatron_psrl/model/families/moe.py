@@ -1,0 +1,142 @@
+"""The mixture-of-experts MLP of a family: every layer a top-k softmax router over SwiGLU
+experts, optionally with a gated shared expert (docs/moe.md).
+
+:class:`MoEFamily` goes before the family's attention bundle in the bases
+(``class Qwen3MoeFamily(MoEFamily, Qwen3Family)``) and replaces its dense MLP: the MoE
+config fields (:meth:`MoEFamily.hf_mlp_fields`, one per family), megatron's ``MoELayer``, the
+router's, dispatcher's and experts' saved bytes, and the parameter counts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict
+
+from megatron_psrl.model.architecture import UnsupportedModelError
+from megatron_psrl.model.families.base import FP32_BYTES, LayerSpecChoices, LlamaLikeFamily, NumberReader
+
+if TYPE_CHECKING:
+    from megatron_psrl.model.architecture import ModelArchitecture
+
+
+class MoEFamily(LlamaLikeFamily):
+    """A Llama-like decoder whose every MLP is megatron's ``MoELayer``. Subclasses parse their
+    config's MoE fields (:meth:`hf_mlp_fields`)."""
+
+    is_moe = True
+
+    def hf_mlp_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
+        """``num_experts``, ``moe_ffn_hidden_size``, ``moe_router_topk``, ``moe_norm_topk_prob``
+        and the shared expert's fields of a config.json; refuses the variants not implemented."""
+        raise NotImplementedError(f"{type(self).__name__} must parse its MoE fields")
+
+    # ------------------------------------------------------------------ megatron model
+    def moe_config_fields(self, arch: "ModelArchitecture") -> Dict[str, Any]:
+        """The router of every supported family is megatron's softmax top-k router: renormalised
+        over the top k (``norm_topk_prob``; always for Mixtral) = softmax over the top-k logits
+        (``moe_router_pre_softmax=False``), else the top k of the softmax over all experts
+        (``moe_router_pre_softmax=True``). A shared expert is megatron's ``SharedExpertMLP`` of
+        width ``moe_shared_expert_intermediate_size``, its sigmoid gate ``moe_shared_expert_gate``
+        (no overlap with the dispatcher: that needs CUDA streams). Routing is dropless (no
+        capacity factor); the load-balancing loss is off unless ``moe_aux_loss_coeff`` overrides it."""
+        return dict(
+            num_moe_experts=arch.num_experts,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_topk=arch.moe_router_topk,
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=0.0,
+            moe_expert_capacity_factor=None,
+            moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
+            moe_shared_expert_gate=arch.moe_shared_expert_gate,
+            moe_shared_expert_overlap=False,
+            expert_tensor_parallel_size=1,  # whole experts on every rank that holds them (EP splits them)
+        )
+
+    def layer_spec_choices(self, arch: "ModelArchitecture") -> LayerSpecChoices:
+        # megatron's MoE spec always carries a SharedExpertMLP submodule; the MoELayer builds it
+        # only when the config sets moe_shared_expert_intermediate_size
+        return LayerSpecChoices(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm)
+
+    # ------------------------------------------------------------------ memory plan
+    def mlp_saved_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
+                                  dtype_bytes: int) -> int:
+        # experts are whole on every rank (expert_tensor_parallel_size 1): no division by TP
+        return self.moe_saved_bytes_per_token(arch, dtype_bytes)
+
+    def moe_saved_bytes_per_token(self, arch: "ModelArchitecture", dtype_bytes: int) -> int:
+        """Bytes per token that one MoE layer's router, token dispatcher and experts save for
+        backward (megatron's ``MoELayer``; the pre-MLP norm is counted with the layer's norms: its
+        output is the router's and the shared expert's input), in place of a dense MLP's ``5 f``.
+        Counted from megatron-core 0.16's ``TopKRouter``, the ``allgather`` and ``alltoall``
+        dispatchers and the ``SequentialMLP`` experts (a test compares it with what
+        ``saved_tensors_hooks`` sees, every MoE family, fp32 and bf16). Per token, with ``E``
+        experts, top ``k``, expert width ``f``:
+
+        - the router: its top-k ids (int64, ``8k``) and fp32 scores: the softmax over the top-k
+          logits (``4k``; renormalised routing, ``norm_topk_prob``) or over all experts (``4E``);
+        - the dispatcher: the permutation's source rows (int64, ``8k``) and the routing map and
+          weights as ``[E, tokens]`` (bool ``E``, model dtype ``E b``);
+        - the experts, per routed copy of the token (``k`` of them, dropless: exactly ``k`` per
+          token however they spread): the permuted hidden state (``h``, the first fc1's input),
+          its routing weight (``1``), SwiGLU as in a dense MLP (``5f``) and the weighted activation
+          (``f``; megatron scales each expert's activation by the routing weight before fc2);
+        - a shared expert of width ``S`` (Qwen2-MoE): a dense SwiGLU (``5S``), its output (``h``,
+          kept for the gate's product) and the sigmoid gate (``1``).
+
+        Expert parallelism: these are the bytes of this rank's tokens; the experts' part lives on
+        the ranks their experts are on (balanced routing: as many as this rank's experts receive)."""
+        b, h, k, e = dtype_bytes, arch.hidden_size, arch.moe_router_topk, arch.num_experts
+        router = 8 * k + FP32_BYTES * (k if arch.moe_norm_topk_prob else e)
+        dispatcher = 8 * k + e + e * b
+        experts = k * (h + 1 + 6 * arch.moe_ffn_hidden_size) * b
+        shared = arch.moe_shared_expert_ffn_hidden_size
+        shared_bytes = (5 * shared + h + (1 if arch.moe_shared_expert_gate else 0)) * b if shared else 0
+        return router + dispatcher + experts + shared_bytes
+
+    # ------------------------------------------------------------------ parameters
+    def mlp_parameters(self, arch: "ModelArchitecture") -> int:
+        """The experts (each with its router row), and the shared expert with its gate."""
+        h = arch.hidden_size
+        return arch.num_experts * (3 * h * arch.moe_ffn_hidden_size + h) + self._shared_expert_parameters(arch)
+
+    def active_mlp_parameters(self, arch: "ModelArchitecture") -> int:
+        """The token's top-k experts, the whole router and the shared expert."""
+        h = arch.hidden_size
+        return (arch.moe_router_topk * 3 * h * arch.moe_ffn_hidden_size + arch.num_experts * h
+                + self._shared_expert_parameters(arch))
+
+    @staticmethod
+    def _shared_expert_parameters(arch: "ModelArchitecture") -> int:
+        """Parameters of one layer's shared expert and its gate (0 without one)."""
+        if arch.moe_shared_expert_ffn_hidden_size is None:
+            return 0
+        h = arch.hidden_size
+        return 3 * h * arch.moe_shared_expert_ffn_hidden_size + (h if arch.moe_shared_expert_gate else 0)
+
+
+# ---------------------------------------------------------------------- config readers
+def refuse_dense_layers(hf: Dict[str, Any], number: NumberReader, family: str) -> None:
+    """Qwen-MoE configs may make some layers dense (``mlp_only_layers``, ``decoder_sparse_step``
+    > 1); refused: every layer must be an MoE layer."""
+    num_layers = number("num_hidden_layers")
+    dense = sorted(set(hf.get("mlp_only_layers") or []))
+    step = number("decoder_sparse_step", default=1)
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
+    dense += [i for i in range(num_layers) if (i + 1) % step and i not in dense]
+    if dense:
+        raise UnsupportedModelError(f"{family} with dense MLP layers {sorted(dense)[:8]} (mlp_only_layers / "
+                                    "decoder_sparse_step) is not supported: every layer must be an MoE layer")
+
+
+def num_experts(hf: Dict[str, Any], key: str) -> int:
+    """The routed-expert count, under ``key`` or the other of ``num_experts`` /
+    ``num_local_experts`` (transformers >= 5 maps one onto the other for some families)."""
+    other = "num_local_experts" if key == "num_experts" else "num_experts"
+    experts = hf.get(key) if hf.get(key) is not None else hf.get(other)
+    if experts is None:
+        raise KeyError(key)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise UnsupportedModelError(f"field {key!r} must be a positive integer, got {experts!r}")
+    return experts

@@ -1,0 +1,164 @@
+"""Model families as bundles: the registry, each bundle's debug configs, prefix states, and a
+family added by registering one bundle (nothing else edited)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from megatron_psrl.kvcache.prefix_state import PrefixState
+from megatron_psrl.model import architecture
+from megatron_psrl.model.adapters import LlamaStyleAdapter, get_adapter
+from megatron_psrl.model.architecture import ModelArchitecture, UnsupportedModelError
+from megatron_psrl.model.families import (
+    TINY_BASE,
+    LlamaLikeFamily,
+    ModelFamily,
+    get_family,
+    register_family,
+    registered_families,
+    unregister_family,
+)
+from megatron_psrl.model.gpt import build_layer_spec, build_transformer_config
+from megatron_psrl.model.tiny import MOE_CONFIGS, SHAPE_CONFIGS, TINY_CONFIGS, tiny_config
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.memory import (
+    activation_bytes_per_token,
+    attention_saved_bytes_per_token,
+    saved_activation_bytes_per_token,
+)
+
+SEVEN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+DEBUG_CONFIGS = [(f.model_type, name) for f in registered_families() for name in f.tiny_configs]
+
+
+def test_registry_lists_the_seven_families_in_order():
+    assert tuple(f.model_type for f in registered_families()) == SEVEN
+    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN
+    assert architecture.MOE_MODEL_TYPES == ("qwen3_moe", "qwen2_moe", "mixtral")
+    for family in registered_families():
+        assert isinstance(family, ModelFamily)
+        assert get_family(family.model_type) is family
+        assert family.tiny_configs, f"{family.model_type} has no debug config"
+
+
+def test_tiny_module_is_a_view_of_the_bundles():
+    dense = {n: c for f in registered_families() if not f.is_moe for n, c in f.tiny_configs.items()}
+    moe = {n: c for f in registered_families() if f.is_moe for n, c in f.tiny_configs.items()}
+    assert TINY_CONFIGS == dense and MOE_CONFIGS == moe
+    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape"} == set(get_family("qwen2").shape_configs)
+
+
+@pytest.mark.parametrize("model_type,name", DEBUG_CONFIGS)
+def test_debug_config_parses_and_round_trips(model_type, name):
+    family = get_family(model_type)
+    config = tiny_config(name)
+    assert config == family.tiny_configs[name] and config is not family.tiny_configs[name]  # a copy
+    arch = ModelArchitecture.from_hf_config(config)
+    assert arch.model_type == model_type and arch.family is family
+    assert arch.is_moe == family.is_moe
+    assert ModelArchitecture.from_dict(json.loads(json.dumps(arch.to_dict()))) == arch
+    # the bundle's adapter converts the family's state dict both ways, bit for bit
+    adapter = get_adapter(arch)
+    assert type(adapter) is family.adapter
+    gen = torch.Generator().manual_seed(0)
+    hf = {k: torch.randn(shape, generator=gen) for k, shape in adapter.hf_shapes().items()}
+    mcore = dict(adapter.hf_to_mcore(hf.__getitem__))
+    back = dict(adapter.mcore_to_hf(mcore))
+    assert set(back) == set(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("model_type,name", DEBUG_CONFIGS)
+@pytest.mark.parametrize("tp,dtype", [(1, torch.float32), (2, torch.bfloat16)])
+def test_prefix_states_one_softmax_state_per_layer(model_type, name, tp, dtype):
+    arch = ModelArchitecture.from_hf_config(tiny_config(name))
+    states = arch.family.prefix_states(arch, tp, dtype)
+    assert len(states) == arch.num_layers
+    expected = PrefixState.softmax(arch.num_kv_heads // tp, arch.head_dim, dtype=dtype)
+    assert all(state == expected for state in states)
+
+
+# ---------------------------------------------------------------------- a family added by one bundle
+class _ToyFamily(LlamaLikeFamily):
+    """A Llama-like family of a made-up ``model_type`` that refuses ``toy_bias`` and keeps half-width
+    values in its prefix state (so the test can tell its prefix states from the default)."""
+
+    def hf_attention_fields(self, hf: Dict[str, Any]) -> Dict[str, Any]:
+        if hf.get("toy_bias"):
+            raise UnsupportedModelError("toy_bias is not supported")
+        return super().hf_attention_fields(hf)
+
+    def prefix_states(self, arch, tensor_parallel_size, dtype):
+        state = PrefixState.softmax(arch.num_kv_heads // tensor_parallel_size, arch.head_dim,
+                                    value_dim=arch.head_dim // 2, dtype=dtype)
+        return (state,) * arch.num_layers
+
+
+_TOY_CONFIG = dict(TINY_BASE, model_type="toy_llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                   head_dim=16)
+
+
+@pytest.fixture
+def toy_family():
+    family = register_family(_ToyFamily(model_type="toy_llama", adapter=LlamaStyleAdapter,
+                                        tiny_configs={"debug-toy": _TOY_CONFIG}))
+    try:
+        yield family
+    finally:
+        unregister_family("toy_llama")
+    assert "toy_llama" not in architecture.SUPPORTED_MODEL_TYPES
+
+
+def test_unregistered_model_type_is_refused():
+    with pytest.raises(UnsupportedModelError, match="unsupported model type 'toy_llama'"):
+        ModelArchitecture.from_hf_config(dict(_TOY_CONFIG))
+    with pytest.raises(UnsupportedModelError, match="unsupported model type 'toy_llama'"):
+        get_family("toy_llama")
+
+
+def test_registering_twice_is_refused(toy_family):
+    with pytest.raises(ValueError, match="already registered"):
+        register_family(_ToyFamily(model_type="toy_llama", adapter=LlamaStyleAdapter))
+
+
+def test_a_registered_bundle_is_a_supported_family(toy_family):
+    assert architecture.SUPPORTED_MODEL_TYPES[-1] == "toy_llama"
+    assert "toy_llama" not in architecture.MOE_MODEL_TYPES
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-toy"))
+    assert arch.model_type == "toy_llama" and arch.family is toy_family
+    assert type(get_adapter(arch)) is LlamaStyleAdapter
+    with pytest.raises(UnsupportedModelError, match="toy_bias is not supported"):
+        ModelArchitecture.from_hf_config(dict(_TOY_CONFIG, toy_bias=True))
+
+    # its prefix states are its own
+    states = arch.family.prefix_states(arch, 2, torch.bfloat16)
+    assert states == (PrefixState.softmax(1, 16, value_dim=8, dtype=torch.bfloat16),) * arch.num_layers
+
+    # the model, the memory plan and the cost model take it as the Llama it is shaped like
+    llama = ModelArchitecture.from_hf_config(dict(_TOY_CONFIG, model_type="llama"))
+    for tp, b in ((1, 4), (2, 2)):
+        assert saved_activation_bytes_per_token(arch, tp, b) == saved_activation_bytes_per_token(llama, tp, b)
+        assert attention_saved_bytes_per_token(arch, tp, b) == attention_saved_bytes_per_token(llama, tp, b)
+        assert activation_bytes_per_token(arch, tp, b) == activation_bytes_per_token(llama, tp, b)
+    toy_cost, llama_cost = CostModel.for_architecture(arch), CostModel.for_architecture(llama)
+    assert toy_cost.name == "toy_llama"
+    assert toy_cost.to_dict() == dict(llama_cost.to_dict(), name="toy_llama")
+    config = build_transformer_config(arch)
+    assert (config.num_query_groups, config.kv_channels, config.gated_linear_unit) == (2, 16, True)
+    assert repr(build_layer_spec(arch)) == repr(build_layer_spec(llama))
+
+
+def test_memory_plan_and_cost_model_delegate_to_the_bundle():
+    for name in sorted(TINY_CONFIGS) + sorted(MOE_CONFIGS):
+        arch = ModelArchitecture.from_hf_config(tiny_config(name))
+        family = arch.family
+        assert saved_activation_bytes_per_token(arch, 1, 2) == family.saved_activation_bytes_per_token(arch, 1, 2)
+        assert attention_saved_bytes_per_token(arch, 1, 4) == family.attention_saved_bytes_per_token(arch, 1, 4)
+        assert CostModel.for_architecture(arch) == CostModel.from_model_dims(family.cost_dims(arch))
+        assert arch.mlp_parameters() == family.mlp_parameters(arch)
+    with pytest.raises(ValueError, match="models the attention backends"):
+        saved_activation_bytes_per_token(arch, 1, 2, backend="dense")
