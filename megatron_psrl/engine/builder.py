@@ -73,10 +73,10 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     geometry, plan_geometry = kv_geometry(arch, config, layout, vpp, split)
     placement, flop_model, measured = placement_and_costs(config, layout, arch, model, geometry,
                                                           recompute=bool(overrides), log=say, resume=resume)
-    backend_name, kv_cache, runner = cache_and_runner(config, layout, arch, model, geometry,
-                                                      recompute=bool(overrides), log=say)
-    if optimizer is not None:  # the data-parallel reduce may start during a step's last backward
-        runner.arm_grad_reduce = optimizer.arm_grad_reduce
+    # (with an optimizer, the data-parallel reduce may start during a step's last backward)
+    backend_name, kv_cache, runner = cache_and_runner(
+        config, layout, arch, model, geometry, recompute=bool(overrides), log=say,
+        arm_grad_reduce=optimizer.arm_grad_reduce if optimizer is not None else None)
     tp = layout.tensor_parallel_size
     return Engine(
         config=config, layout=layout, arch=arch, model=model, optimizer=optimizer, kv_cache=kv_cache, runner=runner,
@@ -306,8 +306,10 @@ def attention_backend_name(config: ActorConfig, device: torch.device) -> str:
 
 
 def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
-                     recompute: bool, log: Log) -> Tuple[str, BlockKVCache, StepRunner]:
-    """``(attention backend, KV cache, step runner)``: the pipeline runner with PP > 1."""
+                     recompute: bool, log: Log, arm_grad_reduce=None) -> Tuple[str, BlockKVCache, StepRunner]:
+    """``(attention backend, KV cache, step runner)``: the pipeline runner with PP > 1, built
+    complete (``arm_grad_reduce``: the optimizer's, when a step's last backward may start the
+    data-parallel reduce)."""
     device = layout.device
     backend = None if config.attention_backend == "auto" else config.attention_backend
     backend_name = attention_backend_name(config, device)
@@ -318,18 +320,20 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
             "Transformer Engine")
     kv_cache = BlockKVCache(geometry, config.kv_cache_budget)
     group, _ = exchange_group_of(layout)
-    runner = make_runner(model, arch.vocab_size, device, backend, kv_cache, exchange_group=group,
-                         loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute)
-    runner.last_layer_row_skip = config.last_layer_row_skip
-    runner.overlap_kv_exchange = config.overlap_kv_exchange
-    if layout.placement_size > 1:  # (prefix heads sent between exchange groups travel over it)
-        runner.head_send_group = gradient_group()
+    router_losses = None
     if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0):
         from megatron_psrl.model.moe_losses import RouterLosses
 
+        router_losses = RouterLosses(model, config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
+    runner = make_runner(
+        model, arch.vocab_size, device, backend, kv_cache, exchange_group=group,
+        loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute,
         # The router losses count every row of every layer: the last layer computes them all.
-        runner.router_losses = RouterLosses(model, config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
-        runner.last_layer_row_skip = False
+        last_layer_row_skip=config.last_layer_row_skip and router_losses is None,
+        overlap_kv_exchange=config.overlap_kv_exchange, router_losses=router_losses,
+        # (the heads of trees split between exchange groups travel over it)
+        head_send_group=gradient_group() if layout.placement_size > 1 else None,
+        arm_grad_reduce=arm_grad_reduce)
     return backend_name, kv_cache, runner
 
 

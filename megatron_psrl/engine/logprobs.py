@@ -93,10 +93,10 @@ def compute_logprobs(
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,
                            placement=placement, local_rank=me, cross_group_prefix=cross_group_prefix,
                            **(planner_settings or dict(cost_model=cost_model)))
-    runner = make_runner(model, arch.vocab_size, device, attention_backend, BlockKVCache(geometry, kv_cache_budget),
-                         exchange_group=exchange_group, loss_head_chunk_bytes=loss_head_chunk_bytes)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True) if ranks > 1 else None
-    runner.head_send_group = group
+    runner = make_runner(model, arch.vocab_size, device, attention_backend, BlockKVCache(geometry, kv_cache_budget),
+                         exchange_group=exchange_group, loss_head_chunk_bytes=loss_head_chunk_bytes,
+                         head_send_group=group)
     return run_logprobs(runner, plan_geometry, batch, config, kv_cache_budget, me, group)
 
 

@@ -94,8 +94,8 @@ class RouterState(StepParticipant):
 
     def before_graph_backward(self, instruction: Instruction, step) -> None:
         runner, i = self.runner, instruction.micro_batch
-        if i in runner.held_routes:  # a recomputing backward routes its tokens as their forward did
-            runner.replayer.set(*runner.held_routes.pop(i))
+        if i in step.held_routes:  # a recomputing backward routes its tokens as their forward did
+            runner.replayer.set(*step.held_routes.pop(i))
         if runner.router_losses is not None:  # (and weighs them as their forward did)
             runner.router_losses.select(i)
 
@@ -170,11 +170,11 @@ class LastBackward(StepParticipant):
 
     def before(self, instruction: Instruction, step) -> None:
         if self.position == self.at:
-            self.runner.pending_arm = self.runner.arm_grad_reduce
+            step.pending_arm = self.runner.arm_grad_reduce
         self.position += 1
 
     def end(self, step) -> None:
-        self.runner.pending_arm = None  # (a last pass without any autograd call arms nothing)
+        step.pending_arm = None  # (a last pass without any autograd call arms nothing)
 
 
 def step_participants(runner, step, instructions: List[Instruction], training: bool) -> List[StepParticipant]:

@@ -49,9 +49,10 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.compat import install_cpu_pipeline_shims
-from megatron_psrl.engine.step import ComputedLogprobs, StepOutput, StepRunner
+from megatron_psrl.engine.participants import KVCacheLifecycle, RouterState
+from megatron_psrl.engine.step import ComputedLogprobs, StepOutput, StepRunner, StepState
 from megatron_psrl.errors import ConfigurationError
-from megatron_psrl.host_copy import DeviceSums, host_to_device
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.rl.loss import ClaimLoss, claim_coefficients
 from megatron_psrl.schedule.memory import MemoryPlan
@@ -170,10 +171,10 @@ class PipelineStepRunner(StepRunner):
         next stage sends back, zeros if it had no loss)."""
         return False
 
-    def _stage_backward(self, i: int, loss: Optional[Tensor], kv_grads) -> None:
+    def _stage_backward(self, step, i: int, loss: Optional[Tensor], kv_grads) -> None:
         io = self._io.pop(i)
         # the chunks' backwards start from their outputs sent on (or the loss) and their K/V rows
-        self._arm_backward([out for v, (_, out) in enumerate(io) if self._sends(v)]
+        self._arm_backward(step, [out for v, (_, out) in enumerate(io) if self._sends(v)]
                            + ([loss] if loss is not None else []) + [rows for _, rows, _ in kv_grads])
         for v in reversed(range(len(self.chunks))):
             x, out = io[v]
@@ -282,10 +283,11 @@ class PipelineStepRunner(StepRunner):
 
         rank_plan = plan.ranks[rank]
         coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
-        out = StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs())
-        if self.kv_cache is not None:
-            self.kv_cache.release_pool()
-        sums = DeviceSums()  # read once after the schedule
+        step = StepState(plan, rank, None, loss_cfg, coefficients, loss_scale,
+                         StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs()))
+        # the plan-order executor's participants that concern these steps: the KV pool (none is
+        # held: mechanism 1 only), router replay and router losses (begun and summed alike)
+        step.participants = [KVCacheLifecycle(self.kv_cache, training=True), RouterState(self, training=True)]
         order = [i for _, i in rank_plan.schedule]
         packs = {}
 
@@ -293,15 +295,15 @@ class PipelineStepRunner(StepRunner):
             i = next(data_iterator)
             if i not in packs:  # every chunk of this rank runs micro-batch i: pack it once
                 pack = packs[i] = rank_plan.pack(plan.index, i)
-                out.tokens_computed += pack.num_tokens
-                out.key_pairs += pack.key_pairs()
+                step.out.tokens_computed += pack.num_tokens
+                step.out.key_pairs += pack.key_pairs()
             pack = packs[i]
             meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=None)
             ids = host_to_device(pack.input_ids, self.device)
             pos = host_to_device(pack.position_ids, self.device)
             # MoE: this pack's routes and router-loss weights (every row: no output_rows here);
             # the backward consults neither (no recomputation on this path, see train)
-            self._replay_routes(plan, i, pack, None, keep=False)
+            self._replay_routes(plan, i, pack, None)
             if self.router_losses is not None:
                 self.router_losses.set_pack(i, pack)
             hidden = model(ids, pos, meta)  # [t, 1, h]; megatron set the chunk's input
@@ -311,11 +313,9 @@ class PipelineStepRunner(StepRunner):
                 loss, metrics = output.sum() * 0.0, {}
                 if len(rows):
                     claim_loss, metrics, _ = self._loss_head(plan, pack, output[:, 0], rows, loss_cfg, coefficients,
-                                                             out.logprobs)
+                                                             step.out.logprobs)
                     loss = loss + claim_loss
-                sums.add("loss", loss)
-                for k, v in metrics.items():
-                    sums.add(k, v)
+                step.account(loss, metrics)
                 # (loss, num_tokens, reduced): calculate_per_token_loss, so megatron does not rescale
                 return loss, torch.tensor(1, dtype=torch.int), {}
 
@@ -323,8 +323,8 @@ class PipelineStepRunner(StepRunner):
 
         config = self.config
         config.grad_scale_func = (lambda t: t * loss_scale) if loss_scale != 1.0 else None
-        if self.router_losses is not None:
-            self.router_losses.begin_step(plan.tree, loss_scale)
+        for participant in step.participants:
+            participant.begin(step)
         vpp = len(self.chunks)
         if vpp > 1:
             config.microbatch_group_size_per_vp_stage = self._group_size(len(order))
@@ -337,12 +337,6 @@ class PipelineStepRunner(StepRunner):
             )
         finally:
             config.grad_scale_func = None
-            self.end_replay()
-        totals = sums.read()
-        out.loss = totals.pop("loss", 0.0)
-        out.metrics = totals
-        if self.router_losses is not None:  # summed over the pipeline's stages (RouterLosses.end_step)
-            for name, value in self.router_losses.end_step().items():
-                out.metrics[name] = float(value)
-                out.loss += float(value)
-        return self._finish(out)
+            for participant in step.participants:
+                participant.end(step)
+        return self.close(step)

@@ -49,6 +49,7 @@ from megatron_psrl.schedule.instructions import (
     ForwardBackward,
     ForwardDrop,
     ForwardKeep,
+    ForwardPass,
     ImportHead,
     Instruction,
     ReleaseKV,
@@ -149,6 +150,12 @@ class StepState:
     last_of_step: bool = False
     """This call's backward is the last before the optimizer step: the gradient reduce may
     start during its last backward pass (:class:`~megatron_psrl.engine.participants.LastBackward`)."""
+    gather_in_backward: bool = False
+    """The memory plan has readers gather cached prefixes again in backward."""
+    held_routes: Dict[int, Tuple[Tensor, Optional[np.ndarray]]] = field(default_factory=dict)
+    """Routes of kept graphs whose backward recomputes their forward (activation recomputation)."""
+    pending_arm: Optional[Callable[[Sequence[Tensor]], None]] = None
+    """Set for the instruction that runs the step's last backward pass (``LastBackward``)."""
 
     @property
     def rank_plan(self) -> RankPlan:
@@ -193,82 +200,75 @@ class StepRunner:
         exchange_group=None,
         loss_head_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         inject_kv_grads: bool = False,
+        *,
+        last_layer_row_skip: bool = True,
+        overlap_kv_exchange: bool = True,
+        head_send_group=None,
+        router_losses=None,
+        arm_grad_reduce: Optional[Callable[[Sequence[Tensor]], None]] = None,
     ):
         self.model = model
-        self.last_layer_row_skip = True
+        self.last_layer_row_skip = last_layer_row_skip
         """The model's last layer computes only the rows the loss head reads, past its K/V
         projection (``ActorConfig.last_layer_row_skip``; ``TreeAttentionMetadata.output_rows``)."""
-        self.overlap_kv_exchange = True
+        self.overlap_kv_exchange = overlap_kv_exchange
         """Cross-rank: overlap every layer's prefix K/V exchange with the attention over the keys
         this rank has (``ActorConfig.overlap_kv_exchange``; exact either way)."""
         self.inject_kv_grads = inject_kv_grads
         """Activation recomputation is on: cached-prefix gradients are injected inside the graph."""
         self.loss_head_chunk_bytes = loss_head_chunk_bytes
         """fp32 logits of one chunk of claimed rows (the loss head's peak)."""
-        self.head = model_chunks(model)[-1]
-        """The chunk with the output layer (the model itself without virtual pipeline stages)."""
+        self.output_chunk = model_chunks(model)[-1]
+        """The chunk with the output layer, the loss head's weights (the model itself without
+        virtual pipeline stages)."""
         self.vocab_size = vocab_size
         self.device = device
         self.attention_backend = attention_backend
         self.kv_cache = kv_cache
         self.exchange_group = exchange_group
         """Process group of the ranks that exchange prefix K/V (cross-rank plans)."""
-        self.head_send_group = None
-        """The data x context parallel group, over which prefix heads travel between exchange
-        groups (:mod:`megatron_psrl.engine.head_sends`; a rank's index in it is its placement
-        rank); needed by plans that send heads."""
-        self.gather_in_backward = False
-        """This step's memory plan has readers gather cached K/V again in backward."""
+        self.head_send_group = head_send_group
+        """The data x context parallel group, over which the heads of trees split between
+        exchange groups travel (:mod:`megatron_psrl.engine.head_sends`; a rank's index in it is
+        its placement rank); needed by plans that send heads."""
         self.expert_group = _expert_parallel_group(model)
         """MoE models with expert parallelism: the ranks whose MoE layers exchange tokens in every
         forward and backward pass (their passes run in lockstep, :class:`~megatron_psrl.engine.participants.ExpertLockstep`)."""
         self.replayer = None
         """Router replay (:class:`~megatron_psrl.model.moe.RouterReplayer`), made at the first batch with routes."""
-        self.router_losses = None
+        self.router_losses = router_losses
         """MoE router z-loss / load-balancing loss (:class:`~megatron_psrl.model.moe_losses.RouterLosses`), or None."""
-        self.held_routes: Dict[int, Tuple[Tensor, Optional[np.ndarray]]] = {}
-        """Routes of kept graphs whose backward recomputes their forward (activation recomputation)."""
         self.last_empty_expert_passes = 0
         """Empty MoE passes this rank ran in its last call to keep its expert-parallel group in step."""
-        self.arm_grad_reduce: Optional[Callable[[Sequence[Tensor]], None]] = None
+        self.arm_grad_reduce = arm_grad_reduce
         """Called with the roots of a step's last backward pass right before it runs (the
         optimizer's ``arm_grad_reduce``: ``--overlap-grad-reduce``); None: the reduce waits for
         the step."""
-        self.pending_arm: Optional[Callable[[Sequence[Tensor]], None]] = None
-        """Set for the instruction that runs the step's last backward pass (``LastBackward``)."""
 
     # ------------------------------------------------------------------ one forward
-    def _forward(
-        self,
-        plan: StepPlan,
-        rank_plan: RankPlan,
-        i: int,
-        pack: PackedMicroBatch,
-        *,
-        rows: np.ndarray,
-        loss_cfg: Optional[ClaimLoss],
-        coefficients: Optional[np.ndarray],
-        grad: bool,
-        store: bool,
-        capture: bool,
-        record: Optional[ComputedLogprobs] = None,
-    ):
+    def _forward(self, step: "StepState", i: int, pack: PackedMicroBatch, rows: np.ndarray, run: ForwardPass):
+        """One forward of micro-batch ``i`` as ``run`` says (:class:`ForwardPass`, from the
+        instruction): ``(loss, metrics, logp, hook)``, the loss of the claimed ``rows``."""
+        rank_plan = step.rank_plan
         mb = rank_plan.micro_batches[i]
+        grad = run.graph
         hook = None
         exchanging = mb.exchange is not None and mb.exchange.forward_collective
         if mb.reads or mb.produces or exchanging:
             if self.kv_cache is None:
                 raise RuntimeError("a plan with cached prefixes needs a KV cache (mechanism 2)")
             group_size = dist.get_world_size(self.exchange_group) if exchanging else 1
-            hook = PrefixKV(self.kv_cache, rank_plan, i, pack, store=store, capture=capture, track_grads=grad,
-                             group=self.exchange_group, group_size=group_size, inject=self.inject_kv_grads,
-                             gather_in_backward=self.gather_in_backward, overlap=self.overlap_kv_exchange)
+            hook = PrefixKV(self.kv_cache, rank_plan, i, pack, store=run.writes, capture=run.keeps_rows,
+                            track_grads=grad, group=self.exchange_group, group_size=group_size,
+                            inject=self.inject_kv_grads, gather_in_backward=step.gather_in_backward,
+                            overlap=self.overlap_kv_exchange)
         out_rows = self._output_rows(pack, rows)
         meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook,
                                      output_rows=out_rows)
         ids = host_to_device(pack.input_ids, self.device)
         pos = host_to_device(pack.position_ids, self.device)
-        self._replay_routes(plan, i, pack, meta.output_rows, keep=grad and capture)
+        self._replay_routes(step.plan, i, pack, meta.output_rows,
+                            hold=step.held_routes if grad and run.keeps_rows else None)
         if self.router_losses is not None:  # the weights of the rows the routers see
             self.router_losses.set_pack(i, pack)
         with torch.set_grad_enabled(grad):
@@ -287,8 +287,8 @@ class StepRunner:
                                                or self.router_losses is not None) and grad) else None
             if len(rows) == 0:
                 return anchor, {}, None, hook
-            loss, metrics, logp = self._loss_head(plan, pack, hidden, rows, loss_cfg, coefficients, record,
-                                                  hidden_rows=out_rows)
+            loss, metrics, logp = self._loss_head(step.plan, pack, hidden, rows, step.loss_cfg, step.coefficients,
+                                                  step.out.logprobs, hidden_rows=out_rows)
             if loss is not None and anchor is not None:  # keep every layer's exchange in the graph
                 loss = loss + anchor
         return loss, metrics, logp, hook
@@ -320,8 +320,9 @@ class StepRunner:
         want_entropy = ((loss_cfg is not None and loss_cfg.needs_entropy)
                         or (record is not None and record.with_entropy))
         # [n, V/tp] logits only a chunk of rows at a time (forward and backward)
-        logp, ent = chunked_logprobs(self.head.output_logits, hidden.index_select(0, sel_rows), target_ids,
-                                     self.vocab_size, with_entropy=want_entropy, rows_per_chunk=self._head_rows())
+        logp, ent = chunked_logprobs(self.output_chunk.output_logits, hidden.index_select(0, sel_rows), target_ids,
+                                     self.vocab_size, with_entropy=want_entropy,
+                                     rows_per_chunk=self._loss_head_rows())
         if record is not None:  # the log-probs this call computed, returned to the caller
             record.add(targets, logp, ent)
         if loss_cfg is None:
@@ -331,11 +332,11 @@ class StepRunner:
         return loss, metrics, logp
 
     def _replay_routes(self, plan: StepPlan, i: int, pack: PackedMicroBatch, output_rows: Optional[np.ndarray],
-                       keep: bool) -> None:
+                       hold: Optional[Dict[int, Tuple[Tensor, Optional[np.ndarray]]]] = None) -> None:
         """Router replay (docs/moe.md): the rollout's routes of the pack's rows, gathered like their
         token ids, into every MoE router before the forward (``output_rows``: the rows the last
-        layer may compute alone; ``keep``: a producer's graph, held for its backward if that
-        recomputes the forward); samples without routes: the routers' own top-k."""
+        layer may compute alone; ``hold``: a producer's graph is kept, its routes go there for its
+        backward if that recomputes the forward); samples without routes: the routers' own top-k."""
         if self.replayer is None and plan.tree.batch.routed_experts is None:
             return  # the route-free path: nothing to set
         if self.replayer is None:
@@ -344,20 +345,19 @@ class StepRunner:
             self.replayer = RouterReplayer(self.model)
         routes = self.replayer.pack_routes(plan.tree, pack.tree_tokens, self.device)  # [t, L, k]
         self.replayer.set(routes, output_rows)
-        if routes is not None and keep and self.inject_kv_grads:
-            self.held_routes[i] = (routes, output_rows)
+        if routes is not None and hold is not None and self.inject_kv_grads:
+            hold[i] = (routes, output_rows)
 
     def end_replay(self) -> None:
         """The routers' own top-k again after a step (a later forward may carry no routes)."""
         if self.replayer is not None:
             self.replayer.set(None)
-        self.held_routes.clear()
 
-    def _head_rows(self) -> int:
+    def _loss_head_rows(self) -> int:
         """Claimed rows per loss-head chunk, from this rank's vocabulary slice."""
-        head = self.head
-        weight = (head.shared_embedding_or_output_weight() if head.share_embeddings_and_output_weights
-                  else head.output_layer.weight)
+        chunk = self.output_chunk
+        weight = (chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights
+                  else chunk.output_layer.weight)
         return chunk_rows(weight.shape[0], self.loss_head_chunk_bytes)
 
     # ------------------------------------------------------------------ stage hooks
@@ -366,7 +366,8 @@ class StepRunner:
         """Hidden states ``[t, h]`` of micro-batch ``i`` (``None`` on a stage without the loss)."""
         return self.model(ids, pos, meta).squeeze(1)  # a view: its backward allocates nothing
 
-    def _stage_backward(self, i: int, loss: Optional[Tensor], kv_grads: Sequence[Tuple[int, Tensor, Tensor]]) -> None:
+    def _stage_backward(self, step: "StepState", i: int, loss: Optional[Tensor],
+                        kv_grads: Sequence[Tuple[int, Tensor, Tensor]]) -> None:
         """Backward of micro-batch ``i`` from its (scaled) loss and the K/V rows it produced,
         ``(layer, rows, their accumulated gradient)``: injected dK/dV."""
         tensors = [loss] if loss is not None else []
@@ -375,7 +376,7 @@ class StepRunner:
             tensors.append(rows)
             grads.append(grad)
         if tensors:
-            self._arm_backward(tensors)
+            self._arm_backward(step, tensors)
             torch.autograd.backward(tensors, grads)
 
     def runs_no_backward(self, x: ForwardBackward, step: "StepState") -> bool:
@@ -389,10 +390,10 @@ class StepRunner:
         claims = step.plan.tree.claim_offsets
         return not np.any(claims[t + 1] > claims[t])
 
-    def _arm_backward(self, roots: Sequence[Tensor]) -> None:
+    def _arm_backward(self, step: "StepState", roots: Sequence[Tensor]) -> None:
         """Right before the autograd call(s) of a pass from ``roots``: if it is the step's last
-        backward, the optimizer's gradient reduce starts during it (:attr:`pending_arm`)."""
-        arm, self.pending_arm = self.pending_arm, None
+        backward, the optimizer's gradient reduce starts during it (``step.pending_arm``)."""
+        arm, step.pending_arm = step.pending_arm, None
         if arm is not None:
             arm(roots)
 
@@ -427,12 +428,12 @@ class StepRunner:
         data-parallel reduce may start during its last backward pass (:attr:`arm_grad_reduce`)."""
         rank_plan = plan.ranks[rank]
         _require_memory_plan(rank_plan, memory, "")
-        self.gather_in_backward = memory is not None and memory.gathers_in_backward
         # Normalisation over the whole global batch, from the original samples.
         coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
         step = StepState(plan, rank, memory, loss_cfg, coefficients, loss_scale,
                          StepOutput(num_micro_batches=sum(mb.computes for mb in rank_plan.micro_batches),
-                                    logprobs=ComputedLogprobs()), last_of_step=last_of_step)
+                                    logprobs=ComputedLogprobs()), last_of_step=last_of_step,
+                         gather_in_backward=memory is not None and memory.gathers_in_backward)
         return self.execute(step, training_instructions(rank_plan, memory), training=True)
 
     # ------------------------------------------------------------------ forward only
@@ -487,6 +488,10 @@ class StepRunner:
             getattr(self, EXECUTE[type(instruction)])(instruction, step)
         for participant in step.participants:
             participant.end(step)
+        return self.close(step)
+
+    def close(self, step: "StepState") -> StepOutput:
+        """The step's outputs: its device sums read once, the whole-step loss terms added."""
         out = step.out
         totals = step.sums.read()  # the step's one read of its device sums
         out.loss = totals.pop("loss", 0.0)
@@ -504,36 +509,37 @@ class StepRunner:
             step.out.key_pairs += pack.key_pairs()
         return pack
 
-    def _run(self, step: "StepState", i: int, pack: PackedMicroBatch, rows: np.ndarray, **kw):
-        """``_forward`` of micro-batch ``i`` with the step's loss, coefficients and log-prob record."""
-        return self._forward(step.plan, step.rank_plan, i, pack, rows=rows, loss_cfg=step.loss_cfg,
-                             coefficients=step.coefficients, record=step.out.logprobs, **kw)
+    def _rows(self, step: "StepState", pack: PackedMicroBatch, run: ForwardPass) -> np.ndarray:
+        """The pack rows whose log-probs a forward computes: the claimed ones (none when its loss
+        comes later, every row in a log-prob pass without a loss)."""
+        if step.loss_cfg is None:
+            return np.arange(len(pack.logit_rows))
+        rows = self._claimed_rows(step.plan, pack)
+        return rows if run.loss else rows[:0]
 
     def run_forward_backward(self, x: ForwardBackward, step: "StepState") -> None:
         pack = self._pack(step, x.micro_batch)
-        loss, metrics, _, _ = self._run(step, x.micro_batch, pack, self._claimed_rows(step.plan, pack),
-                                        grad=True, store=False, capture=False)
+        loss, metrics, _, _ = self._forward(step, x.micro_batch, pack, self._rows(step, pack, x.forward_pass),
+                                            x.forward_pass)
         step.account(loss, metrics)
-        self._stage_backward(x.micro_batch, step.scaled(loss), [])
+        self._stage_backward(step, x.micro_batch, step.scaled(loss), [])
 
     def run_forward_keep(self, x: ForwardKeep, step: "StepState") -> None:
         pack = self._pack(step, x.micro_batch)
-        loss, metrics, _, hook = self._run(step, x.micro_batch, pack, self._claimed_rows(step.plan, pack),
-                                           grad=True, store=True, capture=True)
+        loss, metrics, _, hook = self._forward(step, x.micro_batch, pack, self._rows(step, pack, x.forward_pass),
+                                               x.forward_pass)
         step.account(loss, metrics)
         step.pending[x.micro_batch] = (loss, hook.captured if hook is not None else [], None)
 
     def run_forward_drop(self, x: ForwardDrop, step: "StepState") -> None:
         # A dropped graph computes no loss now: the recomputation at backward does.
         pack = self._pack(step, x.micro_batch)
-        self._run(step, x.micro_batch, pack, self._claimed_rows(step.plan, pack)[:0],
-                  grad=False, store=True, capture=False)
+        self._forward(step, x.micro_batch, pack, self._rows(step, pack, x.forward_pass), x.forward_pass)
         step.pending[x.micro_batch] = (None, None, pack)
 
     def run_forward(self, x: Forward, step: "StepState") -> None:
         pack = self._pack(step, x.micro_batch, count_key_pairs=False)
-        rows = np.arange(len(pack.logit_rows)) if step.loss_cfg is None else self._claimed_rows(step.plan, pack)
-        self._run(step, x.micro_batch, pack, rows, grad=False, store=True, capture=False)
+        self._forward(step, x.micro_batch, pack, self._rows(step, pack, x.forward_pass), x.forward_pass)
 
     def run_backward(self, x: Backward, step: "StepState") -> None:
         """A producer's backward, its readers done: (its dropped graph rebuilt, then) autograd from
@@ -541,8 +547,8 @@ class StepRunner:
         i, cache = x.micro_batch, self.kv_cache
         loss, captured, pack = step.pending.pop(i)
         if x.recompute:  # graph was dropped: rebuild it
-            loss, metrics, _, hook = self._run(step, i, pack, self._claimed_rows(step.plan, pack),
-                                               grad=True, store=False, capture=True)
+            loss, metrics, _, hook = self._forward(step, i, pack, self._rows(step, pack, x.forward_pass),
+                                                   x.forward_pass)
             step.account(loss, metrics)
             captured = hook.captured if hook is not None else []
             step.out.tokens_computed += pack.num_tokens
@@ -554,7 +560,7 @@ class StepRunner:
         for rows in captured:
             grads = cache.read_grad(rows.source, rows.layer)  # fp32 sums over every reader; rounded once here
             kv_grads += [(rows.layer, field, grad.to(field.dtype)) for field, grad in zip(rows.fields, grads)]
-        self._stage_backward(i, step.scaled(loss), kv_grads)
+        self._stage_backward(step, i, step.scaled(loss), kv_grads)
 
     def run_allocate_kv(self, x: AllocateKV, step: "StepState") -> None:
         sources = step.rank_plan.sources

@@ -206,8 +206,13 @@ class KVGeometry:
 
 
 def model_prefix_states(arch, tensor_parallel_size: int, dtype: torch.dtype) -> Tuple[PrefixState, ...]:
-    """What every layer of the model keeps for a cached prefix (megatron layer order)."""
-    return (PrefixState.softmax(arch.num_kv_heads // tensor_parallel_size, arch.head_dim, dtype=dtype),) * arch.num_layers
+    """What every layer of the model keeps for a cached prefix (megatron layer order): its
+    family's answer (:meth:`megatron_psrl.model.families.ModelFamily.prefix_states`)."""
+    states = tuple(arch.family.prefix_states(arch, tensor_parallel_size, dtype))
+    if len(states) != arch.num_layers:
+        raise ValueError(f"model family {arch.model_type!r} gave {len(states)} prefix states for "
+                         f"{arch.num_layers} layers")
+    return states
 
 
 @dataclass

@@ -49,11 +49,31 @@ KV_KINDS = VALUES_ONLY
 
 
 @dataclass(frozen=True)
+class ForwardPass:
+    """What one model forward of an instruction does besides running the model."""
+
+    graph: bool
+    """Builds an autograd graph (a backward follows, now or later)."""
+
+    writes: bool
+    """Writes the values of the sources its micro-batch produces into the KV cache."""
+
+    keeps_rows: bool
+    """Keeps its sources' rows in the graph, for the gradients readers inject at its backward."""
+
+    loss: bool = True
+    """Computes the loss of its claimed rows now (a dropped graph's comes with its recomputation)."""
+
+
+@dataclass(frozen=True)
 class Instruction:
     """One thing a rank does in a step."""
 
     pass_kind: ClassVar[Optional[str]] = None
     """The pass the expert lockstep counts for this instruction (None: it runs no model)."""
+
+    forward_pass: ClassVar[Optional[ForwardPass]] = None
+    """The model forward it runs (None: none)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,7 @@ class ForwardBackward(MicroBatchInstruction):
     copies and its graph only while it runs."""
 
     pass_kind: ClassVar[Optional[str]] = "P"
+    forward_pass: ClassVar[Optional[ForwardPass]] = ForwardPass(graph=True, writes=False, keeps_rows=False)
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,7 @@ class ForwardKeep(MicroBatchInstruction):
     memory: its graph and the copies it keeps stay until its backward."""
 
     pass_kind: ClassVar[Optional[str]] = "K"
+    forward_pass: ClassVar[Optional[ForwardPass]] = ForwardPass(graph=True, writes=True, keeps_rows=True)
 
 
 @dataclass(frozen=True)
@@ -92,6 +114,7 @@ class ForwardDrop(MicroBatchInstruction):
     only while it runs (and again in the recomputation)."""
 
     pass_kind: ClassVar[Optional[str]] = "N"
+    forward_pass: ClassVar[Optional[ForwardPass]] = ForwardPass(graph=False, writes=True, keeps_rows=False, loss=False)
 
 
 @dataclass(frozen=True)
@@ -101,6 +124,7 @@ class Forward(MicroBatchInstruction):
     Cache: writes the values of the sources read later on this rank, reads its cached prefixes."""
 
     pass_kind: ClassVar[Optional[str]] = "N"
+    forward_pass: ClassVar[Optional[ForwardPass]] = ForwardPass(graph=False, writes=True, keeps_rows=False)
 
 
 @dataclass(frozen=True)
@@ -118,6 +142,12 @@ class Backward(MicroBatchInstruction):
     def pass_kind(self) -> str:  # type: ignore[override]
         """A recomputing backward is one whole pass (its forward and backward) for the lockstep."""
         return "P" if self.recompute else "B"
+
+    @property
+    def forward_pass(self) -> Optional[ForwardPass]:  # type: ignore[override]
+        """A recomputing backward runs its producer's forward again, with a graph and its rows
+        kept (its values are in the cache already)."""
+        return ForwardPass(graph=True, writes=False, keeps_rows=True) if self.recompute else None
 
 
 @dataclass(frozen=True)

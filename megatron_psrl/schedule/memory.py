@@ -37,7 +37,6 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from megatron_psrl.kvcache.manager import CacheBudgetError, KVGeometry, choose_block_size
-from megatron_psrl.kvcache.prefix_state import ALL_ROLES, GRADS, VALUES
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.schedule import instructions as ins
 from megatron_psrl.schedule.plan import RankPlan

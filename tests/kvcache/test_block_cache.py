@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from megatron_psrl.data import make_workload
-from megatron_psrl.kvcache import ALL_ROLES, GRADS, VALUES, BlockKVCache, CacheBudgetError, KVGeometry, choose_block_size
+from megatron_psrl.kvcache import (
+    ALL_ROLES,
+    GRADS,
+    VALUES,
+    BlockKVCache,
+    CacheBudgetError,
+    KVGeometry,
+    choose_block_size,
+)
 from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.memory import plan_memory, simulated_peak_bytes
 from megatron_psrl.schedule.planner import plan_step

@@ -18,7 +18,6 @@ from megatron_psrl.schedule.planner import token_cost_function
 from megatron_psrl.tree import build_prefix_tree
 from megatron_psrl.tree.index import TreeIndex
 
-
 # what the memory plan reads of a KVGeometry: 64 bytes per token and kind over 2 layers, fp32
 _GEOMETRY = KVGeometry(num_layers=2, num_groups=1, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
 
