@@ -31,6 +31,10 @@ class MissingRequirementError(PsrlError, RuntimeError):
     """The machine lacks something the request needs (CUDA, an optional kernel package)."""
 
 
+class UnsupportedModelError(PsrlError, ValueError):
+    """The Hugging Face model uses a feature megatron_psrl does not implement."""
+
+
 class CheckpointError(PsrlError, ValueError):
     """A checkpoint or model file that is missing, truncated, corrupt or of the wrong shape.
 

@@ -42,6 +42,7 @@ from megatron_psrl.engine.calibration import MeasuredCosts, calibrate_for_planni
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, cost_model_for, same_layout
 from megatron_psrl.engine.optimizer import build_optimizer
+from megatron_psrl.engine.prefix_kv import check_prefix_taps
 from megatron_psrl.engine.runners import make_runner
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
@@ -243,6 +244,7 @@ def kv_geometry(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, spl
     tp, dtype, device = layout.tensor_parallel_size, config.torch_dtype, layout.device
     geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=layout.pp_rank,
                                     virtual_pipeline_size=vpp)
+    check_prefix_taps(arch, geometry)
     return geometry, KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, vpp)
 
 

@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length
+from megatron_psrl.engine.prefix_kv import check_prefix_taps
 from megatron_psrl.engine.runners import make_runner
 from megatron_psrl.engine.step import ComputedLogprobs, StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
@@ -84,6 +85,7 @@ def compute_logprobs(
     split = split_of_config(chunks[0].config) if len(chunks) == 1 else pp * len(chunks)
     geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=pp_rank,
                                     virtual_pipeline_size=len(chunks))
+    check_prefix_taps(arch, geometry)
     plan_geometry = KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, len(chunks))
     if whole_tree_reasons(pp, recompute=False, placement=placement):
         placement = "whole-tree"

@@ -18,7 +18,8 @@ import torch
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start
 from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
-from megatron_psrl.kvcache.prefix_state import VALUES
+from megatron_psrl.kvcache.prefix_state import VALUES, Tap
+from megatron_psrl.model.architecture import UnsupportedModelError
 from megatron_psrl.schedule.packing import PackedMicroBatch
 from megatron_psrl.schedule.plan import RankPlan
 
@@ -259,3 +260,16 @@ class CachedRead:
         k.register_hook(lambda g: cache.accumulate_grad(s, layer, g, None))
         v.register_hook(lambda g: cache.accumulate_grad(s, layer, None, g))
         return k, v
+
+
+def check_prefix_taps(arch, geometry) -> None:
+    """Refuse, before any step, a layer whose prefix state the engine cannot reach: its hook
+    (:class:`PrefixKV`) sits in megatron's core-attention slot, so it reads
+    and writes post-RoPE K/V only; the cache, the memory plan and the transports take any
+    :class:`~megatron_psrl.kvcache.prefix_state.PrefixState` already."""
+    for layer, state in zip(geometry.layers, geometry.layer_states):
+        if state.tap is not Tap.CORE_ATTENTION:
+            raise UnsupportedModelError(
+                f"model type {arch.model_type!r}: layer {layer} keeps its prefix as "
+                f"{'/'.join(f.name for f in state.fields)} at the {state.tap.value} tap, which prefix sharing "
+                f"cannot read or write yet (only softmax K/V in the core-attention slot)")

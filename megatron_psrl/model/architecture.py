@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_psrl.errors import CheckpointError, PsrlError
+from megatron_psrl.errors import CheckpointError, PsrlError, UnsupportedModelError  # noqa: F401  (re-exported)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
@@ -30,13 +30,13 @@ _REQUIRED = object()
 
 def _supported_model_types() -> Tuple[str, ...]:
     # the families import this module (its fields and errors): the registry is imported late
-    from megatron_psrl.model.families import supported_model_types
+    from megatron_psrl.model.families.registry import supported_model_types
 
     return supported_model_types()
 
 
 def _moe_model_types() -> Tuple[str, ...]:
-    from megatron_psrl.model.families import moe_model_types
+    from megatron_psrl.model.families.registry import moe_model_types
 
     return moe_model_types()
 
@@ -49,10 +49,6 @@ def __getattr__(name: str) -> Any:
     if name == "MOE_MODEL_TYPES":
         return _moe_model_types()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class UnsupportedModelError(PsrlError, ValueError):
-    """The Hugging Face model uses a feature megatron_psrl does not implement."""
 
 
 @dataclass
@@ -315,7 +311,7 @@ class ModelArchitecture:
                 f"unsupported model type {model_type!r} (normalisation, attention and MLP layout are "
                 f"known only for {', '.join(supported)})"
             )
-        from megatron_psrl.model.families import get_family
+        from megatron_psrl.model.families.registry import get_family
 
         family = get_family(model_type)
         act = hf.get("hidden_act", "silu")
@@ -422,7 +418,7 @@ class ModelArchitecture:
     @property
     def family(self):
         """The bundle of this model's family (:class:`megatron_psrl.model.families.ModelFamily`)."""
-        from megatron_psrl.model.families import get_family
+        from megatron_psrl.model.families.registry import get_family
 
         return get_family(self.model_type)
 

@@ -32,13 +32,10 @@ every rank of a group derives its stream from the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
 from megatron_psrl.kvcache.prefix_state import RELEASE_ALL, VALUES_ONLY
-from megatron_psrl.schedule.plan import RankPlan
-
-if TYPE_CHECKING:
-    from megatron_psrl.schedule.memory import MemoryPlan
+from megatron_psrl.schedule.plan import MemoryPlan, RankPlan
 
 ALL_KINDS = RELEASE_ALL
 """Every block a source holds (its gradients, then its values: the roles of
@@ -337,7 +334,7 @@ def lower_training(rank_plan: RankPlan, keep: Dict[int, bool], release_step: Dic
     return steps
 
 
-def training_instructions(rank_plan: RankPlan, memory: Optional["MemoryPlan"]) -> List[Instruction]:
+def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
     """The rank's training step as the memory plan lowered and counted it (kept or dropped
     graphs, when cached values go) with the step's communication explicit."""
     if memory is None:
@@ -373,6 +370,6 @@ def lower_forward(rank_plan: RankPlan, last_reader: Dict[int, int]) -> List[Lowe
     return steps
 
 
-def forward_instructions(rank_plan: RankPlan, memory: Optional["MemoryPlan"]) -> List[Instruction]:
+def forward_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
     """The rank's forward-only pass as its memory plan lowered and counted it."""
     return flatten(lower_forward(rank_plan, memory.kv_release_step if rank_plan.sources else {}))

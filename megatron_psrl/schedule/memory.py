@@ -39,7 +39,7 @@ import numpy as np
 from megatron_psrl.kvcache.manager import CacheBudgetError, KVGeometry, choose_block_size
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.schedule import instructions as ins
-from megatron_psrl.schedule.plan import RankPlan
+from megatron_psrl.schedule.plan import MemoryPlan, RankPlan
 from megatron_psrl.tree.index import TreeIndex, chain_structure
 
 # The norms' internals and statistics and the attention's log-sum-exp stay fp32 in any dtype.
@@ -186,39 +186,6 @@ class VarlenCharge:
     def held(self, shape: Tuple[int, int, int], tokens: int) -> int:
         segments, longest, _ = shape
         return max(0, segments * longest - tokens) * self.lse_bytes_per_row
-
-
-@dataclass
-class MemoryPlan:
-    """Decisions for one rank and step."""
-
-    block_size: int
-    """Tokens per KV block (chosen from the sources' lengths)."""
-
-    pool_blocks: int
-    """Blocks in the cache's pools together (each pool's simulated peak; never above the budget)."""
-
-    keep_graph: Dict[int, bool]
-    """Producer micro-batch -> keep its autograd graph (else recompute its forward)."""
-
-    kv_release_step: Dict[int, int]
-    """Source -> index of the schedule step after which its K/V blocks are freed."""
-
-    peak_bytes: int
-    """Simulated peak of blocks + retained graphs."""
-
-    recompute_tokens: int = 0
-    """Tokens whose forward is recomputed (producers that drop their graph)."""
-
-    timeline_bytes: List[int] = field(default_factory=list)
-    """Simulated bytes held after every schedule step."""
-
-    gathers_in_backward: bool = False
-    """Readers gather cached K/V again in their backward pass instead of keeping copies (the
-    runner reads the cache that way, and K/V blocks stay until the last such re-read)."""
-
-    pool_sizes: Tuple[int, ...] = ()
-    """Blocks of each of the cache's pools (``KVGeometry.pools`` order): its simulated peak."""
 
 
 def _source_blocks(geometry: KVGeometry, length: int, roles, block_size: int) -> np.ndarray:

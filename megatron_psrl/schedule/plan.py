@@ -35,6 +35,39 @@ class PlanInvariantError(AssertionError):
 
 
 @dataclass
+class MemoryPlan:
+    """Decisions for one rank and step."""
+
+    block_size: int
+    """Tokens per KV block (chosen from the sources' lengths)."""
+
+    pool_blocks: int
+    """Blocks in the cache's pools together (each pool's simulated peak; never above the budget)."""
+
+    keep_graph: Dict[int, bool]
+    """Producer micro-batch -> keep its autograd graph (else recompute its forward)."""
+
+    kv_release_step: Dict[int, int]
+    """Source -> index of the schedule step after which its K/V blocks are freed."""
+
+    peak_bytes: int
+    """Simulated peak of blocks + retained graphs."""
+
+    recompute_tokens: int = 0
+    """Tokens whose forward is recomputed (producers that drop their graph)."""
+
+    timeline_bytes: List[int] = field(default_factory=list)
+    """Simulated bytes held after every schedule step."""
+
+    gathers_in_backward: bool = False
+    """Readers gather cached K/V again in their backward pass instead of keeping copies (the
+    runner reads the cache that way, and K/V blocks stay until the last such re-read)."""
+
+    pool_sizes: Tuple[int, ...] = ()
+    """Blocks of each of the cache's pools (``KVGeometry.pools`` order): its simulated peak."""
+
+
+@dataclass
 class CachedSource:
     """A chain of tree tokens whose K/V one micro-batch produces for later ones."""
 

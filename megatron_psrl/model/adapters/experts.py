@@ -122,7 +122,7 @@ def unfuse_experts(state: Dict[str, Tensor], model_type: Optional[str] = None) -
     ``model_type`` None: read from the state dict's attention and MLP tensors
     (:func:`_infer_model_type`)."""
     # imported here: the families refer to the adapter classes of this package
-    from megatron_psrl.model.families import get_family
+    from megatron_psrl.model.families.registry import get_family
 
     adapter = get_family(model_type or _infer_model_type(state)).adapter  # the family's checkpoint names
     block, (gate, up, down) = adapter.hf_moe_block, adapter.hf_expert_projections

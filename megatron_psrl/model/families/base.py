@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Mapping, Option
 import torch
 import torch.nn.functional as F
 
-from megatron_psrl.model.architecture import UnsupportedModelError
+from megatron_psrl.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from megatron_psrl.kvcache.prefix_state import PrefixState

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from megatron_psrl.errors import UnsupportedModelError
 from megatron_psrl.model.adapters.mixtral import MixtralAdapter
-from megatron_psrl.model.architecture import UnsupportedModelError
 from megatron_psrl.model.families.base import TINY_BASE, NumberReader
 from megatron_psrl.model.families.moe import MoEFamily, num_experts
 from megatron_psrl.model.families.registry import register_family

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict
 
-from megatron_psrl.model.architecture import UnsupportedModelError
+from megatron_psrl.errors import UnsupportedModelError
 from megatron_psrl.model.families.base import FP32_BYTES, LayerSpecChoices, LlamaLikeFamily, NumberReader
 
 if TYPE_CHECKING:

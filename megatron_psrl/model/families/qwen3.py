@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from megatron_psrl.errors import UnsupportedModelError
 from megatron_psrl.model.adapters.qwen import Qwen3Adapter
-from megatron_psrl.model.architecture import UnsupportedModelError
 from megatron_psrl.model.families.base import TINY_BASE, LlamaLikeFamily, refuse_sliding_window
 from megatron_psrl.model.families.registry import register_family
 

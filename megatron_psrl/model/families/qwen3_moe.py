@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from megatron_psrl.errors import UnsupportedModelError
 from megatron_psrl.model.adapters.qwen3_moe import Qwen3MoeAdapter
-from megatron_psrl.model.architecture import UnsupportedModelError
 from megatron_psrl.model.families.base import TINY_BASE, NumberReader
 from megatron_psrl.model.families.moe import MoEFamily, num_experts, refuse_dense_layers
 from megatron_psrl.model.families.qwen3 import Qwen3Family

@@ -9,15 +9,15 @@ this module directly also sees them.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Dict, Tuple
+from typing import Any, Dict, Tuple
 
-from megatron_psrl.model.architecture import UnsupportedModelError
+from megatron_psrl.errors import UnsupportedModelError
 
-if TYPE_CHECKING:
-    from megatron_psrl.model.architecture import ModelArchitecture
-    from megatron_psrl.model.families.base import ModelFamily
+# (The registry sits below the families and the architecture, which both use it: it imports
+# neither, so a family is typed ``Any`` here, a ``model.families.base.ModelFamily``.)
+ModelFamily = Any
 
-_FAMILIES: Dict[str, "ModelFamily"] = {}
+_FAMILIES: Dict[str, ModelFamily] = {}
 
 
 def _builtins() -> Dict[str, "ModelFamily"]:
@@ -48,8 +48,8 @@ def get_family(model_type: str) -> "ModelFamily":
     return families[model_type]
 
 
-def family_of(arch: "ModelArchitecture") -> "ModelFamily":
-    """The family of an architecture."""
+def family_of(arch) -> "ModelFamily":
+    """The family of a :class:`~megatron_psrl.model.architecture.ModelArchitecture`."""
     return get_family(arch.model_type)
 
 
