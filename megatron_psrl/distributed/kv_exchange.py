@@ -49,7 +49,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_psrl.kvcache.prefix_state import PrefixState
+from megatron_psrl.kvcache.prefix_state import GRAD_DTYPE, PrefixState
 
 Tensor = torch.Tensor
 
@@ -75,15 +75,18 @@ def _rows_to_send(k: Tensor, v: Tensor, send_rows: Tensor, state: PrefixState) -
 
 
 def _add_returned_grads(grad_k: Optional[Tensor], grad_v: Optional[Tensor], shapes, send_rows: Tensor,
-                        back: Tensor, state: PrefixState) -> Tuple[Tensor, Tensor]:
-    """The gradients of ``k`` / ``v`` (``shapes``): what reached them here (None: nothing) plus
-    the gradients ``back`` ``[n_send, *row_shape]`` the readers returned for the rows sent."""
+                        back: Tensor, state: PrefixState, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """The gradients of ``k`` / ``v`` (``shapes``, ``dtype``): what reached them here (None:
+    nothing) plus the fp32 gradients ``back`` ``[n_send, *row_shape]`` the readers returned for
+    the rows sent, summed in fp32 and rounded once (a bf16 sum over many readers would lose
+    about 1e-2, as in the KV cache)."""
     back_k, back_v = state.unpack_rows(back)
-    gk = grad_k.clone() if grad_k is not None else back.new_zeros(shapes[0])
-    gv = grad_v.clone() if grad_v is not None else back.new_zeros(shapes[1])
-    gk.index_add_(0, send_rows, back_k.to(gk.dtype))
-    gv.index_add_(0, send_rows, back_v.to(gv.dtype))
-    return gk, gv
+    # (copies: autograd's incoming gradients are not added to in place)
+    gk = grad_k.to(GRAD_DTYPE, copy=True) if grad_k is not None else back.new_zeros(shapes[0], dtype=GRAD_DTYPE)
+    gv = grad_v.to(GRAD_DTYPE, copy=True) if grad_v is not None else back.new_zeros(shapes[1], dtype=GRAD_DTYPE)
+    gk.index_add_(0, send_rows, back_k.to(GRAD_DTYPE))
+    gv.index_add_(0, send_rows, back_v.to(GRAD_DTYPE))
+    return gk.to(dtype), gv.to(dtype)
 
 
 class ExchangeKV(torch.autograd.Function):
@@ -109,11 +112,11 @@ class ExchangeKV(torch.autograd.Function):
         (send_rows,) = ctx.saved_tensors
         send_counts, recv_counts = ctx.counts
         if grad_received is None:  # this rank attended to none of the rows it received
-            grad_received = torch.zeros((int(sum(recv_counts)),) + ctx.state.row_shape, dtype=ctx.dtype,
+            grad_received = torch.zeros((int(sum(recv_counts)),) + ctx.state.row_shape, dtype=GRAD_DTYPE,
                                         device=send_rows.device)
-        # What each owner gets back: the gradients of the rows it sent (reverse direction).
-        back = _all_to_all(grad_received, recv_counts, send_counts, ctx.group)  # [n_send, *row_shape]
-        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shapes, send_rows, back, ctx.state)
+        # What each owner gets back: the gradients of the rows it sent (reverse direction), in fp32.
+        back = _all_to_all(grad_received.to(GRAD_DTYPE), recv_counts, send_counts, ctx.group)  # [n_send, *row_shape]
+        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shapes, send_rows, back, ctx.state, ctx.dtype)
         return gk, gv, None, None, None, None, None
 
 
@@ -247,11 +250,11 @@ class ExchangeInFlight:
 
     def return_grad(self, grad_buffer: Tensor) -> None:
         """Start sending the gradients of the received rows back to their owners (the padded
-        layout of ``buffer``; padding rows carry zeros): the reverse all-to-all, asynchronous.
-        :meth:`returned_grad` waits for it."""
+        layout of ``buffer``; padding rows carry zeros) in fp32, whatever the model dtype: the
+        reverse all-to-all, asynchronous. :meth:`returned_grad` waits for it."""
         if self.returning_grad:
             raise RuntimeError("the gradients of this exchange were returned already")
-        grad_buffer = grad_buffer.contiguous()
+        grad_buffer = grad_buffer.to(GRAD_DTYPE).contiguous()
         if tuple(grad_buffer.shape) != self.buffer_like[0]:
             raise ValueError(f"gradient of shape {tuple(grad_buffer.shape)} for a receive buffer of shape "
                              f"{self.buffer_like[0]}")
@@ -261,7 +264,7 @@ class ExchangeInFlight:
                                                  padded_counts(self.recv_counts), group=self.group, async_op=True)
 
     def returned_grad(self) -> Tensor:
-        """``[n_send, *row_shape]``: the gradients of the rows this rank sent (waits for them)."""
+        """``[n_send, *row_shape]``: the fp32 gradients of the rows this rank sent (waits for them)."""
         if self._grad_work is not None:
             t0 = time.perf_counter()
             self._grad_work.wait()
@@ -287,7 +290,7 @@ class ExchangeKVAsync(torch.autograd.Function):
         box.append(exchange)
         ctx.save_for_backward(send_rows)
         ctx.exchange = exchange
-        ctx.shapes = (k.shape, v.shape)
+        ctx.shapes, ctx.dtype = (k.shape, v.shape), k.dtype
         return k.view_as(k), v.view_as(v), exchange.buffer.view_as(exchange.buffer)
 
     @staticmethod
@@ -301,7 +304,7 @@ class ExchangeKVAsync(torch.autograd.Function):
             exchange.return_grad(grad_buffer)
         back = exchange.returned_grad()  # [n_send, *row_shape]
         ctx.exchange = None
-        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shapes, send_rows, back, exchange.state)
+        gk, gv = _add_returned_grads(grad_k, grad_v, ctx.shapes, send_rows, back, exchange.state, ctx.dtype)
         return gk, gv, None, None, None, None, None, None
 
 

@@ -150,7 +150,8 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         for b, (shape, dtype, device) in enumerate(ctx.buffer_like):
             if not ctx.needs_input_grad[_LEADING_INPUTS + n_pairs + b]:
                 continue
-            d = torch.zeros(shape, dtype=dtype, device=device)
+            # The readers' gradients go back unrounded: their owner sums them in fp32 (kv_exchange).
+            d = torch.zeros(shape, dtype=torch.float32, device=device)
             exchange = None
             for j in arriving:
                 r = readers[j]
@@ -160,7 +161,7 @@ class BlockwiseTreeAttention(torch.autograd.Function):
                     rows_v.copy_(d_ext_v[j])
                     exchange = r.exchange
             exchange.return_grad(d)
-            d_buffers[b] = d
+            d_buffers[b] = d.to(dtype)  # (autograd's; the exchange already sent the fp32 one)
         for a, b, c in _segments(plan):
             e = c + b - a  # the segment's causal keys c:e (c == a unless the queries are a subset)
             g = partial_attention_backward(dout[a:b], q[a:b], k[c:e], v[c:e], out[a:b], lse[a:b], True, scale, impl)
