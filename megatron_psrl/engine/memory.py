@@ -121,7 +121,8 @@ class PeakMemory:
         if not self.enabled:
             return self
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # (no synchronize: the caching allocator counts a tensor when the host enqueues its
+            # allocation and its free, so its statistics need no wait for the device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start_bytes = torch.cuda.memory_allocated(self.device)
         elif _MALLINFO2 is not None:
@@ -134,7 +135,6 @@ class PeakMemory:
         if not self.enabled:
             return
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         elif self._mode is not None:
             self._mode.__exit__(*exc)

@@ -442,7 +442,8 @@ class StepRunner:
                       memory: Optional[MemoryPlan] = None) -> np.ndarray:
         """float64 ``[S]``: this rank's share of every sample's ``loss.token_terms`` sum (forward
         only; the caller sums over ranks). The first pass of a :class:`SequenceLoss`."""
-        sums = np.zeros(plan.tree.batch.num_samples)
+        # summed on the device, read once after the pass (not once per micro-batch)
+        sums = torch.zeros(plan.tree.batch.num_samples, dtype=torch.float64, device=self.device)
         coefficients = claim_coefficients(plan.tree, "token-mean")
 
         class _Collect:
@@ -450,11 +451,11 @@ class StepRunner:
 
             def __call__(self, logprobs, entropy, claims):
                 view = ClaimView.of(logprobs, entropy, claims)
-                np.add.at(sums, claims.sample.cpu().numpy(), loss.token_terms(view).double().cpu().numpy())
+                sums.index_add_(0, claims.sample, loss.token_terms(view).double())
                 return logprobs.sum() * 0.0, {}
 
         self._forward_only(plan, rank, memory, claims_loss=_Collect(), coefficients=coefficients)
-        return self._from_loss_stage(sums)
+        return self._from_loss_stage(sums.cpu().numpy())
 
     @torch.no_grad()
     def logprobs(self, plan: StepPlan, rank: int, memory: Optional[MemoryPlan] = None,

@@ -348,8 +348,8 @@ class BlockKVCache:
             self._tables[(source_id, j, kind)] = blocks
             slots = (blocks[:, None] * per_block + np.arange(per_block)[None, :]).reshape(-1)[:n_slots]
             self._slots[(source_id, j, kind)] = host_to_device(slots, self.geometry.device)
-            if p.state.is_grad(kind):
-                self._storage[j][:, blocks] = 0
+            if p.state.is_grad(kind):  # (a host index on a device tensor would copy it pageable, and wait)
+                self._storage[j].index_fill_(1, host_to_device(blocks, self.geometry.device), 0)
             self.metrics.allocated_slots += n_blocks * per_block
             self.metrics.used_slots += n_slots
         self._record_use()
