@@ -49,6 +49,17 @@ def te_builds_with_model() -> bool:
     return torch.cuda.is_available()
 
 
+def saved_bytes_per_token(num_heads: int, num_kv_heads: int, head_dim: int, tensor_parallel_size: int,
+                          dtype_bytes: int) -> int:
+    """Bytes per token this core attention saves for backward in one layer, beyond the fused QKV
+    output (the value is a view of it): the query and key after RoPE, the output, and the fp32
+    log-sum-exp. The same for every modelled backend (``torch`` saves its inputs; ``flash`` and
+    ``te`` save the pack's K/V and gather again in backward)."""
+    hd, tp = head_dim, tensor_parallel_size
+    q, kv = num_heads * hd // tp, num_kv_heads * hd // tp
+    return (2 * q + kv) * dtype_bytes + 4 * (q // hd)  # (the log-sum-exp is fp32 in any dtype)
+
+
 class PrefixSharingAttention(MegatronModule):
     """Exact prefix-sharing core attention (TE-compatible constructor and forward).
 

@@ -29,10 +29,18 @@ is still queued after ``PSRL_EMULATE_NCCL_TIMEOUT`` seconds (default: the proces
 naming the operation, where it was posted, and what the pair's stream is blocked on: what NCCL
 would do is hang there.
 
+- **a group's first operation waits for every member**: NCCL creates a group's communicator
+  lazily, at its first operation (unless the process group was bound to a device,
+  ``init_process_group(device_id=...)``), and creating it blocks until every member of the group
+  reaches a first operation on it. A rank whose first operation on a group is queued behind
+  something that waits for a member still busy elsewhere (a collective on another group, a host
+  read of a result) hangs. Under the emulation, every rank's first operation on a gloo group,
+  point-to-point or collective, waits until all members have reached theirs (counted in the
+  default store), and reports a hang past the timeout. ``initialize_parallel`` runs one
+  collective on every group at start-up for that reason (``warm_up_groups``).
+
 What it does not model: a real NCCL send of a few bytes may complete into the peer's buffer
-before the peer's receive runs (the emulation is stricter: a rendezvous for every message), and
-the coalesced path's use of the group's collective communicator (its first use needs every rank
-of the group). Host-side waits block (``work.wait()`` on NCCL only makes the compute stream
+before the peer's receive runs (the emulation is stricter: a rendezvous for every message). Host-side waits block (``work.wait()`` on NCCL only makes the compute stream
 wait), which is equivalent here because an NCCL operation is ordered after the compute queued
 before it was posted.
 """
@@ -44,6 +52,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
@@ -61,6 +70,15 @@ TIMEOUT_ENV = "PSRL_EMULATE_NCCL_TIMEOUT"
 _PG = dist.ProcessGroup
 _ORIGINAL = {"send": _PG.send, "recv": _PG.recv, "recv_anysource": _PG.recv_anysource,
              "batch_isend_irecv": dist.batch_isend_irecv, "_coalescing_manager": dist._coalescing_manager}
+_COLLECTIVES = tuple(name for name in (
+    "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "allgather",
+    "_allgather_base", "all_gather_single", "all_gather_single_coalesced", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "broadcast", "reduce", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "gather",
+    "scatter", "barrier", "monitored_barrier") if hasattr(_PG, name))
+"""The collectives of a process group whose first use the emulation gates (those this torch has)."""
+_ORIGINAL.update({name: getattr(_PG, name) for name in _COLLECTIVES})
+_FIRST_USE_KEY = "psrl-nccl-emulation-first-use/"
 _TAG_SPACE = 1 << 30  # gloo takes 32-bit tags: sequence numbers wrap (far beyond any step)
 _THREAD_GRACE_S = 2.0
 
@@ -231,6 +249,38 @@ class _Emulator:
         self.streams: Dict[Tuple[int, int], _PairStream] = {}
         self.groups = threading.local()  # pg id -> the ops of the group being posted on this thread
         self._lock = threading.Lock()
+        self.first_used: set = set()
+        """Names of the groups this rank has reached a first operation on."""
+
+    @staticmethod
+    def is_gloo(pg) -> bool:
+        try:
+            return isinstance(pg._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+        except (RuntimeError, AttributeError):
+            return False
+
+    def first_use(self, pg, what: str) -> None:
+        """NCCL's lazy communicator: this rank's first operation on ``pg`` waits until every
+        member has reached a first operation on it (module docstring)."""
+        name = getattr(pg, "group_name", None)
+        if name is None or name in self.first_used or not self.is_gloo(pg):
+            return
+        self.first_used.add(name)
+        store = dist.distributed_c10d._get_default_store()
+        key = _FIRST_USE_KEY + name
+        members = pg.size()
+        store.add(key, 1)
+        deadline = time.monotonic() + self.timeout_s
+        while store.add(key, 0) < members:
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"NCCL emulation ({EMULATE_ENV}=1): rank {dist.get_rank()}'s first operation on group "
+                    f"{name!r} ({what}, posted at {_call_site()}) waited {self.timeout_s:g} s for the group's "
+                    f"{members - store.add(key, 0)} other members to reach a first operation on it: under NCCL "
+                    "this hangs (a group's communicator is created at its first operation, by every member "
+                    "together). Create communicators eagerly: init_process_group(device_id=...) and one "
+                    "collective per group at start-up (initialize_parallel does both).")
+            time.sleep(0.005)
 
     def emulates(self, pg, tensor: torch.Tensor) -> bool:
         try:
@@ -241,6 +291,7 @@ class _Emulator:
     def p2p(self, pg, is_send: bool, tensors, peer: int, tag: int, original):
         if len(tensors) != 1 or not self.emulates(pg, tensors[0]):
             return original(pg, tensors, peer, tag)
+        self.first_use(pg, "isend" if is_send else "irecv")
         op = _Op(is_send, tensors[0], int(peer), _call_site())
         group = getattr(self.groups, "open", {}).get(id(pg))
         if group is not None:  # posted with its group when the group closes
@@ -284,6 +335,7 @@ class _Emulator:
             for stream in self.streams.values():
                 stream.close()
             self.streams.clear()
+            self.first_used.clear()  # (a new process group numbers its groups again)
 
 
 class _OpenGroup:
@@ -360,6 +412,17 @@ def install(timeout_s: Optional[float] = None) -> bool:
                 else:
                     p2p.work.wait()
 
+    def gated(name):
+        original = _ORIGINAL[name]
+
+        def collective(pg, *args, **kwargs):
+            emulator.first_use(pg, name)
+            return original(pg, *args, **kwargs)
+
+        return collective
+
+    for name in _COLLECTIVES:
+        setattr(_PG, name, gated(name))
     _PG.send, _PG.recv, _PG.recv_anysource = send, recv, recv_anysource
     for module in (dist, dist.distributed_c10d):
         module.batch_isend_irecv = batch_isend_irecv
@@ -373,6 +436,8 @@ def uninstall() -> None:
         return
     _EMULATOR.pop().close()
     _PG.send, _PG.recv, _PG.recv_anysource = _ORIGINAL["send"], _ORIGINAL["recv"], _ORIGINAL["recv_anysource"]
+    for name in _COLLECTIVES:
+        setattr(_PG, name, _ORIGINAL[name])
     for module in (dist, dist.distributed_c10d):
         module.batch_isend_irecv = _ORIGINAL["batch_isend_irecv"]
         module._coalescing_manager = _ORIGINAL["_coalescing_manager"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,28 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
+def _init_process_group(dev: torch.device, timeout_minutes: float) -> None:
+    """torch.distributed's default process group, from torchrun's, another launcher's or no
+    environment."""
+    # On CUDA: NCCL for tensors on the GPU and gloo for CPU tensors (object collectives,
+    # small metadata), so neither kind of collective can hit a backend that lacks it.
+    backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+    timeout = timeout_delta(timeout_minutes)
+    # Bound to its GPU, the process group creates NCCL communicators eagerly (the default
+    # group's now, megatron's groups as they are made): lazily, a group's communicator is
+    # made at its first operation by all members together, which deadlocks a rank whose first
+    # operation there waits behind a peer busy elsewhere.
+    eager = dict(device_id=dev) if dev.type == "cuda" else {}
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun
+        dist.init_process_group(backend=backend, store=worker_group_store(timeout), timeout=timeout,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **eager)
+    elif "RANK" in os.environ:  # another launcher
+        dist.init_process_group(backend=backend, timeout=timeout, **eager)
+    else:  # a plain single process; no environment variables are set (children inherit them)
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                world_size=1, timeout=timeout, **eager)
+
+
 def initialize_parallel(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
@@ -117,18 +139,7 @@ def initialize_parallel(
     experts split over that many data-parallel ranks (megatron's expert-parallel groups)."""
     dev = pick_device(device)
     if not dist.is_initialized():
-        # On CUDA: NCCL for tensors on the GPU and gloo for CPU tensors (object collectives,
-        # small metadata), so neither kind of collective can hit a backend that lacks it.
-        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
-        timeout = timeout_delta(timeout_minutes)
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun
-            dist.init_process_group(backend=backend, store=worker_group_store(timeout), timeout=timeout,
-                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        elif "RANK" in os.environ:  # another launcher
-            dist.init_process_group(backend=backend, timeout=timeout)
-        else:  # a plain single process; no environment variables are set (children inherit them)
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                    world_size=1, timeout=timeout)
+        _init_process_group(dev, timeout_minutes)
     # PSRL_EMULATE_NCCL=1: point-to-point on gloo behaves as on NCCL (CI catches ordering hangs)
     nccl_emulation.install(timeout_delta(timeout_minutes).total_seconds())
     world = dist.get_world_size()
@@ -161,6 +172,8 @@ def initialize_parallel(
             expert_model_parallel_size=expert_model_parallel_size, expert_tensor_parallel_size=1,
             distributed_timeout_minutes=timeout_delta(timeout_minutes).total_seconds() / 60.0,
         )
+    if dev.type == "cuda" or nccl_emulation.enabled():
+        warm_up_groups(dev)
     seed_model_parallel_rng(seed, dev)
     return ParallelLayout(
         rank=dist.get_rank(),
@@ -176,6 +189,47 @@ def initialize_parallel(
         device=dev,
         monitor=_monitor(timeout_minutes),
     )
+
+
+def megatron_groups() -> List:
+    """This rank's process groups of megatron's parallel state, each once, in an order every
+    rank shares (groups of one kind are disjoint: each rank meets its own of every kind in turn)."""
+    getters = [
+        lambda: dist.group.WORLD,
+        parallel_state.get_tensor_model_parallel_group,
+        parallel_state.get_pipeline_model_parallel_group,
+        parallel_state.get_data_parallel_group,
+        parallel_state.get_context_parallel_group,
+        lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
+        parallel_state.get_tensor_and_context_parallel_group,
+        parallel_state.get_model_parallel_group,
+        parallel_state.get_expert_model_parallel_group,
+        parallel_state.get_expert_tensor_parallel_group,
+        parallel_state.get_expert_data_parallel_group,
+        parallel_state.get_expert_tensor_and_model_parallel_group,
+        parallel_state.get_expert_tensor_model_pipeline_parallel_group,
+        lambda: parallel_state.get_embedding_group(check_initialized=False),
+        lambda: parallel_state.get_position_embedding_group(check_initialized=False),
+    ]
+    groups, seen = [], set()
+    for getter in getters:
+        try:
+            group = getter()
+        except (AssertionError, AttributeError, RuntimeError, TypeError):
+            continue  # a kind this megatron does not make, or this rank is in none of
+        if group is not None and id(group) not in seen and dist.get_rank(group) >= 0:
+            seen.add(id(group))
+            groups.append(group)
+    return groups
+
+
+def warm_up_groups(device: torch.device, groups: Optional[List] = None) -> None:
+    """One collective on every group (``groups``; default: :func:`megatron_groups`) at
+    start-up, so that no group's NCCL communicator is first made in the middle of a step
+    (``device``: the tensor's, the backend that gets the communicator)."""
+    probe = torch.zeros(1, device=device)
+    for group in megatron_groups() if groups is None else groups:
+        dist.all_reduce(probe, group=group)
 
 
 _MONITORS: Dict[str, CollectiveMonitor] = {}

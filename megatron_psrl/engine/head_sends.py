@@ -48,7 +48,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.host_copy import host_to_device
-from megatron_psrl.kvcache.manager import BlockKVCache
+from megatron_psrl.kvcache.manager import (
+    BlockKVCache,
+    accumulate_source_grad_rows,
+    source_row_shape,
+    source_rows,
+    write_source_rows,
+)
 from megatron_psrl.schedule.plan import StepPlan
 
 Tensor = torch.Tensor
@@ -165,12 +171,12 @@ class HeadSends:
     @property
     def row_shape(self):
         """``(layers, *row_shape)``: one token of a head, every layer of this rank."""
-        return self.cache.source_row_shape
+        return source_row_shape(self.cache.geometry)
 
     # ------------------------------------------------------------------ phase 2
     def _stacked(self, s: int, grads: bool) -> Tensor:
         """``[n, layers, *row_shape]``: a source's values (or fp32 gradients) of every layer of this rank."""
-        return self.cache.source_rows(s, grads=grads)
+        return source_rows(self.cache, s, grads=grads)
 
     def after_forward(self, i: int) -> None:
         """Micro-batch ``i`` ran forward: keep a copy of the heads it exports (the step's next
@@ -195,7 +201,7 @@ class HeadSends:
             buf = self._heads.pop((t, j))
             for s in sources:
                 rows = host_to_device(index.position[self.plan.ranks[self.rank].sources[s].tokens], buf.device)
-                self.cache.write_source_rows(s, buf.index_select(0, rows))
+                write_source_rows(self.cache, s, buf.index_select(0, rows))
 
     # ------------------------------------------------------------------ phase 3
     def return_grads(self, i: int) -> None:
@@ -229,7 +235,7 @@ class HeadSends:
                 self._wait("grads", r)
                 if len(grad) < n:  # a copy that imports fewer rows returns fewer
                     grad = torch.cat([grad, grad.new_zeros((n - len(grad),) + self.row_shape)])
-                self.cache.accumulate_source_grad_rows(s, grad)
+                accumulate_source_grad_rows(self.cache, s, grad)
 
     def finish(self) -> None:
         """The step's messages are complete (their buffers may go)."""

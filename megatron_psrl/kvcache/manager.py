@@ -425,33 +425,39 @@ class BlockKVCache:
         return tuple(view.index_select(0, self._slots[(source_id, j, f.grad_kind)]).view(
             (-1,) + f.shape if state.per_token else f.shape) for f in state.fields if f.has_grad)
 
-    # ------------------------------------------------------------------ every layer at once
-    @property
-    def source_row_shape(self) -> Tuple[int, ...]:
-        """``(layers, *row_shape)`` of one token of a source over every layer of this rank
-        (:meth:`source_rows`; :attr:`PrefixState.row_shape`); one per-token pool only."""
-        pools = self.pools
-        if len(pools) != 1 or not pools[0].state.per_token:
-            raise NotImplementedError("moving a source's every layer as one row needs one per-token pool; "
-                                      f"this cache has {[p.state.storage.value for p in pools]}")
-        return (self.geometry.num_layers,) + pools[0].state.row_shape
 
-    def source_rows(self, source_id: int, grads: bool = False) -> Tensor:
-        """``[n, layers, *row_shape]``: a source's values (or fp32 gradients) of every layer of
-        this rank, each token's fields in one row (:meth:`PrefixState.pack_rows`)."""
-        read = self.read_grad if grads else (lambda s, layer: self.read(s, layer, count=False))
-        state = self.pools[0].state
-        return torch.stack([state.pack_rows(read(source_id, layer)) for layer in self.geometry.layers], dim=1)
+# ---------------------------------------------------------------------- a source's every layer at once
+# Functions of any cache with the per-layer API (``read``, ``read_grad``, ``write``,
+# ``accumulate_grad`` and a ``geometry``): head sends and replica gradients move a source's rows
+# of every layer as one tensor.
+def source_row_shape(geometry: KVGeometry) -> Tuple[int, ...]:
+    """``(layers, *row_shape)`` of one token of a source over every layer of this rank
+    (:func:`source_rows`; :attr:`PrefixState.row_shape`); a cache of one per-token pool only."""
+    pools = geometry.pools
+    if len(pools) != 1 or not pools[0].state.per_token:
+        raise NotImplementedError("moving a source's every layer as one row needs one per-token pool; "
+                                  f"this cache has {[p.state.storage.value for p in pools]}")
+    return (geometry.num_layers,) + pools[0].state.row_shape
 
-    def write_source_rows(self, source_id: int, rows: Tensor) -> None:
-        """:meth:`write` every layer from ``[n, layers, *row_shape]`` rows."""
-        state = self.pools[0].state
-        for li, layer in enumerate(self.geometry.layers):
-            self.write(source_id, layer, *state.unpack_rows(rows[:, li]))
 
-    def accumulate_source_grad_rows(self, source_id: int, rows: Tensor) -> None:
-        """:meth:`accumulate_grad` every layer from ``[n, layers, *row_shape]`` gradient rows."""
-        state = self.pools[0].state
-        for li, layer in enumerate(self.geometry.layers):
-            self.accumulate_grad(source_id, layer, *state.unpack_rows(rows[:, li]))
+def source_rows(cache, source_id: int, grads: bool = False) -> Tensor:
+    """``[n, layers, *row_shape]``: a source's values (or fp32 gradients) of every layer of this
+    rank, each token's fields in one row (:meth:`PrefixState.pack_rows`)."""
+    source_row_shape(cache.geometry)  # (refuses caches it does not apply to)
+    read = cache.read_grad if grads else (lambda s, layer: cache.read(s, layer, count=False))
+    g = cache.geometry
+    return torch.stack([g.state_of(layer).pack_rows(read(source_id, layer)) for layer in g.layers], dim=1)
 
+
+def write_source_rows(cache, source_id: int, rows: Tensor) -> None:
+    """``cache.write`` every layer of a source from ``[n, layers, *row_shape]`` rows."""
+    g = cache.geometry
+    for li, layer in enumerate(g.layers):
+        cache.write(source_id, layer, *g.state_of(layer).unpack_rows(rows[:, li]))
+
+
+def accumulate_source_grad_rows(cache, source_id: int, rows: Tensor) -> None:
+    """``cache.accumulate_grad`` every layer of a source from ``[n, layers, *row_shape]`` rows."""
+    g = cache.geometry
+    for li, layer in enumerate(g.layers):
+        cache.accumulate_grad(source_id, layer, *g.state_of(layer).unpack_rows(rows[:, li]))

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from megatron_psrl.attention.core_attention import saved_bytes_per_token
 from megatron_psrl.kvcache.manager import CacheBudgetError, KVGeometry, choose_block_size
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.schedule import instructions as ins
@@ -86,7 +87,11 @@ def attention_saved_bytes_per_token(arch: ModelArchitecture, tensor_parallel_siz
     varlen kernels hold beyond this count (their gathered copies while a layer runs, softmax
     statistics padded to segments x longest segment) is :class:`VarlenCharge`'s, per micro-batch."""
     _check_backend(backend)
-    return arch.family.attention_saved_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+    family = getattr(arch, "family", None)  # (a bare attention shape has none: the core attention's count)
+    if family is not None:
+        return family.attention_saved_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+    return saved_bytes_per_token(arch.num_attention_heads, arch.num_kv_heads, arch.head_dim, tensor_parallel_size,
+                                 dtype_bytes)
 
 
 def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int,

@@ -201,9 +201,10 @@ class LlamaLikeFamily(ModelFamily):
         """Beyond the fused QKV output (the value is a view of it): the query and key after
         RoPE, the output, and the fp32 log-sum-exp. The same for every modelled backend (see
         :func:`megatron_psrl.schedule.memory.attention_saved_bytes_per_token`)."""
-        hd, tp = arch.head_dim, tensor_parallel_size
-        q, kv = arch.num_attention_heads * hd // tp, arch.num_kv_heads * hd // tp
-        return (2 * q + kv) * dtype_bytes + FP32_BYTES * (q // hd)
+        from megatron_psrl.attention.core_attention import saved_bytes_per_token
+
+        return saved_bytes_per_token(arch.num_attention_heads, arch.num_kv_heads, arch.head_dim,
+                                     tensor_parallel_size, dtype_bytes)
 
     def mlp_saved_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
                                   dtype_bytes: int) -> int:
