@@ -21,6 +21,9 @@ COMMANDS = [
     ("pretrain_agent_rl.py --micro-batch-tokens 0", [os.path.join(REPO, "pretrain_agent_rl.py"),
                                                      "--micro-batch-tokens", "0"], 2.0),
     ("tools/compute_logprobs.py --help", [os.path.join(REPO, "tools", "compute_logprobs.py"), "--help"], None),
+    ("tools/convert_hf_checkpoint.py --help", [os.path.join(REPO, "tools", "convert_hf_checkpoint.py"), "--help"], 2.0),
+    ("tools/convert_hf_checkpoint.py, --hf-dir missing",
+     [os.path.join(REPO, "tools", "convert_hf_checkpoint.py"), "hf-to-mcore", "--out-dir", "x"], 2.0),
     ("import megatron_psrl.rl.actor (for comparison)", ["-c", "import megatron_psrl.rl.actor"], None),
 ]
 

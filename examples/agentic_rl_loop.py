@@ -34,8 +34,9 @@ holds on any machine (:func:`compare`):
 - the rollouts, and so the rewards, are the same at every iteration whose weights still agree
   within float32 rounding (:data:`RTOL` of the largest weight). They part later: the two
   update engines sum in different orders, Adam's normalisation and the steps grow those last
-  bits, and once the weights differ enough one sampled token differs (through iteration 23 on
-  the machine the README's figures come from; on another CPU the iteration differs);
+  bits, and once the weights differ enough one sampled token differs (the same rollouts through
+  iteration 14 on the machine the README's figures come from; on another CPU the iteration
+  differs);
 - both runs learn: the mean reward of the last iterations is at least :data:`LEARNED` above
   the first iterations';
 - after the last step the weights differ by at most ``lr`` x iterations: Adam moves a weight by

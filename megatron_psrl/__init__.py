@@ -17,8 +17,9 @@ Subpackages, one per concern:
 - ``training``: the command line's training loop, its arguments, logging and start-up checks
 - ``integrations``: adapters to RL frameworks' data (slime)
 - ``checkpoint``: checkpoint formats, loading and saving
-- ``host_copy``, ``dtypes``, ``errors``, ``options``: small utilities every layer may use (host-to-device
-  copies of a step, dtype names, error types, option names)
+- ``host_copy``, ``dtypes``, ``errors``, ``options``, ``tempfiles``: small utilities every layer may
+  use (host-to-device copies of a step, dtype names, error types, option names, temporaries that
+  become outputs)
 """
 
 __version__ = "0.1.0"

@@ -53,7 +53,11 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("%(default)" in text or "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS)
+        # ``is``, not ``in (None, False)``: 0 and 0.0 equal False, and a zero default (--min-lr,
+        # --kl-coef) is worth showing. A flag without a default says in its text what happens
+        # without it.
+        if ("%(default)" in text or "default" in text.lower()
+                or action.default is None or action.default is False or action.default is argparse.SUPPRESS
                 or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"

@@ -1,5 +1,6 @@
 """Shared pytest setup: helpers importable as ``helpers.*``, quiet megatron import warnings,
-every step plan checked, and the ``fresh_process`` marker (tests/helpers/fresh_process.py)."""
+every step plan checked, the ``fresh_process`` marker (tests/helpers/fresh_process.py), and no
+launch (torchrun, a launch pool) from a test not marked slow."""
 
 import os
 import sys
@@ -14,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # (megatron_psrl/schedule/check.py, ``check_plan``).
 os.environ.setdefault("PSRL_CHECK_PLANS", "1")
 
+from helpers import launch_pool  # noqa: E402
 from helpers.fresh_process import is_fresh_child, run_in_fresh_process  # noqa: E402
 from helpers.launch_pool import starts_summary  # noqa: E402
 from helpers.reference_cache import CACHE_ENV  # noqa: E402
@@ -43,6 +45,16 @@ def pytest_collection_modifyitems(config, items):
             # It runs, fixtures included, in its child process; here it only waits on it.
             item.setup = lambda: None
             item.runtest = lambda item=item: run_in_fresh_process(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Set before the test's fixtures: a fixture that launches counts as the test launching.
+    launch_pool.FAST_TEST = None if item.get_closest_marker("slow") else item.nodeid
+    try:
+        yield
+    finally:
+        launch_pool.FAST_TEST = None
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -21,24 +21,26 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore  # noqa: E402
+# Only light modules before parsing: --help and a mistyped flag answer at once. The converter
+# (torch, megatron-core, safetensors: seconds of imports) is imported once the arguments hold.
 from megatron_psrl.cli import HelpFormatter, add_checksum_flag, apply_checksum_flag, call_cli, positive_int  # noqa: E402
 from megatron_psrl.options import CKPT_FORMATS, DEFAULT_CKPT_FORMAT  # noqa: E402
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importing nothing heavy)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-mcore", help="Hugging Face folder -> sharded megatron_psrl checkpoint")
+    a = sub.add_parser("hf-to-mcore", formatter_class=HelpFormatter, help="Hugging Face folder -> sharded megatron_psrl checkpoint")
     a.add_argument("--hf-dir", required=True, help="save_pretrained folder (config.json + safetensors)")
     a.add_argument("--out-dir", required=True, help="checkpoint directory to create")
     a.add_argument("--allow-non-finite", action="store_true",
                    help="convert weights holding NaN or inf (one warning per tensor) instead of refusing them")
-    b = sub.add_parser("mcore-to-hf", help="megatron_psrl checkpoint (either format, any TP/PP) -> Hugging Face folder")
+    b = sub.add_parser("mcore-to-hf", formatter_class=HelpFormatter, help="megatron_psrl checkpoint (either format, any TP/PP) -> Hugging Face folder")
     b.add_argument("--load", required=True, help="checkpoint directory (as written by hf-to-mcore or --save)")
     b.add_argument("--out-dir", required=True, help="Hugging Face folder to create")
-    b.add_argument("--hf-template", default=None, help="HF folder whose tokenizer/generation files are copied")
-    c = sub.add_parser("mcore-to-mcore", help="megatron_psrl checkpoint (either format) -> the other format / "
+    b.add_argument("--hf-template", default=None, help="HF folder whose tokenizer/generation files are copied (default: none, config and weights only)")
+    c = sub.add_parser("mcore-to-mcore", formatter_class=HelpFormatter, help="megatron_psrl checkpoint (either format) -> the other format / "
                                               "another legacy layout (weights only)")
     c.add_argument("--load", required=True, help="checkpoint directory (either format, any TP/PP)")
     c.add_argument("--out-dir", required=True, help="checkpoint directory to create")
@@ -53,7 +55,11 @@ def parse_args(argv=None):
     for s in (a, b, c):
         s.add_argument("--force", action="store_true", help="replace a non-empty --out-dir")
         s.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -70,6 +76,8 @@ def _layout(args) -> str:
 
 
 def _convert(args) -> int:
+    from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore
+
     if args.direction == "hf-to-mcore":
         info = hf_to_mcore(args.hf_dir, args.out_dir, args.tp, args.pp, overwrite=args.force,
                            progress=not args.no_progress, ckpt_format=args.ckpt_format,

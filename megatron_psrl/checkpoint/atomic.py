@@ -22,6 +22,7 @@ import tempfile
 from typing import IO, Callable, Iterable, Iterator, List, Optional, Union
 
 from megatron_psrl.errors import CheckpointWriteError, PsrlError, pid_alive
+from megatron_psrl.tempfiles import output_mkdtemp, output_mkstemp
 
 _TEMPORARY = re.compile(r"\.(?:tmp|old)-(\d+)(?:[-.].*)?$")
 """A temporary of :func:`atomic_directory` / :func:`atomic_write_text` / a checkpoint save,
@@ -47,7 +48,8 @@ def atomic_directory(final_path: str, overwrite: bool = False) -> Iterator[str]:
     parent = os.path.dirname(final_path)
     os.makedirs(parent, exist_ok=True)
     remove_stale_temporaries(parent, prefix=f".{os.path.basename(final_path)}.")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-{os.getpid()}-", dir=parent)
+    # Not tempfile.mkdtemp: its 0700 would become the output's mode (see megatron_psrl.tempfiles).
+    tmp = output_mkdtemp(parent, prefix=f".{os.path.basename(final_path)}.tmp-{os.getpid()}-")
     try:
         yield tmp
     except BaseException:
@@ -67,7 +69,9 @@ def atomic_write_text(path: str, text: Union[str, Iterable[str]]) -> None:
     """Write a text file atomically (temp file + os.replace); ``text`` may be an iterable of
     chunks (lines with their newlines), written as they come. A failure names ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-", dir=directory)
+    # Not tempfile.mkstemp: its 0600 would survive the rename, and a teammate could not read
+    # the tracker or the checksums of a checkpoint whose data files they can read.
+    fd, tmp = output_mkstemp(directory, prefix=f".tmp-{os.getpid()}-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for chunk in [text] if isinstance(text, str) else text:

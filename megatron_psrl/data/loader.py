@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import KNOWN_FIELDS, RoutingShape, SampleAccumulator, SampleValidationError
+from megatron_psrl.tempfiles import output_mkstemp
 
 PathLike = Union[str, os.PathLike]
 
@@ -395,7 +395,8 @@ def write_samples(batch: SampleBatch, path: PathLike) -> Path:
     path = Path(path)
     fmt = _format_of(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # Not tempfile.mkstemp: its 0600 would survive the rename (see megatron_psrl.tempfiles).
+    fd, tmp_name = output_mkstemp(str(path.parent), prefix=f".{path.name}.", suffix=".tmp")
     try:
         if fmt == "jsonl":
             with os.fdopen(fd, "w", encoding="utf-8") as handle:

@@ -53,16 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("model")
-    g.add_argument("--hf-dir", default=None, help="Hugging Face save_pretrained folder (converted in memory)")
-    g.add_argument("--load", default=None,
-                   help="megatron_psrl checkpoint directory (any TP/PP layout) to resume from; together with "
-                        "--hf-dir/--model (Megatron's convention, usually the same folder as --save): resume when "
-                        "it holds a checkpoint, else start from --hf-dir/--model")
+    g.add_argument("--hf-dir", default=None, help="Hugging Face save_pretrained folder (converted in memory; default: none, see --model)")
     g.add_argument("--model", default=None, choices=TINY_MODEL_NAMES + MOE_MODEL_NAMES,
                    help=f"named tiny config with random weights (default {DEFAULT_MODEL} when no --hf-dir/--load)")
-    g.add_argument("--finetune", action="store_true", help="with --load: start at iteration 0, no optimizer state")
-    g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
-    add_checksum_flag(g)
+    g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
+                   help="megatron layer spec (auto: transformer_engine on CUDA when installed)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", *ATTENTION_BACKENDS],
+                   help="prefix-sharing attention kernel (auto: flash on CUDA when installed, else torch)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: CUDA when available (one GPU per local rank), else CPU with gloo")
+    g.add_argument("--seed", type=int, default=1234, help="random init of tiny models, synthetic data, RNG tracker")
+
+    g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (megatron-core)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with TP > 1: split the rows of every micro-batch over the tensor-parallel ranks outside "
@@ -73,35 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "stage); a pipeline is one rank for tree placement (--placement cross-rank spreads a tree "
                         "over pipelines, each stage exchanging prefix K/V with the same stage of the others)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="layers of the first pipeline stage (the rest split evenly): fewer to balance the embedding")
+                   help="layers of the first pipeline stage (the rest split evenly): fewer to balance the embedding "
+                        "(default: none, an even split)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers of the last pipeline stage (the rest split evenly): fewer to balance the output "
-                        "layer and the loss")
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
-                   help="activation recomputation as in Megatron-LM: full layers or selective (core attention); "
-                        "exact with prefix sharing")
-    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
-                   help="with full: uniform (every --recompute-num-layers layers one unit) or block (the first "
-                        "--recompute-num-layers layers of each stage)")
-    g.add_argument("--recompute-num-layers", type=int, default=None, help="with full: see --recompute-method")
-    g.add_argument("--loss-head-chunk-mb", type=float, default=64.0,
-                   help="claimed rows become fp32 logits / log-probs / entropies in chunks of at most this many MB "
-                        "of logits, recomputed in backward: the loss head's peak is one chunk, not the batch")
-    g.add_argument("--no-last-layer-row-skip", dest="last_layer_row_skip", action="store_false",
-                   help="run the last layer in full for every row (by default it computes queries, attention "
-                        "output and MLP only for the rows whose log-prob is trained or asked for; exact either way)")
-    g.add_argument("--no-overlap-kv-exchange", dest="overlap_kv_exchange", action="store_false",
-                   help="cross-rank placement: run every layer's prefix K/V exchange synchronously (by default it "
-                        "overlaps with the attention over the keys the rank has; exact either way)")
+                        "layer and the loss (default: none, an even split)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved pipeline: each rank holds layers / (PP x this) model chunks (megatron's "
-                        "interleaved 1F1B schedule), a smaller bubble")
+                        "interleaved 1F1B schedule), a smaller bubble (default: none, one chunk per rank)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="ranks of one CP group share the fragments of the same trees (a sample longer than a "
                         "micro-batch runs on all of them at once), exchanging prefix K/V; gradients sum over DP x CP")
+
+    g = p.add_argument_group("mixture of experts")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="mixture-of-experts models: experts split over this many ranks of a pipeline stage "
                         "(tensor-, then data-parallel ranks; docs/moe.md)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
+                   help="mixture-of-experts models: tensor parallelism inside the experts (only 1 yet)")
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=list(MOE_TOKEN_DISPATCHERS),
                    help="mixture-of-experts models: megatron's token dispatcher")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
@@ -115,25 +106,47 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"mixture-of-experts models: megatron's load-balancing type, one of {MOE_LOAD_BALANCING_TYPES} "
                         "(aux_loss takes effect with --moe-aux-loss-coeff > 0; seq_aux_loss / global_aux_loss with it "
                         "and sinkhorn are refused)")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=1,
-                   help="mixture-of-experts models: tensor parallelism inside the experts (only 1 yet)")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="mixture-of-experts models: megatron's aux-loss-free expert bias (refused: it needs a sigmoid "
                         "router; the supported families route by softmax)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="mixture-of-experts models: megatron's grouped-GEMM experts (CUDA only)")
+
+    g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")
     g.add_argument("--fp16", action="store_true", help="float16 parameters and compute")
-    g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
-                   help="megatron layer spec (auto: transformer_engine on CUDA when installed)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", *ATTENTION_BACKENDS],
-                   help="prefix-sharing attention kernel (auto: flash on CUDA when installed, else torch)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: CUDA when available (one GPU per local rank), else CPU with gloo")
-    g.add_argument("--seed", type=int, default=1234, help="random init of tiny models, synthetic data, RNG tracker")
+
+    g = p.add_argument_group("activation memory")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recomputation as in Megatron-LM: full layers or selective (core attention); "
+                        "exact with prefix sharing (default: none, every activation kept)")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="with full: uniform (every --recompute-num-layers layers one unit) or block (the first "
+                        "--recompute-num-layers layers of each stage; default: none)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="with full: see --recompute-method (default: none)")
+    g.add_argument("--loss-head-chunk-mb", type=float, default=64.0,
+                   help="claimed rows become fp32 logits / log-probs / entropies in chunks of at most this many MiB "
+                        "(2^20 bytes) of logits, recomputed in backward: the loss head peaks at about six times "
+                        "this whatever the batch, and the --kv-cache-budget memory plan counts those six chunks")
+    g.add_argument("--no-last-layer-row-skip", dest="last_layer_row_skip", action="store_false",
+                   help="run the last layer in full for every row (by default it computes queries, attention "
+                        "output and MLP only for the rows whose log-prob is trained or asked for; exact either way)")
+
+    g = p.add_argument_group("distributed")
     g.add_argument("--distributed-timeout-minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
                    help="timeout of every collective (fractions allowed); a rank stuck longer ends the job with an "
                         "error naming the operation and the rank it waited on")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (optimizer state sharded over data-parallel ranks)")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="megatron DDP's asynchronous bucketed gradient reduce, each bucket's reduce started during "
+                        "the step's last backward pass once its gradients are in (the same sums as after it); "
+                        "--no-overlap-grad-reduce: one bucket, reduced at the optimizer step")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per gradient bucket with --overlap-grad-reduce (default: megatron's, "
+                        "max(40M, 1M x data-parallel size))")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: overlap the parameter all-gather, launched after the "
+                        "optimizer step, with what follows it (each module waits for its parameters)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data", default=DEFAULT_WORKLOAD,
@@ -155,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefix; none: no sharing (baseline)")
     g.add_argument("--no-prefix-sharing", action="store_true", help="same as --prefix-sharing none (the baseline)")
     g.add_argument("--kv-cache-budget", type=parse_bytes, default="1GiB",
-                   help="bytes for cached prefix K/V, their gradients and retained prefix graphs (mechanism 2)")
+                   help="bytes for cached prefix K/V, their gradients, retained prefix graphs and the running "
+                        "micro-batch's gathered K/V and loss head (mechanism 2); below what a step needs, graphs "
+                        "are dropped and recomputed, then prefixes duplicated")
     g.add_argument("--placement", default="auto", choices=PLACEMENTS,
                    help="trees over the ranks of an exchange group (the CP group, else the DP group): whole-tree "
                         "(each tree on one rank), cross-rank (equal-cost fragments exchanging prefix K/V) or auto "
@@ -168,8 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the parts of a tree split between exchange groups get the prefix they share: "
                         "recompute (each part computes it), transfer (one rank computes it and sends its K/V) or "
                         "auto (per part, the cheaper by the start-up link measurement; recompute without one)")
+    g.add_argument("--no-overlap-kv-exchange", dest="overlap_kv_exchange", action="store_false",
+                   help="cross-rank placement: run every layer's prefix K/V exchange synchronously (by default it "
+                        "overlaps with the attention over the keys the rank has; exact either way)")
     g.add_argument("--cost-profile", default=None,
-                   help="file keeping the start-up cost measurement of this model/device/layout for later runs")
+                   help="file keeping the start-up cost measurement of this model/device/layout for later runs "
+                        "(default: none, measured at every start)")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure the planner's costs at start-up even when --load's checkpoint recorded those its "
                         "run planned with (by default a resumed run plans with them: the same plans and losses as "
@@ -191,17 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
     g.add_argument("--sgd-momentum", type=float, default=0.0, help="SGD momentum")
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip; 0 disables")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="megatron distributed optimizer (optimizer state sharded over data-parallel ranks)")
-    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
-                   help="megatron DDP's asynchronous bucketed gradient reduce, each bucket's reduce started during "
-                        "the step's last backward pass once its gradients are in (the same sums as after it); "
-                        "--no-overlap-grad-reduce: one bucket, reduced at the optimizer step")
-    g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="parameters per gradient bucket with --overlap-grad-reduce (default: megatron's, "
-                        "max(40M, 1M x data-parallel size))")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="with --use-distributed-optimizer: overlap the parameter all-gather, launched after the "
-                        "optimizer step, with what follows it (each module waits for its parameters)")
     g.add_argument("--max-skipped-iters", type=int, default=3,
                    help="a step whose loss or gradient norm is not finite is skipped (no change at all); this many "
                         "consecutive skipped steps stop the run with an error")
@@ -214,25 +222,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-agg", default="token-mean", choices=LOSS_AGGREGATIONS,
                    help="aggregation of the per-claim loss over the global batch (docs/loss.md)")
 
-    g = p.add_argument_group("checkpointing and logging")
-    g.add_argument("--save", default=None, help="checkpoint directory to write")
-    g.add_argument("--save-interval", type=int, default=None, help="also save every N iterations")
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--load", default=None,
+                   help="megatron_psrl checkpoint directory (any TP/PP layout) to resume from; together with "
+                        "--hf-dir/--model (Megatron's convention, usually the same folder as --save): resume when "
+                        "it holds a checkpoint, else start from --hf-dir/--model (default: none)")
+    g.add_argument("--finetune", action="store_true", help="with --load: start at iteration 0, no optimizer state")
+    g.add_argument("--no-load-optim", action="store_true", help="with --load: do not restore the optimizer state")
+    add_checksum_flag(g)
+    g.add_argument("--save", default=None, help="checkpoint directory to write (default: none, nothing saved)")
+    g.add_argument("--save-interval", type=int, default=None, help="also save every N iterations (default: none, only at the end)")
     g.add_argument("--ckpt-format", default=DEFAULT_CKPT_FORMAT, choices=CKPT_FORMATS,
                    help="format --save writes: torch_dist (megatron-core's sharded checkpoint; resumes under any "
                         "TP/PP/DP layout, optimizer state included) or legacy (Megatron's per-rank files); --load "
                         "reads either")
+
+    g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1, help="print an iteration line every N iterations")
-    g.add_argument("--log-json", default=None, help="append one JSON object per iteration to this file")
-    g.add_argument("--tensorboard-dir", default=None, help="write every --log-json metric as TensorBoard scalars")
+    g.add_argument("--log-json", default=None, help="append one JSON object per iteration to this file (default: none)")
+    g.add_argument("--tensorboard-dir", default=None, help="write every --log-json metric as TensorBoard scalars (default: none)")
     g.add_argument("--wandb-project", default=None, help="log every metric to this W&B project (offline without "
-                                                          "WANDB_API_KEY; needs the wandb package)")
-    g.add_argument("--wandb-exp-name", default=None, help="name of the W&B run")
+                                                          "WANDB_API_KEY; needs the wandb package; default: none)")
+    g.add_argument("--wandb-exp-name", default=None, help="name of the W&B run (default: none, W&B picks one)")
     g.add_argument("--wandb-save-dir", default=None,
                    help="folder of the W&B run files (default: <--save>/wandb, else ./wandb)")
     g.add_argument("--memory-tracking", default="sampled", choices=MEMORY_TRACKING,
                    help="CPU peak memory: heap sampled every ms (cheap), read after every torch op (exact), or off")
     g.add_argument("--no-memory-tracking", action="store_true", help="same as --memory-tracking off")
     g.add_argument("--quiet", action="store_true", help="only errors on stdout")
+
     return p
 
 

@@ -24,6 +24,7 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "megatron_optimizer_steps.py")
 
 
+@pytest.mark.slow  # a 2-rank torchrun launch
 @pytest.mark.parametrize("case,expected", [
     ("calibration", ["OK calibration overlap_grad_reduce=True distributed=False",
                      "OK calibration overlap_grad_reduce=True distributed=True",

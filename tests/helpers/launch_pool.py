@@ -45,6 +45,20 @@ FAILED_RANK_GRACE_S = 5.0  # after one rank fails, how long the others get to en
 POLL_S = 0.02
 
 
+FAST_TEST: Optional[str] = None
+"""The node id of the running test when it is not marked slow (set by tests/conftest.py), else
+None: the fast subset (``-m "not slow"``) is meant to start no process that pays the imports,
+so a launch from such a test is refused (:func:`refuse_in_fast_test`) instead of quietly
+costing its seconds."""
+
+
+def refuse_in_fast_test(what: str) -> None:
+    """Raise if the running test is not marked slow: starting ``what`` belongs to slow tests."""
+    if FAST_TEST is not None:
+        raise AssertionError(f"{FAST_TEST} starts {what} but is not marked slow: mark it "
+                             f"@pytest.mark.slow (the fast subset, -m \"not slow\", starts no launch)")
+
+
 def pools_enabled() -> bool:
     return os.environ.get(NO_POOL_ENV, "") in ("", "0")
 
@@ -185,6 +199,7 @@ _CLOSED: set = set()  # keys of pools closed before the session's end (evicted, 
 
 def pool_for(nproc: int, env: Dict[str, str], torchrun: bool = True) -> LaunchPool:
     """The session's pool of ``nproc`` ranks for ``env`` (started, or restarted, as needed)."""
+    refuse_in_fast_test(f"a launch pool ({nproc} {'ranks' if torchrun else 'process'})")
     key = (nproc, torchrun, _env_key(env))
     pool = _POOLS.pop(key, None)
     if pool is not None and not pool.alive():
@@ -230,6 +245,7 @@ def run_python(script: Optional[str], args: Sequence[str] = (), env: Optional[Di
     that has done the imports and nothing else, so it starts as a fresh interpreter would after
     them (what memory-measuring scripts need), without paying them. Raises
     ``subprocess.TimeoutExpired`` on time-out; with ``check``, ``CalledProcessError``."""
+    refuse_in_fast_test(f"a Python process ({script or 'python -c'})")
     env = dict(os.environ if env is None else env)
     argv = [sys.executable] + ([script] if script else ["-c", code]) + [str(a) for a in args]
     if not pools_enabled():

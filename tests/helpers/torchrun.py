@@ -8,7 +8,7 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from helpers.launch_pool import pool_for, pools_enabled
+from helpers.launch_pool import pool_for, pools_enabled, refuse_in_fast_test
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,6 +36,7 @@ def run_torchrun(script: str, args: Sequence[str] = (), nproc: int = 2, timeout:
     (:mod:`helpers.launch_pool`: imports paid once per session, a forked child per case, the
     output rank by rank); ``pooled=False`` (or ``PSRL_TEST_NO_POOL=1``) starts a launch of its
     own, for what tests ``torchrun`` itself."""
+    refuse_in_fast_test(f"torchrun ({os.path.basename(script)}, {nproc} ranks)")
     env = _launch_env(env)
     if pooled and pools_enabled():
         outcome = pool_for(nproc, env).run(script, args, env, timeout)

@@ -66,6 +66,7 @@ def test_compute_logprobs_checks_out_before_loading(tmp_path):
     assert str(target.parent) in error_line(proc)  # the output is checked first
 
 
+@pytest.mark.slow  # a writer in another process (launch pool): the lock holder must be another pid
 def test_second_writer_is_refused_naming_the_holder(tmp_path):
     save = tmp_path / "ckpt"
     holder = SaveDirLock(str(save))
@@ -81,6 +82,7 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path):
     assert not (save / LOCK_NAME).exists()  # released by its holder
 
 
+@pytest.mark.slow  # a writer in another process (launch pool): this pid's temporary stays
 def test_stale_lock_and_dead_writers_temporaries_are_cleaned(tmp_path, dead_pid):
     save = tmp_path / "ckpt"
     save.mkdir()

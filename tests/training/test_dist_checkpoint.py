@@ -231,6 +231,7 @@ def test_virtual_pipeline_checkpoint_loads_under_one_rank(saved):
     assert counts["model"] >= 15 and counts["optimizer"] >= 2 * counts["model"]
 
 
+@pytest.mark.slow  # the command line in a process of its own (launch pool)
 def test_compute_logprobs_reads_a_torch_dist_checkpoint(tmp_path):
     """tools/compute_logprobs.py --load of a converted torch_dist checkpoint gives the log-probs
     of the Hugging Face folder it came from."""

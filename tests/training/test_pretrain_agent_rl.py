@@ -24,6 +24,7 @@ def _records(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow  # the converter in a process of its own (launch pool)
 def test_train_log_save_resume_convert(tmp_path):
     log = tmp_path / "log.jsonl"
     ckpt = tmp_path / "ckpt"
