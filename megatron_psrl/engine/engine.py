@@ -30,7 +30,7 @@ from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.distributed.setup import ParallelLayout, exchange_group_of, gradient_group
 from megatron_psrl.engine.calibration import MeasuredCosts
 from megatron_psrl.engine.config import ActorConfig
-from megatron_psrl.engine.logprobs import per_sample_logprobs, run_logprobs
+from megatron_psrl.engine.logprobs import per_sample_logprobs, per_sample_values, run_logprobs
 from megatron_psrl.engine.optimizer import StepOutcome
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.host_copy import host_to_device
@@ -64,6 +64,11 @@ class StepResult:
     """Per sample, the log-probs this step computed: every trained token, and a token trained
     in another sample that shares it; NaN where none was computed, 0 at position 0. Compare
     with the rollout's log-probs to watch the train / inference mismatch."""
+
+    entropies: Optional[List[np.ndarray]] = None
+    """Per sample, beside ``logprobs``, the entropy of the distribution that predicts each
+    token, where the loss asked for it at every token (``records_every_row`` and
+    ``needs_entropy``); None otherwise."""
 
     outcome: Optional[StepOutcome] = None
     """The optimizer step (train_step only)."""
@@ -249,9 +254,15 @@ class Engine:
         metrics.update(plan_metrics(plan, self.geometry, self.measured))
         if self.layout.pipeline_parallel_size > 1:
             metrics.update(pipeline_bubble=self.runner.last_bubble, pipeline_schedule=self.runner.last_schedule)
-        logprobs = (per_sample_logprobs(plan.tree, out.logprobs, gradient_group(), fill=np.nan,
-                                        aliases=token_aliases(plan.head_sends)) if return_logprobs else None)
-        return StepResult(loss=total, metrics=metrics, logprobs=logprobs)
+        aliases = token_aliases(plan.head_sends)
+        logprobs = (per_sample_logprobs(plan.tree, out.logprobs, gradient_group(), fill=np.nan, aliases=aliases)
+                    if return_logprobs else None)
+        entropies = None
+        if return_logprobs and out.logprobs is not None and out.logprobs.with_entropy:
+            index, _ = out.logprobs.arrays()
+            entropies = per_sample_values(plan.tree, index, out.logprobs.entropy_array(), gradient_group(),
+                                          fill=np.nan, aliases=aliases)
+        return StepResult(loss=total, metrics=metrics, logprobs=logprobs, entropies=entropies)
 
     def _count_routes(self, plan: StepPlan) -> None:
         """The load-balancing loss without router replay: a forward-only pass over this rank's

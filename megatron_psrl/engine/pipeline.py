@@ -311,6 +311,9 @@ class PipelineStepRunner(StepRunner):
             def loss_func(output: Tensor):
                 rows = self._claimed_rows(plan, pack)
                 loss, metrics = output.sum() * 0.0, {}
+                unclaimed = self._unclaimed_rows(step, pack, rows)
+                if len(unclaimed):
+                    self._record_rows(plan, pack, output[:, 0], unclaimed, step.out.logprobs)
                 if len(rows):
                     claim_loss, metrics, _ = self._loss_head(plan, pack, output[:, 0], rows, loss_cfg, coefficients,
                                                              step.out.logprobs)

@@ -40,7 +40,14 @@ from megatron_psrl.kvcache.manager import BlockKVCache, accumulate_source_grad_r
 from megatron_psrl.kvcache.prefix_state import GRAD_DTYPE
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_logprobs
-from megatron_psrl.rl.loss import ClaimLoss, ClaimView, SequenceLoss, claim_coefficients, gather_claims
+from megatron_psrl.rl.loss import (
+    ClaimLoss,
+    ClaimView,
+    SequenceLoss,
+    claim_coefficients,
+    gather_claims,
+    records_every_row,
+)
 from megatron_psrl.schedule.instructions import (
     AllocateKV,
     Backward,
@@ -262,7 +269,9 @@ class StepRunner:
                             track_grads=grad, group=self.exchange_group, group_size=group_size,
                             inject=self.inject_kv_grads, gather_in_backward=step.gather_in_backward,
                             overlap=self.overlap_kv_exchange)
-        out_rows = self._output_rows(pack, rows)
+        # a loss that records every row: the rows it does not claim, forward only (no graph)
+        unclaimed = self._unclaimed_rows(step, pack, rows) if run.loss else rows[:0]
+        out_rows = self._output_rows(pack, np.concatenate([rows, unclaimed]) if len(unclaimed) else rows)
         meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=hook,
                                      output_rows=out_rows)
         ids = host_to_device(pack.input_ids, self.device)
@@ -285,6 +294,8 @@ class StepRunner:
             # Router losses: every forward's backward reaches every router (a pack without a loss too).
             anchor = (hidden.sum() * 0.0) if ((exchanging or injecting or self.expert_group is not None
                                                or self.router_losses is not None) and grad) else None
+            if len(unclaimed):
+                self._record_rows(step.plan, pack, hidden, unclaimed, step.out.logprobs, out_rows)
             if len(rows) == 0:
                 return anchor, {}, None, hook
             loss, metrics, logp = self._loss_head(step.plan, pack, hidden, rows, step.loss_cfg, step.coefficients,
@@ -330,6 +341,22 @@ class StepRunner:
         claims = gather_claims(plan.tree, coefficients, targets, loss_cfg, self.device)
         loss, metrics = loss_cfg(logp, ent, claims)
         return loss, metrics, logp
+
+    def _record_rows(self, plan: StepPlan, pack: PackedMicroBatch, hidden: Tensor, rows: np.ndarray,
+                     record: ComputedLogprobs, hidden_rows: Optional[np.ndarray] = None) -> None:
+        """The log-probs (and, when ``record`` keeps them, entropies) of pack rows no loss claims,
+        into ``record``: no graph, so they add no backward and keep no logits."""
+        sel = pack.logit_rows[rows]
+        if hidden_rows is not None:
+            sel = np.searchsorted(hidden_rows, sel)
+        targets = pack.logit_targets[rows]
+        target_ids = host_to_device(plan.tree.tokens[targets].astype(np.int64), self.device)
+        with torch.no_grad():
+            logp, ent = chunked_logprobs(self.output_chunk.output_logits,
+                                         hidden.index_select(0, host_to_device(sel, self.device)), target_ids,
+                                         self.vocab_size, with_entropy=record.with_entropy,
+                                         rows_per_chunk=self._loss_head_rows())
+        record.add(targets, logp, ent)
 
     def _replay_routes(self, plan: StepPlan, i: int, pack: PackedMicroBatch, output_rows: Optional[np.ndarray],
                        hold: Optional[Dict[int, Tuple[Tensor, Optional[np.ndarray]]]] = None) -> None:
@@ -409,6 +436,15 @@ class StepRunner:
         t = pack.logit_targets
         return np.flatnonzero(plan.tree.claim_offsets[t + 1] > plan.tree.claim_offsets[t])
 
+    def _unclaimed_rows(self, step: "StepState", pack: PackedMicroBatch, claimed: np.ndarray) -> np.ndarray:
+        """The pack rows whose log-probs are recorded although no loss claims them: every other
+        row when the step's loss asks for every row (:attr:`ClaimLoss.records_every_row`)."""
+        if not records_every_row(step.loss_cfg):
+            return claimed[:0]
+        keep = np.ones(len(pack.logit_rows), dtype=bool)
+        keep[claimed] = False
+        return np.flatnonzero(keep)
+
     # ------------------------------------------------------------------ a training step
     def train(
         self,
@@ -432,7 +468,8 @@ class StepRunner:
         coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
         step = StepState(plan, rank, memory, loss_cfg, coefficients, loss_scale,
                          StepOutput(num_micro_batches=sum(mb.computes for mb in rank_plan.micro_batches),
-                                    logprobs=ComputedLogprobs()), last_of_step=last_of_step,
+                                    logprobs=ComputedLogprobs(records_every_row(loss_cfg) and loss_cfg.needs_entropy)),
+                         last_of_step=last_of_step,
                          gather_in_backward=memory is not None and memory.gathers_in_backward)
         return self.execute(step, training_instructions(rank_plan, memory), training=True)
 

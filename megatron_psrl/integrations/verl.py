@@ -450,15 +450,15 @@ class PsrlEngine(BaseEngine):
         config.global_batch_info.update(info)  # as ppo_loss leaves it
         batch, loss, shares = one_pass_batch(data, config, seqs, every, dp_group, dp, device,
                                              self.actor.arch.vocab_size, entropy_wanted)
-        self.actor.forward_backward(batch, loss_fn=loss, return_logprobs=False)
-        outputs = {"log_probs": loss.log_probs, "entropy": loss.entropy}
+        # the loss records every token's log-prob (entropy), claimed or not, as verl's engines
+        # return them: the prompt's and the untrained response tokens' in the same forward
+        result = self.actor.forward_backward(batch, loss_fn=loss, return_logprobs=True)
+        outputs = {"log_probs": result.logprobs, "entropy": result.entropies}
         if dist.get_world_size(gradient_group()) > 1:  # each claim ran on one rank of the group
-            for tensor in (loss.sums, loss.log_probs, loss.entropy):
-                if tensor is not None:
-                    dist.all_reduce(tensor, group=gradient_group())
+            dist.all_reduce(loss.sums, group=gradient_group())
         value, metrics = loss.rank_result(every.rank, shares, info)
-        mine, offsets = every.my_tokens, seqs.offsets.to(device)
-        model_output = {k: torch.nested.nested_tensor_from_jagged(to_verl(v[mine].cpu().numpy(), seqs.starts).to(device),
+        mine, offsets = every.mine, seqs.offsets.to(device)
+        model_output = {k: torch.nested.nested_tensor_from_jagged(to_verl(_concat(v[mine]), seqs.starts).to(device),
                                                                   offsets=offsets)
                         for k, v in outputs.items() if v is not None}
         return {"model_output": model_output, "loss": [value], "metrics": _as_verl_metrics(metrics)}

@@ -205,7 +205,7 @@ def sample_coefficients(mode: str, sample_tokens: np.ndarray, sample_rank: np.nd
 class VerlPolicyLoss:
     """verl's ``ppo_loss`` over the claims of the whole mini-batch (a ``ClaimLoss``): the loss
     whose gradient is verl's (summed over its data-parallel ranks), and, beside it, every rank's
-    share of verl's loss and metrics and the log-probs (entropies) the claims computed."""
+    share of verl's loss and metrics (the step returns every token's log-prob and entropy)."""
 
     config: Any
     """verl's actor config (``ppo_loss``'s ``config``)."""
@@ -219,15 +219,15 @@ class VerlPolicyLoss:
     sample_rank: Tensor
     """int64 ``[S]``: the verl data-parallel rank that holds each sample."""
 
-    num_tokens: int
-    """Tokens of the batch (the size of the per-token outputs)."""
-
     num_ranks: int
     """verl's data-parallel size."""
 
     needs_entropy: bool = False
     needs_ref: bool = False
     needs_advantage = True
+    records_every_row = True
+    """verl's engines return the log-prob (entropy) of every token, trained or not: the step
+    computes the unclaimed ones forward only (``megatron_psrl.rl.loss.records_every_row``)."""
 
     is_weights: Optional[Tensor] = None
     """float32 ``[N]``: verl's ``rollout_is_weights`` per token of the batch, or None."""
@@ -235,18 +235,8 @@ class VerlPolicyLoss:
     sums: Optional[Tensor] = field(default=None, init=False)
     """float64 ``[dp, K]``: per verl rank, the sums behind its loss and metrics (:data:`_SUM_KEYS`)."""
 
-    log_probs: Optional[Tensor] = field(default=None, init=False)
-    """float32 ``[N]``: log-prob of every claimed token (0 elsewhere), per token of the batch."""
-
-    entropy: Optional[Tensor] = field(default=None, init=False)
-    """float32 ``[N]``: the entropy beside it (``needs_entropy``)."""
-
     def __post_init__(self) -> None:
-        device = self.coef_pg.device
-        self.sums = torch.zeros(self.num_ranks, len(_SUM_KEYS), dtype=torch.float64, device=device)
-        self.log_probs = torch.zeros(self.num_tokens, dtype=torch.float32, device=device)
-        if self.needs_entropy:
-            self.entropy = torch.zeros(self.num_tokens, dtype=torch.float32, device=device)
+        self.sums = torch.zeros(self.num_ranks, len(_SUM_KEYS), dtype=torch.float64, device=self.coef_pg.device)
 
     @property
     def mode(self) -> str:
@@ -261,10 +251,8 @@ class VerlPolicyLoss:
         pg = coef_pg * pg_losses
         loss = pg.sum()
         columns = {"pg": pg, **token_metrics}
-        self.log_probs[claims.token] = logp.detach()
         if self.needs_entropy:
             ent = entropy[claims.row]
-            self.entropy[claims.token] = ent.detach()
             columns["entropy"] = coef_other * ent
             loss = loss - self.config.entropy_coeff * columns["entropy"].sum()
         if self.needs_ref:
@@ -332,7 +320,7 @@ def one_pass_batch(data, config, seqs: VerlSequences, every: GatheredSequences, 
         sample_coefficients(mode, sample_tokens, sample_rank, shares, info).astype(np.float32)).to(device)
     loss = VerlPolicyLoss(config=config, coef_pg=coef("seq-mean-token-mean" if _loss_mode(config) == "sapo" else agg),
                           coef_other=coef(agg), sample_rank=torch.from_numpy(sample_rank).to(device),
-                          num_tokens=batch.num_tokens, num_ranks=dp, needs_entropy=entropy_wanted,
+                          num_ranks=dp, needs_entropy=entropy_wanted,
                           needs_ref=bool(config.use_kl_loss),
                           is_weights=None if is_weights is None else torch.from_numpy(is_weights).to(device))
     return batch, loss, shares

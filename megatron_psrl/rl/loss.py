@@ -252,6 +252,14 @@ class ClaimLoss(Protocol):
         """``(loss of the micro-batch's claims, metric sums)`` from the rows' log-probs."""
 
 
+def records_every_row(loss: Optional[ClaimLoss]) -> bool:
+    """The loss asks (attribute ``records_every_row``, default False) for the log-prob, and the
+    entropy when it ``needs_entropy``, of every token the step predicts, not only of its claims:
+    the unclaimed ones are computed forward only, with no graph, in the same pass, and returned
+    as the step's per-sample log-probs (and entropies)."""
+    return bool(getattr(loss, "records_every_row", False))
+
+
 @dataclass
 class ClaimView:
     """The claims of one micro-batch as a custom loss sees them: ``[c]`` tensors, one entry per

@@ -19,6 +19,7 @@ from verl.workers.config import ActorConfig as VerlActorConfig
 from verl.workers.config import PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
 
+from helpers.tolerance import rounding_tolerance
 from megatron_psrl.integrations.verl import training_batch
 
 VOCAB = 96
@@ -172,3 +173,25 @@ def response_positions(data: TensorDict) -> torch.Tensor:
         end = int(offsets[i + 1])
         keep[end - int(response_lens[i]) - 1:end - 1] = True
     return keep
+
+
+LOGPROB_ULPS = 16
+"""Units of float32 rounding (at the magnitude of the largest value) between the engine's
+log-probs / entropies and Hugging Face's: the two models reduce the hidden size and the
+vocabulary in different orders, through every layer (3.5 units measured here, entropies; a
+position filled wrongly is off by nats)."""
+
+
+def assert_every_position(got, want: torch.Tensor, data, key: str) -> None:
+    """Every position of verl's nested ``got`` (``log_probs`` / ``entropy``) equals the per-sample
+    reference ``want`` (verl's layout: position t predicts token t + 1) up to float32 rounding;
+    the last position of each sample, which predicts no token of it, holds 0."""
+    got = got.values().detach().float()
+    expected = want.clone()
+    expected[data["input_ids"].offsets()[1:] - 1] = 0.0
+    scale = float(expected.abs().max())
+    tol = rounding_tolerance(torch.float32, scale, LOGPROB_ULPS)
+    worst = (got - expected).abs()
+    assert got.shape == expected.shape and bool(torch.all(worst <= tol)), (
+        f"{key}: {int((worst > tol).sum())} of {len(worst)} positions differ by more than {tol:.2e} "
+        f"(worst {float(worst.max()):.3e} at {int(worst.argmax())})")

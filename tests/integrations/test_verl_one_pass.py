@@ -21,6 +21,7 @@ from helpers.verl_harness import (  # noqa: E402
     ONE_PASS_CASES,
     TWO_PASS_CASES,
     VOCAB,
+    assert_every_position,
     case_batch,
     case_config,
     metric_values,
@@ -90,7 +91,8 @@ QUICK = ("vanilla-token-mean-entropy", "vanilla-seq-mean-token-sum-k3-is", "gspo
 def test_train_batch_matches_verls_ppo_loss(engine, hf_model, name):
     """train_batch's loss and every metric verl reports equal verl's ppo_loss on the engine's own
     log-probs; every parameter's gradient (SGD, lr 1) equals verl's loss on per-sample HF
-    log-probs. Accepted configurations run without a separate log-prob pass."""
+    log-probs, and so do the log-probs (entropies) train_batch returns, at every position, as
+    verl's engines fill them. Accepted configurations run without a separate log-prob pass."""
     one_pass = name in ONE_PASS_CASES
     case = (ONE_PASS_CASES if one_pass else TWO_PASS_CASES)[name]
     data = case_batch(multi_turn_samples(), case, global_batch_size=6)
@@ -120,6 +122,8 @@ def test_train_batch_matches_verls_ppo_loss(engine, hf_model, name):
     for key, value in want.items():
         assert_equal_up_to_rounding(torch.tensor(got[key]), torch.tensor(value), abs(value))
     ref = reference(hf_model, [data], case_config(case), "entropy" in inferred["model_output"])
+    for key in ("log_probs", "entropy") if "entropy" in inferred["model_output"] else ("log_probs",):
+        assert_every_position(trained["model_output"][key], ref[key][0], data, key)
     for param, grad in ref["grads"].items():
         torch.testing.assert_close(before[param] - after[param], grad, **GRAD_TOLERANCE, msg=lambda m: f"{param}: {m}")
 

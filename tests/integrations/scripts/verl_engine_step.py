@@ -1,7 +1,8 @@
 """One verl ``infer_batch`` and one ``train_batch`` (SGD, lr 1, no clipping) of the psrl verl
 engine on every rank of a torchrun job, each data-parallel rank with its own share of a
 multi-turn GRPO mini-batch (verl's split: every DP rank its samples, TP ranks the same ones);
-rank 0 checks log-probs, entropies, the loss of every share and every parameter's gradient
+rank 0 checks log-probs, entropies (``train_batch``'s at every position), the loss of every
+share and every parameter's gradient
 against the per-sample Hugging Face reference through verl's ppo_loss, and writes a summary.
 Then every ``--cases`` entry (the harness's ppo_loss configurations): each rank checks its loss
 and metrics against verl's ppo_loss on its own log-probs, rank 0 every gradient."""
@@ -20,6 +21,7 @@ from helpers.tolerance import assert_equal_up_to_rounding  # noqa: E402
 from helpers.verl_harness import (  # noqa: E402
     ONE_PASS_CASES,
     TWO_PASS_CASES,
+    assert_every_position,
     case_batch,
     case_config,
     metric_values,
@@ -74,7 +76,8 @@ engine.actor.load_hf_state_dict(before)  # the cases below start from the checkp
 mine = {"rank": dist.get_rank(), "dp_rank": rank, "src": engine.is_mp_src_rank_with_outputs(),
         "loss": trained["loss"][0], "grad_norm": trained["metrics"].get("grad_norm"),  # on reporting ranks
         "log_probs": inferred["model_output"]["log_probs"].values().tolist(),
-        "entropy": inferred["model_output"]["entropy"].values().tolist() if entropy else None}
+        "entropy": inferred["model_output"]["entropy"].values().tolist() if entropy else None,
+        "trained": {k: v.values().tolist() for k, v in trained["model_output"].items()}}
 everyone = [None] * dist.get_world_size()
 dist.all_gather_object(everyone, mine)
 
@@ -94,6 +97,10 @@ if dist.get_rank() == 0:
             torch.testing.assert_close(ent[keep], ref["entropy"][r][keep], rtol=0, atol=1e-5)
             summary["worst_entropy"] = max(summary["worst_entropy"],
                                            float((ent[keep] - ref["entropy"][r][keep]).abs().max()))
+        for key, values in got["trained"].items():  # train_batch's own, at every position
+            assert_every_position(torch.nested.nested_tensor_from_jagged(torch.tensor(values),
+                                                                         shards[r]["input_ids"].offsets()),
+                                  ref[key][r], shards[r], key)
         assert abs(got["loss"] - ref["losses"][r]) <= 1e-5 * max(1.0, abs(ref["losses"][r])), (got, ref["losses"])
         summary["losses"][str(got["rank"])] = got["loss"]
     assert sorted(g["src"] for g in everyone).count(True) == dp  # one reporting rank per DP replica
