@@ -78,6 +78,17 @@ class ActorConfig:
     every other row's output is read by nothing (its K/V, still computed, are). Exact; off by
     itself where the layout cannot use it (docs/architecture.md)."""
 
+    check_sharing_every: int = 0
+    """Every this many steps, check prefix sharing against the per-sample computation on a few
+    of the step's samples before the update (``--check-sharing-every``;
+    :mod:`megatron_psrl.rl.sharing_check`); 0: never."""
+
+    check_sharing_samples: int = 2
+    """Samples of the step's batch the check computes again without sharing."""
+
+    check_sharing_warn_only: bool = False
+    """A failed check logs a warning instead of stopping the run."""
+
     overlap_kv_exchange: bool = True
     """Cross-rank placement: every layer's prefix K/V all-to-all runs asynchronously while the
     attention computes over the keys the rank has (its fragment, cached prefixes); the received
@@ -213,6 +224,9 @@ class ActorConfig:
                                      "recompute_num_layers >= 1, as in Megatron-LM")
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
             raise ConfigurationError("recompute_method and recompute_num_layers apply to recompute_granularity full")
+        if self.check_sharing_every < 0 or self.check_sharing_samples < 1:
+            raise ConfigurationError(f"check_sharing_every must be >= 0 and check_sharing_samples >= 1, got "
+                                     f"{self.check_sharing_every} and {self.check_sharing_samples}")
         if not self.loss_head_chunk_mb > 0:
             raise ConfigurationError(f"loss_head_chunk_mb must be > 0, got {self.loss_head_chunk_mb}")
         if self.dtype not in DTYPES:

@@ -174,43 +174,51 @@ class Engine:
         dtype_bytes = torch.tensor([], dtype=self.config.torch_dtype).element_size()
         return VarlenCharge.of(self.arch, self.layout.tensor_parallel_size, dtype_bytes, self.backend_name)
 
-    def planner_config(self, prefix_sharing: Optional[str] = None) -> PlannerConfig:
+    def planner_config(self, prefix_sharing: Optional[str] = None,
+                       micro_batch_tokens: Optional[int] = None) -> PlannerConfig:
         c = self.config
         costs = (self.measured.planner_settings(self.geometry.num_layers, self.geometry.row_bytes_per_token)
                  if self.measured else dict(cost_model=self.cost_model))
         cross_group_prefix = c.cross_group_prefix
         if transfer_reasons(self.layout.pipeline_parallel_size, self.recompute, self.arch.is_moe):
             cross_group_prefix = "recompute"
-        return PlannerConfig(micro_batch_tokens=c.micro_batch_tokens, data_parallel_size=self.layout.placement_size,
+        return PlannerConfig(micro_batch_tokens=micro_batch_tokens or c.micro_batch_tokens,
+                             data_parallel_size=self.layout.placement_size,
                              sharing=prefix_sharing or c.prefix_sharing, exchange_group_size=self.exchange_group_size,
                              placement=self.placement, local_rank=self.layout.placement_rank,
                              split_trees_across_groups=c.split_trees_across_groups,
                              cross_group_prefix=cross_group_prefix, **costs)
 
-    def plan(self, batch: SampleBatch, times: Optional[Dict[str, float]] = None
+    def plan(self, batch: SampleBatch, times: Optional[Dict[str, float]] = None,
+             prefix_sharing: Optional[str] = None, micro_batch_tokens: Optional[int] = None
              ) -> Tuple[PrefixTree, StepPlan, Optional[MemoryPlan], str]:
         """``(tree, step plan, this rank's memory plan, sharing mode used)`` of a training step
-        (``times`` receives the seconds of the tree build and of the planning)."""
+        (``times`` receives the seconds of the tree build and of the planning; ``prefix_sharing``
+        and ``micro_batch_tokens``: other settings than the run's, e.g. for the sharing check)."""
         t0 = time.perf_counter()
         tree = build_prefix_tree(batch)
         t1 = time.perf_counter()
-        plan, memories, mode = plan_with_memory(tree, self.planner_config(), self.memory_settings)
+        wanted = prefix_sharing or self.config.prefix_sharing
+        plan, memories, mode = plan_with_memory(tree, self.planner_config(wanted, micro_batch_tokens),
+                                                self.memory_settings)
         if times is not None:
             times.update(tree=t1 - t0, plan=time.perf_counter() - t1)
-        if mode != self.config.prefix_sharing:
+        if mode != wanted:
             self.log("warning: the cached prefixes do not fit --kv-cache-budget; duplicating them this step")
         return tree, plan, memories[self.layout.placement_rank], mode
 
     # ------------------------------------------------------------------ a step
     def forward_backward(self, batch: SampleBatch, loss: ClaimLoss, return_logprobs: bool,
-                         last_of_step: bool = False) -> StepResult:
+                         last_of_step: bool = False, prefix_sharing: Optional[str] = None,
+                         micro_batch_tokens: Optional[int] = None) -> StepResult:
         """Forward and backward of the whole global batch on this rank's share of the plan;
         losses and metrics reduced over the data x context parallel ranks. ``last_of_step``:
         :meth:`optimizer_step` follows with no other backward in between, so the gradient
-        reduce may start during this call's last backward pass (``--overlap-grad-reduce``)."""
+        reduce may start during this call's last backward pass (``--overlap-grad-reduce``).
+        ``prefix_sharing``, ``micro_batch_tokens``: plan this call with other settings than the run's."""
         monitor, it = self.layout.monitor, self.iteration + 1
         times: Dict[str, float] = {}
-        tree, plan, memory, mode = self.plan(batch, times)
+        tree, plan, memory, mode = self.plan(batch, times, prefix_sharing, micro_batch_tokens)
         sequence_loss = None
         if isinstance(loss, SequenceLoss):
             sequence_loss, loss = loss, self._sequence_surrogate(loss, plan, batch)

@@ -134,6 +134,16 @@ class PsrlEngineConfig(EngineConfig):
     recompute_num_layers: Optional[int] = None
     """With ``full``: layers per recomputed unit."""
 
+    check_sharing_every: int = 0
+    """Every this many optimizer steps, check prefix sharing against the per-sample computation
+    on a few samples before the update (``ActorConfig.check_sharing_every``); 0: never."""
+
+    check_sharing_samples: int = 2
+    """Samples the check computes again without sharing."""
+
+    check_sharing_warn_only: bool = False
+    """A failed check logs a warning instead of raising."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.strategy != BACKEND:
@@ -191,7 +201,9 @@ def actor_config(engine_config: PsrlEngineConfig, optimizer_config: Any = None) 
         kv_cache_budget=e.kv_cache_budget, prefix_sharing=e.prefix_sharing, attention_backend=e.attention_backend,
         transformer_impl=e.transformer_impl, device=e.device, dtype=dtype, seed=e.seed,
         recompute_granularity=e.recompute_granularity, recompute_method=e.recompute_method,
-        recompute_num_layers=e.recompute_num_layers, optimizer=optimizer)
+        recompute_num_layers=e.recompute_num_layers, check_sharing_every=e.check_sharing_every,
+        check_sharing_samples=e.check_sharing_samples, check_sharing_warn_only=e.check_sharing_warn_only,
+        optimizer=optimizer)
 
 
 # ---------------------------------------------------------------------- verl's batch layout
@@ -276,6 +288,8 @@ class PsrlEngine(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.mode = None
         self.actor = None
+        self.last_sharing_check = None
+        """The last prefix sharing check (``check_sharing_every``), its outcome and differences."""
         self.config = actor_config(engine_config, optimizer_config)
         # verl asks for the data-parallel rank, size and output ranks right after building the
         # engine, before initialize(); like verl's own engines, the process groups (megatron's
@@ -383,6 +397,7 @@ class PsrlEngine(BaseEngine):
         every = gather_sequences(seqs, dp_group, dp, self.get_data_parallel_rank(), layout.device)
         trains = not forward_only and loss_function is not None
         if trains:
+            self._check_sharing(every)
             config, why = one_pass_config(loss_function, data)
             if config is not None and layout.pipeline_parallel_size > 1:
                 config, why = None, "pipeline parallelism (one pass needs the loss on every rank)"
@@ -390,6 +405,20 @@ class PsrlEngine(BaseEngine):
             if config is not None:
                 return self._one_pass(data, config, seqs, every, entropy_wanted)
         return self._two_pass(data, loss_function, seqs, every, entropy_wanted, trains)
+
+    def _check_sharing(self, every: GatheredSequences) -> None:
+        """The prefix sharing check on its steps (``check_sharing_every``), before the step's
+        gradient: verl zeroes the gradients before this call, which makes one per optimizer step.
+        Its loss is the sum of the response tokens' log-probs (what every verl loss differentiates
+        through), so it checks the log-probs and their gradient whatever verl's loss is."""
+        if not self.actor.config.check_sharing_every:
+            return
+        mask = every.response_mask()
+        batch = every.batch(mask, self.actor.arch.vocab_size, advantages=mask.astype(np.float32))
+        check = self.actor.check_sharing(batch, loss_fn=_surrogate(False))
+        if check is not None:
+            self.last_sharing_check = check
+            _LOG.info("psrl engine: %s", check.describe())
 
     def _log_path(self, one_pass: bool, why: str) -> None:
         """Say once per path which one verl's loss takes (one pass, or log-probs then update)."""

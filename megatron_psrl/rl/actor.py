@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_psrl.checkpoint.layout import has_checkpoint, read_checkpoint_info
 from megatron_psrl.checkpoint.loading import ModelSource, hf_memory_state_dict
@@ -44,7 +45,7 @@ from megatron_psrl.checkpoint.state_dict import load_state_into
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length, check_routed_experts
-from megatron_psrl.distributed.setup import ParallelLayout
+from megatron_psrl.distributed.setup import ParallelLayout, gradient_group
 from megatron_psrl.engine.builder import build_engine
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, StepResult
@@ -55,6 +56,7 @@ from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.options import TINY_MODEL_NAMES
 from megatron_psrl.rl.loss import ClaimLoss, PerClaimLoss, SequenceLoss
+from megatron_psrl.rl.sharing_check import SharingCheckError, check_sharing, choose_samples
 
 Batch = Union[SampleBatch, Sequence[Mapping[str, Any]]]
 
@@ -251,10 +253,11 @@ class PolicyActor:
 
     def _train_step_result(self, batch, loss_fn, return_logprobs, loss_overrides) -> StepResult:
         engine = self.engine
-        engine.zero_grad()
         loss = self._loss(loss_fn, loss_overrides)
         batch = self.as_batch(batch, training=True, needs_advantage=loss.needs_advantage)
         self._check_same_call(batch, "train_step", return_logprobs, isinstance(loss, SequenceLoss))
+        check = self._sharing_check(batch, loss)  # (before the step: it leaves the gradients zeroed)
+        engine.zero_grad()
         t0 = time.perf_counter()
         with preserved_rng(), PeakMemory(self.layout.device, mode=self.config.memory_tracking) as mem:
             # (the step follows at once: each gradient bucket's reduce starts in the last backward)
@@ -265,7 +268,35 @@ class PolicyActor:
         times["optimizer"] = time.perf_counter() - t1
         peak, step_time = engine.reduce([float(mem.peak_bytes), time.perf_counter() - t0], op=dist.ReduceOp.MAX)
         result.metrics.update(peak_mem_bytes=int(peak), step_time_s=step_time, lr=self.optimizer.lr)
+        if check is not None:
+            result.metrics["sharing_check"] = check.as_dict()
         return result
+
+    def check_sharing(self, batch: Batch, loss_fn=None, **loss_overrides):
+        """The prefix sharing check (``ActorConfig.check_sharing_every``), for callers that run
+        their own steps (``forward_backward``, ``optimizer_step``): call it at the start of a step,
+        before its first ``forward_backward`` (it leaves the gradients zeroed). Runs on every
+        ``check_sharing_every``-th step only; a :class:`~megatron_psrl.rl.sharing_check.SharingCheck`,
+        or None on the other steps. ``train_step`` calls it itself."""
+        loss = self._loss(loss_fn, loss_overrides)
+        return self._sharing_check(self.as_batch(batch, training=True, needs_advantage=loss.needs_advantage), loss)
+
+    def _sharing_check(self, batch, loss):
+        """Every ``check_sharing_every`` steps: a few of the batch's samples computed again
+        without sharing and compared (:mod:`megatron_psrl.rl.sharing_check`); None on other steps."""
+        every = self.config.check_sharing_every
+        if not every or (self.iteration + 1) % every or self.config.prefix_sharing == "none":
+            return None
+        samples = choose_samples(batch.num_samples, self.config.check_sharing_samples, self.config.seed + self.iteration)
+        with self.layout.monitor.phase(f"prefix sharing check of iteration {self.iteration + 1}"), preserved_rng():
+            check = check_sharing(self.engine, batch, loss, samples, gradient_group(),
+                                  parallel_state.get_model_parallel_group(), self.config.torch_dtype)
+        if not check.passed:
+            message = f"iteration {self.iteration + 1}: {check.describe()}"
+            if not self.config.check_sharing_warn_only:
+                raise SharingCheckError(message)
+            self.engine.log(f"warning: {message}")
+        return check
 
     # ------------------------------------------------------------------ log-probs
     def compute_logprobs(self, batch: Batch) -> List[np.ndarray]:

@@ -186,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-overlap-kv-exchange", dest="overlap_kv_exchange", action="store_false",
                    help="cross-rank placement: run every layer's prefix K/V exchange synchronously (by default it "
                         "overlaps with the attention over the keys the rank has; exact either way)")
+    g.add_argument("--check-sharing-every", type=int, default=0, metavar="N",
+                   help="every N steps, before the update, compute a few of the step's samples again without "
+                        "sharing and compare log-probs and their gradient (norm, cosine) with the shared "
+                        "computation; stop the run above the dtype's tolerance (costs two forward-backward "
+                        "passes over those samples per checked step; 0: never)")
+    g.add_argument("--check-sharing-samples", type=int, default=2, metavar="K",
+                   help="samples the prefix sharing check computes again")
+    g.add_argument("--check-sharing-warn-only", action="store_true",
+                   help="a failed prefix sharing check logs a warning instead of stopping the run (default: stop)")
     g.add_argument("--cost-profile", default=None,
                    help="file keeping the start-up cost measurement of this model/device/layout for later runs "
                         "(default: none, measured at every start)")

@@ -64,6 +64,9 @@ class MetricsLog:
         values["skipped"] = int(bool(values.get("skipped")))
         for layer, ratio in enumerate(expert_load_ratios(values.get("moe_expert_load") or [])):
             values[f"moe_expert_load_max_over_mean/layer{layer}"] = ratio
+        for key, value in (values.get("sharing_check") or {}).items():  # (a checked step's comparison)
+            if key != "samples":
+                values[f"sharing_check/{key}"] = float(value)
         self.scalars(values, int(rec.iter))
 
     def close(self) -> None:

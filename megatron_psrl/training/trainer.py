@@ -278,6 +278,11 @@ class Trainer:
                 self.metrics_log.record(rec)
                 if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters or rec.extra["skipped"]:
                     self.log(format_record(rec, args.train_iters))
+                check = rec.extra.get("sharing_check")
+                if check is not None:
+                    self.log(f"iteration {it + 1}: prefix sharing check {'passed' if check['passed'] else 'FAILED'} "
+                             f"on samples {check['samples']}: log-probs within {check['logprob_max_abs']:.3g} nats, "
+                             f"gradient norm within {check['grad_norm_rel']:.3g}, cosine {check['grad_cosine']:.9f}")
                 if self.consecutive_skipped >= args.max_skipped_iters:
                     first = it + 2 - self.consecutive_skipped
                     raise NonFiniteTrainingError(
@@ -322,7 +327,8 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         loss_head_chunk_mb=args.loss_head_chunk_mb, last_layer_row_skip=args.last_layer_row_skip,
-        overlap_kv_exchange=args.overlap_kv_exchange,
+        overlap_kv_exchange=args.overlap_kv_exchange, check_sharing_every=args.check_sharing_every,
+        check_sharing_samples=args.check_sharing_samples, check_sharing_warn_only=args.check_sharing_warn_only,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         context_parallel_size=args.context_parallel_size, expert_model_parallel_size=args.expert_model_parallel_size,
