@@ -287,7 +287,7 @@ class PolicyActor:
         every = self.config.check_sharing_every
         if not every or (self.iteration + 1) % every or self.config.prefix_sharing == "none":
             return None
-        samples = choose_samples(batch.num_samples, self.config.check_sharing_samples, self.config.seed + self.iteration)
+        samples = choose_samples(batch, self.config.check_sharing_samples, self.config.seed + self.iteration)
         with self.layout.monitor.phase(f"prefix sharing check of iteration {self.iteration + 1}"), preserved_rng():
             check = check_sharing(self.engine, batch, loss, samples, gradient_group(),
                                   parallel_state.get_model_parallel_group(), self.config.torch_dtype)

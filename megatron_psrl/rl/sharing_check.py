@@ -91,10 +91,26 @@ class SharingCheck:
                 f"(at least {t.grad_cosine:g})")
 
 
-def choose_samples(num_samples: int, count: int, seed: int) -> List[int]:
-    """``count`` distinct samples drawn from ``seed`` (every rank draws the same)."""
-    count = min(count, num_samples)
-    return sorted(int(i) for i in np.random.default_rng(seed).choice(num_samples, size=count, replace=False))
+def choose_samples(batch, count: int, seed: int) -> List[int]:
+    """``count`` distinct samples that share prefixes, drawn from ``seed`` (every rank draws the
+    same): one at random, then those with the longest common prefix with it (the subset then
+    exercises sharing; samples sharing nothing would be computed alike both ways)."""
+    n = batch.num_samples
+    count = min(count, n)
+    rng = np.random.default_rng(seed)
+    first = int(rng.integers(n))
+    order = rng.permutation(n)  # (ties in the common prefix broken at random)
+    tokens, offsets = batch.tokens, batch.offsets
+    mine = tokens[offsets[first]:offsets[first + 1]]
+
+    def common(j: int) -> int:
+        other = tokens[offsets[j]:offsets[j + 1]]
+        m = min(len(mine), len(other))
+        differ = np.flatnonzero(mine[:m] != other[:m])
+        return int(differ[0]) if len(differ) else m
+
+    others = sorted((j for j in order.tolist() if j != first), key=lambda j: -common(j))
+    return sorted([first] + [int(j) for j in others[:count - 1]])
 
 
 def _flat_grads(engine) -> torch.Tensor:

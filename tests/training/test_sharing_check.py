@@ -29,7 +29,10 @@ def test_a_correct_run_passes_far_below_the_tolerance_and_its_step_is_unchanged(
     second, reference = checked.train_step(BATCH), plain.train_step(BATCH)
     check = second["sharing_check"]
     tol = tolerances(torch.float32)
-    assert check["passed"] and check["samples"] == choose_samples(BATCH.num_samples, 3, 1234 + 1)
+    assert check["passed"] and check["samples"] == choose_samples(BATCH, 3, 1234 + 1)
+    # the checked samples share a prompt (one GRPO group): the subset exercises sharing
+    prompts = {tuple(BATCH.tokens[BATCH.offsets[s]:BATCH.offsets[s] + 32]) for s in check["samples"]}
+    assert len(prompts) == 1
     # measured here: about 1e-6 nats, 2e-8 relative, 1 - 2e-13: two orders of magnitude of room
     assert check["logprob_max_abs"] < tol.logprob / 10 and check["grad_norm_rel"] < tol.grad_norm / 10
     assert check["grad_cosine"] > 1 - (1 - tol.grad_cosine) / 10
