@@ -110,10 +110,14 @@ def swiglu_fusion_compiles_once_per_kind() -> bool:
     the first row count, once more with the row count symbolic at the first change, and once for
     a single row, per requires-grad state: a bounded handful, never one per shape (measured on
     CPU, docs/installation.md, "Fused kernels"). Without them every new row count would compile
-    again until dynamo's recompile limit, then run eagerly."""
+    again until dynamo's recompile limit, then run eagerly. On CUDA the compiled kernels are
+    Triton's: without Triton the fusion stays off and megatron's unfused SwiGLU (the same math)
+    runs."""
+    import importlib.util
+
     import torch._dynamo
 
-    return bool(torch._dynamo.config.automatic_dynamic_shapes)
+    return bool(torch._dynamo.config.automatic_dynamic_shapes) and importlib.util.find_spec("triton") is not None
 
 
 def transformer_config_overrides(device: torch.device) -> Dict[str, Any]:

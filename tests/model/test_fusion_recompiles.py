@@ -60,8 +60,21 @@ def test_without_automatic_dynamic_shapes_every_shape_compiles(eager_compiled_sw
     assert frames == [3, 6, 9, 12], frames  # swiglu twice and swiglu_back, for every shape
 
 
-def test_the_fusion_is_on_on_cuda_only_with_automatic_dynamic_shapes():
+def test_the_fusion_is_on_on_cuda_only_with_automatic_dynamic_shapes(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a))
     assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is True
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is False
     assert transformer_config_overrides(torch.device("cpu"))["bias_activation_fusion"] is False
+
+
+def test_without_triton_the_cuda_swiglu_runs_unfused(monkeypatch):
+    """torch.compile's CUDA kernels are Triton's: without it megatron's plain SwiGLU runs."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is False
