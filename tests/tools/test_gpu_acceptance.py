@@ -23,7 +23,9 @@ SPEC.loader.exec_module(acceptance)
 
 SINGLE = ["kernels", "train-bf16", "memory", "bench"]
 NCCL = ["nccl-tp2", "nccl-dp2-cross-rank", "nccl-pp2", "nccl-ep2", "nccl-dist-ckpt"]
-PARTS = SINGLE + NCCL
+MULTI = {"nccl-cp2-dp2": 4, "nccl-tp2-dp4": 8, "nccl-ep4": 4}
+"""The 4- and 8-GPU parts and the GPUs each needs."""
+PARTS = SINGLE + NCCL + list(MULTI)
 
 
 @pytest.mark.slow  # a script in a subprocess
@@ -119,6 +121,8 @@ def test_dry_run_plans_the_parts_for_each_gpu_count_and_never_passes(tmp_path, c
             assert (s, detail) == ("SKIP", "no CUDA device")
         elif name in NCCL and gpus < 2:
             assert (s, detail) == ("SKIP", f"needs 2 GPUs, this machine has {gpus}")
+        elif name in MULTI and gpus < MULTI[name]:
+            assert (s, detail) == ("SKIP", f"needs {MULTI[name]} GPUs, this machine has {gpus}")
         else:
             assert s == "PLAN" and "limit" in detail
     out = capsys.readouterr().out.splitlines()
@@ -178,3 +182,55 @@ def test_a_part_runs_its_commands_in_order_and_stops_at_a_failure(tmp_path):
     part.before = [[sys.executable, "-c", "import sys; sys.exit(3)"]]
     result = acceptance.run_part(part, str(tmp_path))
     assert result.status == "FAIL" and result.detail == "exit status 3" and not log.exists()
+
+
+def test_multi_gpu_parts_run_the_same_command_on_gloo_first_and_compare():
+    parts = {p.name: p for p in acceptance.parts(sys.executable, "/tmp/logs")}
+    for name, gpus in MULTI.items():
+        part = parts[name]
+        gpu, cpu = part.command, part.before[-1]
+        assert part.gpus == gpus and gpu[gpu.index("--nproc_per_node") + 1] == str(gpus) == cpu[cpu.index("--nproc_per_node") + 1]
+        assert gpu[gpu.index("--device") + 1] == "cuda" and "--bf16" in gpu
+        assert cpu[cpu.index("--device") + 1] == "cpu" and "--bf16" not in cpu
+        flags = lambda cmd: [a for a in cmd[cmd.index("--quiet") + 1:]]  # noqa: E731
+        assert flags(gpu) == flags(cpu)  # the same run, only the device differs
+    assert "--context-parallel-size 2" in " ".join(parts["nccl-cp2-dp2"].command)
+    assert "--expert-model-parallel-size 4" in " ".join(parts["nccl-ep4"].command)
+
+
+def test_a_gpu_run_must_agree_with_its_cpu_reference(tmp_path):
+    reference = tmp_path / "ref.jsonl"
+    reference.write_text("\n".join(json.dumps(r) for r in [{"iter": 1, "loss": 2.0, "grad_norm": 1.0},
+                                                             {"iter": 2, "loss": 1.5, "grad_norm": 0.8}]))
+    agrees = acceptance._agrees_with(str(reference))
+    assert agrees([{"iter": 1, "loss": 2.01, "grad_norm": 1.02}, {"iter": 2, "loss": 1.49, "grad_norm": 0.79}]) is None
+    problem = agrees([{"iter": 1, "loss": 2.2, "grad_norm": 1.0}, {"iter": 2, "loss": 1.5, "grad_norm": 0.9}])
+    assert "iteration 1 loss 2.2 against 2.0" in problem and "iteration 2 grad_norm 0.9 against 0.8" in problem
+    assert "no iteration logged" in acceptance._agrees_with(str(tmp_path / "missing.jsonl"))([])
+
+
+def test_the_budget_runs_the_most_telling_parts_first_and_says_why_not_the_rest():
+    parts = acceptance.parts(sys.executable, "/tmp/logs")
+    chosen, why = acceptance.within_budget(parts, 1, 600)
+    assert [p.name for p in chosen] == ["kernels", "train-bf16", "memory", "bench"]  # 470 s on one GPU
+    chosen, why = acceptance.within_budget(parts, 8, 600)
+    names = [p.name for p in chosen]
+    assert names[:3] == ["kernels", "train-bf16", "nccl-dp2-cross-rank"] and sum(p.limit_s for p in chosen) <= 600
+    assert all("--budget-seconds 600" in why[p.name] for p in parts if p.name not in names)
+
+
+def test_a_part_killed_at_its_limit_takes_its_children_with_it(tmp_path):
+    """torchrun's ranks are children of the command: at the limit the whole process group goes."""
+    pid_file = tmp_path / "child.pid"
+    spawn = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+             f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)")
+    output, code = acceptance._run_command([sys.executable, "-c", spawn], 3)
+    assert code == 124
+    child = int(pid_file.read_text())
+    import time
+    for _ in range(50):  # (the kill is asynchronous)
+        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"child {child} outlived its part")
