@@ -251,8 +251,10 @@ class PsrlGPTModel(GPTModel):
         layer_spec = _with_row_skip(build_layer_spec(
             arch, transformer_impl, moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
             attention_backend=attention_backend))
-        if config.sequence_parallel and transformer_impl == "local":
-            # megatron's block builds its final norm from its own default (WrappedTorchNorm)
+        if transformer_impl == "local":
+            # The final norm named, not megatron's block default: that is apex's FusedLayerNorm
+            # when apex is installed without Transformer Engine, which refuses RMSNorm; and under
+            # sequence parallelism the norm must run on its rows' share.
             layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage),
                                                     layer_norm=SequenceParallelTorchNorm)
         super().__init__(
