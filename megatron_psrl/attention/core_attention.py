@@ -99,6 +99,8 @@ class PrefixSharingAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
         self.default_backend = backend
+        self.deterministic = bool(getattr(config, "deterministic_mode", False))
+        """The GPU kernels' deterministic variants (megatron's ``deterministic_mode``, ``--deterministic``)."""
         self._te: Optional[TETreeAttention] = None
         self.copies_value = not config.qk_layernorm
         """Save a copy of V, not V itself, in a graph (see :meth:`_own_value`). With q/k norms the
@@ -108,7 +110,7 @@ class PrefixSharingAttention(MegatronModule):
             # state dict from the start, so a checkpoint saved before any step loads after one.
             tp = config.tensor_model_parallel_size
             self._te = TETreeAttention(config.num_attention_heads // tp, config.num_query_groups // tp, self.head_dim,
-                                       self.softmax_scale, layer_number)
+                                       self.softmax_scale, layer_number, deterministic=self.deterministic)
 
     def _own_value(self, v: Tensor) -> Tensor:
         """``v`` in a storage of its own when a graph would save it. V is a view of the fused QKV
@@ -130,11 +132,12 @@ class PrefixSharingAttention(MegatronModule):
         if backend == "dense":
             return dense_tree_attention(q, k, v, plan, external, self.softmax_scale)
         if backend == "flash":
-            return flash_tree_attention(q, k, v, plan, external, self.softmax_scale)
+            return flash_tree_attention(q, k, v, plan, external, self.softmax_scale, deterministic=self.deterministic)
         if backend == "te":
             require_cuda("te", q)  # before importing Transformer Engine: the CPU error names CUDA
             if self._te is None:  # a model built for another backend: its state grows now
-                self._te = TETreeAttention(q.shape[1], k.shape[1], q.shape[2], self.softmax_scale, self.layer_number)
+                self._te = TETreeAttention(q.shape[1], k.shape[1], q.shape[2], self.softmax_scale, self.layer_number,
+                                           deterministic=self.deterministic)
             return self._te(q, k, v, plan, external, self.softmax_scale)
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
 

@@ -78,6 +78,12 @@ class ActorConfig:
     every other row's output is read by nothing (its K/V, still computed, are). Exact; off by
     itself where the layout cannot use it (docs/architecture.md)."""
 
+    deterministic: bool = False
+    """GPU kernels that run the same way every time (``--deterministic``): flash-attn's
+    deterministic backward, Transformer Engine's deterministic attention algorithms, megatron's
+    ``deterministic_mode``. What stays nondeterministic on a GPU: docs/installation.md,
+    "Deterministic runs". On CPU every kernel already is (resumes are bit for bit)."""
+
     check_sharing_every: int = 0
     """Every this many steps, check prefix sharing against the per-sample computation on a few
     of the step's samples before the update (``--check-sharing-every``;
@@ -290,8 +296,10 @@ class ActorConfig:
                                          "rank, and tree-packed micro-batches differ")
 
     def parallel_overrides(self) -> dict:
-        """megatron TransformerConfig fields of the parallel layout beyond the group sizes."""
-        return dict(sequence_parallel=True) if self.sequence_parallel and self.tensor_model_parallel_size > 1 else {}
+        """megatron TransformerConfig fields of the parallel layout beyond the group sizes (and
+        ``deterministic_mode``, which the attention reads)."""
+        out = dict(sequence_parallel=True) if self.sequence_parallel and self.tensor_model_parallel_size > 1 else {}
+        return dict(out, deterministic_mode=True) if self.deterministic else out
 
     def moe_overrides(self) -> dict:
         """megatron TransformerConfig fields of the MoE flags (used for MoE models only)."""

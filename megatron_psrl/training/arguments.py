@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-overlap-kv-exchange", dest="overlap_kv_exchange", action="store_false",
                    help="cross-rank placement: run every layer's prefix K/V exchange synchronously (by default it "
                         "overlaps with the attention over the keys the rank has; exact either way)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="GPU: deterministic attention kernels (flash-attn's deterministic backward, Transformer "
+                        "Engine's deterministic algorithms, megatron's deterministic_mode); slower. What stays "
+                        "nondeterministic on a GPU: docs/installation.md. CPU runs are deterministic anyway")
     g.add_argument("--check-sharing-every", type=int, default=0, metavar="N",
                    help="every N steps, before the update, compute a few of the step's samples again without "
                         "sharing and compare log-probs and their gradient (norm, cosine) with the shared "

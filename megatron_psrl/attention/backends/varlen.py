@@ -20,6 +20,7 @@ Both import their kernel lazily and fail with a clear message without CUDA or th
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Callable, Dict, Sequence, Tuple
 
@@ -151,9 +152,10 @@ def require_cuda(name: str, q: Tensor) -> None:
 
 def flash_tree_attention(
     q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence[Tuple[Tensor, Tensor]] = (),
-    scale: float = None,
+    scale: float = None, deterministic: bool = False,
 ) -> Tensor:
-    """flash-attn varlen over per-segment gathered keys, causal aligned bottom right."""
+    """flash-attn varlen over per-segment gathered keys, causal aligned bottom right
+    (``deterministic``: its deterministic backward, slower, the same bits every run)."""
     require_cuda("flash", q)
     try:
         from flash_attn import flash_attn_varlen_func
@@ -164,7 +166,7 @@ def flash_tree_attention(
         # flash-attn >= 2.1 aligns the causal mask to the bottom right when seqlen_q < seqlen_k
         # (the start-up check, check_attention_backend, refuses older versions).
         return flash_attn_varlen_func(q, kg, vg, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
-                                      causal=True)
+                                      causal=True, deterministic=deterministic)
 
     return varlen_tree_attention(q, k, v, plan, external, kernel)
 
@@ -172,8 +174,11 @@ def flash_tree_attention(
 class TETreeAttention(torch.nn.Module):
     """Transformer Engine's DotProductAttention (thd, padding_causal_bottom_right)."""
 
-    def __init__(self, num_heads: int, num_groups: int, head_dim: int, scale: float, layer_number: int):
+    def __init__(self, num_heads: int, num_groups: int, head_dim: int, scale: float, layer_number: int,
+                 deterministic: bool = False):
         super().__init__()
+        if deterministic:  # TE chooses its attention backend by this (read when it runs): no atomics in backward
+            os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
         try:
             import transformer_engine.pytorch as te
         except ImportError as exc:  # pragma: no cover - GPU extra
