@@ -179,6 +179,43 @@ def _unpad_rows(padded: Tensor, counts: Sequence[int]) -> Tensor:
     return torch.cat(kept) if kept else padded[:0]
 
 
+class BlockedTime:
+    """How long waits on a transfer blocked, for benchmarks: on the host clock where waiting
+    blocks the host (gloo); on CUDA, where ``work.wait()`` only makes the compute stream wait
+    for NCCL and returns at once, as the time the stream stood still, between two CUDA events
+    around the wait (read at :attr:`seconds`, which synchronises: benchmarks only)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._host = 0.0
+        self._events: List[Tuple[object, object]] = []
+        self._t0 = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events.append((start, None))
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events[-1] = (self._events[-1][0], end)
+        else:
+            self._host += time.perf_counter() - self._t0
+
+    @property
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self._host
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+
+
 class ExchangeInFlight:
     """One layer's prefix K/V all-to-all in flight (forward), and the return of the received
     rows' gradients (backward).
@@ -206,12 +243,17 @@ class ExchangeInFlight:
         self._grad_work = None
         self._grad_out: Optional[Tensor] = None
         self._grad_send: Optional[Tensor] = None
-        self.wait_seconds = 0.0
-        """Time :meth:`wait` blocked (what the overlap left exposed), for benchmarks."""
+        self._blocked = BlockedTime(self.buffer.device)
+        """Time the waits blocked (what the overlap left exposed), for benchmarks."""
 
     @property
     def arrived(self) -> bool:
         return self._work is None
+
+    @property
+    def wait_seconds(self) -> float:
+        """Time the waits on this exchange blocked (:class:`BlockedTime`), for benchmarks."""
+        return self._blocked.seconds
 
     def unpack(self, rows: Tensor) -> Tuple[Tensor, ...]:
         """Views of every field of received rows (or of their gradients) ``[n, *row_shape]``."""
@@ -227,9 +269,8 @@ class ExchangeInFlight:
     def wait(self) -> Tensor:
         """Block until the rows are here (once; later calls return at once); the buffer."""
         if self._work is not None:
-            t0 = time.perf_counter()
-            self._work.wait()
-            self.wait_seconds += time.perf_counter() - t0
+            with self._blocked:
+                self._work.wait()
             self._work, self._send = None, None
             callbacks, self._on_arrival = self._on_arrival, []
             for fn in callbacks:
@@ -266,9 +307,8 @@ class ExchangeInFlight:
     def returned_grad(self) -> Tensor:
         """``[n_send, *row_shape]``: the fp32 gradients of the rows this rank sent (waits for them)."""
         if self._grad_work is not None:
-            t0 = time.perf_counter()
-            self._grad_work.wait()
-            self.wait_seconds += time.perf_counter() - t0
+            with self._blocked:
+                self._grad_work.wait()
             self._grad_work, self._grad_send = None, None
         out = _unpad_rows(self._grad_out, self.send_counts)
         self._grad_out = None

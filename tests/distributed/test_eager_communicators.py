@@ -26,3 +26,18 @@ def test_warm_up_runs_one_collective_per_group_in_a_shared_order(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append((group, tuple(t.shape))))
     setup.warm_up_groups(torch.device("cpu"), groups)
     assert calls == [(g, (1,)) for g in groups]
+
+
+def test_blocked_time_is_the_hosts_wait_on_gloo_and_the_streams_on_cuda():
+    """``ExchangeInFlight``'s exposed-time reading: on CUDA ``work.wait()`` returns at once (the
+    stream waits, not the host), so a host clock around it would read nothing; CUDA events time
+    the stream's stall instead. On the host clock here."""
+    import time
+
+    from megatron_psrl.distributed.kv_exchange import BlockedTime
+
+    blocked = BlockedTime(torch.device("cpu"))
+    with blocked:
+        time.sleep(0.05)
+    assert not blocked.cuda and 0.05 <= blocked.seconds < 1.0
+    assert BlockedTime(torch.device("cuda", 0)).cuda  # (events, read with a synchronize: benchmarks only)

@@ -26,6 +26,7 @@ ALLOWED = {
     ("attention/backends/blockwise.py", "_segments"): "the attention plan's numpy arrays (host data)",
     ("attention/backends/blockwise.py", "_blocks"): "the attention plan's numpy arrays (host data)",
     ("model/moe.py", "expert_load_summary"): "expert-load diagnostics after the step, when asked for",
+    ("distributed/kv_exchange.py", "BlockedTime.seconds"): "a benchmark's reading of exposed exchange time, after a step",
     ("engine/calibration.py", "drain"): "start-up cost measurement, before any step",
     ("engine/calibration.py", "measure_costs"): "start-up cost measurement, before any step",
     ("engine/engine.py", "Engine.reduce"): "the step's metric reductions, after its last backward",
