@@ -25,6 +25,9 @@ ALLOWED = {
         "megatron's packed-sequence path (cu_seqlens, no tree metadata): not a prefix-shared step",
     ("attention/backends/blockwise.py", "_segments"): "the attention plan's numpy arrays (host data)",
     ("attention/backends/blockwise.py", "_blocks"): "the attention plan's numpy arrays (host data)",
+    ("rl/sharing_check.py", "choose_samples"): "a numpy permutation (host data)",
+    ("rl/sharing_check.py", "check_sharing"):
+        "the prefix sharing check's comparison, once per checked step, before the step (--check-sharing-every)",
     ("model/moe.py", "expert_load_summary"): "expert-load diagnostics after the step, when asked for",
     ("distributed/kv_exchange.py", "BlockedTime.seconds"): "a benchmark's reading of exposed exchange time, after a step",
     ("engine/calibration.py", "drain"): "start-up cost measurement, before any step",
