@@ -31,7 +31,7 @@ from megatron_psrl.attention.backends import (
     dense_tree_attention,
     flash_tree_attention,
 )
-from megatron_psrl.attention.backends.varlen import require_cuda
+from megatron_psrl.attention.backends.varlen import require_cuda, te_deterministic
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.attention.plan import AttentionPlan, causal_plan
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
@@ -109,8 +109,13 @@ class PrefixSharingAttention(MegatronModule):
             # Built now, not at the first forward: its ``_extra_state`` is then in the (sharded)
             # state dict from the start, so a checkpoint saved before any step loads after one.
             tp = config.tensor_model_parallel_size
-            self._te = TETreeAttention(config.num_attention_heads // tp, config.num_query_groups // tp, self.head_dim,
-                                       self.softmax_scale, layer_number, deterministic=self.deterministic)
+            self._te = self._build_te(config.num_attention_heads // tp, config.num_query_groups // tp, self.head_dim,
+                                      layer_number)
+
+    def _build_te(self, num_heads: int, num_groups: int, head_dim: int, layer_number: int) -> TETreeAttention:
+        if self.deterministic:
+            te_deterministic()
+        return TETreeAttention(num_heads, num_groups, head_dim, self.softmax_scale, layer_number)
 
     def _own_value(self, v: Tensor) -> Tensor:
         """``v`` in a storage of its own when a graph would save it. V is a view of the fused QKV
@@ -136,8 +141,7 @@ class PrefixSharingAttention(MegatronModule):
         if backend == "te":
             require_cuda("te", q)  # before importing Transformer Engine: the CPU error names CUDA
             if self._te is None:  # a model built for another backend: its state grows now
-                self._te = TETreeAttention(q.shape[1], k.shape[1], q.shape[2], self.softmax_scale, self.layer_number,
-                                           deterministic=self.deterministic)
+                self._te = self._build_te(q.shape[1], k.shape[1], q.shape[2], self.layer_number)
             return self._te(q, k, v, plan, external, self.softmax_scale)
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
 

@@ -39,11 +39,18 @@ def test_flash_attn_gets_the_setting(monkeypatch, deterministic):
 
 
 def test_te_is_told_to_avoid_nondeterministic_algorithms(monkeypatch):
-    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
-    te = types.SimpleNamespace(DotProductAttention=lambda **kw: None)
-    monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(pytorch=te))
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
-    varlen.TETreeAttention(2, 1, 8, 0.5, 1, deterministic=True)
+    """A model built for ``te`` in deterministic mode sets TE's switch before building it."""
     import os
 
+    from megatron_psrl.attention import core_attention
+
+    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
+    built = []
+    monkeypatch.setattr(core_attention, "TETreeAttention", lambda *args: built.append(args))
+    attention = core_attention.PrefixSharingAttention.__new__(core_attention.PrefixSharingAttention)
+    attention.softmax_scale, attention.deterministic = 0.5, False
+    attention._build_te(2, 1, 8, 1)
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO" not in os.environ and built == [(2, 1, 8, 0.5, 1)]
+    attention.deterministic = True
+    attention._build_te(2, 1, 8, 1)
     assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"

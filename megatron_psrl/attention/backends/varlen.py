@@ -171,14 +171,17 @@ def flash_tree_attention(
     return varlen_tree_attention(q, k, v, plan, external, kernel)
 
 
+def te_deterministic() -> None:
+    """Transformer Engine's attention without nondeterministic algorithms (atomics in its fused
+    backward): TE reads the variable when it picks a kernel, so it holds for the process."""
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
+
+
 class TETreeAttention(torch.nn.Module):
     """Transformer Engine's DotProductAttention (thd, padding_causal_bottom_right)."""
 
-    def __init__(self, num_heads: int, num_groups: int, head_dim: int, scale: float, layer_number: int,
-                 deterministic: bool = False):
+    def __init__(self, num_heads: int, num_groups: int, head_dim: int, scale: float, layer_number: int):
         super().__init__()
-        if deterministic:  # TE chooses its attention backend by this (read when it runs): no atomics in backward
-            os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
         try:
             import transformer_engine.pytorch as te
         except ImportError as exc:  # pragma: no cover - GPU extra
