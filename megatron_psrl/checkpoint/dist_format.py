@@ -36,7 +36,7 @@ import pickle
 import random
 import re
 import warnings
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -180,17 +180,42 @@ def load_common(it_dir: str) -> Dict[str, Any]:
 
 
 def load_model_weights(it_dir: str, model: torch.nn.Module) -> None:
-    """Every rank: load this rank's shard of every chunk of ``model`` (any saved layout)."""
+    """Every rank: load this rank's shard of every chunk of ``model`` (any saved layout).
+
+    A checkpoint saved under another layer spec (megatron's local layers, no Transformer Engine)
+    holds no TE ``_extra_state`` (its FP8 metadata): a model built with TE then keeps its own,
+    fresh, and everything else must match exactly."""
     from megatron_psrl.model.gpt import model_chunks
 
     request = model_sharded_state_dict(model)
+    absent = _extra_state_not_stored(it_dir, request)
     loaded = load_state(it_dir, request)
     keys = list(request)
     for key, chunk in zip(keys, model_chunks(model)):
         try:
-            chunk.load_state_dict(loaded[key], strict=True)
+            result = chunk.load_state_dict(loaded[key], strict=not absent)
         except RuntimeError as exc:
             raise CheckpointError(it_dir, f"does not match the model: {' '.join(str(exc).split())[:300]}") from None
+        if absent:  # (strict but for the extra state the checkpoint does not hold)
+            wrong = [k for k in result.missing_keys if not k.endswith("_extra_state")] + list(result.unexpected_keys)
+            if wrong:
+                raise CheckpointError(it_dir, f"does not match the model: missing or unexpected {wrong[:5]}")
+
+
+def _extra_state_not_stored(it_dir: str, request: Dict[str, Any]) -> List[str]:
+    """Remove from ``request`` the ``_extra_state`` entries (Transformer Engine's) that the
+    checkpoint's index does not hold; their keys."""
+    try:
+        stored = set(dist_checks.read_index(it_dir).state_dict_metadata)
+    except CheckpointError:
+        return []  # (load_state explains what is wrong with the folder)
+    absent = []
+    for chunk in request.values():
+        for name in [k for k, v in chunk.items() if k.endswith("_extra_state")
+                     and getattr(v, "unique_key", getattr(v, "key", None)) not in stored]:
+            absent.append(name)
+            del chunk[name]
+    return absent
 
 
 def save_training_state(it_dir: str, iteration: int, model, optimizer, device: torch.device) -> None:

@@ -94,3 +94,20 @@ def test_a_model_built_for_another_backend_grows_te_state_at_its_first_te_forwar
     assert TE_STATE.format(0) not in model.state_dict()
     _step(model, arch.vocab_size)
     assert TE_STATE.format(0) in model.state_dict()
+
+
+def test_a_checkpoint_saved_without_te_loads_into_a_model_built_with_it(te_stand_in, tmp_path):
+    """A torch_dist checkpoint of megatron's local layers (no ``_extra_state``: CPU training)
+    loads into a model built for ``te``: every weight, and TE's extra state left as built."""
+    core_attention.te_builds_with_model = lambda: False  # (the saving run: local layers)
+    arch, local, _ = load_model(ModelSource(tiny="debug-llama"))
+    save_state(str(tmp_path), model_sharded_state_dict(local), torch.device("cpu"))
+    core_attention.te_builds_with_model = lambda: True
+    _, with_te, _ = load_model(ModelSource(tiny="debug-llama"), attention_backend="te")
+    assert TE_STATE.format(0) in with_te.state_dict()
+    for p in with_te.parameters():
+        p.data.add_(1.0)  # (so that loading shows)
+    load_model_weights(str(tmp_path), with_te)
+    saved = local.state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in with_te.state_dict().items() if not k.endswith("_extra_state"))
+    assert with_te.decoder.layers[0].self_attention.core_attention._te.attention.loaded is None
