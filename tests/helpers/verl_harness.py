@@ -195,3 +195,23 @@ def assert_every_position(got, want: torch.Tensor, data, key: str) -> None:
     assert got.shape == expected.shape and bool(torch.all(worst <= tol)), (
         f"{key}: {int((worst > tol).sum())} of {len(worst)} positions differ by more than {tol:.2e} "
         f"(worst {float(worst.max()):.3e} at {int(worst.argmax())})")
+
+
+def psrl_engine(hf_dir: str, **engine_fields):
+    """verl's engine registry building the psrl engine on the CPU over ``hf_dir`` (fp32, SGD with
+    lr 1, micro-batches of 48 tokens unless ``engine_fields`` say otherwise), initialised."""
+    from verl.workers.config import HFModelConfig, McoreOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    from megatron_psrl.integrations.verl import BACKEND, PsrlEngineConfig
+
+    fields = dict(dtype="float32", device="cpu", micro_batch_tokens=48)
+    fields.update(engine_fields)
+    engine = EngineRegistry.new("language_model", backend=BACKEND,
+                                model_config=HFModelConfig(path=hf_dir, load_tokenizer=False),
+                                engine_config=PsrlEngineConfig(**fields),
+                                optimizer_config=McoreOptimizerConfig(optimizer="sgd", lr=1.0, clip_grad=0.0,
+                                                                      weight_decay=0.0),
+                                checkpoint_config=None)
+    engine.initialize()
+    return engine

@@ -12,32 +12,24 @@ pytest.importorskip("verl", reason="the verl extra is not installed (pip install
 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 
 from helpers.hf_reference import make_hf_checkpoint  # noqa: E402
-from helpers.verl_harness import ONE_PASS_CASES, VOCAB, case_batch, case_config, multi_turn_samples  # noqa: E402
-from verl.workers.config import HFModelConfig, McoreOptimizerConfig  # noqa: E402
-from verl.workers.engine import EngineRegistry  # noqa: E402
+from helpers.verl_harness import (  # noqa: E402
+    ONE_PASS_CASES,
+    VOCAB,
+    case_batch,
+    case_config,
+    multi_turn_samples,
+    psrl_engine,
+)
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from megatron_psrl.integrations.verl import BACKEND, PsrlEngineConfig  # noqa: E402
 from megatron_psrl.model import tiny_config  # noqa: E402
-
-
-def _engine(hf_dir, **kw):
-    engine = EngineRegistry.new("language_model", backend=BACKEND,
-                                model_config=HFModelConfig(path=hf_dir, load_tokenizer=False),
-                                engine_config=PsrlEngineConfig(dtype="float32", device="cpu", micro_batch_tokens=48,
-                                                               **kw),
-                                optimizer_config=McoreOptimizerConfig(optimizer="sgd", lr=1.0, clip_grad=0.0,
-                                                                      weight_decay=0.0),
-                                checkpoint_config=None)
-    engine.initialize()
-    return engine
 
 
 def test_the_verl_engine_checks_sharing_on_its_steps_and_trains_as_without(tmp_path):
     hf_dir = make_hf_checkpoint(dict(tiny_config("debug-llama"), vocab_size=VOCAB), seed=0, directory=str(tmp_path))
     case = ONE_PASS_CASES["vanilla-token-mean-entropy"]
     data = case_batch(multi_turn_samples(), case, global_batch_size=6)
-    checked, plain = _engine(hf_dir, check_sharing_every=1, check_sharing_samples=3), _engine(hf_dir)
+    checked, plain = psrl_engine(hf_dir, check_sharing_every=1, check_sharing_samples=3), psrl_engine(hf_dir)
     outputs = []
     for engine in (checked, plain):
         with engine.train_mode():
