@@ -20,18 +20,18 @@ from helpers.verl_harness import (  # noqa: E402
     TWO_PASS_CASES,
     VOCAB,
     multi_turn_samples,
+    psrl_engine,
     reference,
     response_positions,
     verl_batch,
     verl_loss_config,
 )
 from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.config import HFModelConfig, McoreOptimizerConfig  # noqa: E402
-from verl.workers.engine import EngineRegistry  # noqa: E402
+from verl.workers.config import McoreOptimizerConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from megatron_psrl.errors import ConfigurationError  # noqa: E402
-from megatron_psrl.integrations.verl import BACKEND, PsrlEngine, PsrlEngineConfig, actor_config  # noqa: E402
+from megatron_psrl.integrations.verl import PsrlEngine, PsrlEngineConfig, actor_config  # noqa: E402
 from megatron_psrl.model import tiny_config  # noqa: E402
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "scripts", "verl_engine_step.py")
@@ -43,17 +43,7 @@ def hf_dir(tmp_path_factory):
                               directory=str(tmp_path_factory.mktemp("hf")))
 
 
-def _engine(hf_dir, **engine_fields):
-    fields = dict(dtype="float32", device="cpu", micro_batch_tokens=48)
-    fields.update(engine_fields)
-    engine = EngineRegistry.new("language_model", backend=BACKEND,
-                                model_config=HFModelConfig(path=hf_dir, load_tokenizer=False),
-                                engine_config=PsrlEngineConfig(**fields),
-                                optimizer_config=McoreOptimizerConfig(optimizer="sgd", lr=1.0, clip_grad=0.0,
-                                                                      weight_decay=0.0),
-                                checkpoint_config=None)
-    engine.initialize()
-    return engine
+_engine = psrl_engine  # (fp32 on the CPU, SGD lr 1, 48-token micro-batches unless given)
 
 
 def test_verl_builds_the_registered_engine(hf_dir):
