@@ -48,7 +48,7 @@ def varlen_engine(monkeypatch):
     """A CPU engine whose attention takes the ``flash`` path around the reference kernel."""
     import gpu_acceptance
 
-    def flash_on_cpu(q, k, v, plan, external=(), scale=None):
+    def flash_on_cpu(q, k, v, plan, external=(), scale=None, deterministic=False):
         return varlen_tree_attention(q, k, v, plan, external, reference_kernel(scale))
 
     monkeypatch.setattr(core_attention, "flash_tree_attention", flash_on_cpu)
