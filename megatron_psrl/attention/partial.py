@@ -7,9 +7,15 @@ The backward pass of each block needs only the *merged* output and lse (the same
 ring attention uses): with ``P_b = exp(S_b - lse)`` and ``D = rowsum(dO * O)``,
 ``dV_b = P_b^T dO``, ``dS_b = P_b * (dO V_b^T - D)``, ``dQ += dS_b K_b``, ``dK_b = dS_b^T Q``.
 
-Two implementations with one signature:
+Three implementations with one signature:
 - ``aten``: PyTorch's CPU flash-attention kernels (``_scaled_dot_product_flash_attention_for_cpu``
   and its backward), which return the lse, accept strided inputs and handle GQA natively;
+- ``cuda``: PyTorch's own fused memory-efficient attention on CUDA
+  (``_scaled_dot_product_efficient_attention`` and its backward, which take the merged output
+  and lse as this backward needs), the fallback where flash-attn is not installed; GQA groups
+  are expanded for it. It is checked against ``math`` once per process, dtype and head width
+  on a small problem before it is used (:func:`_cuda_kernel_agrees`): a build whose kernel
+  disagrees falls back to ``math`` with one logged line;
 - ``math``: the formulas above in plain torch (any device; the reference), over chunks of
   queries so that the score tensor stays bounded (``MATH_SCORE_ELEMENTS``).
 
@@ -21,7 +27,7 @@ segment attending to itself).
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -46,10 +52,83 @@ def _bhld(x: Tensor) -> Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
+_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CUDA_CHECKED: Dict[Tuple[torch.dtype, int], bool] = {}
+"""(dtype, head width) -> the CUDA kernel agreed with the math path (once per process)."""
+_LSE_ALIGN = 32
+"""The memory-efficient kernel's log-sum-exp rows come padded to a multiple of this."""
+
+
+def _use_cuda(q: Tensor) -> bool:
+    if q.device.type != "cuda" or q.dtype not in _CUDA_DTYPES \
+            or not hasattr(torch.ops.aten, "_scaled_dot_product_efficient_attention"):
+        return False
+    key = (q.dtype, q.shape[-1])
+    if key not in _CUDA_CHECKED:
+        _CUDA_CHECKED[key] = _cuda_kernel_agrees(q.dtype, q.shape[-1], q.device)
+    return _CUDA_CHECKED[key]
+
+
+def _expand(x: Tensor, heads: int) -> Tensor:
+    """``[n, ng, hn]`` K or V with each group repeated for its query heads: ``[n, np, hn]``."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _cuda_forward(q, k, v, causal, scale):
+    o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        _bhld(q), _bhld(_expand(k, q.shape[1])), _bhld(_expand(v, q.shape[1])), None, True, 0.0, causal,
+        scale=scale)
+    return o[0].transpose(0, 1), lse[0, :, :q.shape[0]].transpose(0, 1).float()
+
+
+def _cuda_backward(do, q, k, v, o, lse, causal, scale):
+    nq, np_, _ = q.shape
+    ng = k.shape[1]
+    padded = torch.zeros((1, np_, -(-nq // _LSE_ALIGN) * _LSE_ALIGN), dtype=torch.float32, device=q.device)
+    padded[0, :, :nq] = lse.float().transpose(0, 1)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        _bhld(do).contiguous(), _bhld(q), _bhld(_expand(k, np_)), _bhld(_expand(v, np_)), None, _bhld(o).contiguous(),
+        padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+    dk, dv = dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    if ng != np_:  # the expanded heads' gradients summed back onto their group
+        dk = dk.float().reshape(dk.shape[0], ng, np_ // ng, -1).sum(2).to(k.dtype)
+        dv = dv.float().reshape(dv.shape[0], ng, np_ // ng, -1).sum(2).to(v.dtype)
+    return dq[0].transpose(0, 1), dk, dv
+
+
+def _cuda_kernel_agrees(dtype: torch.dtype, head_dim: int, device) -> bool:
+    """The CUDA kernel against the math path on a small GQA problem (outputs, lse and every
+    gradient, causal and not), within the dtype's rounding; False (and one logged line) if not."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(n, h, head_dim, generator=gen).to(device=device, dtype=dtype)
+                   for n, h in ((37, 4), (37, 2), (37, 2), (37, 4)))
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    try:
+        for causal in (True, False):
+            o_ref, lse_ref = _math_forward(q, k, v, causal, 0.3)
+            o, lse = _cuda_forward(q, k, v, causal, 0.3)
+            got = _cuda_backward(do, q, k, v, o_ref, lse_ref, causal, 0.3)
+            want = _math_backward(do, q, k, v, o_ref, lse_ref, causal, 0.3)
+            pairs = [(o, o_ref), (lse, lse_ref), *zip(got, want)]
+            if not all(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol) for a, b in pairs):
+                raise ValueError("results differ from the reference")
+    except (RuntimeError, ValueError, TypeError) as exc:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "torch's fused CUDA attention disagrees with the reference for %s, head width %d (%s): tree "
+            "attention uses the reference math on this device", dtype, head_dim, exc)
+        return False
+    return True
+
+
 def partial_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, impl: str = "auto"
 ) -> Tuple[Tensor, Tensor]:
     """Attention of q over (k, v); returns ``(o [nq, np, hn], lse [nq, np])``."""
+    if impl == "cuda" or (impl == "auto" and _use_cuda(q)):
+        return _cuda_forward(q, k, v, causal, scale)
     if impl == "aten" or (impl == "auto" and _use_aten(q)):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _bhld(q), _bhld(k), _bhld(v), 0.0, causal, scale=scale
@@ -63,6 +142,8 @@ def partial_attention_backward(
     impl: str = "auto",
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the merged output ``o`` and log-sum-exp ``lse``."""
+    if impl == "cuda" or (impl == "auto" and _use_cuda(q)):
+        return _cuda_backward(do, q, k, v, o, lse, causal, scale)
     if impl == "aten" or (impl == "auto" and _use_aten(q)):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhld(do), _bhld(q), _bhld(k), _bhld(v), _bhld(o),

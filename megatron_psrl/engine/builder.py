@@ -317,9 +317,9 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
     backend_name = attention_backend_name(config, device)
     check_attention_backend(backend_name, device.type, config.torch_dtype)  # its kernel exists here, or fail now
     if device.type == "cuda" and backend is None and backend_name == "torch":
-        log("warning: flash-attn is not installed, so tree attention runs the torch backend's reference "
-            "math on CUDA (correct, slow): pip install flash-attn, or --attention-backend te with "
-            "Transformer Engine")
+        log("note: flash-attn is not installed, so tree attention runs the torch backend with PyTorch's fused "
+            "memory-efficient attention (checked against the reference math at first use); pip install "
+            "flash-attn, or --attention-backend te with Transformer Engine, for the varlen kernels")
     kv_cache = BlockKVCache(geometry, config.kv_cache_budget)
     group, _ = exchange_group_of(layout)
     router_losses = None
