@@ -12,8 +12,8 @@ Three implementations with one signature:
   and its backward), which return the lse, accept strided inputs and handle GQA natively;
 - ``cuda``: PyTorch's own fused memory-efficient attention on CUDA
   (``_scaled_dot_product_efficient_attention`` and its backward, which take the merged output
-  and lse as this backward needs), the fallback where flash-attn is not installed; GQA groups
-  are expanded for it. It is checked against ``math`` once per process, dtype and head width
+  and lse as this backward needs), the fallback where flash-attn is not installed; one call per
+  query head within a K/V group, so GQA needs no copies of K and V. It is checked against ``math`` once per process, dtype and head width
   on a small problem before it is used (:func:`_cuda_kernel_agrees`): a build whose kernel
   disagrees falls back to ``math`` with one logged line;
 - ``math``: the formulas above in plain torch (any device; the reference), over chunks of
@@ -69,32 +69,49 @@ def _use_cuda(q: Tensor) -> bool:
     return _CUDA_CHECKED[key]
 
 
-def _expand(x: Tensor, heads: int) -> Tensor:
-    """``[n, ng, hn]`` K or V with each group repeated for its query heads: ``[n, np, hn]``."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+def _heads_of(x: Tensor, ng: int, r: int) -> Tensor:
+    """``[n, ng, hn]``: the ``r``-th query head of every K/V group of ``x [n, ng * rep, hn]``."""
+    n, np_, hn = x.shape
+    return x.view(n, ng, np_ // ng, hn)[:, :, r].contiguous()
 
 
 def _cuda_forward(q, k, v, causal, scale):
-    o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        _bhld(q), _bhld(_expand(k, q.shape[1])), _bhld(_expand(v, q.shape[1])), None, True, 0.0, causal,
-        scale=scale)
-    return o[0].transpose(0, 1), lse[0, :, :q.shape[0]].transpose(0, 1).float()
+    """One kernel call per query head within a group (``rep`` of them), each over every group
+    at once: GQA without copies of K and V."""
+    nq, np_, hn = q.shape
+    ng = k.shape[1]
+    rep = np_ // ng
+    o = torch.empty((nq, ng, rep, hn), dtype=q.dtype, device=q.device)
+    lse = torch.empty((nq, ng, rep), dtype=torch.float32, device=q.device)
+    for r in range(rep):
+        o_r, lse_r, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            _bhld(_heads_of(q, ng, r)), _bhld(k), _bhld(v), None, True, 0.0, causal, scale=scale)
+        o[:, :, r] = o_r[0].transpose(0, 1)
+        lse[:, :, r] = lse_r[0, :, :nq].transpose(0, 1)
+    return o.view(nq, np_, hn), lse.view(nq, np_)
 
 
 def _cuda_backward(do, q, k, v, o, lse, causal, scale):
-    nq, np_, _ = q.shape
+    """The kernel's backward per query head within a group, from the *merged* output and lse
+    (the lse padded to the kernel's alignment); K/V gradients summed over the heads in fp32."""
+    nq, np_, hn = q.shape
     ng = k.shape[1]
-    padded = torch.zeros((1, np_, -(-nq // _LSE_ALIGN) * _LSE_ALIGN), dtype=torch.float32, device=q.device)
-    padded[0, :, :nq] = lse.float().transpose(0, 1)
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        _bhld(do).contiguous(), _bhld(q), _bhld(_expand(k, np_)), _bhld(_expand(v, np_)), None, _bhld(o).contiguous(),
-        padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
-    dk, dv = dk[0].transpose(0, 1), dv[0].transpose(0, 1)
-    if ng != np_:  # the expanded heads' gradients summed back onto their group
-        dk = dk.float().reshape(dk.shape[0], ng, np_ // ng, -1).sum(2).to(k.dtype)
-        dv = dv.float().reshape(dv.shape[0], ng, np_ // ng, -1).sum(2).to(v.dtype)
-    return dq[0].transpose(0, 1), dk, dv
+    rep = np_ // ng
+    dq = torch.empty((nq, ng, rep, hn), dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    lse_g = lse.float().reshape(nq, ng, rep)
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)  # (philox seed / offset: no dropout)
+    for r in range(rep):
+        padded = torch.zeros((1, ng, -(-nq // _LSE_ALIGN) * _LSE_ALIGN), dtype=torch.float32, device=q.device)
+        padded[0, :, :nq] = lse_g[:, :, r].transpose(0, 1)
+        g = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            _bhld(_heads_of(do, ng, r)), _bhld(_heads_of(q, ng, r)), _bhld(k), _bhld(v), None,
+            _bhld(_heads_of(o, ng, r)), padded, unused, unused, 0.0, [True, True, True, False], causal, scale=scale)
+        dq[:, :, r] = g[0][0].transpose(0, 1)
+        dk += g[1][0].transpose(0, 1).float()
+        dv += g[2][0].transpose(0, 1).float()
+    return dq.view(nq, np_, hn), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _cuda_kernel_agrees(dtype: torch.dtype, head_dim: int, device) -> bool:

@@ -39,6 +39,48 @@ def test_a_kernel_that_agrees_is_used_and_one_that_does_not_is_not(monkeypatch, 
     assert not partial._cuda_kernel_agrees(torch.bfloat16, 8, "cpu")
 
 
+class _KernelStandIns:
+    """The two CUDA ops' interfaces (``[1, heads, rows, hn]`` tensors, the lse padded to 32 rows,
+    the backward taking the merged output and lse) computed by the reference math, so that the
+    wrappers' head bookkeeping (one call per query head within a group, lse padding, K/V
+    gradients summed over the heads) is checked on the CPU."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    @staticmethod
+    def _scaled_dot_product_efficient_attention(q, k, v, bias, with_lse, dropout, causal, scale=None):
+        o, lse = partial._math_forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), causal, scale)
+        padded = torch.full((1, lse.shape[1], -(-lse.shape[0] // 32) * 32), float("nan"))
+        padded[0, :, :lse.shape[0]] = lse.transpose(0, 1)
+        return partial._bhld(o), padded, None, None
+
+    @staticmethod
+    def _scaled_dot_product_efficient_attention_backward(do, q, k, v, bias, o, lse, seed, offset, dropout, mask,
+                                                         causal, scale=None):
+        t = lambda x: x[0].transpose(0, 1)  # noqa: E731
+        g = partial._math_backward(t(do), t(q), t(k), t(v), t(o), lse[0, :, :q.shape[2]].transpose(0, 1), causal, scale)
+        return partial._bhld(g[0]), partial._bhld(g[1]), partial._bhld(g[2]), None
+
+
+@pytest.mark.parametrize("causal, nq, nk", [(True, 45, 45), (False, 45, 77)])
+def test_the_wrappers_bookkeeping_with_gqa(monkeypatch, causal, nq, nk):
+    monkeypatch.setattr(torch.ops, "aten", _KernelStandIns(torch.ops.aten))
+    gen = torch.Generator().manual_seed(2)
+    q, do = (torch.randn(nq, 6, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(nk, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    o, lse = partial._cuda_forward(q, k, v, causal, 0.3)
+    o_ref, lse_ref = partial._math_forward(q, k, v, causal, 0.3)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref.float())
+    for a, b in zip(partial._cuda_backward(do, q, k, v, o_ref, lse_ref, causal, 0.3),
+                    partial._math_backward(do, q, k, v, o_ref, lse_ref, causal, 0.3)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # (lse through fp32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
