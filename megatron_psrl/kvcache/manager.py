@@ -25,6 +25,7 @@ the size class that minimises padding waste plus a per-block table cost.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -105,12 +106,15 @@ class KVGeometry:
             return self.layer_numbers.index(layer)
         return layer - self.layer_offset
 
-    @property
+    # (derived once: the memory plan asks for the pools per source and per simulated decision,
+    # the attention hook for a layer's state in every layer of every micro-batch; the fields are
+    # not changed after construction)
+    @cached_property
     def layer_states(self) -> Tuple[PrefixState, ...]:
         """Every layer's :class:`PrefixState`, in :attr:`layers` order."""
         return self.states or (PrefixState.softmax(self.num_groups, self.head_dim, dtype=self.dtype),) * self.num_layers
 
-    @property
+    @cached_property
     def pools(self) -> Tuple[CachePool, ...]:
         """The cache's storage pools: one per distinct state among this rank's layers."""
         return cache_pools(self.layer_states, self.layers)

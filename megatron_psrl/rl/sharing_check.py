@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.errors import PsrlError
+from megatron_psrl.model.gpt import model_chunks
 
 
 class SharingCheckError(PsrlError, ArithmeticError):
@@ -116,7 +117,7 @@ def choose_samples(batch, count: int, seed: int) -> List[int]:
 def _flat_grads(engine) -> torch.Tensor:
     """This rank's accumulated gradient of every trainable parameter, as one fp32 vector."""
     parts = []
-    for chunk in engine.model if isinstance(engine.model, (list, tuple)) else [engine.model]:
+    for chunk in model_chunks(engine.model):
         for p in chunk.parameters():
             if not p.requires_grad:
                 continue

@@ -234,11 +234,15 @@ def count_stream(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", 
     for step in steps:
         i = step.micro_batch
         runs, frees_graph, recorded = tables.gathers_in_backward, False, False
+
+        def record():  # what the step holds after its allocations and model run
+            blocks_held.append(blocks)
+            other_held.append(graphs + (running_reads[i] if runs else 0) + tables.attention.get(i, 0)
+                              + tables.head_bytes)
+
         for x in step.instructions:
             if isinstance(x, ins.ReleaseKV) and not recorded:  # releases come after the step's reading
-                blocks_held.append(blocks)
-                other_held.append(graphs + (running_reads[i] if runs else 0) + tables.attention.get(i, 0)
-                                  + tables.head_bytes)
+                record()
                 recorded = True
             if isinstance(x, ins.AllocateKV):
                 for s in x.sources:
@@ -258,9 +262,7 @@ def count_stream(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", 
                 runs = runs or x.recompute
                 frees_graph = not x.recompute
         if not recorded:
-            blocks_held.append(blocks)
-            other_held.append(graphs + (running_reads[i] if runs else 0) + tables.attention.get(i, 0)
-                              + tables.head_bytes)
+            record()
         if frees_graph:
             graphs -= graph_bytes[i] + held_reads[i]
     out = np.asarray(blocks_held, dtype=np.int64).reshape(len(blocks_held), len(geometry.pools))
