@@ -47,6 +47,7 @@ from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.data.validation import check_max_sample_length, check_routed_experts
 from megatron_psrl.distributed.setup import ParallelLayout, gradient_group
 from megatron_psrl.engine.builder import build_engine
+from megatron_psrl.engine.calibration import drain
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, StepResult
 from megatron_psrl.engine.memory import PeakMemory
@@ -264,6 +265,7 @@ class PolicyActor:
             result = engine.forward_backward(batch, loss, return_logprobs, last_of_step=True)
             t1 = time.perf_counter()
             result.outcome = engine.optimizer_step(skip=not np.isfinite(result.loss))
+            drain(self.layout.device)  # one wait, at the step's end: its time (and the optimizer's) is the device's
         times = result.metrics.setdefault("times", {})
         times["optimizer"] = time.perf_counter() - t1
         peak, step_time = engine.reduce([float(mem.peak_bytes), time.perf_counter() - t0], op=dist.ReduceOp.MAX)

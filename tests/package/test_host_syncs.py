@@ -30,7 +30,8 @@ ALLOWED = {
         "the prefix sharing check's comparison, once per checked step, before the step (--check-sharing-every)",
     ("model/moe.py", "expert_load_summary"): "expert-load diagnostics after the step, when asked for",
     ("distributed/kv_exchange.py", "BlockedTime.seconds"): "a benchmark's reading of exposed exchange time, after a step",
-    ("engine/calibration.py", "drain"): "start-up cost measurement, before any step",
+    ("engine/calibration.py", "drain"):
+        "start-up cost measurement; and the end of a train_step, once, after the optimizer (its time)",
     ("engine/calibration.py", "measure_costs"): "start-up cost measurement, before any step",
     ("engine/engine.py", "Engine.reduce"): "the step's metric reductions, after its last backward",
     ("engine/head_sends.py", "HeadSends._post_heads"):
