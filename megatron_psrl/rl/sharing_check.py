@@ -166,6 +166,12 @@ def check_sharing(engine, batch, loss, samples: Sequence[int], gradient_group, m
     cosine = cross / (norm_s * norm_u) if norm_s > 0 and norm_u > 0 else (1.0 if norm_s == norm_u else 0.0)
     rel = abs(norm_s - norm_u) / norm_u if norm_u > 0 else (0.0 if norm_s == 0 else float("inf"))
     gap = _logprob_gap(logprobs[0], logprobs[1])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # every rank takes the same verdict (a rank that stopped alone would leave the others
+        # waiting in the next collective): the worst figures of any rank
+        worst = torch.tensor([gap, rel, -cosine], dtype=torch.float64, device=shared.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        gap, rel, cosine = float(worst[0]), float(worst[1]), -float(worst[2])
     tol = tolerances(dtype)
     passed = gap <= tol.logprob and rel <= tol.grad_norm and cosine >= tol.grad_cosine
     return SharingCheck(list(samples), gap, rel, cosine, tol, passed)

@@ -86,3 +86,14 @@ def test_the_command_line_and_the_verl_config_carry_the_settings():
     assert (engine.check_sharing_every, engine.check_sharing_samples) == (10, 1)
     with pytest.raises(Exception, match="check_sharing_every must be >= 0"):
         ActorConfig(check_sharing_every=-1)
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_check_alike_and_train_as_without():
+    import os
+
+    from helpers.torchrun import run_torchrun
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "sharing_check_dp2.py")
+    out = run_torchrun(script, nproc=2)
+    assert out.count("OK rank") == 2, out[-3000:]
