@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_psrl.errors import PsrlError
+from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.model.gpt import model_chunks
 
 
@@ -169,7 +170,7 @@ def check_sharing(engine, batch, loss, samples: Sequence[int], gradient_group, m
     if dist.is_initialized() and dist.get_world_size() > 1:
         # every rank takes the same verdict (a rank that stopped alone would leave the others
         # waiting in the next collective): the worst figures of any rank
-        worst = torch.tensor([gap, rel, -cosine], dtype=torch.float64, device=shared.device)
+        worst = host_to_device([gap, rel, -cosine], shared.device, np.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         gap, rel, cosine = float(worst[0]), float(worst[1]), -float(worst[2])
     tol = tolerances(dtype)
