@@ -3,38 +3,44 @@
 Every stage of a pipeline group holds the same rank plan (the planner places trees on
 data x context parallel ranks; the stages of one pipeline are one placement rank), packs the
 same micro-batches and builds the same ``TreeAttentionMetadata``, so only hidden states and
-their gradients travel between stages (megatron's ``P2PCommunicator``: the shapes first, since
-tree-packed micro-batches differ in length, ``variable_seq_lengths``). The loss, log-probs
-and entropies are computed on the last stage from the claims.
+their gradients travel between stages, and every receiver knows their shapes
+(:class:`~megatron_psrl.engine.stage_links.StageLinks`: batched sends and receives, no shape
+messages, no host synchronisation). The loss, log-probs and entropies are computed on the last
+stage from the claims.
 
-Two executors, chosen per step from the plan:
+One executor runs every stage: the :class:`~megatron_psrl.engine.step.StepRunner`'s, the
+same instructions and participants (router replay and losses, the KV pool, the gradient
+reduce's start) as without pipeline parallelism; a stage only adds the transfers around each
+model run. A forward receives its input from the stage before and sends its output on; a
+backward receives the output's gradient from the stage after, runs
+``autograd.backward([output, K rows, V rows, ...], [grad, dK, dV, ...])`` (this stage's own
+block KV cache and dK/dV, for its own layers) and sends the input's gradient back. The order:
 
-- **Mechanism 1 only** (every schedule step is ``forward_backward``: micro-batches are
-  independent): megatron-core's own schedule, ``get_forward_backward_func`` (1F1B), with a
-  ``forward_step_func`` that packs micro-batch ``i`` and a loss function over its claims.
-- **Mechanism 2** (cached prefixes: a producer's backward waits until its readers are done,
-  which 1F1B's first-in-first-out backward order cannot honour): every stage runs the plan's
-  schedule in the plan's order. A forward receives its input from the stage before and sends
-  its output on; a backward receives the output's gradient from the stage after, runs
-  ``autograd.backward([output, K rows, V rows, ...], [grad, dK, dV, ...])`` (this stage's own
-  block KV cache and dK/dV, for its own layers) and sends the input's gradient back. Each
-  stage handles the messages of schedule step ``k`` only at its own step ``k``, so every
-  message it waits for is sent by a neighbour that needs nothing from it first: no deadlock.
-  Consecutive forwards overlap across stages; a backward waits for the stages after it.
-  With expert parallelism every step runs here: each stage's MoE all-to-alls meet the same
-  passes of the stage's other pipelines, whose micro-batch counts differ, through the
-  expert lockstep (:class:`~megatron_psrl.model.moe.ExpertLockstep`; its empty passes are
-  local to a stage, and the other stages of that pipeline run the same ones: docs/moe.md).
+- **1F1B** for a step of independent micro-batches (mechanism 1 only, every schedule step
+  ``forward_backward``): :func:`~megatron_psrl.schedule.instructions.one_f_one_b` splits each
+  into a kept forward and its backward in megatron's 1F1B order (warm-up forwards, then one
+  forward and one backward in turn), so stages overlap and a stage holds at most
+  ``PP - stage`` graphs. A backward that recomputes routes its MoE tokens as its forward did
+  (the participants hold the routes), so activation recomputation with router replay runs here too.
+- **The plan's order** for mechanism 2 (cached prefixes: a producer's backward waits until
+  its readers are done, which 1F1B's first-in-first-out backward order cannot honour), trees
+  split across pipelines (each stage's per-layer K/V exchanges meet the same micro-batch on the
+  same stage of the other pipelines) and expert parallelism (a stage's MoE all-to-alls meet
+  the same passes of the stage's other pipelines, whose micro-batch counts differ, through the
+  expert lockstep, :class:`~megatron_psrl.model.moe.ExpertLockstep`: docs/moe.md). Every stage
+  runs the same instructions in the same order, so every message it waits for is sent by a
+  neighbour that needs nothing from it first: no deadlock.
 
-MoE router replay and router losses: every stage sets its routers' routes (by their global
-layer numbers) and router-loss weights per pack before each forward, in either executor.
-With activation recomputation a backward routes its tokens again, which megatron's 1F1B runs
-after later forwards: those steps run in plan order (it sets them again before the backward).
+One exception remains: with virtual stages (several model chunks per rank), steps of
+independent micro-batches run megatron-core's interleaved 1F1B schedule
+(``get_forward_backward_func``, its ``P2PCommunicator`` with ``variable_seq_lengths``) with a
+``forward_step_func`` that packs micro-batch ``i`` and the same loss head and participants;
+other virtual-stage steps run in the plan's order, one micro-batch at a time through the chunks.
 
-Either way, the bubble is measured: the time each stage spends waiting in p2p transfers over
-the step's time (``pipeline_bubble``). On CUDA kernels run asynchronously and megatron's p2p
-calls synchronise the device, so a timer around a transfer would also count the stage's own
-queued compute; the device is drained before the timer starts (see :class:`_TimedP2P`).
+The bubble is measured: the time each stage spends waiting on its transfers over the step's
+device time (``pipeline_bubble``; :class:`StageLinks` times waits on the host on CPU and with
+CUDA events on GPU; megatron's communicator synchronises the device, so the device is drained
+before its timer starts, :class:`_TimedP2P`).
 """
 
 from __future__ import annotations
@@ -49,14 +55,17 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.compat import install_cpu_pipeline_shims
-from megatron_psrl.engine.participants import KVCacheLifecycle, RouterState
+from megatron_psrl.engine.participants import KVCacheLifecycle, RouterState, StepParticipant
+from megatron_psrl.engine.stage_links import StageLinks
 from megatron_psrl.engine.step import ComputedLogprobs, StepOutput, StepRunner, StepState
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.sequence_parallel import padded_rows
 from megatron_psrl.rl.loss import ClaimLoss, claim_coefficients
+from megatron_psrl.schedule.instructions import LOCAL_INSTRUCTIONS, Instruction, flatten, lower_training, one_f_one_b
 from megatron_psrl.schedule.memory import MemoryPlan
-from megatron_psrl.schedule.plan import StepPlan
+from megatron_psrl.schedule.plan import RankPlan, StepPlan
 
 Tensor = torch.Tensor
 
@@ -67,15 +76,16 @@ _clock = time.perf_counter  # the bubble's clock (a test replaces it with a fake
 def _settle(device: Optional[torch.device]) -> None:
     """Wait for the work queued on ``device`` (CUDA runs it asynchronously; CPU: nothing).
 
-    Kept on purpose before every pipeline transfer, and it costs no wait the step would not
-    have anyway: megatron-core 0.16's ``P2PCommunicator._communicate`` drains the device itself
-    on every call this runner makes. Tree-packed micro-batches differ in length
+    At a step's start and end, so that its measured time is its device time. And before every
+    transfer of megatron's communicator (its interleaved schedule only), where it costs no wait
+    the step would not have anyway: megatron-core 0.16's ``P2PCommunicator._communicate``
+    drains the device itself on every call. Tree-packed micro-batches differ in length
     (``variable_seq_lengths``), so it first exchanges shapes, then calls
     ``torch.cuda.synchronize()`` unconditionally and reads the shapes with ``.tolist()``
     (``_communicate_shapes``), and after the batched isend/irecv it synchronises again
     (``batch_p2p_sync``, on by default). Draining here, outside the timer, moves that wait in
     front of the clock: the bubble measured is the neighbour and the wire, not this stage's
-    own queued compute."""
+    own queued compute. (The project's own links, :class:`StageLinks`, never synchronise.)"""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -121,7 +131,11 @@ class PipelineStepRunner(StepRunner):
         self.first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         self.last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.last_rank = dist.get_global_rank(self.pp_group, self.pp_size - 1)
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.links = StageLinks(self.pp_group, device, self.config.pipeline_dtype or self.config.params_dtype)
+        """Activations and their gradients to and from the neighbours (the project's executor)."""
         self.p2p = _TimedP2P(pp_group=self.pp_group, config=self.config)
+        """megatron's communicator, for its interleaved schedule only (virtual stages)."""
         self.p2p.device = device
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -138,7 +152,8 @@ class PipelineStepRunner(StepRunner):
         self.last_bubble: float = 0.0
         """Measured bubble fraction of the last step (mean over stages of p2p wait / step time)."""
         self.last_schedule: str = ""
-        """Executor of the last step: ``1f1b`` / ``interleaved-1f1b`` (megatron's) or ``plan-order``."""
+        """Order of the last step: ``1f1b`` (this executor, mechanism-1 steps), ``plan-order``
+        (this executor, the plan's order) or ``interleaved-1f1b`` (megatron's schedule)."""
 
     def _receives(self, v: int) -> bool:
         return not (self.first and v == 0)
@@ -146,21 +161,30 @@ class PipelineStepRunner(StepRunner):
     def _sends(self, v: int) -> bool:
         return not (self.last and v == len(self.chunks) - 1)
 
-    # ------------------------------------------------------------------ ordered executor
+    # ------------------------------------------------------------------ the stage's model runs
+    def _activation_rows(self, tokens: int) -> int:
+        """Rows of the hidden states between stages for a pack of ``tokens``: this rank's
+        sequence-parallel share of the padded pack, or all of them."""
+        if not self.config.sequence_parallel:
+            return tokens
+        tp = self.config.tensor_model_parallel_size
+        return padded_rows(tokens, tp) // tp
+
     def _stage_forward(self, i: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata, grad: bool) -> Optional[Tensor]:
         io = []
         out = None
         for v, chunk in enumerate(self.chunks):
             x = None
-            if self._receives(v):
-                # [t, 1, h]; its shape comes with it (variable_seq_lengths)
-                x = self.p2p.recv_forward((len(ids), 1, self.config.hidden_size), is_first_stage=False)
+            if self._receives(v):  # [t, 1, h] (a sequence-parallel share), with the outbox's sends
+                x = self.links.recv_forward((self._activation_rows(len(ids)), 1, self.config.hidden_size))
                 if grad:
                     x.requires_grad_(True)
                 chunk.set_input_tensor(x)
+            else:
+                self.links.flush()  # a run that receives nothing: what waits goes first
             out = chunk(ids, pos, meta)  # [t, 1, h]
             if self._sends(v):
-                self.p2p.send_forward(out.detach(), is_last_stage=False)
+                self.links.send_forward(out)
             io.append((x, out))
         if grad:
             self._io[i] = io
@@ -182,10 +206,12 @@ class PipelineStepRunner(StepRunner):
             grads: List[Tensor] = []
             if self._sends(v):  # the output's gradient comes from the next chunk's rank
                 tensors.append(out)
-                grads.append(self.p2p.recv_backward(tuple(out.shape), is_last_stage=False))
-            elif loss is not None:
-                tensors.append(loss)
-                grads.append(torch.ones_like(loss))
+                grads.append(self.links.recv_backward(out.shape))
+            else:
+                self.links.flush()
+                if loss is not None:
+                    tensors.append(loss)
+                    grads.append(torch.ones_like(loss))
             for layer, rows, grad in kv_grads:  # dK/dV of the producer's rows in this chunk's layers
                 if layer in self.chunk_layers[v]:
                     tensors.append(rows)
@@ -193,7 +219,28 @@ class PipelineStepRunner(StepRunner):
             if tensors:
                 torch.autograd.backward(tensors, grads)
             if self._receives(v):
-                self.p2p.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), is_first_stage=False)
+                self.links.send_backward(x.grad if x.grad is not None else torch.zeros_like(x))
+
+    def _participants(self, step, instructions: List[Instruction], training: bool) -> List[StepParticipant]:
+        """The step's participants, the stage's links first (their ``end`` posts the last sends
+        before any other participant's closing communication)."""
+        return [_LinksFlush(self.links, self.expert_group is not None)] + super()._participants(
+            step, instructions, training)
+
+    def _training_stream(self, rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
+        """The plan's order, or 1F1B (:func:`one_f_one_b`) for a step of independent micro-batches."""
+        if not self._runs_1f1b(rank_plan):
+            return super()._training_stream(rank_plan, memory)
+        return flatten(one_f_one_b(lower_training(rank_plan, {}, {}), self.stage, self.pp_size))
+
+    def _runs_1f1b(self, rank_plan: RankPlan) -> bool:
+        """A step this executor runs in 1F1B order: micro-batches independent (mechanism 1, every
+        step ``forward_backward``, no tree split across pipelines), one model chunk (virtual
+        stages: megatron's interleaved schedule or the plan's order), and no expert parallelism
+        (a stage's MoE all-to-alls meet the same pass on the stage's other pipelines, whose
+        micro-batch counts differ: the expert lockstep follows the plan's order)."""
+        return (len(self.chunks) == 1 and self.expert_group is None and not rank_plan.sources
+                and not rank_plan.cross_rank and all(op == "forward_backward" for op, _ in rank_plan.schedule))
 
     # ------------------------------------------------------------------ results on every stage
     def _from_loss_stage(self, value):
@@ -212,14 +259,16 @@ class PipelineStepRunner(StepRunner):
         return out
 
     def _measure(self, run):
-        """Run one step's executor and set :attr:`last_bubble` from its p2p waits."""
+        """Run one step's executor and set :attr:`last_bubble` from its transfers' waits."""
         self.p2p.wait_s = 0.0
+        self.links.reset()
         _settle(self.device)  # the step's time is its device time, from drained to drained
         t0 = _clock()
         out = run()
         _settle(self.device)
         wall = _clock() - t0
-        t = torch.tensor([self.p2p.wait_s / max(wall, 1e-9)], dtype=torch.float64)
+        waited = self.p2p.wait_s + self.links.blocked.seconds
+        t = torch.tensor([waited / max(wall, 1e-9)], dtype=torch.float64)
         dist.all_reduce(t, group=self.pp_group)
         self.last_bubble = float(t) / self.pp_size
         return out
@@ -228,35 +277,30 @@ class PipelineStepRunner(StepRunner):
     def train(self, plan: StepPlan, rank: int, loss_cfg: ClaimLoss, memory: Optional[MemoryPlan] = None,
               loss_scale: float = 1.0, last_of_step: bool = False) -> StepOutput:
         rank_plan = plan.ranks[rank]
-        independent = not rank_plan.sources and all(op == "forward_backward" for op, _ in rank_plan.schedule)
-        # Cross-rank (a tree's fragments on several pipelines): each stage's per-layer K/V
-        # exchanges must meet the same micro-batch on the same stage of the other pipelines;
-        # every pipeline walks the group's common schedule in plan order (never 1F1B).
-        if rank_plan.cross_rank:
-            independent = False
-        num = len(rank_plan.micro_batches)
-        # megatron's interleaved schedule needs at least PP micro-batches, and PP > 2: with two
-        # stages both neighbours are one rank, and its batched sends and receives in both
-        # directions (shapes first, variable_seq_lengths) are not matched in order over gloo.
-        # Those steps run in plan order (still interleaved over the chunks, one micro-batch at a time).
-        interleaved_ok = self.pp_size > 2 and num >= self.pp_size
-        # Expert parallelism: a stage's MoE all-to-alls must meet the same pass on the stage's
-        # other pipelines, which may hold fewer micro-batches; megatron's schedules know nothing
-        # of that, so every step runs in plan order under the expert lockstep (StepRunner.train).
-        # MoE router replay / router losses: megatron's 1F1B runs a micro-batch's backward after
-        # later forwards; with activation recomputation that backward routes (and weighs) its
-        # tokens again, with whatever the last forward set: such steps run in plan order, which
-        # sets them again before the backward (StepRunner.train).
-        per_pack_routers = plan.tree.batch.routed_experts is not None or self.router_losses is not None
-        if self.inject_kv_grads and per_pack_routers:
-            independent = False
-        if independent and num and (len(self.chunks) == 1 or interleaved_ok) and self.expert_group is None:
-            self.last_schedule = "1f1b" if len(self.chunks) == 1 else "interleaved-1f1b"
+        if self._runs_megatron_interleaved(plan, rank_plan):
+            self.last_schedule = "interleaved-1f1b"
             return self._measure(lambda: self._train_megatron_schedule(plan, rank, loss_cfg, loss_scale))
-        # (megatron's 1F1B above runs its own backward passes: the reduce starts after it)
-        self.last_schedule = "plan-order"
+        # this executor: the plan's instructions, in 1F1B order when the micro-batches are independent
+        self.last_schedule = "1f1b" if self._runs_1f1b(rank_plan) else "plan-order"
         return self._measure(lambda: super(PipelineStepRunner, self).train(plan, rank, loss_cfg, memory, loss_scale,
                                                                            last_of_step))
+
+    def _runs_megatron_interleaved(self, plan: StepPlan, rank_plan: RankPlan) -> bool:
+        """Virtual stages with independent micro-batches: megatron's interleaved 1F1B schedule.
+
+        It needs at least PP micro-batches, and PP > 2 (with two stages both neighbours are one
+        rank, and its batched sends and receives in both directions, shapes first with
+        ``variable_seq_lengths``, are not matched in order over gloo): other steps run in the
+        plan's order here (still interleaved over the chunks, one micro-batch at a time). With
+        activation recomputation a backward routes (and weighs) its MoE tokens again, with what
+        the last forward set, after later forwards in megatron's order: those steps too."""
+        if len(self.chunks) == 1 or self.expert_group is not None or rank_plan.sources or rank_plan.cross_rank:
+            return False
+        if not all(op == "forward_backward" for op, _ in rank_plan.schedule):
+            return False
+        per_pack_routers = plan.tree.batch.routed_experts is not None or self.router_losses is not None
+        num = len(rank_plan.micro_batches)
+        return self.pp_size > 2 and num >= self.pp_size and not (self.inject_kv_grads and per_pack_routers)
 
     def _forward_only(self, plan, rank, memory, claims_loss=None, coefficients=None,
                       with_entropy: bool = False) -> StepOutput:
@@ -343,3 +387,24 @@ class PipelineStepRunner(StepRunner):
             for participant in step.participants:
                 participant.end(step)
         return self.close(step)
+
+
+class _LinksFlush(StepParticipant):
+    """A stage's sends wait for its next receive (:class:`~megatron_psrl.engine.stage_links.StageLinks`):
+    before an instruction that communicates otherwise (heads, replica gradients) and at the end
+    of the step, whatever still waits goes. With expert parallelism, before every instruction:
+    the expert lockstep runs empty passes (all-to-alls with the stage's other pipelines) before
+    a model run's own receive, and a send held back meanwhile could be what those pipelines'
+    neighbours wait for."""
+
+    def __init__(self, links: StageLinks, before_every_instruction: bool):
+        self.links = links
+        self.before_every_instruction = before_every_instruction
+
+    def before(self, instruction: Instruction, step) -> None:
+        if self.before_every_instruction or (instruction.pass_kind is None
+                                             and not isinstance(instruction, LOCAL_INSTRUCTIONS)):
+            self.links.flush()
+
+    def end(self, step) -> None:
+        self.links.flush()

@@ -471,7 +471,11 @@ class StepRunner:
                                     logprobs=ComputedLogprobs(records_every_row(loss_cfg) and loss_cfg.needs_entropy)),
                          last_of_step=last_of_step,
                          gather_in_backward=memory is not None and memory.gathers_in_backward)
-        return self.execute(step, training_instructions(rank_plan, memory), training=True)
+        return self.execute(step, self._training_stream(rank_plan, memory), training=True)
+
+    def _training_stream(self, rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
+        """The instructions of a training step (a pipeline stage may order them its own way)."""
+        return training_instructions(rank_plan, memory)
 
     # ------------------------------------------------------------------ forward only
     @torch.no_grad()
@@ -517,7 +521,7 @@ class StepRunner:
     def execute(self, step: "StepState", instructions: List[Instruction], training: bool) -> StepOutput:
         """Run ``instructions`` (one method per kind, :data:`EXECUTE`) with the step's
         participants' hooks around them (:mod:`megatron_psrl.engine.participants`)."""
-        step.participants = step_participants(self, step, instructions, training)
+        step.participants = self._participants(step, instructions, training)
         for participant in step.participants:
             participant.begin(step)
         for instruction in instructions:
@@ -527,6 +531,10 @@ class StepRunner:
         for participant in step.participants:
             participant.end(step)
         return self.close(step)
+
+    def _participants(self, step: "StepState", instructions: List[Instruction], training: bool) -> List:
+        """The step's participants (a pipeline stage adds its links)."""
+        return step_participants(self, step, instructions, training)
 
     def close(self, step: "StepState") -> StepOutput:
         """The step's outputs: its device sums read once, the whole-step loss terms added."""

@@ -334,6 +334,30 @@ def lower_training(rank_plan: RankPlan, keep: Dict[int, bool], release_step: Dic
     return steps
 
 
+def one_f_one_b(steps: List[LoweredStep], stage: int, num_stages: int) -> List[LoweredStep]:
+    """A pipeline stage's share of a mechanism-1 step (every step a :class:`ForwardBackward`:
+    micro-batches independent) in the 1F1B order of megatron's and DeepSpeed's pipeline
+    schedules: the stage's warm-up forwards (``num_stages - stage - 1``, the stages after it
+    still filling), then one forward and one backward in turn, then the remaining backwards.
+    Each micro-batch's forward keeps its graph (:class:`ForwardKeep`; a mechanism-1 micro-batch
+    writes no cache) until its :class:`Backward`, so a stage holds at most
+    ``num_stages - stage`` graphs at once.
+
+    For stage 0 of 2 and micro-batches 0..3: ``F0 F1 B0 F2 B1 F3 B2 B3``; stage 1:
+    ``F0 B0 F1 B1 F2 B2 F3 B3``."""
+    for step in steps:
+        if not all(isinstance(x, ForwardBackward) for x in step.instructions):
+            raise ValueError(f"1F1B orders independent micro-batches only, not {step.instructions}")
+    order = [step.micro_batch for step in steps]
+    warmup = min(num_stages - stage - 1, len(order))
+    forward = [LoweredStep(i, (ForwardKeep(i),)) for i in order]
+    backward = [LoweredStep(i, (Backward(i),)) for i in order]
+    out = forward[:warmup]
+    for k in range(len(order) - warmup):
+        out += [forward[warmup + k], backward[k]]
+    return out + backward[len(order) - warmup:]
+
+
 def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
     """The rank's training step as the memory plan lowered and counted it (kept or dropped
     graphs, when cached values go) with the step's communication explicit."""

@@ -130,7 +130,7 @@ def test_families_pass_under_nccl_emulation(emulated, case, tmp_path_factory):
 
         results = torch.load(root / "out.pt", weights_only=False)
         batch = _PIPELINE_REFS["data"][1]
-        _check(results[("llama", "m1")], _PIPELINE_REFS["ref"], batch, "m1", "1f1b")  # megatron's 1F1B p2p
+        _check(results[("llama", "m1")], _PIPELINE_REFS["ref"], batch, "m1", "1f1b")  # 1F1B: sends batched with the next receive
         _check(results[("llama", "m2")], _PIPELINE_REFS["ref"], batch, "m2", "plan-order")
     else:  # every rank matches the per-sample reference (asserted in the script)
         reports = re.findall(r"rank (\d) ep_rank \d: ", out)

@@ -29,7 +29,8 @@ ALLOWED = {
     ("rl/sharing_check.py", "check_sharing"):
         "the prefix sharing check's comparison, once per checked step, before the step (--check-sharing-every)",
     ("model/moe.py", "expert_load_summary"): "expert-load diagnostics after the step, when asked for",
-    ("distributed/kv_exchange.py", "BlockedTime.seconds"): "a benchmark's reading of exposed exchange time, after a step",
+    ("distributed/kv_exchange.py", "BlockedTime.seconds"):
+        "a benchmark's reading of exposed exchange time, and a pipeline step's transfer waits, after the step",
     ("engine/calibration.py", "drain"):
         "start-up cost measurement; and the end of a train_step, once, after the optimizer (its time)",
     ("engine/calibration.py", "measure_costs"): "start-up cost measurement, before any step",
@@ -40,7 +41,8 @@ ALLOWED = {
     ("engine/optimizer.py", "TrainingOptimizer.loss_scale"):
         "once per step, before its first kernel (fp16's dynamic loss scale is a device tensor)",
     ("engine/pipeline.py", "_settle"):
-        "drains the device before megatron's p2p calls, which synchronise it themselves (see its docstring)",
+        "a pipeline step's device time, drained at its start and end; and before megatron's p2p calls "
+        "(its interleaved schedule), which synchronise the device themselves (see its docstring)",
     ("engine/step.py", "ComputedLogprobs.arrays"): "the step's log-probs, read once at its end",
     ("engine/step.py", "ComputedLogprobs.entropy_array"): "the step's entropies, read once at its end",
     ("engine/step.py", "StepRunner.sequence_sums"): "a sequence loss's per-sample sums, read once after the pass",

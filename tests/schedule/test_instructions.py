@@ -196,3 +196,44 @@ def test_instructions_are_frozen_values():
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.micro_batch = 4
     assert np.all([x.pass_kind is None for x in (ins.AllocateKV((1,)), ins.ReleaseKV((1,)), ins.SendHeads(0))])
+
+
+def _independent_steps(n):
+    return [ins.LoweredStep(i, (ins.ForwardBackward(i),)) for i in range(n)]
+
+
+def _order(steps):
+    return " ".join(("F" if isinstance(x, ins.ForwardKeep) else "B") + str(x.micro_batch)
+                    for x in ins.flatten(steps))
+
+
+def test_one_f_one_b_warms_up_by_the_stages_after_it():
+    assert _order(ins.one_f_one_b(_independent_steps(4), 0, 2)) == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert _order(ins.one_f_one_b(_independent_steps(4), 1, 2)) == "F0 B0 F1 B1 F2 B2 F3 B3"
+    assert _order(ins.one_f_one_b(_independent_steps(4), 0, 4)) == "F0 F1 F2 F3 B0 B1 B2 B3"
+    assert _order(ins.one_f_one_b(_independent_steps(2), 0, 4)) == "F0 F1 B0 B1"  # fewer micro-batches than stages
+    assert ins.one_f_one_b([], 0, 2) == []
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_one_f_one_b_runs_each_forward_before_its_backward_and_holds_at_most_the_stages_after_it(stages, n):
+    for stage in range(stages):
+        stream = ins.flatten(ins.one_f_one_b(_independent_steps(n), stage, stages))
+        assert sorted(x.micro_batch for x in stream if isinstance(x, ins.ForwardKeep)) == list(range(n))
+        assert [x.micro_batch for x in stream if isinstance(x, ins.Backward)] == list(range(n))  # first in, first out
+        held, peak = set(), 0
+        for x in stream:
+            if isinstance(x, ins.ForwardKeep):
+                held.add(x.micro_batch)
+            else:
+                assert x.micro_batch in held and not x.recompute
+                held.remove(x.micro_batch)
+            peak = max(peak, len(held))
+        assert peak == min(stages - stage, n)
+
+
+def test_one_f_one_b_refuses_a_plan_order_step():
+    steps = [ins.LoweredStep(0, (ins.ForwardKeep(0),)), ins.LoweredStep(0, (ins.Backward(0),))]
+    with pytest.raises(ValueError, match="independent"):
+        ins.one_f_one_b(steps, 0, 2)

@@ -3,7 +3,7 @@ per-sample Hugging Face reference (fp32, rel 1e-5: loss, every parameter, log-pr
 PP=2 (even, 1 + 3 layers, and with full activation recomputation), PP=4, PP=2 x TP=2, PP=2 x DP=2, virtual PP=2 x PP=2 and virtual
 PP=2 x PP=4, on Llama
 and Qwen3 (tied embeddings: the first and last stages hold one parameter), each with
-mechanism 1 only (megatron's 1F1B or interleaved schedule), with mechanism 2 (micro-batches far
+mechanism 1 only (1F1B, or megatron's interleaved schedule with virtual stages), with mechanism 2 (micro-batches far
 smaller than the trees, graphs kept) and with mechanism 2 where the KV budget makes producers
 recompute their forward (every pair on PP=2, each mode once on the other layouts, the two
 families taking turns); and one tree spread over two pipelines (PP=2 x DP=2, also with virtual
