@@ -6,7 +6,7 @@
 For each workload, ``pretrain_agent_rl.py`` runs under torchrun with 2 CPU ranks as two
 pipeline stages of the tiny Llama (4 layers, 2 per stage), once with prefix sharing and once
 with ``--no-prefix-sharing``, on the same batches. Printed per run: the median step time (the
-first step warms up), tokens computed, the executor (megatron's ``1f1b`` for mechanism-1-only
+first step warms up), tokens computed, the executor (``1f1b`` for mechanism-1-only
 steps, ``plan-order`` with cached prefixes), the measured bubble (p2p wait / step time, mean
 over stages), and the speedup of sharing next to the ideal (a FLOP ratio, the same for any
 layout). A 1-rank run with PP=1 gives the no-pipeline reference of each mode.
@@ -33,8 +33,10 @@ WORKLOADS = {  # --data and its micro-batch budget: grpo fits a group per micro-
 }
 
 
-def run(data_args, sharing: bool, pp: int, iters: int, tmp: str) -> dict:
-    log = os.path.join(tmp, f"{'s' if sharing else 'n'}{pp}.jsonl")
+def run(name: str, sharing: bool, pp: int, iters: int, tmp: str) -> dict:
+    data_args = WORKLOADS[name]
+    # one log per run: --log-json appends, so a log shared by two workloads would mix their steps
+    log = os.path.join(tmp, f"{name}-{'s' if sharing else 'n'}{pp}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={pp}", "--standalone",
            os.path.join(REPO, "pretrain_agent_rl.py"), "--model", "tiny-llama", *data_args,
            "--train-iters", str(iters), "--pipeline-model-parallel-size", str(pp), "--log-json", log, "--quiet"]
@@ -62,7 +64,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads:
             for pp in (2, 1):
-                res = {sharing: run(WORKLOADS[name], sharing, pp, args.iters, tmp) for sharing in (True, False)}
+                res = {sharing: run(name, sharing, pp, args.iters, tmp) for sharing in (True, False)}
                 speedup = res[False]["step"] / res[True]["step"]
                 for sharing in (True, False):
                     r = res[sharing]
