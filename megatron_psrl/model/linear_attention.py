@@ -408,7 +408,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             return self._plain_index[1]
         if not isinstance(meta, TreeAttentionMetadata):
             raise NotImplementedError("TreeGatedDeltaNet takes TreeAttentionMetadata or no packed_seq_params")
-        if b != 1 or meta.plan.num_tokens != t:
+        if b != 1 or meta.plan.num_tokens > t:
             raise ValueError(f"a tree pack is [t, 1, h] with t = {meta.plan.num_tokens}, got [{t}, {b}, .]")
         cache = meta.__dict__.setdefault("_linear_attention_index", {})
         key = (str(device), k)
@@ -419,7 +419,8 @@ class TreeGatedDeltaNet(GatedDeltaNet):
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None, key_value_states=None,
                 inference_context=None, attention_bias=None, packed_seq_params=None, sequence_len_offset=None,
                 *, inference_params=None, **kwargs):
-        """``[t, b, h]`` (``[t / tp, b, h]`` under sequence parallelism) -> (``[t, b, h]``, bias)."""
+        """``[t, b, h]`` (``[t / tp, b, h]`` under sequence parallelism) -> (``[t, b, h]``, bias).
+        With :class:`TreeAttentionMetadata` ``b`` is 1 and every token sees its own path."""
         if deprecate_inference_params(inference_context, inference_params) is not None:
             raise NotImplementedError("TreeGatedDeltaNet does not run inference contexts")
         qkvzba, _ = self.in_proj(hidden_states)  # [t, b, in_proj_dim / tp] (the whole sequence)
@@ -429,13 +430,18 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             raise NotImplementedError("a pack continuing cached prefixes needs their linear states "
                                       "(tree_gated_delta_rule's `initial`); not wired into the layer yet")
         heads = self.heads
-        rows = qkvzba.transpose(0, 1).reshape(b * t, -1)  # [b * t, in_proj_dim / tp], sequence-major
+        # [n, in_proj_dim / tp], sequence-major; a tree pack's rows past its plan's n tokens are
+        # sequence-parallel padding (a multiple of TP): their outputs are zero.
+        n = index.num_tokens
+        rows = qkvzba.transpose(0, 1).reshape(b * t, -1)[:n]
         qkv, gate, beta, alpha = torch.split(
             rows, [2 * heads.qk_dim + heads.v_dim, heads.v_dim, heads.num_value_heads, heads.num_value_heads], dim=-1)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)  # [b * t, h_v] fp32
         result = tree_gated_delta_rule(qkv, g, beta.sigmoid(), self.conv1d.weight, self.conv1d.bias, heads,
                                        index, activation=self.act_fn)
-        norm_out = self._apply_gated_norm(result.core, gate)  # [b * t, v_dim / tp]
+        norm_out = self._apply_gated_norm(result.core, gate)  # [n, v_dim / tp]
+        if n < b * t:
+            norm_out = F.pad(norm_out, (0, 0, 0, b * t - n))  # [b * t, v_dim / tp]
         norm_out = norm_out.reshape(b, t, -1).transpose(0, 1).contiguous()  # [t, b, v_dim / tp]
         return self.out_proj(norm_out)
 

@@ -197,6 +197,46 @@ def test_plain_batch_without_metadata_matches_hf(parallel):
     _close(out.detach(), expected)
 
 
+def test_sequence_parallel_padding_rows_past_the_plan(parallel):
+    """Rows past the plan's tokens (sequence-parallel padding to a multiple of TP) leave the
+    pack's rows as they are and come out zero."""
+    lengths, parents = TREES["grpo-group"]
+    ours = _ours(_hf_layer("qwen3_next"), parallel)
+    t = int(sum(lengths))
+    x = torch.randn(t + 2, 1, HIDDEN)
+    meta = TreeAttentionMetadata(plan=_plan(lengths, parents))
+    with torch.no_grad():
+        padded, _ = ours(x, attention_mask=None, packed_seq_params=meta)
+        exact, _ = ours(x[:t], attention_mask=None, packed_seq_params=TreeAttentionMetadata(plan=meta.plan))
+    assert torch.equal(padded[:t], exact)
+    assert torch.equal(padded[t:], torch.zeros(2, 1, HIDDEN))
+
+
+def test_as_the_last_layer_every_row_is_computed(parallel):
+    """In megatron's TransformerLayer (the project's, which skips rows in the model's last layer
+    when the loss reads only some), a linear-attention mixer runs every row: each feeds the states
+    of its descendants."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    from megatron_psrl.model.gpt import PsrlTransformerLayer
+
+    config = _config(hidden_dropout=0.0, attention_dropout=0.0)
+    spec = ModuleSpec(module=PsrlTransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=la.tree_gated_delta_net_spec(config), self_attn_bda=get_bias_dropout_add))
+    layer = build_module(spec, config=config, layer_number=1, pg_collection=parallel).eval()
+    lengths, parents = TREES["short-branches"]
+    t = int(sum(lengths))
+    x = torch.randn(t, 1, HIDDEN)
+    meta = TreeAttentionMetadata(plan=_plan(lengths, parents), output_rows=np.array([2, 5, t - 1]))
+    with torch.no_grad():
+        out, _ = layer(x, attention_mask=None, packed_seq_params=meta)
+        mixed, _ = layer.self_attention(x, attention_mask=None, packed_seq_params=TreeAttentionMetadata(plan=meta.plan))
+    assert out.shape == (t, 1, HIDDEN)
+    assert_equal_up_to_rounding(out, x + mixed, scale=float(out.abs().max()))
+
+
 def test_output_norm_is_not_zero_centred(parallel):
     """``layernorm_zero_centered_gamma`` (Qwen3-Next's other norms) must not reach the gated norm."""
     ours = _ours(_hf_layer("qwen3_next"), parallel)
