@@ -13,6 +13,7 @@ the roots continuing it), a plain batch without metadata, and fla against the to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -377,6 +378,34 @@ def test_an_external_state_gradient_is_the_sum_over_its_continuations():
     _close(together[1], alone[1])
 
 
+# ----------------------------------------------------------------- layouts: HF and TP shares
+def test_qwen3_next_in_proj_mapping_round_trips():
+    heads = _full_heads()
+    hf = _hf_layer("qwen3_next")
+    qkvz, ba = la.in_proj_to_qwen3_next(_hf_in_proj(hf), heads)
+    assert torch.equal(qkvz, hf.in_proj_qkvz.weight) and torch.equal(ba, hf.in_proj_ba.weight)
+
+
+def test_tensor_parallel_shares_compute_their_heads():
+    """A TP rank's share (megatron's layout: every in_proj part and the conv's q|k|v channels
+    split separately, key heads with their value-head groups) gives exactly its heads' outputs."""
+    lengths, parents = TREES["short-branches"]
+    heads = _full_heads()
+    inputs = _random_inputs(int(sum(lengths)), heads)
+    index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cpu")
+    full = tree_gated_delta_rule(**inputs, heads=heads, index=index, return_states=True)
+    parts = (heads.qk_dim, heads.qk_dim, heads.v_dim)
+    share = dataclasses.replace(heads, num_key_heads=1, num_value_heads=2)
+    for rank in range(2):
+        mine = dict(mixed_qkv=la.tp_share_of_parts(inputs["mixed_qkv"].t(), parts, rank, 2).t(),
+                    g=inputs["g"].chunk(2, dim=1)[rank], beta=inputs["beta"].chunk(2, dim=1)[rank],
+                    conv_weight=la.tp_share_of_parts(inputs["conv_weight"], parts, rank, 2),
+                    conv_bias=la.tp_share_of_parts(inputs["conv_bias"], parts, rank, 2))
+        out = tree_gated_delta_rule(**mine, heads=share, index=index, return_states=True)
+        _close(out.core, full.core.chunk(2, dim=1)[rank])
+        _close(out.states.recurrent, full.states.recurrent.chunk(2, dim=1)[rank])
+
+
 # ------------------------------------------------------------------------------ fla kernel
 @pytest.mark.skipif(la.fla_chunk_gated_delta_rule is None or not torch.cuda.is_available(),
                     reason="needs fla and CUDA")
@@ -386,7 +415,7 @@ def test_fla_kernel_matches_the_torch_kernel():
     inputs = {k: v.cuda() for k, v in _random_inputs(int(sum(lengths)), heads).items()}
     index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cuda")
     fla = tree_gated_delta_rule(**inputs, heads=heads, index=index, return_states=True)
-    torch_heads = GdnHeads(**{**heads.__dict__, "deterministic": True})
+    torch_heads = dataclasses.replace(heads, deterministic=True)
     ref = tree_gated_delta_rule(**inputs, heads=torch_heads, index=index, return_states=True)
     torch.testing.assert_close(fla.core, ref.core, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(fla.states.recurrent, ref.states.recurrent, rtol=1e-3, atol=1e-3)
