@@ -11,8 +11,8 @@ for each) can express that, so :class:`TreeGatedDeltaNet` keeps megatron's param
 constructor and replaces its forward:
 
 * the conv mixes every token with its ``K - 1`` predecessors on its own path (across segment
-  boundaries, several ancestors up when segments are short; zeros before a root), one gather
-  of precomputed predecessor rows;
+  boundaries, several ancestors up when segments are short; zeros before a root), a gather of
+  precomputed predecessor rows per tap that keeps only its input for the backward;
 * the chunked gated delta rule runs per segment from its parent's final state, all segments of
   one tree depth in one padded kernel call (the number of calls is the depth of the tree, not
   the number of segments). Padding at a segment's end (``k = v = beta = 0``, ``g = 0``) leaves
@@ -259,13 +259,42 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state: Tensor, deterministi
                                         output_final_state=True, use_qk_l2norm_in_kernel=False)
 
 
+class _PathConv(torch.autograd.Function):
+    """The depthwise conv over gathered windows, saving only its input rows: a window tensor
+    ``[t, K, C]`` (or ``K`` gathered copies) kept for the backward would be ``K`` times the
+    layer's widest activation. Taps accumulate in fp32, as a conv kernel does; the backward
+    gathers again."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, conv_rows: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(rows, conv_rows, weight)
+        acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        taps = weight[:, 0, :].to(acc)  # [C, K]
+        out = None
+        for j in range(conv_rows.shape[1]):
+            term = rows.index_select(0, conv_rows[:, j]).to(acc) * taps[:, j]  # [t, C]
+            out = term if out is None else out + term
+        return out.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        rows, conv_rows, weight = ctx.saved_tensors
+        acc = torch.promote_types(rows.dtype, torch.float32)
+        taps = weight[:, 0, :].to(acc)
+        grad32 = grad_out.to(acc)  # [t, C]
+        grad_rows = torch.zeros(rows.shape, dtype=acc, device=rows.device)
+        grad_taps = torch.empty_like(taps)  # [C, K]
+        for j in range(conv_rows.shape[1]):
+            grad_rows.index_add_(0, conv_rows[:, j], grad32 * taps[:, j])
+            grad_taps[:, j] = (grad32 * rows.index_select(0, conv_rows[:, j]).to(acc)).sum(0)
+        return grad_rows.to(rows.dtype), None, grad_taps.unsqueeze(1).to(weight.dtype)
+
+
 def conv_along_paths(rows: Tensor, conv_rows: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """The depthwise causal conv over every token's own path: ``rows`` ``[r, C]`` (pack tokens,
     the zero row, external tails), ``conv_rows`` ``[t, K]``, ``weight`` ``[C, 1, K]`` -> ``[t, C]``
     (before the activation)."""
-    t, k = conv_rows.shape
-    window = rows.index_select(0, conv_rows.reshape(-1)).reshape(t, k, -1)  # [t, K, C]
-    out = (window * weight[:, 0, :].t().unsqueeze(0)).sum(dim=1)  # [t, C]
+    out = _PathConv.apply(rows, conv_rows, weight)
     return out if bias is None else out + bias
 
 

@@ -295,6 +295,16 @@ def test_delta_rule_matches_naive_recurrence_per_path(tree):
         assert torch.equal(result.states.conv_tail[leaf], tail)
 
 
+def test_path_conv_gradients_by_gradcheck():
+    """The conv's own backward (it saves its input rows only and gathers again) in fp64."""
+    lengths, parents = TREES["short-branches"]
+    index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cpu")
+    t = int(sum(lengths))
+    rows = torch.randn(t + 1, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 1, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda r, w: la.conv_along_paths(r, index.conv_rows, w, None), (rows, weight))
+
+
 def test_a_branch_from_a_zero_state_is_far_off():
     """The same pack with every non-root segment cut from its parent (a zero state and zero conv
     context) must differ clearly from the per-path reference the real run matches."""
