@@ -182,7 +182,8 @@ class PsrlTransformerLayer(TransformerLayer):
     every gradient are those of the full layer (up to the rounding of a differently sized
     GEMM). Any other layer, or a layout this does not cover (sequence parallelism: rows are
     split over TP ranks; fp8 / fp4: their GEMMs want row counts in multiples; inference
-    contexts; megatron's norm recomputation and activation offloading; a cross-attention),
+    contexts; megatron's norm recomputation and activation offloading; a cross-attention; a
+    linear-attention mixer, ``computes_every_row``),
     runs megatron's full layer: the model then returns every row."""
 
     def forward(self, *args, **kwargs):
@@ -207,7 +208,9 @@ class PsrlTransformerLayer(TransformerLayer):
                 and not getattr(self, "offload_attn_norm", False)
                 and not getattr(self, "offload_mlp_norm", False)
                 and not getattr(config, "inference_fuse_tp_communication", False)
-                and isinstance(self.cross_attention, IdentityOp))
+                and isinstance(self.cross_attention, IdentityOp)
+                # a linear-attention mixer's every row feeds its descendants' states
+                and not getattr(self.self_attention, "computes_every_row", False))
 
     def _forward_output_rows(self, hidden_states: Tensor, meta: TreeAttentionMetadata, attention_mask=None,
                              rotary_pos_emb=None, attention_bias=None):
