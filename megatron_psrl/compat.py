@@ -82,6 +82,15 @@ are, why, and what dropping each one would take:
    collectives are plain ``torch.distributed`` and run over gloo. On CPU those modules see the
    ``torch`` of item 4. Nothing changes on CUDA. Dropping it needs device-agnostic allocations
    upstream.
+10. ``gated_delta_net_construction``: megatron's ``GatedDeltaNet.__init__``
+   (``ssm/gated_delta_net.py``) refuses to build without fla (Triton kernels, CUDA only) and
+   allocates its conv and ``dt_bias`` / ``A_log`` on ``torch.cuda.current_device()`` (also in
+   ``reset_parameters``). ``TreeGatedDeltaNet`` (``model/linear_attention.py``) never calls
+   megatron's fla-bound forward (it has a torch path), so while it is constructed the module's
+   ``HAVE_FLA`` check passes when fla is absent, and on a CPU model
+   (``use_cpu_initialization``, item 1) the module sees the ``torch`` of item 4. With fla
+   installed and a CUDA model nothing changes. Dropping it needs an optional fla and
+   device-agnostic allocations upstream.
 
 Design choices that are *not* workarounds (they hold on GPU too): RoPE frequencies come from
 explicit per-token position ids (megatron's RotaryEmbedding knows only 0..S-1) and the core
@@ -509,3 +518,23 @@ def install_cpu_moe_shims(device: torch.device) -> None:
         utils.te_general_gemm = None
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
+
+
+# ---------------------------------------------------------------------- 10: Gated DeltaNet
+@contextlib.contextmanager
+def gated_delta_net_construction(config):
+    """While megatron's ``GatedDeltaNet`` is built (or reset) for ``TreeGatedDeltaNet``: its fla
+    check passes without fla, and a CPU model's parameters are allocated on the CPU (item 10).
+    Restores the module afterwards; nothing is changed with fla on a CUDA model."""
+    import importlib
+
+    module = importlib.import_module("megatron.core.ssm.gated_delta_net")
+    saved = (module.HAVE_FLA, module.torch)
+    on_cpu = bool(config.use_cpu_initialization) or not torch.cuda.is_available()
+    module.HAVE_FLA = True
+    if on_cpu:
+        module.torch = _CpuTorch()
+    try:
+        yield
+    finally:
+        module.HAVE_FLA, module.torch = saved

@@ -1,0 +1,352 @@
+"""TreeGatedDeltaNet on tree-packed micro-batches against Hugging Face's Gated DeltaNet per sample.
+
+Every sample of a tree run alone through transformers' ``Qwen3NextGatedDeltaNet`` (and
+Qwen3.5's) must give what the packed tree gives on its path: outputs, input gradients (a shared
+row's gradient is the sum over the samples through it) and every parameter gradient. The trees:
+a GRPO group (one prompt, several responses), a step-wise chain, and a branching tree whose
+segments are shorter than the conv's ``K - 1`` (the conv then reaches several ancestors up).
+Also: the delta rule against a naive per-token recurrence, end padding leaves a state unchanged,
+a branch started from a zero state is far off (so the tests would see it), the mechanism-2 API
+(a prefix's returned state continues it exactly; an external state's gradient is the sum over
+the roots continuing it), a plain batch without metadata, and fla against the torch kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.tolerance import assert_equal_up_to_rounding
+from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+from megatron_psrl.attention.metadata import TreeAttentionMetadata
+from megatron_psrl.attention.plan import tree_plan
+from megatron_psrl.model import linear_attention as la
+from megatron_psrl.model.linear_attention import (
+    GdnHeads,
+    LinearState,
+    SegmentForest,
+    build_tree_linear_index,
+    tree_gated_delta_rule,
+)
+
+HIDDEN = 32
+ULPS = 32
+"""Units of fp32 rounding allowed: the chunked kernel's chunks start at other tokens in a pack
+than in a sample run alone (another order of the same sums), its triangular solve amplifies that."""
+
+# Trees: (segment lengths, parents) in depth-first order.
+TREES = {
+    "grpo-group": ([7, 5, 3, 6, 1], [-1, 0, 0, 0, 0]),
+    "step-chain": ([4, 3, 3, 2, 3], [-1, 0, 1, 2, 3]),
+    "short-branches": ([3, 1, 2, 1, 1, 2, 1, 2], [-1, 0, 1, 1, 0, 4, 4, -1]),
+}
+
+
+# ------------------------------------------------------------------------------- tree helpers
+def _plan(lengths, parents):
+    ends = np.cumsum(lengths)
+    return tree_plan(ends - np.asarray(lengths), ends, parents)
+
+
+def _paths(lengths, parents):
+    """Pack rows of every leaf's root-to-leaf path."""
+    ends = np.cumsum(lengths)
+    starts = ends - np.asarray(lengths)
+    children = {p for p in parents if p >= 0}
+    paths = []
+    for leaf in range(len(lengths)):
+        if leaf in children:
+            continue
+        chain, s = [], leaf
+        while s >= 0:
+            chain.append(s)
+            s = parents[s]
+        paths.append(np.concatenate([np.arange(starts[s], ends[s]) for s in reversed(chain)]))
+    return paths
+
+
+# ------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def parallel():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_psrl.distributed.setup import initialize_parallel
+
+    initialize_parallel(device="cpu")
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _hf_layer(family: str):
+    torch.manual_seed(0)
+    common = dict(hidden_size=HIDDEN, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, hidden_act="silu")
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+        layer = Qwen3NextGatedDeltaNet(Qwen3NextConfig(**common), layer_idx=0)
+    else:
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+        layer = Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(**common), layer_idx=0)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():  # away from any symmetric init
+            p.add_(0.3 * torch.randn_like(p)) if name.endswith("norm.weight") else p.copy_(0.3 * torch.randn_like(p))
+    return layer.float()
+
+
+def _config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    fields = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, normalization="RMSNorm",
+                  layernorm_epsilon=1e-6, activation_func=F.silu, use_cpu_initialization=True,
+                  params_dtype=torch.float32, layernorm_zero_centered_gamma=True,  # as Qwen3-Next's other norms
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                  linear_conv_kernel_dim=4, bias_activation_fusion=False, gradient_accumulation_fusion=False)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def _hf_in_proj(hf) -> torch.Tensor:
+    if hasattr(hf, "in_proj_qkvz"):
+        return la.in_proj_from_qwen3_next(hf.in_proj_qkvz.weight, hf.in_proj_ba.weight, _full_heads())
+    return la.in_proj_from_qwen3_5(hf.in_proj_qkv.weight, hf.in_proj_z.weight, hf.in_proj_b.weight,
+                                   hf.in_proj_a.weight)
+
+
+def _full_heads() -> GdnHeads:
+    return GdnHeads(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
+
+
+def _ours(hf, pg):
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = _config()
+    layer = build_module(la.tree_gated_delta_net_spec(config), config=config, layer_number=1, pg_collection=pg)
+    with torch.no_grad():
+        layer.in_proj.weight.copy_(_hf_in_proj(hf))
+        layer.conv1d.weight.copy_(hf.conv1d.weight)
+        for name in ("dt_bias", "A_log"):
+            getattr(layer, name).copy_(getattr(hf, name))
+        layer.out_norm.weight.copy_(hf.norm.weight)
+        layer.out_proj.weight.copy_(hf.out_proj.weight)
+    return layer
+
+
+def _hf_grads(hf):
+    return {"in_proj.weight": _hf_in_proj_grad(hf), "conv1d.weight": hf.conv1d.weight.grad,
+            "dt_bias": hf.dt_bias.grad, "A_log": hf.A_log.grad, "out_norm.weight": hf.norm.weight.grad,
+            "out_proj.weight": hf.out_proj.weight.grad}
+
+
+def _hf_in_proj_grad(hf):
+    if hasattr(hf, "in_proj_qkvz"):  # the mapping is a permutation of rows: it maps gradients too
+        return la.in_proj_from_qwen3_next(hf.in_proj_qkvz.weight.grad, hf.in_proj_ba.weight.grad, _full_heads())
+    return la.in_proj_from_qwen3_5(hf.in_proj_qkv.weight.grad, hf.in_proj_z.weight.grad,
+                                   hf.in_proj_b.weight.grad, hf.in_proj_a.weight.grad)
+
+
+def _close(actual, expected):
+    assert_equal_up_to_rounding(actual, expected, scale=float(expected.abs().max()), ulps=ULPS)
+
+
+# ---------------------------------------------------------------------- against Hugging Face
+@pytest.mark.parametrize("family,tree", [("qwen3_next", t) for t in sorted(TREES)] + [("qwen3_5", "short-branches")])
+def test_tree_pack_matches_hf_per_sample(parallel, family, tree):
+    lengths, parents = TREES[tree]
+    hf = _hf_layer(family)
+    ours = _ours(hf, parallel)
+    t = int(sum(lengths))
+    torch.manual_seed(1)
+    x = torch.randn(t, 1, HIDDEN)
+    paths = _paths(lengths, parents)
+    weights = [torch.randn(len(p), HIDDEN) for p in paths]
+
+    x_ours = x.clone().requires_grad_()
+    meta = TreeAttentionMetadata(plan=_plan(lengths, parents))
+    out, bias = ours(x_ours, attention_mask=None, packed_seq_params=meta)
+    assert out.shape == (t, 1, HIDDEN) and bias is None
+    sum((out[p, 0] * w).sum() for p, w in zip(paths, weights)).backward()
+
+    x_hf = x[:, 0].clone().requires_grad_()
+    hf_loss = 0
+    for p, w in zip(paths, weights):
+        y = hf(x_hf[p][None])[0]  # the sample alone, [len, h]
+        _close(out[p, 0].detach(), y.detach())
+        hf_loss = hf_loss + (y * w).sum()
+    hf_loss.backward()
+    _close(x_ours.grad[:, 0], x_hf.grad)
+    grads = dict(ours.named_parameters())
+    for name, expected in _hf_grads(hf).items():
+        _close(grads[name].grad, expected)
+
+
+def test_plain_batch_without_metadata_matches_hf(parallel):
+    hf = _hf_layer("qwen3_next")
+    ours = _ours(hf, parallel)
+    torch.manual_seed(2)
+    x = torch.randn(9, 3, HIDDEN)  # [s, b, h]
+    out, _ = ours(x, attention_mask=None)
+    with torch.no_grad():
+        expected = hf(x.transpose(0, 1)).transpose(0, 1)
+    _close(out.detach(), expected)
+
+
+def test_output_norm_is_not_zero_centred(parallel):
+    """``layernorm_zero_centered_gamma`` (Qwen3-Next's other norms) must not reach the gated norm."""
+    ours = _ours(_hf_layer("qwen3_next"), parallel)
+    assert isinstance(ours.out_norm, la.GatedRMSNorm)
+    fresh = la.GatedRMSNorm(_config(), 6)
+    assert torch.equal(fresh.weight, torch.ones(6))
+    x = torch.randn(5, 6)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + fresh.eps)
+    assert_equal_up_to_rounding(fresh(x), expected, scale=float(expected.abs().max()))
+
+
+# ------------------------------------------------------------------- the math on its own
+def _random_inputs(t, heads: GdnHeads, kernel=4, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    conv_dim = 2 * heads.qk_dim + heads.v_dim
+    return dict(mixed_qkv=torch.randn(t, conv_dim, generator=g),
+                g=-torch.rand(t, heads.num_value_heads, generator=g) * 0.5,
+                beta=torch.rand(t, heads.num_value_heads, generator=g),
+                conv_weight=torch.randn(conv_dim, 1, kernel, generator=g) * 0.5,
+                conv_bias=torch.randn(conv_dim, generator=g) * 0.1)
+
+
+def _naive_path(inputs, rows, heads: GdnHeads, state=None):
+    """One path alone: megatron's conv1d, then the delta rule token by token,
+    ``S = exp(g) S``, ``S += k (beta (v - S^T k))^T``, ``o = S^T q / sqrt(d_k)`` (S ``[d_k, d_v]``)."""
+    x = inputs["mixed_qkv"][rows]
+    k_size = inputs["conv_weight"].shape[-1]
+    mixed = F.silu(F.conv1d(x.t()[None], inputs["conv_weight"], inputs["conv_bias"], padding=k_size - 1,
+                            groups=x.shape[1])[0, :, :len(rows)].t())
+    q, k, v = la._heads(mixed, heads)
+    s = torch.zeros(heads.num_value_heads, heads.key_head_dim, heads.value_head_dim) if state is None else state
+    outs = []
+    for i, r in enumerate(rows):
+        s = s * inputs["g"][r].exp()[:, None, None]
+        err = v[i] - torch.einsum("hkv,hk->hv", s, k[i])
+        s = s + torch.einsum("hk,hv->hkv", k[i], inputs["beta"][r][:, None] * err)
+        outs.append(torch.einsum("hkv,hk->hv", s, q[i]) / math.sqrt(heads.key_head_dim))
+    return torch.stack(outs), s
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_delta_rule_matches_naive_recurrence_per_path(tree):
+    lengths, parents = TREES[tree]
+    heads = _full_heads()
+    inputs = _random_inputs(int(sum(lengths)), heads)
+    index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cpu")
+    result = tree_gated_delta_rule(**inputs, heads=heads, index=index, return_states=True)
+    ends = np.cumsum(lengths)
+    for rows in _paths(lengths, parents):
+        expected, final = _naive_path(inputs, rows, heads)
+        _close(result.core[rows], expected)
+        leaf = int(np.searchsorted(ends, rows[-1], side="right"))
+        _close(result.states.recurrent[leaf], final)
+        tail = torch.cat([torch.zeros(3, inputs["mixed_qkv"].shape[1]), inputs["mixed_qkv"][rows]])[-3:]
+        assert torch.equal(result.states.conv_tail[leaf], tail)
+
+
+def test_a_branch_from_a_zero_state_is_far_off():
+    """The same pack with every non-root segment cut from its parent (a zero state and zero conv
+    context) must differ clearly from the per-path reference the real run matches."""
+    lengths, parents = TREES["grpo-group"]
+    heads = _full_heads()
+    inputs = _random_inputs(int(sum(lengths)), heads)
+    forest = SegmentForest.from_plan(_plan(lengths, parents))
+    real = tree_gated_delta_rule(**inputs, heads=heads, index=build_tree_linear_index(forest, 4, "cpu")).core
+    cut = SegmentForest(forest.seg_start, forest.seg_end, np.full(len(lengths), -1), forest.source)
+    zero = tree_gated_delta_rule(**inputs, heads=heads, index=build_tree_linear_index(cut, 4, "cpu")).core
+    branch = _paths(lengths, parents)[0][lengths[0]:]  # the first response's rows
+    expected = torch.cat([_naive_path(inputs, rows, heads)[0][lengths[0]:] for rows in _paths(lengths, parents)])
+    responses = np.concatenate([p[lengths[0]:] for p in _paths(lengths, parents)])
+    _close(real[responses], expected)
+    assert (zero[branch] - real[branch]).abs().max() > 1e-2 * real[branch].abs().max()
+
+
+def test_end_padding_leaves_the_final_state_unchanged():
+    torch.manual_seed(4)
+    b, length, pad, h, dk, dv = 2, 11, 70, 3, 8, 6  # the padding crosses a 64-token chunk boundary
+    q, k = F.normalize(torch.randn(b, length, h, dk), dim=-1), F.normalize(torch.randn(b, length, h, dk), dim=-1)
+    v, g, beta = torch.randn(b, length, h, dv), -torch.rand(b, length, h), torch.rand(b, length, h)
+    s0 = torch.randn(b, h, dk, dv)
+    out, final = torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+
+    def padded(x):
+        return torch.cat([x, x.new_zeros((b, pad) + tuple(x.shape[2:]))], dim=1)
+
+    out_p, final_p = torch_chunk_gated_delta_rule(*(padded(x) for x in (q, k, v, g, beta)), initial_state=s0,
+                                                  output_final_state=True)
+    _close(final_p, final)
+    _close(out_p[:, :length], out)
+
+
+# ---------------------------------------------------------------- mechanism 2's function API
+def test_a_returned_state_continues_its_prefix_exactly():
+    """Prefix P alone (its final LinearState returned), then its continuations from that state as
+    an external source, equal the whole tree in one pack."""
+    lengths, parents = [6, 4, 2, 5], [-1, 0, 1, 0]
+    heads = _full_heads()
+    inputs = _random_inputs(sum(lengths), heads)
+    whole = tree_gated_delta_rule(**inputs, heads=heads,
+                                  index=build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)),
+                                                                4, "cpu"))
+    p = lengths[0]
+    first = {k: (v[:p] if k in ("mixed_qkv", "g", "beta") else v) for k, v in inputs.items()}
+    prefix = tree_gated_delta_rule(**first, heads=heads, index=build_tree_linear_index(
+        SegmentForest.from_plan(_plan([p], [-1])), 4, "cpu"), return_states=True)
+    rest = {k: (v[p:] if k in ("mixed_qkv", "g", "beta") else v) for k, v in inputs.items()}
+    plan = tree_plan([0, 4, 6], [4, 6, 11], [-1, 0, -1], external_blocks=[(0, 11, 0)], external_lengths=[p])
+    forest = SegmentForest.from_plan(plan)
+    assert list(forest.source) == [0, -1, 0] and list(forest.parent) == [-1, 0, -1]
+    cont = tree_gated_delta_rule(**rest, heads=heads, index=build_tree_linear_index(forest, 4, "cpu"),
+                                 initial=prefix.states)
+    _close(cont.core, whole.core[p:])
+
+
+def test_an_external_state_gradient_is_the_sum_over_its_continuations():
+    heads = _full_heads()
+    inputs = _random_inputs(9, heads)
+    torch.manual_seed(5)
+    state = LinearState(recurrent=torch.randn(1, 4, 8, 6).requires_grad_(),
+                        conv_tail=torch.randn(1, 3, inputs["mixed_qkv"].shape[1]).requires_grad_())
+    plan = tree_plan([0, 5], [5, 9], [-1, -1], external_blocks=[(0, 9, 0)], external_lengths=[7])
+    index = build_tree_linear_index(SegmentForest.from_plan(plan), 4, "cpu")
+    weight = torch.randn(9, 4, 6)
+    (tree_gated_delta_rule(**inputs, heads=heads, index=index, initial=state).core * weight).sum().backward()
+    together = (state.recurrent.grad.clone(), state.conv_tail.grad.clone())
+    alone = [torch.zeros_like(together[0]), torch.zeros_like(together[1])]
+    for rows in (slice(0, 5), slice(5, 9)):
+        single = LinearState(state.recurrent.detach().requires_grad_(), state.conv_tail.detach().requires_grad_())
+        part = {k: (v[rows] if k in ("mixed_qkv", "g", "beta") else v) for k, v in inputs.items()}
+        n = rows.stop - rows.start
+        plan1 = tree_plan([0], [n], [-1], external_blocks=[(0, n, 0)], external_lengths=[7])
+        out = tree_gated_delta_rule(**part, heads=heads, initial=single,
+                                    index=build_tree_linear_index(SegmentForest.from_plan(plan1), 4, "cpu")).core
+        (out * weight[rows]).sum().backward()
+        alone[0] += single.recurrent.grad
+        alone[1] += single.conv_tail.grad
+    _close(together[0], alone[0])
+    _close(together[1], alone[1])
+
+
+# ------------------------------------------------------------------------------ fla kernel
+@pytest.mark.skipif(la.fla_chunk_gated_delta_rule is None or not torch.cuda.is_available(),
+                    reason="needs fla and CUDA")
+def test_fla_kernel_matches_the_torch_kernel():
+    lengths, parents = TREES["short-branches"]
+    heads = _full_heads()
+    inputs = {k: v.cuda() for k, v in _random_inputs(int(sum(lengths)), heads).items()}
+    index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cuda")
+    fla = tree_gated_delta_rule(**inputs, heads=heads, index=index, return_states=True)
+    torch_heads = GdnHeads(**{**heads.__dict__, "deterministic": True})
+    ref = tree_gated_delta_rule(**inputs, heads=torch_heads, index=index, return_states=True)
+    torch.testing.assert_close(fla.core, ref.core, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fla.states.recurrent, ref.states.recurrent, rtol=1e-3, atol=1e-3)
