@@ -168,7 +168,7 @@ def _with_norm(spec, norm):
     return spec
 
 
-def linear_attention_spec() -> ModuleSpec:
+def linear_attention_spec(config: TransformerConfig) -> ModuleSpec:
     """The token mixer of a linear-attention layer: the project's tree-packed Gated DeltaNet
     (:mod:`megatron_psrl.model.linear_attention`), its input projection and output projection
     megatron's tensor-parallel linears, its gated output norm a plain RMSNorm (``w * x``)."""
@@ -177,7 +177,7 @@ def linear_attention_spec() -> ModuleSpec:
     except ImportError as exc:
         raise ConfigurationError(f"linear-attention layers need megatron_psrl.model.linear_attention "
                                  f"(TreeGatedDeltaNet), which this build lacks ({exc})") from None
-    return linear_attention.tree_gated_delta_net_spec()
+    return linear_attention.tree_gated_delta_net_spec(config, "local")
 
 
 def build_hybrid_layer_specs(arch: ModelArchitecture, config: TransformerConfig, vp_stage: Optional[int] = None,
@@ -200,7 +200,7 @@ def build_hybrid_layer_specs(arch: ModelArchitecture, config: TransformerConfig,
     linear = None
     if arch.linear_attention_layers:
         linear = dataclasses.replace(softmax, submodules=dataclasses.replace(
-            softmax.submodules, self_attention=linear_attention_spec()))
+            softmax.submodules, self_attention=linear_attention_spec(config)))
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage)
     kinds = arch.layer_kinds[offset:offset + count]

@@ -3,13 +3,16 @@ mixture of SwiGLU experts and a sigmoid-gated shared expert in every layer."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 from megatron_psrl.model.adapters.hybrid import Qwen3NextAdapter
-from megatron_psrl.model.families.base import TINY_BASE, NumberReader
+from megatron_psrl.model.families.base import TINY_BASE, LayerSpecChoices, NumberReader
 from megatron_psrl.model.families.hybrid import HybridFamily
 from megatron_psrl.model.families.moe import MoEFamily, num_experts, refuse_dense_layers
 from megatron_psrl.model.families.registry import register_family
+
+if TYPE_CHECKING:
+    from megatron_psrl.model.architecture import ModelArchitecture
 
 
 class HybridMoeFamily(MoEFamily, HybridFamily):
@@ -26,6 +29,9 @@ class HybridMoeFamily(MoEFamily, HybridFamily):
             moe_shared_expert_ffn_hidden_size=number("shared_expert_intermediate_size"),
             moe_shared_expert_gate=True,
         )
+
+    def layer_spec_choices(self, arch: "ModelArchitecture") -> LayerSpecChoices:
+        return HybridFamily.layer_spec_choices(self, arch)  # its experts, and the linear layers and norms
 
 
 HYBRID_TINY: Dict[str, Any] = dict(
