@@ -314,6 +314,11 @@ class ModelArchitecture:
     """RMSNorm weights are stored around zero: ``x * (1 + w)`` (megatron
     ``layernorm_zero_centered_gamma``)."""
 
+    mtp_layers: int = 0
+    """Multi-token-prediction layers of the checkpoint (``mtp_num_hidden_layers``, the ``mtp.*``
+    tensors: a draft head for speculative decoding). Not built or trained: their tensors are
+    carried through conversions unchanged (:mod:`megatron_psrl.checkpoint.passthrough`)."""
+
     hf_config: Dict[str, Any] = field(default_factory=dict)
     """The original config.json content, written back unchanged by mcore-to-hf."""
 

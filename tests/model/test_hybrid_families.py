@@ -79,7 +79,6 @@ def test_default_layer_pattern_follows_full_attention_interval():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(mtp_num_hidden_layers=1), "multi-token-prediction layers"),
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
      "field 'layer_types': layer types ['sliding_attention']"),
     (dict(layer_types=["full_attention"] * 3), "layer_types names 3 layers"),
@@ -96,8 +95,6 @@ def test_refusals_name_the_field(change, message):
 
 def test_wrapper_refusals_read_the_text_config():
     config = tiny_config("debug-qwen3.5")
-    with pytest.raises(UnsupportedModelError, match="multi-token-prediction"):
-        ModelArchitecture.from_hf_config(dict(config, text_config=dict(config["text_config"], mtp_num_hidden_layers=1)))
     with pytest.raises(UnsupportedModelError, match="needs a 'text_config'"):
         ModelArchitecture.from_hf_config({k: v for k, v in config.items() if k != "text_config"})
     moe = tiny_config("debug-qwen3.5-moe")
@@ -177,3 +174,46 @@ def test_a_checkpoint_without_the_vision_tower_takes_it_from_the_template(hybrid
     mcore_to_hf(str(model_only), str(tmp_path / "back"), hf_template=src, progress=False)
     a, b = _read(src), _read(str(tmp_path / "back"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _with_mtp_layer(src: str, dst, text_config: bool) -> dict:
+    """A copy of the checkpoint ``src`` as released ones are: ``mtp_num_hidden_layers`` 1 and
+    ``mtp.*`` tensors (a draft head transformers does not build); returns those tensors."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    config = json.loads(open(os.path.join(dst, "config.json")).read())
+    (config["text_config"] if text_config else config)["mtp_num_hidden_layers"] = 1
+    open(os.path.join(dst, "config.json"), "w").write(json.dumps(config))
+    gen = torch.Generator().manual_seed(3)
+    mtp = {"mtp.fc.weight": torch.randn(8, 16, generator=gen), "mtp.norm.weight": torch.randn(8, generator=gen),
+           "mtp.layers.0.mlp.up_proj.weight": torch.randn(4, 8, generator=gen).to(torch.bfloat16)}
+    files = [f for f in os.listdir(dst) if f.endswith(".safetensors")]
+    assert files == ["model.safetensors"], files  # (one shard: the tiny checkpoints)
+    path = os.path.join(dst, "model.safetensors")
+    save_file(dict(_read(str(dst)), **mtp), path, metadata={"format": "pt"})
+    return mtp
+
+
+@pytest.mark.parametrize("name,text_config", [("debug-qwen3.5-text", False), ("debug-qwen3.5", True),
+                                              ("debug-qwen3-next", False)])
+def test_released_checkpoints_with_mtp_layers_load_and_carry_them_through(name, text_config, hybrid_checkpoints,
+                                                                          tmp_path):
+    """Every released Qwen3.5 / Qwen3-Next config has one multi-token-prediction layer: it is
+    accepted, not built (the model's parameters are those without it), and its ``mtp.*``
+    tensors come back from the round trip bit for bit."""
+    src = tmp_path / "released"
+    mtp = _with_mtp_layer(hybrid_checkpoints(name), src, text_config)
+    config = json.loads((src / "config.json").read_text())
+    arch = ModelArchitecture.from_hf_config(config)
+    assert arch.mtp_layers == 1
+    assert arch.num_parameters() == ModelArchitecture.from_hf_config(tiny_config(name)).num_parameters()
+    assert get_adapter(arch).hf_passthrough_prefixes[-1] == "mtp."
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    hf_to_mcore(str(src), str(ckpt), progress=False, ckpt_format="legacy")
+    mcore_to_hf(str(ckpt), str(back), progress=False)
+    a, b = _read(str(src)), _read(str(back))
+    assert set(a) == set(b) and set(mtp) <= set(b)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)

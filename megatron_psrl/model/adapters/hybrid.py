@@ -49,6 +49,18 @@ class HybridAdapter(LlamaStyleAdapter):
 
     reads_rank_slices = False  # gated q_proj rows and the linear layers' parts: cut from the whole
 
+    hf_outside_prefixes: Tuple[str, ...] = ()
+    """Tensors of the checkpoint that are not the language model (a wrapper's vision tower)."""
+
+    MTP_PREFIX = "mtp."
+    """The multi-token-prediction layers' tensors (``ModelArchitecture.mtp_layers``)."""
+
+    @property
+    def hf_passthrough_prefixes(self) -> Tuple[str, ...]:  # type: ignore[override]
+        """What a conversion carries through unchanged: the tensors outside the language model
+        and, when the checkpoint has them, the multi-token-prediction layers (not trained)."""
+        return self.hf_outside_prefixes + ((self.MTP_PREFIX,) if self.arch.mtp_layers else ())
+
     # ------------------------------------------------------------------ names and shapes
     def _linear_dims(self) -> Tuple[int, int, int, int]:
         """``(nk dk, nv dv, nv, dv)``."""
@@ -202,7 +214,7 @@ class Qwen3_5WrapperAdapter(Qwen3_5Adapter):
     ``model.language_model.``, the vision tower carried through."""
 
     hf_model_prefix = "model.language_model."
-    hf_passthrough_prefixes = ("model.visual.",)
+    hf_outside_prefixes = ("model.visual.",)
 
 
 class Qwen3_5MoeAdapter(RoutedExpertsMixin, HybridAdapter):
@@ -218,7 +230,7 @@ class Qwen3_5MoeWrapperAdapter(Qwen3_5MoeAdapter):
     """Qwen3.5-MoE multimodal wrapper: names as :class:`Qwen3_5WrapperAdapter`."""
 
     hf_model_prefix = "model.language_model."
-    hf_passthrough_prefixes = ("model.visual.",)
+    hf_outside_prefixes = ("model.visual.",)
 
 
 class Qwen3NextAdapter(Qwen3_5MoeAdapter):

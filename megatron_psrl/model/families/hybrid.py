@@ -16,8 +16,11 @@ then one ``full_attention``, ``full_attention_interval`` 4):
   ``x * (1 + w)`` (megatron ``layernorm_zero_centered_gamma``); the linear layers' gated output
   norm is a plain one, ``w * x``.
 
-Refused: multi-token-prediction layers (``mtp_num_hidden_layers``), attention biases,
-sliding windows, unknown layer types, dense MLP layers in an MoE model.
+Multi-token-prediction layers (``mtp_num_hidden_layers``, 1 in every released checkpoint: a
+draft head for speculative decoding, which transformers' models also skip) are not built or
+trained; their ``mtp.*`` tensors are carried through conversions unchanged.
+
+Refused: attention biases, sliding windows, unknown layer types, dense MLP layers in an MoE model.
 """
 
 from __future__ import annotations
@@ -71,13 +74,10 @@ class HybridFamily(Qwen3Family):
         return dict(qkv_bias=False, qk_norm=True, sliding_window=None)
 
     def hf_layer_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
-        mtp = hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers")
-        if mtp:
-            raise UnsupportedModelError(f"multi-token-prediction layers (mtp_num_hidden_layers {mtp}) are not "
-                                        "supported")
         types = layer_types(hf, number("num_hidden_layers"))
         linear = LINEAR_ATTENTION in types
-        fields = dict(layer_types=types, attention_output_gate=True, zero_centered_norms=True)
+        fields = dict(layer_types=types, attention_output_gate=True, zero_centered_norms=True,
+                      mtp_layers=number("mtp_num_hidden_layers", default=0))
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_conv_kernel_dim"):
             fields[name] = number(name) if linear else number(name, default=0)
