@@ -17,6 +17,7 @@ from megatron_psrl.model.adapters.hybrid import (
     Qwen3_5MoeWrapperAdapter,
     Qwen3_5WrapperAdapter,
 )
+from megatron_psrl.model.families.base import TINY_BASE
 from megatron_psrl.model.families.hybrid import HybridFamily, hf_text_part
 from megatron_psrl.model.families.qwen3_next import HYBRID_MOE_TINY, HYBRID_TINY, HybridMoeFamily
 from megatron_psrl.model.families.registry import register_family
@@ -52,6 +53,19 @@ QWEN3_5_TEXT = register_family(HybridFamily(
     model_type="qwen3_5_text",
     adapter=Qwen3_5Adapter,
     tiny_configs={"debug-qwen3.5-text": dict(_TEXT, architectures=["Qwen3_5ForCausalLM"])},
+    shape_configs={
+        # Qwen3.5-27B's language model: 64 layers (48 linear, 16 softmax), hidden 5120, 24 query /
+        # 4 key-value heads of 256, MLP 17408, vocabulary 248320 (its published shape); the linear
+        # layers' 16 key / 48 value heads of 128 are inferred from its 27.8B total (26.9B here,
+        # without the vision tower and the multi-token-prediction layer)
+        "qwen3.5-27b-class": dict(
+            TINY_BASE, model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], vocab_size=248320,
+            hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+            num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, rope_theta=10000000.0,
+            linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=262144,
+            torch_dtype="bfloat16"),
+    },
 ))
 
 QWEN3_5 = register_family(Qwen3_5WrapperFamily(
