@@ -8,8 +8,10 @@
 --ckpt-format torch_dist (the default, megatron-core's sharded format: one checkpoint that
 loads under any TP/PP layout, so --tp/--pp are not needed) or legacy (per-rank files of a
 TP x PP layout). The format of --load is detected (either is read, any layout).
-Supported: Llama, Mistral, Qwen2/Qwen2.5, Qwen3 (safetensors, sharded or not). A round trip
-reproduces every tensor bit for bit. hf-to-mcore refuses a weight holding NaN or inf (one
+Supported: every registered family (Llama, Mistral, Qwen2/Qwen2.5, Qwen3, the MoE families,
+Qwen3-Next and Qwen3.5; safetensors, sharded or not). A round trip reproduces every tensor bit
+for bit; a Qwen3.5 wrapper's vision tower is carried through (mcore-to-hf of a checkpoint saved
+by training takes it from --hf-template). hf-to-mcore refuses a weight holding NaN or inf (one
 line naming the tensor and its file) unless --allow-non-finite is given. Outputs are written
 atomically; a non-empty --out-dir is only replaced with --force.
 """

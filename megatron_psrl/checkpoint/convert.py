@@ -3,6 +3,7 @@ tools/convert_hf_checkpoint.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -15,9 +16,17 @@ from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text,
 from megatron_psrl.checkpoint.checksums import write_manifest
 from megatron_psrl.checkpoint.dist_format import write_model_checkpoint
 from megatron_psrl.checkpoint.hf_io import write_hf_checkpoint
-from megatron_psrl.checkpoint.layout import MODEL_JSON, TRACKER, CheckpointInfo, check_ckpt_format, iteration_dir_name
+from megatron_psrl.checkpoint.layout import (
+    MODEL_JSON,
+    TRACKER,
+    CheckpointInfo,
+    check_ckpt_format,
+    iteration_dir_name,
+    read_checkpoint_info,
+)
 from megatron_psrl.checkpoint.legacy_format import save_sharded_checkpoint
 from megatron_psrl.checkpoint.loading import hf_full_state_dict, load_full_state_dict
+from megatron_psrl.checkpoint.passthrough import passthrough_for_export, read_hf_passthrough, write_passthrough
 from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
@@ -51,29 +60,33 @@ def hf_to_mcore(
         full = hf_full_state_dict(hf_dir, arch, progress=lambda _: bar.update(1), strict=True,
                                    non_finite="warn" if allow_non_finite else "refuse")
     dtype = str(next(iter(full.values())).dtype).replace("torch.", "")
+    carried = read_hf_passthrough(hf_dir, get_adapter(arch).hf_passthrough_prefixes)  # e.g. a vision tower
     if ckpt_format == "torch_dist":
         info = CheckpointInfo(architecture=arch, tensor_parallel_size=1, pipeline_parallel_size=1, iteration=0,
                               dtype=dtype)
-        save_dist_checkpoint(out_dir, info, full, overwrite=overwrite)
+        save_dist_checkpoint(out_dir, info, full, overwrite=overwrite, passthrough=carried)
         logger.info("wrote %s (torch_dist, %s)", out_dir, dtype)
         return info
     info = CheckpointInfo(architecture=arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, iteration=0, dtype=dtype)
     shards = shard_state_dict(full, arch, tp, pp)
     with _bar(len(shards), "writing shards", progress) as bar:
-        save_sharded_checkpoint(out_dir, info, shards, overwrite=overwrite, progress=lambda _: bar.update(1))
+        save_sharded_checkpoint(out_dir, info, shards, overwrite=overwrite, progress=lambda _: bar.update(1),
+                                passthrough=carried)
     logger.info("wrote %s (legacy, TP=%d, PP=%d, %s)", out_dir, tp, pp, dtype)
     return info
 
 
 def save_dist_checkpoint(out_dir: str, info: CheckpointInfo, full, overwrite: bool = False,
-                         release: bool = True) -> None:
+                         release: bool = True, passthrough=None) -> None:
     """Write a whole model (megatron-core names) as a torch_dist checkpoint from this one
     process, atomically (the layout of :func:`save_sharded_checkpoint`: tracker, iteration
-    folder, ``psrl_model.json``)."""
+    folder, ``psrl_model.json``), with the Hugging Face tensors carried through
+    (``passthrough``, :mod:`~megatron_psrl.checkpoint.passthrough`)."""
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         it_dir = os.path.join(tmp, iteration_dir_name(None if release else info.iteration))
         os.makedirs(it_dir)
         write_model_checkpoint(it_dir, info.architecture, full, info.iteration)
+        write_passthrough(it_dir, passthrough or {})
         write_file(os.path.join(it_dir, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
         write_manifest(it_dir)
         atomic_write_text(os.path.join(tmp, TRACKER), "release" if release else str(info.iteration))
@@ -109,15 +122,18 @@ def mcore_to_hf(
     check_writable_dir(os.path.dirname(os.path.abspath(out_dir)), "the parent of --out-dir")
     info, full = load_full_state_dict(load)
     arch = info.architecture
+    adapter = get_adapter(arch)
+    carried = passthrough_for_export(read_checkpoint_info(load)[0], adapter.hf_passthrough_prefixes, hf_template,
+                                     arch.model_type)
     if hf_template is not None and (template_arch.model_type, template_arch.num_layers, template_arch.hidden_size) != (
         arch.model_type, arch.num_layers, arch.hidden_size
     ):
         raise ConfigurationError(f"--hf-template {hf_template} describes a different model than {load}")
-    adapter = get_adapter(arch)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        with _bar(len(adapter.hf_keys()), "writing HF tensors", progress) as bar:
+        with _bar(len(adapter.hf_keys()) + len(carried), "writing HF tensors", progress) as bar:
             write_hf_checkpoint(
-                tmp, adapter.mcore_to_hf(full), arch.hf_config, template_dir=hf_template,
+                tmp, itertools.chain(adapter.mcore_to_hf(full), carried.items()), arch.hf_config,
+                template_dir=hf_template,
                 progress=lambda _: bar.update(1),
             )
     logger.info("wrote %s", out_dir)

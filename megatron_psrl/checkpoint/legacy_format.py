@@ -157,8 +157,12 @@ def save_sharded_checkpoint(
     overwrite: bool = False,
     release: bool = True,
     progress=None,
+    passthrough=None,
 ) -> None:
-    """Write a whole checkpoint from one process (the converter), atomically."""
+    """Write a whole checkpoint from one process (the converter), atomically, with the Hugging
+    Face tensors carried through (``passthrough``, :mod:`~megatron_psrl.checkpoint.passthrough`)."""
+    from megatron_psrl.checkpoint.passthrough import write_passthrough
+
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         it_dir = os.path.join(tmp, iteration_dir_name(None if release else info.iteration))
         os.makedirs(it_dir)
@@ -168,6 +172,7 @@ def save_sharded_checkpoint(
             })
             if progress is not None:
                 progress(rank_dir_name(r, p, info.pipeline_parallel_size))
+        write_passthrough(it_dir, passthrough or {})
         write_file(os.path.join(it_dir, MODEL_JSON), lambda f: f.write(info.to_json().encode("utf-8")))
         write_manifest(it_dir)
         atomic_write_text(os.path.join(tmp, TRACKER), "release" if release else str(info.iteration))

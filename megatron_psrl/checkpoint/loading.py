@@ -15,6 +15,7 @@ import torch
 from megatron_psrl.checkpoint import dist_format, legacy_format
 from megatron_psrl.checkpoint.hf_io import HFCheckpointReader
 from megatron_psrl.checkpoint.layout import CheckpointInfo, checkpoint_format, iteration_format, read_checkpoint_info
+from megatron_psrl.checkpoint.passthrough import passthrough_names
 from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.checkpoint.state_dict import load_state_into
 from megatron_psrl.errors import CheckpointError, ConfigurationError
@@ -75,7 +76,8 @@ def hf_full_state_dict(hf_dir: str, arch: Optional[ModelArchitecture] = None, pr
     if missing:
         raise CheckpointError(hf_dir, f"missing tensors for a {arch.model_type} model: {missing[:5]}")
     if strict:
-        extra = sorted(set(reader.weight_map) - set(shapes) - {"lm_head.weight"})
+        extra = sorted(set(reader.weight_map) - set(shapes) - {"lm_head.weight"}
+                       - set(passthrough_names(reader.weight_map, adapter.hf_passthrough_prefixes)))
         extra = [k for k in extra if not k.endswith("rotary_emb.inv_freq")]
         if extra:
             raise CheckpointError(hf_dir, f"unexpected tensors (not a plain {arch.model_type} model?): {extra[:5]}")
@@ -147,6 +149,9 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
     exactly the TP shard. Tensors this stage does not hold come back as meta tensors (no
     memory) and are dropped. MoE models: only the experts of expert-parallel rank ``ep_rank``
     of ``ep`` are read, renumbered from 0 (:func:`~megatron_psrl.model.moe.local_experts`)."""
+    if not get_adapter(arch).reads_rank_slices:  # the whole state dict, cut (host memory: the model)
+        shard = shard_state_dict(hf_full_state_dict(hf_dir, arch), arch, tp, split)[(tp_rank, stage)]
+        return local_experts(shard, arch, ep_rank, ep) if arch.is_moe else shard
     reader = HFCheckpointReader(hf_dir)
     shapes = get_adapter(arch).hf_shapes()
     missing = [k for k in shapes if k not in reader.weight_map]
@@ -216,7 +221,8 @@ def hf_memory_state_dict(state_dict: Dict[str, Tensor], arch: ModelArchitecture,
     if missing:
         raise ConfigurationError(f"the state dict lacks tensors of a {arch.model_type} model: {missing[:5]}")
     if strict:
-        extra = sorted(k for k in set(state_dict) - set(shapes) - {"lm_head.weight"}
+        carried = set(passthrough_names(state_dict, adapter.hf_passthrough_prefixes))
+        extra = sorted(k for k in set(state_dict) - set(shapes) - {"lm_head.weight"} - carried
                        if not k.endswith("rotary_emb.inv_freq"))
         if extra:
             raise ConfigurationError(f"the state dict has tensors a {arch.model_type} model does not: {extra[:5]}")

@@ -15,6 +15,14 @@ Rules follow megatron's parallel layers (names of the local layer spec):
 A shared expert (``mlp.shared_experts.linear_fc1/fc2``) splits like the dense MLP, as megatron's
 ``SharedExpertMLP`` (the attention's tensor parallelism) does.
 
+A Gated DeltaNet layer (``self_attention.`` of a linear-attention layer, megatron's
+``GatedDeltaNet``): ``in_proj.weight`` ``[q; k; v; z; beta; alpha]`` and ``conv1d.weight``
+``[q; k; v]`` split each part by heads, then stack the rank's parts in the same order
+(``parts``); ``dt_bias`` / ``A_log`` by value heads (``rows``); ``out_proj.weight`` by input
+columns; ``out_norm.weight`` (per head width) replicated. With an output gate
+(``attention_output_gate``) a group's ``linear_qkv`` rows also hold its queries' gates: the
+per-group split is the same.
+
 Pipeline stage p holds layers ``[p*L/PP, (p+1)*L/PP)`` renumbered from 0 (megatron's legacy
 checkpoint convention), the embedding on the first stage, the final norm and output layer on
 the last; with tied embeddings and PP > 1 the last stage holds a copy of the (padded)
@@ -40,8 +48,10 @@ _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def shard_kind(name: str) -> str:
     """How tensor parallelism splits the megatron parameter ``name``: ``vocab`` (rows, padded
-    vocabulary), ``qkv`` (per query group), ``fc1`` (gate and up halves separately), ``row``
-    (columns) or ``replicated`` (routed experts too: expert tensor parallelism is 1)."""
+    vocabulary), ``qkv`` (per query group), ``fc1`` (gate and up halves separately), ``parts``
+    (a Gated DeltaNet projection's parts separately, :func:`gdn_parts`), ``rows`` (plain row
+    blocks), ``row`` (columns) or ``replicated`` (routed experts too: expert tensor parallelism
+    is 1)."""
     if name in _VOCAB:
         return "vocab"
     if ".mlp.experts." in name:  # routed experts: expert tensor parallelism 1
@@ -50,9 +60,21 @@ def shard_kind(name: str) -> str:
         return "qkv"
     if name.endswith("linear_fc1.weight"):
         return "fc1"
-    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+    if name.endswith(("self_attention.in_proj.weight", "self_attention.conv1d.weight")):
+        return "parts"
+    if name.endswith(("self_attention.dt_bias", "self_attention.A_log")):
+        return "rows"
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")):
         return "row"
     return "replicated"
+
+
+def gdn_parts(name: str, arch: ModelArchitecture) -> List[int]:
+    """Row counts of the parts of a Gated DeltaNet ``in_proj`` (q, k, v, z, beta, alpha) or
+    ``conv1d`` (q, k, v) weight, each split by heads under tensor parallelism."""
+    qk = arch.linear_num_key_heads * arch.linear_key_head_dim
+    v, nv = arch.linear_num_value_heads * arch.linear_value_head_dim, arch.linear_num_value_heads
+    return [qk, qk, v, v, nv, nv] if name.endswith("in_proj.weight") else [qk, qk, v]
 
 
 def _tp_split(name: str, t: Tensor, arch: ModelArchitecture, tp: int) -> List[Tensor]:
@@ -71,6 +93,11 @@ def _tp_split(name: str, t: Tensor, arch: ModelArchitecture, tp: int) -> List[Te
     if kind == "fc1":
         gate, up = torch.chunk(t, 2, dim=0)
         return [torch.cat([g, u], 0) for g, u in zip(torch.chunk(gate, tp, 0), torch.chunk(up, tp, 0))]
+    if kind == "parts":
+        pieces = [torch.chunk(p, tp, 0) for p in torch.split(t, gdn_parts(name, arch), 0)]
+        return [torch.cat([p[r] for p in pieces], 0) for r in range(tp)]
+    if kind == "rows":
+        return [c.clone() for c in torch.chunk(t, tp, dim=0)]
     return [c.clone() for c in torch.chunk(t, tp, dim=1)]  # row parallel
 
 
@@ -94,6 +121,12 @@ def tp_merge(name: str, shards: List[Tensor], arch: ModelArchitecture) -> Tensor
     if kind == "fc1":
         halves = [torch.chunk(s, 2, 0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    if kind == "parts":
+        local = [n // len(shards) for n in gdn_parts(name, arch)]
+        pieces = [torch.split(s, local, 0) for s in shards]
+        return torch.cat([pieces[r][i] for i in range(len(local)) for r in range(len(shards))], 0)
+    if kind == "rows":
+        return torch.cat(shards, 0)
     return torch.cat(shards, 1)
 
 

@@ -17,13 +17,18 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_psrl.errors import CheckpointError, PsrlError, UnsupportedModelError  # noqa: F401  (re-exported)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+FULL_ATTENTION = "full_attention"
+"""A layer type (Hugging Face ``layer_types``): softmax attention."""
+LINEAR_ATTENTION = "linear_attention"
+"""A layer type: linear attention (Gated DeltaNet)."""
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 _REQUIRED = object()
 
@@ -49,6 +54,24 @@ def __getattr__(name: str) -> Any:
     if name == "MOE_MODEL_TYPES":
         return _moe_model_types()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _number_reader(hf: Dict[str, Any]):
+    """``number(key, kind=int, default=<required>)`` over ``hf``: a numeric config field; a
+    wrong type names the field and its value, a missing required one raises ``KeyError(key)``."""
+
+    def number(key: str, kind=int, default: Any = _REQUIRED) -> Any:
+        value = hf.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise KeyError(key)
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise UnsupportedModelError(f"field {key!r} must be {'an integer' if kind is int else 'a number'}, "
+                                        f"got {value!r}")
+        return kind(value)
+
+    return number
 
 
 @dataclass
@@ -264,6 +287,33 @@ class ModelArchitecture:
     """The shared expert's output is scaled by ``sigmoid(x . w)``, ``w`` a ``[1, h]`` weight
     (Qwen2-MoE ``mlp.shared_expert_gate``; megatron ``moe_shared_expert_gate``)."""
 
+    layer_types: Optional[List[str]] = None
+    """Each layer's token mixer, ``full_attention`` or ``linear_attention`` (Qwen3-Next /
+    Qwen3.5 ``layer_types``); None: every layer is softmax attention."""
+
+    linear_num_key_heads: int = 0
+    """Linear-attention (Gated DeltaNet) layers: query/key heads (``linear_num_key_heads``)."""
+
+    linear_num_value_heads: int = 0
+    """Linear-attention layers: value heads, a multiple of the key heads."""
+
+    linear_key_head_dim: int = 0
+    """Linear-attention layers: per-head query/key width."""
+
+    linear_value_head_dim: int = 0
+    """Linear-attention layers: per-head value width."""
+
+    linear_conv_kernel_dim: int = 0
+    """Linear-attention layers: the causal depthwise convolution's kernel size."""
+
+    attention_output_gate: bool = False
+    """Softmax-attention layers scale their output by ``sigmoid(gate)`` per head, the gate a
+    second half of the query projection (Qwen3-Next / Qwen3.5; megatron ``attention_output_gate``)."""
+
+    zero_centered_norms: bool = False
+    """RMSNorm weights are stored around zero: ``x * (1 + w)`` (megatron
+    ``layernorm_zero_centered_gamma``)."""
+
     hf_config: Dict[str, Any] = field(default_factory=dict)
     """The original config.json content, written back unchanged by mcore-to-hf."""
 
@@ -280,6 +330,7 @@ class ModelArchitecture:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "head_dim", "ffn_hidden_size"):
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_layer_types()
         if (self.num_experts is not None) != self.family.is_moe:
             raise UnsupportedModelError(f"model type {self.model_type!r} with num_experts={self.num_experts}")
         if self.is_moe:
@@ -294,13 +345,38 @@ class ModelArchitecture:
             if self.moe_shared_expert_gate and shared is None:
                 raise UnsupportedModelError("a shared-expert gate without a shared expert (shared_expert_intermediate_size)")
 
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise UnsupportedModelError(f"layer_types names {len(self.layer_types)} layers, the model has "
+                                        f"num_hidden_layers {self.num_layers}")
+        unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES}, key=str)
+        if unknown:
+            raise UnsupportedModelError(f"layer_types {unknown} not supported; supported: {', '.join(LAYER_TYPES)}")
+        if LINEAR_ATTENTION not in self.layer_types:
+            return
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise UnsupportedModelError(f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                                        f"linear_num_key_heads {self.linear_num_key_heads}")
+
     # ------------------------------------------------------------------ HF parsing
     @classmethod
     def from_hf_config(cls, hf: Dict[str, Any]) -> "ModelArchitecture":
-        """Parse (and check) a Hugging Face config.json dict."""
+        """Parse (and check) a Hugging Face config.json dict. A multimodal wrapper's language
+        model is read from its family's text part (``text_config``,
+        :meth:`~megatron_psrl.model.families.ModelFamily.hf_text_config`); ``hf_config`` keeps
+        the whole dict."""
         model_type = hf.get("model_type", "<missing>")
         supported, moe_types = _supported_model_types(), _moe_model_types()
-        moe = [k for k in _MOE_KEYS if hf.get(k)]
+        from megatron_psrl.model.families.registry import get_family
+
+        text = get_family(model_type).hf_text_config(hf) if model_type in supported else hf
+        moe = [k for k in _MOE_KEYS if text.get(k)]
         if model_type not in moe_types and (moe or "moe" in str(model_type)):
             raise UnsupportedModelError(
                 f"mixture-of-experts models other than {', '.join(moe_types)} are not supported "
@@ -311,33 +387,19 @@ class ModelArchitecture:
                 f"unsupported model type {model_type!r} (normalisation, attention and MLP layout are "
                 f"known only for {', '.join(supported)})"
             )
-        from megatron_psrl.model.families.registry import get_family
-
         family = get_family(model_type)
-        act = hf.get("hidden_act", "silu")
+        act = text.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported activation {act!r}: only SwiGLU (silu) MLPs are supported")
-        attention_fields = family.hf_attention_fields(hf)  # q/k/v bias, q/k norm, sliding window
-
-        def number(key: str, kind=int, default: Any = _REQUIRED) -> Any:
-            """A numeric config field; a wrong type names the field and its value."""
-            value = hf.get(key)
-            if value is None:
-                if default is _REQUIRED:
-                    raise KeyError(key)
-                return default
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-                raise UnsupportedModelError(f"field {key!r} must be {'an integer' if kind is int else 'a number'}, "
-                                            f"got {value!r}")
-            return kind(value)
-
+        attention_fields = family.hf_attention_fields(text)  # q/k/v bias, q/k norm, sliding window
+        number = _number_reader(text)
         heads = number("num_attention_heads")
         hidden = number("hidden_size")
         if heads < 1:
             raise UnsupportedModelError(f"num_attention_heads must be positive, got {heads}")
-        dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype") or "float32"
         try:
-            mlp_fields = family.hf_mlp_fields(hf, number)
+            mlp_fields = family.hf_mlp_fields(text, number)
         except KeyError as exc:  # a field transformers would default: refused, as for dense models
             if not family.is_moe:
                 raise
@@ -346,6 +408,7 @@ class ModelArchitecture:
         return cls(
             **mlp_fields,
             **attention_fields,
+            **family.hf_layer_fields(text, number),  # layer types, linear-attention layers
             model_type=model_type,
             vocab_size=number("vocab_size"),
             hidden_size=hidden,
@@ -356,8 +419,8 @@ class ModelArchitecture:
             ffn_hidden_size=number("intermediate_size"),
             rms_norm_eps=number("rms_norm_eps", float, 1e-6),
             max_position_embeddings=number("max_position_embeddings", default=4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope=RopeConfig.from_hf(hf),
+            tie_word_embeddings=bool(family.hf_tie_word_embeddings(hf)),
+            rope=RopeConfig.from_hf(text),
             initializer_range=number("initializer_range", float, 0.02),
             torch_dtype=str(dtype).replace("torch.", ""),
             hf_config=dict(hf),
@@ -392,6 +455,8 @@ class ModelArchitecture:
     def from_dict(cls, d: Dict[str, Any]) -> "ModelArchitecture":
         d = dict(d)
         d["rope"] = RopeConfig(**d["rope"])
+        if d.get("layer_types") is not None:
+            d["layer_types"] = list(d["layer_types"])
         return cls(**d)
 
     # ------------------------------------------------------------------ derived
@@ -438,14 +503,40 @@ class ModelArchitecture:
         (the cost model counts the experts a token is routed to, not all of them)."""
         return max(1, round(self.active_mlp_parameters() / (3 * self.hidden_size)))
 
-    def num_parameters(self) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        attn = h * hd * (self.num_attention_heads + 2 * self.num_kv_heads) + self.num_attention_heads * hd * h
-        per_layer = attn + self.mlp_parameters() + 2 * h
-        if self.qkv_bias:
-            per_layer += hd * (self.num_attention_heads + 2 * self.num_kv_heads)
-        if self.qk_norm:
-            per_layer += 2 * hd
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+    @property
+    def layer_kinds(self) -> Tuple[str, ...]:
+        """Every layer's token mixer, ``full_attention`` or ``linear_attention``."""
+        return tuple(self.layer_types) if self.layer_types else (FULL_ATTENTION,) * self.num_layers
 
+    @property
+    def linear_attention_layers(self) -> Tuple[int, ...]:
+        """0-based indices of the linear-attention (Gated DeltaNet) layers."""
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == LINEAR_ATTENTION)
+
+    def attention_parameters(self) -> int:
+        """Parameters of one softmax-attention layer's attention (projections, biases, q/k norms;
+        the output gate's half of the query projection)."""
+        h, hd = self.hidden_size, self.head_dim
+        q_rows = self.num_attention_heads * hd * (2 if self.attention_output_gate else 1)
+        attn = h * (q_rows + 2 * self.num_kv_heads * hd) + self.num_attention_heads * hd * h
+        if self.qkv_bias:
+            attn += hd * (self.num_attention_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * hd
+        return attn
+
+    def linear_attention_parameters(self) -> int:
+        """Parameters of one Gated DeltaNet layer's mixer: the input projection to q, k, v, the
+        output gate z, beta and alpha; the depthwise convolution over q, k, v; ``dt_bias`` and
+        ``A_log`` per value head; the gated output norm; the output projection."""
+        h, qk = self.hidden_size, self.linear_num_key_heads * self.linear_key_head_dim
+        v, nv = self.linear_num_value_heads * self.linear_value_head_dim, self.linear_num_value_heads
+        return (h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * self.linear_conv_kernel_dim + 2 * nv
+                + self.linear_value_head_dim + v * h)
+
+    def num_parameters(self) -> int:
+        h = self.hidden_size
+        mixers = sum(self.linear_attention_parameters() if kind == LINEAR_ATTENTION else self.attention_parameters()
+                     for kind in self.layer_kinds)
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return mixers + self.num_layers * (self.mlp_parameters() + 2 * h) + emb + h

@@ -153,6 +153,60 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
     return spec
 
 
+def _with_norm(spec, norm):
+    """``spec`` (a megatron ModuleSpec tree) with ``norm`` wherever it names a torch norm."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec in (WrappedTorchNorm, SequenceParallelTorchNorm):
+        return norm
+    if isinstance(spec, ModuleSpec):
+        module = norm if spec.module in (WrappedTorchNorm, SequenceParallelTorchNorm) else spec.module
+        return dataclasses.replace(spec, module=module, submodules=_with_norm(spec.submodules, norm))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _with_norm(getattr(spec, f.name), norm)
+                                            for f in dataclasses.fields(spec)})
+    return spec
+
+
+def linear_attention_spec(config: TransformerConfig) -> ModuleSpec:
+    """The token mixer of a linear-attention layer: the project's tree-packed Gated DeltaNet
+    (:mod:`megatron_psrl.model.linear_attention`), its input projection and output projection
+    megatron's tensor-parallel linears, its gated output norm a plain RMSNorm (``w * x``)."""
+    try:
+        from megatron_psrl.model import linear_attention
+    except ImportError as exc:
+        raise ConfigurationError(f"linear-attention layers need megatron_psrl.model.linear_attention "
+                                 f"(TreeGatedDeltaNet), which this build lacks ({exc})") from None
+    return linear_attention.tree_gated_delta_net_spec(config, "local")
+
+
+def build_hybrid_layer_specs(arch: ModelArchitecture, config: TransformerConfig, vp_stage: Optional[int] = None,
+                             transformer_impl: str = "local", moe_grouped_gemm: bool = False,
+                             attention_backend: Optional[str] = None) -> list:
+    """The layer specs of this rank's (virtual) stage of a model with zero-centred norms and
+    linear-attention layers (Qwen3-Next, Qwen3.5): softmax layers as :func:`build_layer_spec`
+    (the output gate is the config's ``attention_output_gate``), linear layers the same layer
+    with :func:`linear_attention_spec` as the mixer, every decoder norm zero-centred
+    (:class:`~megatron_psrl.model.norms.ZeroCenteredRMSNorm`). The local implementation only."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_psrl.model.norms import ZeroCenteredRMSNorm
+
+    if transformer_impl != "local":
+        raise ConfigurationError(f"model type {arch.model_type!r} is built with transformer_impl 'local' only "
+                                 "(its zero-centred norms and Gated DeltaNet layers have no Transformer Engine spec "
+                                 "here yet)")
+    softmax = _with_norm(build_layer_spec(arch, "local", moe_grouped_gemm, attention_backend), ZeroCenteredRMSNorm)
+    linear = None
+    if arch.linear_attention_layers:
+        linear = dataclasses.replace(softmax, submodules=dataclasses.replace(
+            softmax.submodules, self_attention=linear_attention_spec(config)))
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage)
+    kinds = arch.layer_kinds[offset:offset + count]
+    return [linear if kind == "linear_attention" else softmax for kind in kinds]
+
+
 class RotaryFrequencies(torch.nn.Module):
     """RoPE angles for explicit positions: ``[t] -> [t, 1, 1, rot_dim]`` (megatron's layout).
 
@@ -200,6 +254,10 @@ class PsrlTransformerLayer(TransformerLayer):
         config = self.config
         return (isinstance(meta, TreeAttentionMetadata) and meta.output_rows is not None
                 and meta.query_rows is None
+                # megatron's attention with the project's core attention (not a linear layer's
+                # mixer), no output gate (megatron gates every row's output with every row's gate)
+                and isinstance(getattr(self.self_attention, "core_attention", None), PrefixSharingAttention)
+                and not getattr(config, "attention_output_gate", False)
                 and self.layer_number == config.num_layers  # global numbering: the model's last layer
                 and not config.sequence_parallel
                 and not getattr(config, "fp8", None) and not getattr(config, "fp4", None)  # GEMM row multiples
@@ -251,10 +309,17 @@ class PsrlGPTModel(GPTModel):
         vp_stage: Optional[int] = None,
         attention_backend: Optional[str] = None,
     ):
-        layer_spec = _with_row_skip(build_layer_spec(
-            arch, transformer_impl, moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
-            attention_backend=attention_backend))
-        if transformer_impl == "local":
+        grouped = getattr(config, "moe_grouped_gemm", False)
+        if arch.family.layer_spec_choices(arch).zero_centered_norms:  # Qwen3-Next / Qwen3.5
+            from megatron_psrl.model.norms import ZeroCenteredRMSNorm
+
+            specs = build_hybrid_layer_specs(arch, config, vp_stage, transformer_impl, grouped, attention_backend)
+            layer_spec = TransformerBlockSubmodules(layer_specs=[_with_row_skip(s) for s in specs],
+                                                    layer_norm=ZeroCenteredRMSNorm)
+        else:
+            layer_spec = _with_row_skip(build_layer_spec(arch, transformer_impl, moe_grouped_gemm=grouped,
+                                                         attention_backend=attention_backend))
+        if transformer_impl == "local" and not isinstance(layer_spec, TransformerBlockSubmodules):
             # The final norm named, not megatron's block default: that is apex's FusedLayerNorm
             # when apex is installed without Transformer Engine, which refuses RMSNorm; and under
             # sequence parallelism the norm must run on its rows' share.

@@ -32,13 +32,16 @@ from megatron_psrl.schedule.memory import (
 )
 
 SEVEN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+"""Qwen3-Next and Qwen3.5 (tests/model/test_hybrid_families.py)."""
 DEBUG_CONFIGS = [(f.model_type, name) for f in registered_families() for name in f.tiny_configs]
 
 
-def test_registry_lists_the_seven_families_in_order():
-    assert tuple(f.model_type for f in registered_families()) == SEVEN
-    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN
-    assert architecture.MOE_MODEL_TYPES == ("qwen3_moe", "qwen2_moe", "mixtral")
+def test_registry_lists_the_families_in_order():
+    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS
+    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS
+    assert architecture.MOE_MODEL_TYPES == ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe_text",
+                                            "qwen3_5_moe")
     for family in registered_families():
         assert isinstance(family, ModelFamily)
         assert get_family(family.model_type) is family
@@ -46,10 +49,12 @@ def test_registry_lists_the_seven_families_in_order():
 
 
 def test_tiny_module_is_a_view_of_the_bundles():
-    dense = {n: c for f in registered_families() if not f.is_moe for n, c in f.tiny_configs.items()}
-    moe = {n: c for f in registered_families() if f.is_moe for n, c in f.tiny_configs.items()}
+    plain = [f for f in registered_families() if not f.has_linear_attention]
+    dense = {n: c for f in plain if not f.is_moe for n, c in f.tiny_configs.items()}
+    moe = {n: c for f in plain if f.is_moe for n, c in f.tiny_configs.items()}
     assert TINY_CONFIGS == dense and MOE_CONFIGS == moe
-    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape"} == set(get_family("qwen2").shape_configs)
+    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b"}
+    assert set(get_family("qwen2").shape_configs) == {"qwen2.5-1.5b-shape"}
 
 
 @pytest.mark.parametrize("model_type,name", DEBUG_CONFIGS)
@@ -72,7 +77,7 @@ def test_debug_config_parses_and_round_trips(model_type, name):
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
-@pytest.mark.parametrize("model_type,name", DEBUG_CONFIGS)
+@pytest.mark.parametrize("model_type,name", [(t, n) for t, n in DEBUG_CONFIGS if t not in HYBRIDS])
 @pytest.mark.parametrize("tp,dtype", [(1, torch.float32), (2, torch.bfloat16)])
 def test_prefix_states_one_softmax_state_per_layer(model_type, name, tp, dtype):
     arch = ModelArchitecture.from_hf_config(tiny_config(name))

@@ -25,6 +25,15 @@ GetTensor = Callable[[str], Tensor]
 class LlamaStyleAdapter:
     """Llama / Mistral; subclasses add Qwen2's q/k/v bias and Qwen3's q/k norms."""
 
+    hf_passthrough_prefixes: Tuple[str, ...] = ()
+    """Hugging Face tensors outside the megatron model that a conversion carries through
+    unchanged (a multimodal wrapper's vision tower; :mod:`megatron_psrl.checkpoint.passthrough`)."""
+
+    reads_rank_slices: bool = True
+    """:func:`megatron_psrl.checkpoint.loading.hf_rank_state_dict` can read one rank's slices of
+    each tensor (its names and row layouts); otherwise a rank's shard is cut from the whole
+    state dict."""
+
     def __init__(self, arch: ModelArchitecture):
         self.arch = arch
 

@@ -76,6 +76,12 @@ class LayerSpecChoices:
     normalization: str = "RMSNorm"
     """The layer norms of the local spec (Transformer Engine's reads ``config.normalization``)."""
 
+    linear_attention_layers: Tuple[int, ...] = ()
+    """0-based indices of the layers whose token mixer is linear attention (Gated DeltaNet)."""
+
+    zero_centered_norms: bool = False
+    """The decoder's RMSNorms compute ``x * (1 + w)`` (megatron ``layernorm_zero_centered_gamma``)."""
+
 
 @dataclass(frozen=True)
 class ModelFamily(abc.ABC):
@@ -99,11 +105,31 @@ class ModelFamily(abc.ABC):
     is_moe: ClassVar[bool] = False
     """Every layer's MLP is a mixture of experts (``ModelArchitecture.num_experts`` is set)."""
 
+    has_linear_attention: ClassVar[bool] = False
+    """Some layers' token mixer is linear attention (``ModelArchitecture.layer_types``)."""
+
     # ------------------------------------------------------------------ Hugging Face config
     @abc.abstractmethod
     def hf_attention_fields(self, hf: Dict[str, Any]) -> Dict[str, Any]:
         """``qkv_bias``, ``qk_norm`` and ``sliding_window`` of a config.json; raises
         :class:`UnsupportedModelError` for an attention variant not implemented."""
+
+    def hf_text_config(self, hf: Dict[str, Any]) -> Dict[str, Any]:
+        """The part of a config.json that describes the language model (a multimodal wrapper's
+        ``text_config``; the whole dict otherwise)."""
+        return hf
+
+    def hf_tie_word_embeddings(self, hf: Dict[str, Any]) -> bool:
+        """Whether the output layer shares the input embedding (``tie_word_embeddings``)."""
+        return bool(self.hf_text_config(hf).get("tie_word_embeddings", False))
+
+    def hf_layer_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
+        """Per-layer structure of :class:`ModelArchitecture` (``layer_types`` and the linear
+        layers' fields; none for a model of softmax-attention layers only); a config naming
+        linear-attention layers is refused by a family without them."""
+        if any(t != "full_attention" for t in hf.get("layer_types") or []):
+            raise UnsupportedModelError(f"field 'layer_types': {self.model_type} layers are softmax attention only")
+        return {}
 
     @abc.abstractmethod
     def hf_mlp_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
