@@ -62,17 +62,24 @@ def _batch(kind, vocab, seed=0):
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    """``name -> (arch, model, hf model)``, built once per module."""
+    """``name -> (arch, model, hf model)``, built once per module and process-group state."""
     from transformers import AutoModelForCausalLM
 
     from megatron_psrl.checkpoint import ModelSource, load_model
     from megatron_psrl.distributed.setup import initialize_parallel
     from megatron_psrl.model.tiny import tiny_config
 
+    from megatron.core import parallel_state
+
     cache = {}
 
     def get(name):
+        # (built again when the process groups it was built under are gone: an actor's close() ends them)
         initialize_parallel(1, 1, seed=0, device="cpu")
+        group = parallel_state.get_tensor_model_parallel_group()
+        if cache.get("group") is not group:
+            cache.clear()
+            cache["group"] = group
         if name not in cache:
             d = make_hybrid_checkpoint(tiny_config(name), str(tmp_path_factory.mktemp(name)))
             arch, model, _ = load_model(ModelSource(hf_dir=d), dtype=torch.float32)
@@ -149,3 +156,53 @@ def test_a_reader_starting_from_zero_state_is_caught(hybrid, monkeypatch):
     assert loss != pytest.approx(ref_loss, rel=1e-3)
     with pytest.raises(AssertionError):
         assert_grads_close(grads, ref_grads, rtol=1e-5)
+
+
+def test_a_producer_missing_its_readers_state_gradient_is_caught(hybrid, monkeypatch):
+    """The comparison sees the injected state gradient too: a producer whose backward injected
+    nothing into its linear layers' final states (the K/V gradients still injected) gives
+    other gradients."""
+    arch, model, hf = hybrid("debug-qwen3.5-text")
+    batch = _batch("grpo-group", arch.vocab_size)
+    _, ref_grads = _reference(arch, hf, batch)
+    read_grad = BlockKVCache.read_grad
+
+    def no_state_grad(self, source_id, layer):
+        grads = read_grad(self, source_id, layer)
+        fixed = not self.geometry.state_of(layer).per_token
+        return tuple(torch.zeros_like(g) for g in grads) if fixed else grads
+
+    monkeypatch.setattr(BlockKVCache, "read_grad", no_state_grad)
+    _, grads, _, _, _ = _run(arch, model, batch, tight=False)
+    with pytest.raises(AssertionError):
+        assert_grads_close(grads, ref_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [None, 200000], ids=["kept-graphs", "dropped-graphs"])
+def test_recomputed_layers_inject_the_state_gradient_once(hybrid, budget):
+    """megatron's full recomputation (a layer's forward runs twice; the cached gradients are
+    injected inside the graph, the states written once): one SGD step of the actor equals
+    the per-sample reference."""
+    from megatron_psrl import ActorConfig, OptimizerSettings, PolicyActor
+    from megatron_psrl.model.gpt import model_chunks
+
+    arch, _, hf = hybrid("debug-qwen3.5-text")
+    batch = _batch("grpo-group", arch.vocab_size)
+    ref_loss, ref_grads = _reference(arch, hf, batch)
+    extra = {} if budget is None else dict(kv_cache_budget=budget)
+    actor = PolicyActor(hf.name_or_path, ActorConfig(
+        device="cpu", optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0), loss=LossConfig(**LOSS),
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        micro_batch_tokens=MICRO_BATCH_TOKENS, **extra))
+    try:
+        params = dict(model_chunks(actor.engine.model)[0].named_parameters())
+        before = {n: p.detach().clone() for n, p in params.items()}
+        metrics = actor.train_step(batch)
+        assert metrics["kv_hit_rate"] > 0 and (metrics["tokens_recomputed"] > 0) == (budget is not None)
+        assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        for name, grad in ref_grads.items():
+            step = before[name] - params[name].detach()
+            torch.testing.assert_close(step, grad, rtol=0, atol=2e-5 * float(grad.abs().max()) + 1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        actor.close()
