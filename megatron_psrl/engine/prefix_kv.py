@@ -5,7 +5,10 @@ Mechanism 2's per-layer work happens here, called by the core attention for ever
 its graph is kept, captured as differentiable rows for the dK/dV its readers will inject); a
 reader gets the cached K/V of the sources it reads as extra keys/values, whose gradients hooks
 add to the source's dK/dV blocks; in a cross-rank step every layer exchanges the rows other
-ranks need (:mod:`megatron_psrl.distributed.kv_exchange`).
+ranks need (:mod:`megatron_psrl.distributed.kv_exchange`). A linear-attention layer
+(``TreeGatedDeltaNet``) calls the same hook for its fixed-size state
+(``LinearPrefixHook``: the recurrent state and conv tail of a source, one slot per layer,
+stored, captured, read and its gradient accumulated as K/V rows are).
 """
 
 from __future__ import annotations

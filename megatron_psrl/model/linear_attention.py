@@ -21,10 +21,11 @@ constructor and replaces its forward:
 
 The index structures (predecessor rows, per-depth segment rows, state slots) are built on the
 host from the attention plan, once per micro-batch, and copied with
-:func:`~megatron_psrl.host_copy.host_to_device`. :func:`tree_gated_delta_rule` is the
-function-level API mechanism 2 will use: roots may start from an external
-:class:`LinearState` (a cached prefix) and every segment's final :class:`LinearState` can be
-returned to be cached. fla's ``chunk_gated_delta_rule`` runs on CUDA when installed, megatron's
+:func:`~megatron_psrl.host_copy.host_to_device`. Mechanism 2 (a prefix cached across
+micro-batches) goes through :func:`tree_gated_delta_rule`: roots may start from an external
+:class:`LinearState` (a cached prefix) and every segment's final :class:`LinearState` is
+returned to be cached; the layer exchanges them with the engine's hook
+(:class:`LinearPrefixHook`), segments cut where a produced prefix ends. fla's ``chunk_gated_delta_rule`` runs on CUDA when installed, megatron's
 ``torch_chunk_gated_delta_rule`` elsewhere; both are optional extras for speed only.
 
 The output norm is Hugging Face's gated RMSNorm (``weight * rmsnorm(x)``, weight init ones,

@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_loss_and_grads
+from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_logprobs, per_sample_loss_and_grads
 from helpers.hybrid import make_hybrid_checkpoint
 
 from megatron_psrl.data.loader import samples_from_dicts
+from megatron_psrl.engine.logprobs import compute_logprobs
 from megatron_psrl.engine.prefix_kv import PrefixKV
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
@@ -63,13 +64,12 @@ def _batch(kind, vocab, seed=0):
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """``name -> (arch, model, hf model)``, built once per module and process-group state."""
+    from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
     from megatron_psrl.checkpoint import ModelSource, load_model
     from megatron_psrl.distributed.setup import initialize_parallel
     from megatron_psrl.model.tiny import tiny_config
-
-    from megatron.core import parallel_state
 
     cache = {}
 
@@ -206,3 +206,14 @@ def test_recomputed_layers_inject_the_state_gradient_once(hybrid, budget):
                                        msg=lambda m, name=name: f"{name}: {m}")
     finally:
         actor.close()
+
+
+@pytest.mark.parametrize("kind", ["step-wise-chain", "branching-tree"])
+def test_the_logprob_pass_reads_cached_states(hybrid, kind):
+    """Forward only (no graph): the cached states are read as they are, the same log-probs."""
+    arch, model, hf = hybrid("debug-qwen3.5-text")
+    batch = _batch(kind, arch.vocab_size)
+    ours = compute_logprobs(model, arch, batch, micro_batch_tokens=MICRO_BATCH_TOKENS)
+    for a, b in zip(ours, per_sample_logprobs(hf, batch)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-5)
