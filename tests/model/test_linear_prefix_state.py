@@ -111,3 +111,28 @@ def test_fixed_size_states_keep_trees_whole_and_recompute_shared_heads():
     assert transfer_reasons(1, False, False) == []
     geometry = _geometry((PrefixState.recurrent(4, 8, 6, 44, 4), PrefixState.softmax(2, 4)))
     assert geometry.fixed_bytes_per_source == (4 * 8 * 6 + 3 * 44) * 4
+
+
+def test_the_memory_plan_charges_the_state_copies_readers_keep():
+    """Readers keep a copy of every linear layer's state in their graph (the K/V rows may be
+    gathered again in backward instead): the memory plan charges it either way."""
+    from megatron_psrl.data.loader import samples_from_dicts
+    from megatron_psrl.schedule.config import PlannerConfig
+    from megatron_psrl.schedule.memory import _byte_tables
+    from megatron_psrl.schedule.planner import plan_step
+    from megatron_psrl.tree import build_prefix_tree
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 100, 20).tolist()
+    batch = samples_from_dicts([{"id": f"s{i}", "tokens": prompt + rng.integers(0, 100, 6).tolist(),
+                                 "advantage": 1.0} for i in range(3)], source="group")
+    rank = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=12, sharing="tree")).ranks[0]
+    softmax, recurrent = PrefixState.softmax(2, 4), PrefixState.recurrent(4, 8, 6, 44, 4)
+    hybrid, plain = _geometry((recurrent, recurrent, softmax)), _geometry((softmax,))
+    for gathers in (False, True):
+        with_states = _byte_tables(rank, hybrid, 0, gathers_in_backward=gathers)
+        without = _byte_tables(rank, plain, 0, gathers_in_backward=gathers)
+        for i, mb in enumerate(rank.micro_batches):
+            extra = len(mb.reads) * hybrid.fixed_bytes_per_source
+            assert with_states.held_reads[i] - (0 if gathers else without.held_reads[i]) == extra
+    assert any(mb.reads for mb in rank.micro_batches)
