@@ -136,3 +136,22 @@ def test_the_memory_plan_charges_the_state_copies_readers_keep():
             extra = len(mb.reads) * hybrid.fixed_bytes_per_source
             assert with_states.held_reads[i] - (0 if gathers else without.held_reads[i]) == extra
     assert any(mb.reads for mb in rank.micro_batches)
+
+
+def test_the_builder_places_trees_of_a_hybrid_model_whole_with_one_note():
+    from megatron_psrl.distributed.setup import initialize_parallel
+    from megatron_psrl.engine.builder import placement_and_costs
+    from megatron_psrl.model.architecture import ModelArchitecture
+    from megatron_psrl.model.tiny import tiny_config
+
+    initialize_parallel(1, 1, seed=0, device="cpu")
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-qwen3.5-text"))
+    geometry = KVGeometry.for_model(arch, 1, 1, torch.float32, torch.device("cpu"))
+    config = types.SimpleNamespace(placement="cross-rank", expert_model_parallel_size=1, prefix_sharing="tree")
+    layout = types.SimpleNamespace(pipeline_parallel_size=1, context_parallel_size=1, data_parallel_size=2)
+    notes = []
+    placement, _, measured = placement_and_costs(config, layout, arch, None, geometry, recompute=False,
+                                                 log=notes.append)
+    assert placement == "whole-tree" and measured is None
+    assert notes == [f"note: --placement cross-rank is not available with {FIXED_STATES_REASON} yet; "
+                     "trees are placed whole on data-parallel ranks"]
