@@ -71,7 +71,7 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     overrides = recompute_overrides(config, layout)
     arch, model, optimizer = model_and_optimizer(source, config, layout, impl, vpp, split, overrides, resume,
                                                  load_optimizer, for_training, say)
-    geometry, plan_geometry = kv_geometry(arch, config, layout, vpp, split)
+    geometry, plan_geometry = kv_geometry(arch, config, layout, vpp, split, model)
     placement, flop_model, measured = placement_and_costs(config, layout, arch, model, geometry,
                                                           recompute=bool(overrides), log=say, resume=resume)
     # (with an optimizer, the data-parallel reduce may start during a step's last backward)
@@ -239,12 +239,13 @@ def moe_overrides(config: ActorConfig, arch) -> Dict[str, object]:
     return {}
 
 
-def kv_geometry(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, split) -> Tuple[KVGeometry, KVGeometry]:
+def kv_geometry(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, split,
+                model=None) -> Tuple[KVGeometry, KVGeometry]:
     """``(the cache's geometry on this rank's stages, what memory plans assume on every stage)``."""
     tp, dtype, device = layout.tensor_parallel_size, config.torch_dtype, layout.device
     geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=layout.pp_rank,
                                     virtual_pipeline_size=vpp)
-    check_prefix_taps(arch, geometry)
+    check_prefix_taps(arch, geometry, model)
     return geometry, KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, vpp)
 
 
@@ -260,7 +261,8 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     cross-rank by request there, fragments cut by the FLOP cost model). A resumed checkpoint's
     recorded calibration (``resume.planning_costs``) is used instead of measuring, unless
     ``config.recalibrate``."""
-    whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute, config.placement)
+    whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute, config.placement,
+                                         fixed_states=geometry.fixed_bytes_per_source > 0)
     if (config.expert_model_parallel_size > 1 and layout.context_parallel_size == 1
             and config.placement == "auto"):
         # With experts over the data-parallel ranks, trees are split over them by request only

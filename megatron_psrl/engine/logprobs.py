@@ -85,11 +85,12 @@ def compute_logprobs(
     split = split_of_config(chunks[0].config) if len(chunks) == 1 else pp * len(chunks)
     geometry = KVGeometry.for_model(arch, tp, split, dtype, device, pipeline_rank=pp_rank,
                                     virtual_pipeline_size=len(chunks))
-    check_prefix_taps(arch, geometry)
+    check_prefix_taps(arch, geometry, model)
     plan_geometry = KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, len(chunks))
-    if whole_tree_reasons(pp, recompute=False, placement=placement):
+    fixed = geometry.fixed_bytes_per_source > 0
+    if whole_tree_reasons(pp, recompute=False, placement=placement, fixed_states=fixed):
         placement = "whole-tree"
-    if transfer_reasons(pp, recompute=False, moe=arch.is_moe):
+    if transfer_reasons(pp, recompute=False, moe=arch.is_moe, fixed_states=fixed):
         cross_group_prefix = "recompute"
     config = PlannerConfig(micro_batch_tokens=micro_batch_tokens, data_parallel_size=ranks,
                            sharing="tree" if prefix_sharing else "none", exchange_group_size=group_size,

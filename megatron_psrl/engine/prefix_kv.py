@@ -5,7 +5,10 @@ Mechanism 2's per-layer work happens here, called by the core attention for ever
 its graph is kept, captured as differentiable rows for the dK/dV its readers will inject); a
 reader gets the cached K/V of the sources it reads as extra keys/values, whose gradients hooks
 add to the source's dK/dV blocks; in a cross-rank step every layer exchanges the rows other
-ranks need (:mod:`megatron_psrl.distributed.kv_exchange`).
+ranks need (:mod:`megatron_psrl.distributed.kv_exchange`). A linear-attention layer
+(``TreeGatedDeltaNet``) calls the same hook for its fixed-size state
+(``LinearPrefixHook``: the recurrent state and conv tail of a source, one slot per layer,
+stored, captured, read and its gradient accumulated as K/V rows are).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.prefix_state import VALUES, Tap
 from megatron_psrl.model.architecture import UnsupportedModelError
+from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.linear_attention import LinearState, SegmentStates, TreeGatedDeltaNet
 from megatron_psrl.schedule.packing import PackedMicroBatch
 from megatron_psrl.schedule.plan import RankPlan
 
@@ -35,7 +40,8 @@ class CapturedRows(NamedTuple):
     layer: int
     """megatron layer number."""
     fields: Tuple[Tensor, ...]
-    """The layer's prefix-state fields of the source's rows (K and V), in the graph."""
+    """The layer's prefix-state fields of the source's rows (K and V), or of its fixed state
+    (a linear layer's recurrent state and conv tail), in the graph."""
 
 
 class ReceivedChain(NamedTuple):
@@ -84,8 +90,9 @@ class InjectCachedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.clone()
-        for s, rows in ctx.sources:
-            grad.index_add_(0, rows, ctx.cache.read_grad(s, ctx.layer)[ctx.index].to(grad.dtype))
+        for s, rows in ctx.sources:  # (a fixed state's one row: [*shape] -> [1, *shape])
+            cached = ctx.cache.read_grad(s, ctx.layer)[ctx.index].reshape((-1,) + tuple(grad.shape[1:]))
+            grad.index_add_(0, rows, cached.to(grad.dtype))
         return grad, None, None, None, None
 
 
@@ -123,6 +130,8 @@ class PrefixKV:
         # Pack rows of every source this rank computes here (replicas arrive by exchange).
         own = [s for s in mb.produces if rank_plan.sources[s].replica_of is None]
         self.rows = {s: pack_rows(rank_plan.sources[s].tokens) for s in own}
+        self.last_rows = {s: int(np.searchsorted(pack.tree_tokens, rank_plan.sources[s].last_token)) for s in own}
+        """Host pack row of every own source's last token (a linear layer's state is taken there)."""
         self.stored = [s for s in own if VALUES in rank_plan.sources[s].kinds]
         self.captured: List[CapturedRows] = []
         self.exchange: Optional[LayerExchange] = None
@@ -134,6 +143,9 @@ class PrefixKV:
         self.in_flight: Dict[int, object] = {}
         """Overlapped exchange: the layer's exchange until its attention ran (:meth:`after_attention`)."""
         ex = mb.exchange
+        if ex is not None and cache.geometry.fixed_bytes_per_source:
+            raise NotImplementedError("prefixes of layers with a fixed-size state (linear attention) are not "
+                                      "exchanged between ranks: place trees whole (whole_tree_reasons)")
         if ex is not None and ex.forward_collective:
             send = [c for dst in range(group_size) for c in ex.send.get(dst, [])]
             send_rows = pack_rows(np.concatenate(send)) if send else torch.zeros(0, dtype=torch.int64, device=device)
@@ -217,6 +229,54 @@ class PrefixKV:
         if exchange is not None:
             exchange.release()
 
+    # ------------------------------------------------------------------ linear-attention layers
+    def linear_cuts(self) -> np.ndarray:
+        """``LinearPrefixHook``: the last pack row of every source this micro-batch computes."""
+        return np.array(sorted(self.last_rows.values()), dtype=np.int64)
+
+    def external_linear_state(self, layer_number: int) -> LinearState:
+        """``LinearPrefixHook``: the cached state and conv tail of every source this micro-batch
+        reads (``[E, ...]``, in read order); with a graph, leaves whose gradients hooks add to
+        the source's gradient slots (fp32, summed over every reader)."""
+        if self.num_peers:
+            raise NotImplementedError("a linear-attention layer cannot read prefixes of other ranks "
+                                      "(cross-rank placement keeps trees whole for such models)")
+        count = layer_number not in self._counted  # a recomputation reads again: count once
+        self._counted.add(layer_number)
+        fields = [CachedRead(self.cache, s, layer_number, count).leaves(self.track_grads) for s in self.reads]
+        recurrent = torch.stack([f[0] for f in fields])
+        if len(fields[0]) > 1:
+            conv_tail = torch.stack([f[1] for f in fields])
+        else:  # a kernel of 1 keeps no conv tail
+            conv_tail = recurrent.new_zeros((len(fields), 0, 1))
+        return LinearState(recurrent=recurrent, conv_tail=conv_tail)
+
+    def on_linear_states(self, layer_number: int, segments: SegmentStates) -> Optional[Tensor]:
+        """``LinearPrefixHook``: the final state of every source this micro-batch computes (the
+        state of the segment its last token ends) into the cache, and captured with a kept
+        graph for the backward to inject the gradient its readers accumulated; with
+        recomputation, injected in the graph instead (the returned zero anchor keeps the
+        injecting functions in it)."""
+        first_pass = layer_number not in self._written  # a recomputation calls again: write once
+        self._written.add(layer_number)
+        states = segments.states
+        picked = {s: segments.segment_ending_after(row) for s, row in self.last_rows.items()}
+        state_of = self.cache.geometry.state_of(layer_number)
+        for s, g in picked.items():
+            fields = (states.recurrent[g], states.conv_tail[g])[:len(state_of.fields)]
+            if self.store and s in self.stored and first_pass:
+                self.cache.write(s, layer_number, *(f.detach() for f in fields))
+            if self.capture and not self.inject:
+                self.captured.append(CapturedRows(s, layer_number, fields))
+        if not (self.injects and torch.is_grad_enabled()):
+            return None
+        device = states.recurrent.device
+        sources = [(s, host_to_device(np.array([g], np.int64), device)) for s, g in picked.items()]
+        anchor = InjectCachedGrad.apply(states.recurrent, self.cache, layer_number, 0, sources).sum() * 0.0
+        if len(state_of.fields) > 1:
+            anchor = anchor + InjectCachedGrad.apply(states.conv_tail, self.cache, layer_number, 1, sources).sum() * 0.0
+        return anchor
+
     def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "CachedRead", ReceivedKV]]:
         out: List[Union[Tuple[Tensor, Tensor], CachedRead, ReceivedKV]] = []
         count = layer_number not in self._counted  # a recomputation reads again: count once
@@ -251,6 +311,18 @@ class CachedRead:
     def add_grad(self, grad_key: Tensor, grad_value: Tensor) -> None:
         self.cache.accumulate_grad(self.source, self.layer, grad_key, grad_value)
 
+    def leaves(self, track_grads: bool) -> Tuple[Tensor, ...]:
+        """Every field (a fixed state's too) as read; with ``track_grads``, leaves whose
+        gradients hooks add to the source's gradient slots."""
+        fields = self.read()
+        if not track_grads:
+            return fields
+        cache, s, layer, n = self.cache, self.source, self.layer, len(fields)
+        for i, f in enumerate(fields):
+            f.requires_grad_(True)
+            f.register_hook(lambda g, i=i: cache.accumulate_grad(s, layer, *(g if j == i else None for j in range(n))))
+        return fields
+
     def materialize(self) -> Tuple[Tensor, Tensor]:
         """Leaf copies whose gradients hooks add to the source's dK/dV (kernels that take tensors)."""
         cache, s, layer = self.cache, self.source, self.layer
@@ -262,14 +334,29 @@ class CachedRead:
         return k, v
 
 
-def check_prefix_taps(arch, geometry) -> None:
+HOOKED_TAPS = (Tap.CORE_ATTENTION, Tap.RECURRENT_MIXER)
+"""The taps :class:`PrefixKV` serves: post-RoPE K/V in megatron's core-attention slot, and a
+linear-attention layer's (``TreeGatedDeltaNet``) recurrent state and conv tail."""
+
+
+def check_prefix_taps(arch, geometry, model=None) -> None:
     """Refuse, before any step, a layer whose prefix state the engine cannot reach: its hook
-    (:class:`PrefixKV`) sits in megatron's core-attention slot, so it reads
-    and writes post-RoPE K/V only; the cache, the memory plan and the transports take any
-    :class:`~megatron_psrl.kvcache.prefix_state.PrefixState` already."""
+    (:class:`PrefixKV`) sits in megatron's core-attention slot (post-RoPE K/V) and in the
+    tree-packed Gated DeltaNet (its recurrent state; with ``model``, the layer must be a
+    :class:`~megatron_psrl.model.linear_attention.TreeGatedDeltaNet`); the cache and the memory
+    plan take any :class:`~megatron_psrl.kvcache.prefix_state.PrefixState` already."""
+    hooked_linear = None
+    if model is not None:
+        hooked_linear = {m.layer_number for chunk in model_chunks(model) for m in chunk.modules()
+                         if isinstance(m, TreeGatedDeltaNet)}
     for layer, state in zip(geometry.layers, geometry.layer_states):
-        if state.tap is not Tap.CORE_ATTENTION:
+        if state.tap is Tap.RECURRENT_MIXER and hooked_linear is not None and layer not in hooked_linear:
+            raise UnsupportedModelError(
+                f"model type {arch.model_type!r}: layer {layer} keeps a recurrent prefix state but its mixer is "
+                f"not a TreeGatedDeltaNet, the linear-attention layer that reads and writes it")
+        if state.tap not in HOOKED_TAPS:
             raise UnsupportedModelError(
                 f"model type {arch.model_type!r}: layer {layer} keeps its prefix as "
                 f"{'/'.join(f.name for f in state.fields)} at the {state.tap.value} tap, which prefix sharing "
-                f"cannot read or write yet (only softmax K/V in the core-attention slot)")
+                f"cannot read or write yet (only softmax K/V in the core-attention slot and a "
+                f"linear-attention layer's recurrent state)")

@@ -21,10 +21,11 @@ constructor and replaces its forward:
 
 The index structures (predecessor rows, per-depth segment rows, state slots) are built on the
 host from the attention plan, once per micro-batch, and copied with
-:func:`~megatron_psrl.host_copy.host_to_device`. :func:`tree_gated_delta_rule` is the
-function-level API mechanism 2 will use: roots may start from an external
-:class:`LinearState` (a cached prefix) and every segment's final :class:`LinearState` can be
-returned to be cached. fla's ``chunk_gated_delta_rule`` runs on CUDA when installed, megatron's
+:func:`~megatron_psrl.host_copy.host_to_device`. Mechanism 2 (a prefix cached across
+micro-batches) goes through :func:`tree_gated_delta_rule`: roots may start from an external
+:class:`LinearState` (a cached prefix) and every segment's final :class:`LinearState` is
+returned to be cached; the layer exchanges them with the engine's hook
+(:class:`LinearPrefixHook`), segments cut where a produced prefix ends. fla's ``chunk_gated_delta_rule`` runs on CUDA when installed, megatron's
 ``torch_chunk_gated_delta_rule`` elsewhere; both are optional extras for speed only.
 
 The output norm is Hugging Face's gated RMSNorm (``weight * rmsnorm(x)``, weight init ones,
@@ -35,7 +36,7 @@ norms (Qwen3-Next's are zero-centred, this one is not).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 import torch
@@ -137,6 +138,27 @@ class SegmentForest:
         source = np.where(parent < 0, source, -1)
         return cls(starts, ends, parent.astype(np.int64), source, len(plan.external_lengths))
 
+    def cut_after(self, rows: np.ndarray) -> "SegmentForest":
+        """The forest with a segment ending after every pack row of ``rows`` (a cached source's
+        last token inside a segment: its state is then a segment's final state). The piece
+        after a cut is the child of the piece before; the segment's children follow its last
+        piece. Exact: a child starts from its parent's final state and conv tail."""
+        t = int(self.seg_end[-1]) if len(self.seg_end) else 0
+        cuts = np.unique(np.asarray(rows, np.int64) + 1)
+        cuts = cuts[(cuts > 0) & (cuts < t) & ~np.isin(cuts, self.seg_start)]
+        if not len(cuts):
+            return self
+        starts = np.sort(np.concatenate([self.seg_start, cuts]))
+        orig = np.searchsorted(self.seg_start, starts, side="right") - 1  # the segment each piece is of
+        ends = np.minimum(np.append(starts[1:], t), self.seg_end[orig])
+        first = np.isin(starts, self.seg_start)
+        last_piece = np.searchsorted(starts, self.seg_end, side="left") - 1  # of every original segment
+        orig_parent = self.parent[orig]
+        parent = np.where(first, np.where(orig_parent >= 0, last_piece[np.maximum(orig_parent, 0)], -1),
+                          np.arange(len(starts)) - 1)
+        source = np.where(first, self.source[orig], -1)
+        return SegmentForest(starts, ends, parent.astype(np.int64), source.astype(np.int64), self.num_sources)
+
 
 @dataclass(frozen=True)
 class DepthLevel:
@@ -165,6 +187,9 @@ class TreeLinearIndex:
     tail_rows: Tensor
     """int64 ``[G, K - 1]``: every segment's final conv tail, rows of ``[x; zero; tails]``."""
     num_sources: int
+    segment_ends: np.ndarray = None
+    """Host int64 ``[G]``: every segment's end row (exclusive), segment order: which segment's
+    final state is a cached source's (:class:`SegmentStates`)."""
 
 
 def _segment_depths(forest: SegmentForest) -> np.ndarray:
@@ -227,7 +252,8 @@ def build_tree_linear_index(forest: SegmentForest, kernel_size: int, device: tor
     return TreeLinearIndex(num_tokens=t, conv_rows=host_to_device(conv_rows, device, np.int64),
                            levels=tuple(levels), out_rows=host_to_device(out_rows, device, np.int64),
                            state_rows=host_to_device(state_rows, device, np.int64),
-                           tail_rows=host_to_device(tail_rows, device, np.int64), num_sources=forest.num_sources)
+                           tail_rows=host_to_device(tail_rows, device, np.int64), num_sources=forest.num_sources,
+                           segment_ends=np.asarray(forest.seg_end, np.int64))
 
 
 # ------------------------------------------------------------------------------------- the math
@@ -239,6 +265,45 @@ class TreeGatedDeltaOutput:
     """``[t, h_v, d_v]``: the delta rule's output of every token (before the gated norm)."""
     states: Optional[LinearState] = None
     """Every segment's final state and conv tail (``[G, ...]``, segment order), if asked for."""
+
+
+@dataclass(frozen=True)
+class SegmentStates:
+    """Every segment's final state of one pack in one layer, as the layer hands it to its
+    prefix hook (:class:`LinearPrefixHook`)."""
+
+    states: LinearState
+    """``[G, ...]`` in segment order, in the graph."""
+    segment_ends: np.ndarray
+    """Host int64 ``[G]``: every segment's end row (exclusive)."""
+
+    def segment_ending_after(self, row: int) -> int:
+        """The segment whose last row is ``row`` (a cached source's last token)."""
+        g = int(np.searchsorted(self.segment_ends, row + 1))
+        if g >= len(self.segment_ends) or self.segment_ends[g] != row + 1:
+            raise ValueError(f"no segment ends after pack row {row}: its state is no segment's final state "
+                             "(the layer cuts segments at LinearPrefixHook.linear_cuts)")
+        return g
+
+
+@runtime_checkable
+class LinearPrefixHook(Protocol):
+    """How mechanism 2 plugs into a linear-attention layer (``packed_seq_params.kv_hook``; the
+    engine's :class:`~megatron_psrl.engine.prefix_kv.PrefixKV`): the cached state of every
+    prefix the pack continues in, the final states of the prefixes it produces out."""
+
+    def linear_cuts(self) -> np.ndarray:
+        """Host int64: the last pack row of every prefix this pack produces (a segment ends
+        there: its final state is the prefix's)."""
+
+    def external_linear_state(self, layer_number: int) -> LinearState:
+        """The :class:`LinearState` of every external source of the plan (``[E, ...]``, in
+        ``plan.external_lengths`` order), gradients flowing to the cache."""
+
+    def on_linear_states(self, layer_number: int, segments: SegmentStates) -> Optional[Tensor]:
+        """Called with every segment's final state: stores (and captures) those of the produced
+        prefixes. May return a zero scalar to add to the layer's output, which keeps
+        gradient-injecting functions of the states in the graph (activation recomputation)."""
 
 
 def l2norm(x: Tensor) -> Tensor:
@@ -425,9 +490,11 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         return GdnHeads(self.num_key_heads // tp, self.num_value_heads // tp, self.key_head_dim,
                         self.value_head_dim, self.use_qk_l2norm, bool(self.config.deterministic_mode))
 
-    def tree_index(self, meta: Optional[TreeAttentionMetadata], t: int, b: int, device) -> TreeLinearIndex:
+    def tree_index(self, meta: Optional[TreeAttentionMetadata], t: int, b: int, device,
+                   cuts: Optional[np.ndarray] = None) -> TreeLinearIndex:
         """The pack's index (built once per micro-batch and kernel size, shared by all layers),
-        or that of ``b`` independent sequences of ``t`` tokens without metadata."""
+        or that of ``b`` independent sequences of ``t`` tokens without metadata; ``cuts``: pack
+        rows after which a segment must end (:meth:`LinearPrefixHook.linear_cuts`)."""
         k = self.conv_kernel_dim
         if meta is None:
             key = (t, b, str(device), k)
@@ -440,9 +507,11 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         if b != 1 or meta.plan.num_tokens > t:
             raise ValueError(f"a tree pack is [t, 1, h] with t = {meta.plan.num_tokens}, got [{t}, {b}, .]")
         cache = meta.__dict__.setdefault("_linear_attention_index", {})
-        key = (str(device), k)
+        cuts = np.zeros(0, np.int64) if cuts is None else np.asarray(cuts, np.int64)
+        key = (str(device), k, cuts.tobytes())
         if key not in cache:
-            cache[key] = build_tree_linear_index(SegmentForest.from_plan(meta.plan), k, device)
+            forest = SegmentForest.from_plan(meta.plan).cut_after(cuts)
+            cache[key] = build_tree_linear_index(forest, k, device)
         return cache[key]
 
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None, key_value_states=None,
@@ -454,10 +523,18 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             raise NotImplementedError("TreeGatedDeltaNet does not run inference contexts")
         qkvzba, _ = self.in_proj(hidden_states)  # [t, b, in_proj_dim / tp] (the whole sequence)
         t, b, _ = qkvzba.shape
-        index = self.tree_index(packed_seq_params, t, b, qkvzba.device)
+        hook = getattr(packed_seq_params, "kv_hook", None)
+        if hook is not None and not isinstance(hook, LinearPrefixHook):
+            raise NotImplementedError(f"a prefix hook of a linear-attention layer implements LinearPrefixHook; "
+                                      f"{type(hook).__name__} does not")
+        cuts = hook.linear_cuts() if hook is not None else None
+        index = self.tree_index(packed_seq_params, t, b, qkvzba.device, cuts)
+        initial = None
         if index.num_sources:
-            raise NotImplementedError("a pack continuing cached prefixes needs their linear states "
-                                      "(tree_gated_delta_rule's `initial`); not wired into the layer yet")
+            if hook is None:
+                raise ValueError("a pack continuing cached prefixes needs a kv_hook to supply their linear states")
+            initial = hook.external_linear_state(self.layer_number)
+        produces = cuts is not None and len(cuts) > 0
         heads = self.heads
         # [n, in_proj_dim / tp], sequence-major; a tree pack's rows past its plan's n tokens are
         # sequence-parallel padding (a multiple of TP): their outputs are zero.
@@ -467,8 +544,13 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             rows, [2 * heads.qk_dim + heads.v_dim, heads.v_dim, heads.num_value_heads, heads.num_value_heads], dim=-1)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)  # [b * t, h_v] fp32
         result = tree_gated_delta_rule(qkv, g, beta.sigmoid(), self.conv1d.weight, self.conv1d.bias, heads,
-                                       index, activation=self.act_fn)
-        norm_out = self._apply_gated_norm(result.core, gate)  # [n, v_dim / tp]
+                                       index, initial=initial, return_states=produces, activation=self.act_fn)
+        core = result.core
+        if produces:  # the states of the prefixes this pack produces: into the cache (and the graph)
+            anchor = hook.on_linear_states(self.layer_number, SegmentStates(result.states, index.segment_ends))
+            if anchor is not None:
+                core = core + anchor.to(core.dtype)
+        norm_out = self._apply_gated_norm(core, gate)  # [n, v_dim / tp]
         if n < b * t:
             norm_out = F.pad(norm_out, (0, 0, 0, b * t - n))  # [b * t, v_dim / tp]
         norm_out = norm_out.reshape(b, t, -1).transpose(0, 1).contiguous()  # [t, b, v_dim / tp]

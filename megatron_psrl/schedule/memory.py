@@ -297,7 +297,8 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
     """Per micro-batch: its graph's activations, and the prefix K/V it holds while it runs (or,
     kept, until its backward): copies gathered from the cache and K/V received from other
     ranks in the same step (cross-rank peers, always kept as copies). Gathered again in
-    backward, cached prefixes cost one layer's K/V copies and their fp32 gradients at a time."""
+    backward, cached prefixes cost one layer's K/V copies and their fp32 gradients at a time
+    (and every linear layer's state, always kept as a copy)."""
     graph = {i: len(mb.computed_tokens) * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
     attention = {}
     if varlen is not None:
@@ -315,7 +316,9 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
         return _ByteTables(graph, reads, reads, False, head_bytes, attention)
     one_layer = {i: sum(geometry.layer_read_bytes(plan.sources[s].length) for s in mb.reads)
                  for i, mb in enumerate(plan.micro_batches)}
-    return _ByteTables(graph, peers, {i: one_layer[i] + peers[i] for i in cached}, True, head_bytes, attention)
+    # (a linear layer's fixed-size state is read as a copy its graph keeps, whatever this choice)
+    held = {i: peers[i] + len(mb.reads) * geometry.fixed_bytes_per_source for i, mb in enumerate(plan.micro_batches)}
+    return _ByteTables(graph, held, {i: one_layer[i] + held[i] for i in cached}, True, head_bytes, attention)
 
 
 def simulated_peak_bytes(

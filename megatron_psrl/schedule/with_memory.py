@@ -16,25 +16,35 @@ GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]
 """Memory plans of ranks planned together (one rank, or a cross-rank group in lockstep)."""
 
 
-def whole_tree_reasons(pipeline_parallel_size: int, recompute: bool, placement: str = "auto") -> List[str]:
+FIXED_STATES_REASON = "fixed-size prefix states (linear-attention layers)"
+"""Why a model whose layers keep a recurrent state (``KVGeometry.fixed_bytes_per_source``)
+keeps its trees whole and recomputes prefixes shared between groups: the per-layer exchange,
+replica gradients and head sends move per-token rows only (``source_row_shape``)."""
+
+
+def whole_tree_reasons(pipeline_parallel_size: int, recompute: bool, placement: str = "auto",
+                       fixed_states: bool = False) -> List[str]:
     """Why trees must be placed whole on the ranks of an exchange group (empty: they may be
     split). With pipeline stages one pipeline is one placement rank, and a tree is spread over
     pipelines (each stage exchanging its layers' K/V with the same stage of the others) only
     with ``placement="cross-rank"``: ``auto`` weighs costs that the start-up calibration
     measures by running the whole model on one rank. With activation recomputation a
-    recomputed layer would repeat its K/V exchange inside the backward pass."""
+    recomputed layer would repeat its K/V exchange inside the backward pass. A model with
+    ``fixed_states`` (:data:`FIXED_STATES_REASON`) cannot exchange its prefixes."""
     return [why for why, on in (("pipeline parallelism", pipeline_parallel_size > 1 and placement != "cross-rank"),
-                                ("activation recomputation", recompute)) if on]
+                                ("activation recomputation", recompute), (FIXED_STATES_REASON, fixed_states)) if on]
 
 
-def transfer_reasons(pipeline_parallel_size: int, recompute: bool, moe: bool) -> List[str]:
+def transfer_reasons(pipeline_parallel_size: int, recompute: bool, moe: bool, fixed_states: bool = False) -> List[str]:
     """Why the parts of a tree split between exchange groups recompute the prefix they share
     instead of receiving it (empty: they may receive it). The pipeline runner does not run
     transfers (each stage would send its layers'); a recomputed layer would run its forward
     again without the received K/V in place; an MoE model weighs its router losses by the
-    samples through each token of a part, which a received head would miss."""
+    samples through each token of a part, which a received head would miss; a head send moves
+    per-token rows only (:data:`FIXED_STATES_REASON`)."""
     return [why for why, on in (("pipeline parallelism", pipeline_parallel_size > 1),
-                                ("activation recomputation", recompute), ("MoE models", moe)) if on]
+                                ("activation recomputation", recompute), ("MoE models", moe),
+                                (FIXED_STATES_REASON, fixed_states)) if on]
 
 
 def memory_plans(plan: StepPlan, group_memory: GroupMemory) -> List[Optional[MemoryPlan]]:

@@ -193,8 +193,9 @@ def test_no_module_outside_the_spec_spells_a_block_kind_or_a_row_layout():
 
 def test_the_engine_refuses_a_state_its_attention_hook_cannot_reach():
     """The cache, the plan and the transports take any state; the engine's hook sits in the
-    core-attention slot, so a model whose layers keep a latent or a recurrent state is refused
-    before its first step, naming the layer and the tap."""
+    core-attention slot and in the linear-attention layer, so a model whose layers keep a
+    latent is refused before its first step, naming the layer and the tap (a recurrent state
+    is served: tests/model/test_linear_prefix_state.py)."""
     import types
 
     from megatron_psrl.engine.prefix_kv import check_prefix_taps
@@ -202,7 +203,6 @@ def test_the_engine_refuses_a_state_its_attention_hook_cannot_reach():
 
     arch = types.SimpleNamespace(model_type="toy")
     check_prefix_taps(arch, _geometry((SOFTMAX, SOFTMAX)))
-    with pytest.raises(UnsupportedModelError, match="layer 2 keeps its prefix as state/conv at the recurrent_mixer tap"):
-        check_prefix_taps(arch, _geometry((SOFTMAX, RECURRENT)))
+    check_prefix_taps(arch, _geometry((SOFTMAX, RECURRENT)))
     with pytest.raises(UnsupportedModelError, match="layer 1 .* before_up_projection"):
         check_prefix_taps(arch, _geometry((LATENT,)))

@@ -113,9 +113,11 @@ class HybridFamily(Qwen3Family):
                       dtype: torch.dtype) -> Tuple["PrefixState", ...]:
         """Softmax layers: post-RoPE K and V of this rank's key/value heads. Linear layers: the
         delta rule's state ``[nv, dk, dv]`` of this rank's value heads and the convolution's last
-        ``kernel - 1`` inputs of this rank's channels (the prefix state of a recurrent mixer;
-        prefix sharing across micro-batches cannot read or write it yet and refuses it, see
-        :func:`megatron_psrl.engine.prefix_kv.check_prefix_taps`)."""
+        ``kernel - 1`` inputs of this rank's channels (the prefix state of a recurrent mixer, one
+        fixed slot per cached prefix). It is kept in fp32 whatever ``dtype``: the kernels carry
+        the state in fp32 from one segment to the next, and a rounded copy would make a cached
+        prefix's readers differ from the same tree in one pack (the conv inputs are exact in
+        fp32; the state is small next to a prefix's K/V)."""
         from megatron_psrl.kvcache.prefix_state import PrefixState
 
         tp = tensor_parallel_size
@@ -124,7 +126,7 @@ class HybridFamily(Qwen3Family):
                          + arch.linear_num_value_heads * arch.linear_value_head_dim) // tp
         recurrent = (PrefixState.recurrent(arch.linear_num_value_heads // tp, arch.linear_key_head_dim,
                                            arch.linear_value_head_dim, conv_channels, arch.linear_conv_kernel_dim,
-                                           dtype=dtype) if arch.linear_attention_layers else None)
+                                           dtype=torch.float32) if arch.linear_attention_layers else None)
         return tuple(recurrent if kind == LINEAR_ATTENTION else softmax for kind in arch.layer_kinds)
 
     # ------------------------------------------------------------------ memory plan
