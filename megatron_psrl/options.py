@@ -32,6 +32,13 @@ WORKLOAD_NAMES = ("grpo", "stepwise", "tree", "mixed")
 
 TINY_MODEL_NAMES = ("debug-llama", "tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
 """Debug-size model configs with random weights (``megatron_psrl.model.tiny``)."""
+MOE_MODEL_NAMES = ("debug-mixtral", "debug-qwen2-moe", "debug-qwen3-moe")
+"""Debug-size mixture-of-experts configs that ``--model`` takes besides the dense tiny ones
+(``megatron_psrl.model.tiny.MOE_CONFIGS``; named here so that parsing imports no model code)."""
+HYBRID_MODEL_NAMES = ("debug-qwen3-next", "debug-qwen3.5", "debug-qwen3.5-moe", "debug-qwen3.5-moe-text",
+                      "debug-qwen3.5-text")
+"""Debug-size Qwen3-Next / Qwen3.5 configs, Gated DeltaNet and softmax layers
+(``megatron_psrl.model.tiny.HYBRID_CONFIGS``)."""
 
 MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
 """megatron's MoE token dispatchers (``--moe-token-dispatcher-type``; ``megatron_psrl.model.moe``)."""

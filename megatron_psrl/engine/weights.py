@@ -156,6 +156,10 @@ class WeightStream:
         if split:
             dim = getattr(param, "partition_dim", None)
             expected = 1 if kind == "row" else 0
+            # megatron's GatedDeltaNet marks its conv, dt_bias and A_log tensor_model_parallel
+            # without a partition_dim; they are split by rows (per part: ``parts``)
+            if dim is None and kind in ("parts", "rows"):
+                dim = 0
             if dim != expected:
                 raise RuntimeError(f"{local_name}: partition_dim={dim}, the sharding rules split dimension {expected}")
         return split

@@ -55,7 +55,7 @@ from megatron_psrl.engine.optimizer import StepOutcome
 from megatron_psrl.engine.weights import DEFAULT_BUCKET_BYTES, iter_hf_weights, iter_mcore_weights, streams_one_copy
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 from megatron_psrl.host_copy import host_to_device
-from megatron_psrl.options import TINY_MODEL_NAMES
+from megatron_psrl.options import HYBRID_MODEL_NAMES, MOE_MODEL_NAMES, TINY_MODEL_NAMES
 from megatron_psrl.rl.loss import ClaimLoss, PerClaimLoss, SequenceLoss
 from megatron_psrl.rl.sharing_check import SharingCheckError, check_sharing, choose_samples
 
@@ -75,6 +75,12 @@ def preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def _debug_model_names() -> Tuple[str, ...]:
+    """The named debug configs an actor builds with random weights: the dense tiny ones, the
+    mixture-of-experts and the hybrid (linear-attention) ones, as ``--model`` takes them."""
+    return TINY_MODEL_NAMES + MOE_MODEL_NAMES + HYBRID_MODEL_NAMES
+
+
 def model_source(model: Any) -> ModelSource:
     """A :class:`ModelSource` from what a caller has: a folder (Hugging Face or checkpoint), a
     tiny config name, a transformers model object, or ``(hf_config_dict, hf_state_dict)``."""
@@ -86,10 +92,10 @@ def model_source(model: Any) -> ModelSource:
             return ModelSource(checkpoint=path)
         if os.path.isdir(path):
             return ModelSource(hf_dir=path)
-        if path in TINY_MODEL_NAMES:
+        if path in _debug_model_names():
             return ModelSource(tiny=path)
         raise ConfigurationError(f"{path}: no such folder (a Hugging Face save_pretrained folder or a checkpoint; "
-                                 f"or a tiny config name: {', '.join(TINY_MODEL_NAMES)})")
+                                 f"or a tiny config name: {', '.join(_debug_model_names())})")
     if isinstance(model, tuple) and len(model) == 2:
         return ModelSource(hf_config=dict(model[0]), hf_state_dict=dict(model[1]))
     if hasattr(model, "config") and hasattr(model, "state_dict"):  # a transformers PreTrainedModel

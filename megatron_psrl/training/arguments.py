@@ -13,9 +13,11 @@ from megatron_psrl.options import (
     CROSS_GROUP_PREFIX,
     DEFAULT_CKPT_FORMAT,
     DEFAULT_TIMEOUT_MINUTES,
+    HYBRID_MODEL_NAMES,
     LOSS_AGGREGATIONS,
     MEMORY_TRACKING,
     MOE_LOAD_BALANCING_TYPES,
+    MOE_MODEL_NAMES,
     MOE_TOKEN_DISPATCHERS,
     OPTIMIZERS,
     PLACEMENTS,
@@ -25,9 +27,6 @@ from megatron_psrl.options import (
 )
 
 DEFAULT_MODEL = "tiny-llama"
-MOE_MODEL_NAMES = ("debug-mixtral", "debug-qwen2-moe", "debug-qwen3-moe")
-"""Debug-size mixture-of-experts configs that ``--model`` takes besides the dense tiny ones
-(``megatron_psrl.model.tiny.MOE_CONFIGS``; named here so that parsing imports no model code)."""
 DEFAULT_WORKLOAD = "mixed"
 MIN_MICRO_BATCH_TOKENS = 64
 """Smallest ``--micro-batch-tokens`` accepted: below it a step is thousands of tiny
@@ -54,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model")
     g.add_argument("--hf-dir", default=None, help="Hugging Face save_pretrained folder (converted in memory; default: none, see --model)")
-    g.add_argument("--model", default=None, choices=TINY_MODEL_NAMES + MOE_MODEL_NAMES,
+    g.add_argument("--model", default=None, choices=TINY_MODEL_NAMES + MOE_MODEL_NAMES + HYBRID_MODEL_NAMES,
                    help=f"named tiny config with random weights (default {DEFAULT_MODEL} when no --hf-dir/--load)")
     g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
                    help="megatron layer spec (auto: transformer_engine on CUDA when installed)")
