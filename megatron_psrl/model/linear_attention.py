@@ -162,13 +162,39 @@ class SegmentForest:
 
 @dataclass(frozen=True)
 class DepthLevel:
-    """The segments of one tree depth, padded to the longest (device tensors)."""
+    """Segments of one tree depth of similar lengths, padded to the longest: one kernel call
+    (device tensors). A depth whose segments differ much in length is cut into several
+    (:data:`PADDING_LIMIT`)."""
 
     rows: Tensor
     """int64 ``[B, L]``: pack row of every (segment, position); padding reads the zero row ``t``."""
     init_slot: Tensor
     """int64 ``[B]``: initial state of every segment, a row of ``[zero; external states]`` at
-    depth 0, else a row of the previous depth's final states."""
+    depth 0, else a row of the previous depth's final states (all its levels', in order)."""
+    depth: int = 0
+    """The tree depth of its segments."""
+
+
+PADDING_LIMIT = 1.25
+"""A depth's segments go into one kernel call while its padded size stays within this factor of
+their tokens; longer ones start another call (sorted by length: a GRPO group's responses of
+64-384 tokens would otherwise compute about twice their tokens)."""
+
+
+def _length_buckets(lengths: np.ndarray) -> list:
+    """Indices into ``lengths`` grouped for kernel calls: longest first, a group closed when
+    adding the next would pad it beyond :data:`PADDING_LIMIT` times its tokens."""
+    order = np.argsort(-lengths, kind="stable")
+    buckets, current, tokens = [], [], 0
+    for i in order:
+        if current and lengths[current[0]] * (len(current) + 1) > PADDING_LIMIT * (tokens + lengths[i]):
+            buckets.append(np.array(current, np.int64))
+            current, tokens = [], 0
+        current.append(i)
+        tokens += int(lengths[i])
+    if current:
+        buckets.append(np.array(current, np.int64))
+    return buckets
 
 
 @dataclass(frozen=True)
@@ -234,20 +260,25 @@ def build_tree_linear_index(forest: SegmentForest, kernel_size: int, device: tor
     out_rows = np.zeros(t, np.int64)
     levels, out_base, state_base = [], 0, 0
     for d in range(int(depth.max()) + 1 if g else 0):
-        segs = np.flatnonzero(depth == d)
-        lengths = forest.seg_end[segs] - forest.seg_start[segs]
-        width = int(lengths.max())
-        pos = np.arange(width, dtype=np.int64)
-        rows = np.where(pos[None, :] < lengths[:, None], forest.seg_start[segs][:, None] + pos[None, :], t)
-        slot[segs] = np.arange(len(segs))
-        init = forest.source[segs] + 1 if d == 0 else slot[forest.parent[segs]]
-        for b, s in enumerate(segs):
-            out_rows[forest.seg_start[s]:forest.seg_end[s]] = out_base + b * width + np.arange(lengths[b])
-        state_rows[segs] = state_base + np.arange(len(segs))
-        levels.append(DepthLevel(rows=host_to_device(rows, device, np.int64),
-                                 init_slot=host_to_device(init, device, np.int64)))
-        out_base += len(segs) * width
-        state_base += len(segs)
+        at_depth = np.flatnonzero(depth == d)
+        buckets = _length_buckets(forest.seg_end[at_depth] - forest.seg_start[at_depth])
+        ordered = np.concatenate([at_depth[b] for b in buckets])  # the depth's final states, in this order
+        slot_of = {int(s): i for i, s in enumerate(ordered)}
+        for bucket in buckets:
+            segs = at_depth[bucket]
+            lengths = forest.seg_end[segs] - forest.seg_start[segs]
+            width = int(lengths.max())
+            pos = np.arange(width, dtype=np.int64)
+            rows = np.where(pos[None, :] < lengths[:, None], forest.seg_start[segs][:, None] + pos[None, :], t)
+            init = forest.source[segs] + 1 if d == 0 else slot[forest.parent[segs]]
+            for b, s in enumerate(segs):
+                out_rows[forest.seg_start[s]:forest.seg_end[s]] = out_base + b * width + np.arange(lengths[b])
+            state_rows[segs] = state_base + np.arange(len(segs))
+            levels.append(DepthLevel(rows=host_to_device(rows, device, np.int64),
+                                     init_slot=host_to_device(init, device, np.int64), depth=d))
+            out_base += len(segs) * width
+            state_base += len(segs)
+        slot[ordered] = [slot_of[int(s)] for s in ordered]
     tail_rows = conv_rows[forest.seg_end - 1, 1:] if g else np.zeros((0, kernel_size - 1), np.int64)
     return TreeLinearIndex(num_tokens=t, conv_rows=host_to_device(conv_rows, device, np.int64),
                            levels=tuple(levels), out_rows=host_to_device(out_rows, device, np.int64),
@@ -384,11 +415,14 @@ def _with_zero_row(x: Tensor) -> Tensor:
 
 def _delta_rule_by_depth(q, k, v, g, beta, index: TreeLinearIndex, first_states: Tensor,
                          deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """One kernel call per tree depth. ``first_states`` ``[1 + E, h_v, d_k, d_v]`` (zero, then
-    external). Returns the outputs ``[t, h_v, d_v]`` and the final states ``[G, h_v, d_k, d_v]``."""
+    """One kernel call per level (a tree depth, or a length bucket of one). ``first_states``
+    ``[1 + E, h_v, d_k, d_v]`` (zero, then external). Returns the outputs ``[t, h_v, d_v]`` and
+    the final states ``[G, h_v, d_k, d_v]``."""
     q, k, v, g, beta = (_with_zero_row(x) for x in (q, k, v, g, beta))  # row t: padding
-    outs, finals, states = [], [], first_states
+    outs, finals, states, depth, at_depth = [], [], first_states, 0, []
     for level in index.levels:
+        if level.depth != depth:  # the previous depth's final states, all its levels', in order
+            states, depth, at_depth = torch.cat(at_depth), level.depth, []
         b, width = level.rows.shape
         flat = level.rows.reshape(-1)
         take = lambda x: x.index_select(0, flat).reshape((b, width) + tuple(x.shape[1:]))  # noqa: E731
@@ -397,7 +431,7 @@ def _delta_rule_by_depth(q, k, v, g, beta, index: TreeLinearIndex, first_states:
                                             deterministic=deterministic)
         outs.append(out.reshape((b * width,) + tuple(out.shape[2:])))
         finals.append(final)
-        states = final
+        at_depth.append(final)
     core = torch.cat(outs).index_select(0, index.out_rows)
     return core, torch.cat(finals).index_select(0, index.state_rows)
 

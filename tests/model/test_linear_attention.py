@@ -429,3 +429,19 @@ def test_fla_kernel_matches_the_torch_kernel():
     ref = tree_gated_delta_rule(**inputs, heads=torch_heads, index=index, return_states=True)
     torch.testing.assert_close(fla.core, ref.core, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(fla.states.recurrent, ref.states.recurrent, rtol=1e-3, atol=1e-3)
+
+
+def test_a_depth_of_unequal_segments_is_cut_into_length_buckets():
+    """Padding to the longest segment of a depth is bounded (PADDING_LIMIT): the GRPO group's
+    responses (5, 3, 6, 1 tokens) go into three calls, each within the limit, every segment
+    once; the results above (naive recurrence, HF per sample) hold with the buckets."""
+    from megatron_psrl.model.linear_attention import PADDING_LIMIT, _length_buckets
+
+    lengths = np.array([5, 3, 6, 1])
+    buckets = _length_buckets(lengths)
+    assert sorted(np.concatenate(buckets).tolist()) == [0, 1, 2, 3]
+    for b in buckets:
+        assert lengths[b].max() * len(b) <= PADDING_LIMIT * lengths[b].sum()
+    assert [lengths[b].tolist() for b in buckets] == [[6, 5], [3], [1]]
+    index = build_tree_linear_index(SegmentForest.from_plan(_plan(*TREES["grpo-group"])), 4, "cpu")
+    assert [level.depth for level in index.levels] == [0, 1, 1, 1]
