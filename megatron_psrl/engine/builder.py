@@ -257,8 +257,9 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     cross-rank`` asks for them to be split over pipelines
     (:func:`~megatron_psrl.schedule.with_memory.whole_tree_reasons`). Where trees may be split over
     an exchange group, the planner weighs compute against transfers measured on this model at
-    start-up (not with pipeline stages: a stage cannot run the whole model; placement is
-    cross-rank by request there, fragments cut by the FLOP cost model). A resumed checkpoint's
+    start-up (not with pipeline stages: a stage cannot run the whole model; nor with linear-attention
+    layers, whose states the calibration does not measure: placement is cross-rank by request
+    there, fragments cut by the FLOP cost model). A resumed checkpoint's
     recorded calibration (``resume.planning_costs``) is used instead of measuring, unless
     ``config.recalibrate``."""
     whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute, config.placement,
@@ -278,6 +279,8 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     if not (group_size > 1 and placement != "whole-tree" and config.prefix_sharing == "tree"):
         return placement, flop_model, None
     if layout.pipeline_parallel_size > 1:  # (the calibration runs the whole model: not on one stage)
+        return placement, flop_model, None
+    if geometry.fixed_bytes_per_source:  # (cross-rank by request: the calibration measures K/V transfers only)
         return placement, flop_model, None
     resume = resume or ResumePoint()
     with layout.monitor.phase("cost calibration"):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start
+from megatron_psrl.distributed.state_exchange import StateLink, received_leaf, send_states
 from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.prefix_state import VALUES, Tap
@@ -26,7 +27,7 @@ from megatron_psrl.model.architecture import UnsupportedModelError
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.linear_attention import LinearState, SegmentStates, TreeGatedDeltaNet
 from megatron_psrl.schedule.packing import PackedMicroBatch
-from megatron_psrl.schedule.plan import RankPlan
+from megatron_psrl.schedule.plan import ChainUse, RankPlan, StepExchange
 
 Tensor = torch.Tensor
 
@@ -71,6 +72,34 @@ class LayerExchange(NamedTuple):
     received: List[ReceivedChain]
     group: object
     """The exchange's process group."""
+
+
+class LinearExchange(NamedTuple):
+    """What a micro-batch's linear layers send and receive in every layer: one state per chain
+    (:mod:`megatron_psrl.distributed.state_exchange`)."""
+
+    link: StateLink
+    send_last_rows: np.ndarray
+    """Host pack row of every sent chain's last token (its state is taken there), destinations
+    in rank order, chains in the plan's order."""
+    received: List[Tuple[int, int, ChainUse]]
+    """``(sending rank, row in its message, use)`` of every received chain."""
+    last_row: int
+    """The pack's last row (a cut there makes the layer hand over its states: replica-only
+    messages are received after the layer computed)."""
+
+
+def linear_exchange(ex: StepExchange, tree_tokens: np.ndarray, group, device) -> LinearExchange:
+    """The state exchange of a micro-batch whose step exchange is ``ex`` (the K/V exchange's
+    chains, one state each)."""
+    dsts = sorted(r for r, chains in ex.send.items() if chains)
+    last = [int(c[-1]) for r in dsts for c in ex.send[r]]
+    received = [(src, i, use) for src in sorted(ex.recv) for i, use in enumerate(ex.recv[src])]
+    link = StateLink(group, {r: len(ex.send[r]) for r in dsts}, ex.reads_now,
+                     {src: len(uses) for src, uses in ex.recv.items()},
+                     sorted({src for src, _, use in received if use.peer is not None}), device)
+    return LinearExchange(link, np.searchsorted(tree_tokens, np.asarray(last, np.int64)).astype(np.int64),
+                          received, len(tree_tokens) - 1)
 
 
 class InjectCachedGrad(torch.autograd.Function):
@@ -143,9 +172,10 @@ class PrefixKV:
         self.in_flight: Dict[int, object] = {}
         """Overlapped exchange: the layer's exchange until its attention ran (:meth:`after_attention`)."""
         ex = mb.exchange
-        if ex is not None and cache.geometry.fixed_bytes_per_source:
-            raise NotImplementedError("prefixes of layers with a fixed-size state (linear attention) are not "
-                                      "exchanged between ranks: place trees whole (whole_tree_reasons)")
+        self.state_exchange: Optional[LinearExchange] = None
+        """Linear layers: the states of the exchanged chains (one per chain, point to point)."""
+        if ex is not None and cache.geometry.fixed_bytes_per_source and (ex.send or ex.recv):
+            self.state_exchange = linear_exchange(ex, pack.tree_tokens, group, device)
         if ex is not None and ex.forward_collective:
             send = [c for dst in range(group_size) for c in ex.send.get(dst, [])]
             send_rows = pack_rows(np.concatenate(send)) if send else torch.zeros(0, dtype=torch.int64, device=device)
@@ -231,25 +261,64 @@ class PrefixKV:
 
     # ------------------------------------------------------------------ linear-attention layers
     def linear_cuts(self) -> np.ndarray:
-        """``LinearPrefixHook``: the last pack row of every source this micro-batch computes."""
-        return np.array(sorted(self.last_rows.values()), dtype=np.int64)
+        """``LinearPrefixHook``: the last pack row of every source this micro-batch computes and
+        of every chain whose state it sends (and its last row when it receives states after the
+        layer computed: the layer then hands over its states)."""
+        rows = list(self.last_rows.values())
+        lx = self.state_exchange
+        if lx is not None:
+            rows += list(lx.send_last_rows) + ([lx.last_row] if lx.link.after_compute else [])
+        return np.unique(np.asarray(rows, dtype=np.int64))
 
     def external_linear_state(self, layer_number: int) -> LinearState:
         """``LinearPrefixHook``: the cached state and conv tail of every source this micro-batch
         reads (``[E, ...]``, in read order); with a graph, leaves whose gradients hooks add to
         the source's gradient slots (fp32, summed over every reader)."""
-        if self.num_peers:
-            raise NotImplementedError("a linear-attention layer cannot read prefixes of other ranks "
-                                      "(cross-rank placement keeps trees whole for such models)")
         count = layer_number not in self._counted  # a recomputation reads again: count once
         self._counted.add(layer_number)
         fields = [CachedRead(self.cache, s, layer_number, count).leaves(self.track_grads) for s in self.reads]
+        if self.num_peers:
+            fields += self._peer_states(layer_number)
         recurrent = torch.stack([f[0] for f in fields])
         if len(fields[0]) > 1:
             conv_tail = torch.stack([f[1] for f in fields])
         else:  # a kernel of 1 keeps no conv tail
             conv_tail = recurrent.new_zeros((len(fields), 0, 1))
         return LinearState(recurrent=recurrent, conv_tail=conv_tail)
+
+    def _peer_states(self, layer_number: int) -> List[Tuple[Tensor, ...]]:
+        """The states of the chains of other ranks this micro-batch continues now (received
+        before the layer computes; with a graph, leaves whose gradient goes back to the sender),
+        in peer order; replica chains of the same messages go into the cache."""
+        lx, state = self.state_exchange, self.cache.geometry.state_of(layer_number)
+        got = lx.link.receive_before(state)
+        if self.track_grads and torch.is_grad_enabled():
+            got = {src: received_leaf(rows, lx.link, src) for src, rows in got.items()}
+        peers: List[Tuple[Tensor, ...]] = [()] * self.num_peers
+        for src, i, use in lx.received:
+            if src not in got:
+                continue
+            fields = tuple(f[i] for f in state.unpack_rows(got[src]))
+            if use.peer is not None:
+                peers[use.peer] = fields
+            if use.replica is not None and self.store:
+                self.cache.write(use.replica, layer_number, *(f.detach() for f in fields))
+        return peers
+
+    def _send_states(self, layer_number: int, segments: SegmentStates) -> Optional[Tensor]:
+        """Send the states of the chains other ranks read (and receive the replica-only
+        messages); a zero anchor in the graph whose backward takes the readers' gradients."""
+        lx, state = self.state_exchange, self.cache.geometry.state_of(layer_number)
+        states = segments.states
+        picked = [segments.segment_ending_after(int(r)) for r in lx.send_last_rows]
+        index = host_to_device(np.asarray(picked, np.int64), states.recurrent.device)
+        fields = (states.recurrent.index_select(0, index), states.conv_tail.index_select(0, index))
+        rows = state.pack_rows(tuple(f.to(state.dtype) for f in fields[:len(state.fields)]))
+        anchor, late = send_states(rows, lx.link, state, differentiable=self.track_grads)
+        for src, i, use in lx.received:
+            if src in late and use.replica is not None and self.store:
+                self.cache.write(use.replica, layer_number, *(f[i] for f in state.unpack_rows(late[src])))
+        return anchor
 
     def on_linear_states(self, layer_number: int, segments: SegmentStates) -> Optional[Tensor]:
         """``LinearPrefixHook``: the final state of every source this micro-batch computes (the
@@ -268,14 +337,17 @@ class PrefixKV:
                 self.cache.write(s, layer_number, *(f.detach() for f in fields))
             if self.capture and not self.inject:
                 self.captured.append(CapturedRows(s, layer_number, fields))
+        sent = None
+        if self.state_exchange is not None and self.state_exchange.link.after_compute:
+            sent = self._send_states(layer_number, segments)
         if not (self.injects and torch.is_grad_enabled()):
-            return None
+            return sent
         device = states.recurrent.device
         sources = [(s, host_to_device(np.array([g], np.int64), device)) for s, g in picked.items()]
         anchor = InjectCachedGrad.apply(states.recurrent, self.cache, layer_number, 0, sources).sum() * 0.0
         if len(state_of.fields) > 1:
             anchor = anchor + InjectCachedGrad.apply(states.conv_tail, self.cache, layer_number, 1, sources).sum() * 0.0
-        return anchor
+        return anchor if sent is None else anchor + sent
 
     def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "CachedRead", ReceivedKV]]:
         out: List[Union[Tuple[Tensor, Tensor], CachedRead, ReceivedKV]] = []

@@ -36,7 +36,12 @@ from megatron_psrl.engine.head_sends import HeadSends
 from megatron_psrl.engine.participants import step_participants
 from megatron_psrl.engine.prefix_kv import PrefixKV
 from megatron_psrl.host_copy import DeviceSums, host_to_device
-from megatron_psrl.kvcache.manager import BlockKVCache, accumulate_source_grad_rows, source_row_shape, source_rows
+from megatron_psrl.kvcache.manager import (
+    BlockKVCache,
+    accumulate_source_grad_flat,
+    source_grad_elems,
+    source_grad_flat,
+)
 from megatron_psrl.kvcache.prefix_state import GRAD_DTYPE
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.logits import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_logprobs
@@ -638,17 +643,18 @@ class StepRunner:
         ex = rank_plan.micro_batches[x.micro_batch].exchange
         cache, g = self.kv_cache, dist.get_world_size(self.exchange_group)
         send_ids = [s for owner in range(g) for s in ex.grad_send.get(owner, [])]
-        send = torch.cat([source_rows(cache, s, grads=True) for s in send_ids]) if send_ids else \
-            torch.zeros((0,) + source_row_shape(cache.geometry), dtype=GRAD_DTYPE, device=cache.geometry.device)
-        length = lambda s: rank_plan.sources[s].length  # noqa: E731
-        send_counts = [sum(length(s) for s in ex.grad_send.get(r, [])) for r in range(g)]
-        recv_counts = [sum(length(s) for s in ex.grad_recv.get(r, [])) for r in range(g)]
+        # (flat per source: K/V rows and fixed-size linear states alike, every layer)
+        send = torch.cat([source_grad_flat(cache, s) for s in send_ids]) if send_ids else \
+            torch.zeros(0, dtype=GRAD_DTYPE, device=cache.geometry.device)
+        elems = lambda s: source_grad_elems(cache.geometry, rank_plan.sources[s].length)  # noqa: E731
+        send_counts = [sum(elems(s) for s in ex.grad_send.get(r, [])) for r in range(g)]
+        recv_counts = [sum(elems(s) for s in ex.grad_recv.get(r, [])) for r in range(g)]
         received = return_replica_grads(send, send_counts, recv_counts, self.exchange_group)
         offset = 0
         for src in range(g):
             for s in ex.grad_recv.get(src, []):
-                accumulate_source_grad_rows(cache, s, received[offset:offset + length(s)])
-                offset += length(s)
+                accumulate_source_grad_flat(cache, s, rank_plan.sources[s].length, received[offset:offset + elems(s)])
+                offset += elems(s)
 
 
 EXECUTE: Dict[type, str] = {

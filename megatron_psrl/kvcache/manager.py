@@ -465,3 +465,27 @@ def accumulate_source_grad_rows(cache, source_id: int, rows: Tensor) -> None:
     g = cache.geometry
     for li, layer in enumerate(g.layers):
         cache.accumulate_grad(source_id, layer, *g.state_of(layer).unpack_rows(rows[:, li]))
+
+
+def source_grad_elems(geometry: KVGeometry, length: int) -> int:
+    """Elements of a source's fp32 gradients over every layer of this rank, flattened
+    (:func:`source_grad_flat`): per-token rows and fixed states alike."""
+    return sum(geometry.state_of(layer).flat_elems(length) for layer in geometry.layers)
+
+
+def source_grad_flat(cache, source_id: int) -> Tensor:
+    """1-D: a source's accumulated fp32 gradients of every layer, layer after layer
+    (:meth:`PrefixState.pack_flat`)."""
+    g = cache.geometry
+    return torch.cat([g.state_of(layer).pack_flat(cache.read_grad(source_id, layer)) for layer in g.layers])
+
+
+def accumulate_source_grad_flat(cache, source_id: int, length: int, flat: Tensor) -> None:
+    """``cache.accumulate_grad`` every layer of a source of ``length`` tokens from
+    :func:`source_grad_flat`'s layout."""
+    g, at = cache.geometry, 0
+    for layer in g.layers:
+        state = g.state_of(layer)
+        n = state.flat_elems(length)
+        cache.accumulate_grad(source_id, layer, *state.unpack_flat(flat[at:at + n], length))
+        at += n

@@ -263,6 +263,24 @@ class PrefixState:
             at += f.elems
         return tuple(out)
 
+    def flat_elems(self, length: int) -> int:
+        """Elements of every field of a source of ``length`` tokens, flattened (:meth:`pack_flat`)."""
+        return self.row_elems * (int(length) if self.per_token else 1)
+
+    def pack_flat(self, tensors: Sequence[Tensor]) -> Tensor:
+        """1-D: every field of one source (``[n, *shape]`` rows, or the ``[*shape]`` state)
+        flattened, in field order: a fixed state and per-token rows in one transport."""
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def unpack_flat(self, flat: Tensor, length: int) -> Tuple[Tensor, ...]:
+        """Views of every field of :meth:`pack_flat`'s output for a source of ``length`` tokens."""
+        out, at = [], 0
+        for f in self.fields:
+            n = f.elems * (int(length) if self.per_token else 1)
+            out.append(flat[at:at + n].view(((int(length),) + f.shape) if self.per_token else f.shape))
+            at += n
+        return tuple(out)
+
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.tensor([], dtype=dtype).element_size()

@@ -267,6 +267,8 @@ class _GroupBuild:
             use = ChainUse(length=len(chain))
             if mp in by_rank[r]:
                 use.peer = len(self.mbs[r][mp].peer_reads)
+                if r not in self.exchanges[q][mp].reads_now:
+                    self.exchanges[q][mp].reads_now.append(r)
                 self.mbs[r][mp].peer_reads.append(PeerRead(src_rank=q, length=len(chain), last_token=last))
             if later_steps:
                 replica = self.new_source(r, producer=mp, tokens=chain, consumers=later_steps,

@@ -208,6 +208,11 @@ class StepExchange:
     backward_collective: bool = False
     """Some rank returns replica gradients at this step's backward: every rank takes part."""
 
+    reads_now: List[int] = field(default_factory=list)
+    """Ranks of ``send`` that attend to (continue) a chain sent to them in this step (a peer
+    read): a linear layer's state goes to them before they compute, and its gradient comes
+    back in this step's backward."""
+
     def send_counts(self, group_size: int) -> List[int]:
         return [int(sum(len(c) for c in self.send.get(r, []))) for r in range(group_size)]
 

@@ -18,8 +18,11 @@ GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]
 
 FIXED_STATES_REASON = "fixed-size prefix states (linear-attention layers)"
 """Why a model whose layers keep a recurrent state (``KVGeometry.fixed_bytes_per_source``)
-keeps its trees whole and recomputes prefixes shared between groups: the per-layer exchange,
-replica gradients and head sends move per-token rows only (``source_row_shape``)."""
+recomputes prefixes shared between groups (head sends move per-token rows only,
+``source_row_shape``) and keeps its trees whole unless ``--placement cross-rank`` asks for
+them to be split (the per-layer exchange then moves one state per chain,
+``distributed/state_exchange.py``; ``auto`` would weigh a calibration that measures K/V
+transfers only)."""
 
 
 def whole_tree_reasons(pipeline_parallel_size: int, recompute: bool, placement: str = "auto",
@@ -30,9 +33,13 @@ def whole_tree_reasons(pipeline_parallel_size: int, recompute: bool, placement: 
     with ``placement="cross-rank"``: ``auto`` weighs costs that the start-up calibration
     measures by running the whole model on one rank. With activation recomputation a
     recomputed layer would repeat its K/V exchange inside the backward pass. A model with
-    ``fixed_states`` (:data:`FIXED_STATES_REASON`) cannot exchange its prefixes."""
-    return [why for why, on in (("pipeline parallelism", pipeline_parallel_size > 1 and placement != "cross-rank"),
-                                ("activation recomputation", recompute), (FIXED_STATES_REASON, fixed_states)) if on]
+    ``fixed_states`` (:data:`FIXED_STATES_REASON`) splits trees only with
+    ``placement="cross-rank"`` too, and not over pipelines (untested there)."""
+    by_request, pp = placement != "cross-rank", pipeline_parallel_size > 1
+    return [why for why, on in (("pipeline parallelism", pp and by_request), ("activation recomputation", recompute),
+                                (FIXED_STATES_REASON, fixed_states and by_request),
+                                (f"{FIXED_STATES_REASON} under pipeline parallelism", fixed_states and pp and not by_request))
+            if on]
 
 
 def transfer_reasons(pipeline_parallel_size: int, recompute: bool, moe: bool, fixed_states: bool = False) -> List[str]:

@@ -2,7 +2,8 @@
 megatron_psrl/distributed/nccl_emulation.py): the emulation catches a program that hangs on
 NCCL and passes on gloo; head sends are safe under it, both ways between two ranks; and a
 representative case of each multi-rank family that sends point to point or exchanges K/V (head
-sends, cross-rank exchange, pipeline PP=2, expert parallelism EP=2) passes with it on, in one
+sends, cross-rank exchange, a hybrid model's linear states across ranks, pipeline PP=2, expert
+parallelism EP=2) passes with it on, in one
 torchrun launch (their own scripts; the full files run the same way by hand: docs/architecture.md,
 "NCCL semantics in CI")."""
 
@@ -24,6 +25,7 @@ from megatron_psrl.model.tiny import tiny_config
 SCRIPTS = {
     "head-sends": os.path.join(REPO_ROOT, "tests", "distributed", "scripts", "head_sends_both_ways.py"),
     "cross-rank": os.path.join(REPO_ROOT, "tests", "training", "scripts", "cross_rank_step.py"),
+    "cross-rank-hybrid": os.path.join(REPO_ROOT, "tests", "training", "scripts", "cross_rank_step.py"),
     "pipeline": os.path.join(REPO_ROOT, "tests", "training", "scripts", "pipeline_step.py"),
     "expert-parallel": os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_parallel.py"),
 }
@@ -58,12 +60,12 @@ def test_head_sends_both_ways(distributed_launches):
             assert out.count(f"OK {case} {kind}") == 2, out[-3000:]
 
 
-CASES = ("head-sends", "cross-rank", "pipeline", "expert-parallel")
+CASES = ("head-sends", "cross-rank", "cross-rank-hybrid", "pipeline", "expert-parallel")
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory, request):
-    """The four cases in one 2-rank launch with ``PSRL_EMULATE_NCCL=1`` (a hang reported after
+    """The five cases in one 2-rank launch with ``PSRL_EMULATE_NCCL=1`` (a hang reported after
     120 s: a loaded machine's waits are long, a hang is forever); each case's output folder."""
     names = selected_test_names(request)
     shared = SharedLaunches({c for c in CASES if f"test_families_pass_under_nccl_emulation[{c}]" in names})
@@ -74,6 +76,11 @@ def emulated(tmp_path_factory, request):
         hf_dir = cross_rank_reference("llama", "one-tree", tmp_path_factory)[0]
         return ["--hf-dir", hf_dir, "--batch", "one-tree", "--budget", "64", "--out", str(roots["cross-rank"] / "out.pt")]
 
+    def hybrid_args():  # (linear layers: states point to point, peers and replicas)
+        hf_dir = cross_rank_reference("qwen3.5", "one-tree", tmp_path_factory)[0]
+        return ["--hf-dir", hf_dir, "--batch", "one-tree", "--budget", "48", "--out",
+                str(roots["cross-rank-hybrid"] / "out.pt")]
+
     def pipeline_args():
         ref = _pipeline_reference(roots["pipeline"])
         return ["--records", str(roots["pipeline"] / "records.json"), "--tp", "1", "--pp", "2", "--out",
@@ -83,8 +90,8 @@ def emulated(tmp_path_factory, request):
         return [make_family_checkpoint(tiny_config("debug-qwen3-moe"), str(roots["expert-parallel"] / "hf")), "16",
                 "tree", "3"]
 
-    makers = {"head-sends": lambda: [], "cross-rank": cross_rank_args, "pipeline": pipeline_args,
-              "expert-parallel": expert_args}
+    makers = {"head-sends": lambda: [], "cross-rank": cross_rank_args, "cross-rank-hybrid": hybrid_args,
+              "pipeline": pipeline_args, "expert-parallel": expert_args}
     for case in CASES:
         shared.add(case, 2, SCRIPTS[case], makers[case], group="emulated", env=env)
 
@@ -119,8 +126,9 @@ def test_families_pass_under_nccl_emulation(emulated, case, tmp_path_factory):
     if case == "head-sends":
         for name in ("both-ways", "one-way-two-heads"):
             assert out.count(f"OK {name} training") == 2 and out.count(f"OK {name} forward-only") == 2, out[-3000:]
-    elif case == "cross-rank":
-        _, ref_loss, ref_grads, _ = cross_rank_reference("llama", "one-tree", tmp_path_factory)
+    elif case.startswith("cross-rank"):
+        family = "qwen3.5" if case == "cross-rank-hybrid" else "llama"
+        _, ref_loss, ref_grads, _ = cross_rank_reference(family, "one-tree", tmp_path_factory)
         res = torch.load(root / "out.pt", weights_only=False)
         assert "cross-rank" in res["placements"] and res["peer_reads"] + res["replicas"] > 0
         assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)

@@ -102,10 +102,14 @@ def test_the_engine_accepts_the_recurrent_tap_of_a_tree_gated_delta_net_only():
     check_prefix_taps(arch, _geometry((softmax, softmax)), plain)
 
 
-def test_fixed_size_states_keep_trees_whole_and_recompute_shared_heads():
-    """The exchange, replica gradients and head sends move per-token rows only: a model with
-    fixed-size prefix states places trees whole and recomputes prefixes shared between groups."""
-    assert whole_tree_reasons(1, False, "cross-rank", fixed_states=True) == [FIXED_STATES_REASON]
+def test_fixed_size_states_split_trees_by_request_and_recompute_shared_heads():
+    """Head sends move per-token rows only: a model with fixed-size prefix states recomputes
+    prefixes shared between groups; it splits trees over ranks with ``cross-rank`` only (its
+    states cross ranks in the per-layer exchange), not over pipelines."""
+    assert whole_tree_reasons(1, False, "cross-rank", fixed_states=True) == []
+    assert whole_tree_reasons(1, False, "auto", fixed_states=True) == [FIXED_STATES_REASON]
+    assert whole_tree_reasons(2, False, "cross-rank", fixed_states=True) == [
+        f"{FIXED_STATES_REASON} under pipeline parallelism"]
     assert whole_tree_reasons(1, False, "cross-rank") == []
     assert transfer_reasons(1, False, False, fixed_states=True) == [FIXED_STATES_REASON]
     assert transfer_reasons(1, False, False) == []
@@ -138,7 +142,10 @@ def test_the_memory_plan_charges_the_state_copies_readers_keep():
     assert any(mb.reads for mb in rank.micro_batches)
 
 
-def test_the_builder_places_trees_of_a_hybrid_model_whole_with_one_note():
+def test_the_builder_splits_trees_of_a_hybrid_model_by_request_only():
+    """A hybrid model's trees are split over ranks with ``--placement cross-rank`` (fragments cut
+    by the FLOP model: the calibration measures no state transfers); ``auto`` keeps them whole
+    without a note; pipeline stages keep them whole with one note."""
     from megatron_psrl.distributed.setup import initialize_parallel
     from megatron_psrl.engine.builder import placement_and_costs
     from megatron_psrl.model.architecture import ModelArchitecture
@@ -147,11 +154,18 @@ def test_the_builder_places_trees_of_a_hybrid_model_whole_with_one_note():
     initialize_parallel(1, 1, seed=0, device="cpu")
     arch = ModelArchitecture.from_hf_config(tiny_config("debug-qwen3.5-text"))
     geometry = KVGeometry.for_model(arch, 1, 1, torch.float32, torch.device("cpu"))
-    config = types.SimpleNamespace(placement="cross-rank", expert_model_parallel_size=1, prefix_sharing="tree")
-    layout = types.SimpleNamespace(pipeline_parallel_size=1, context_parallel_size=1, data_parallel_size=2)
-    notes = []
-    placement, _, measured = placement_and_costs(config, layout, arch, None, geometry, recompute=False,
-                                                 log=notes.append)
-    assert placement == "whole-tree" and measured is None
-    assert notes == [f"note: --placement cross-rank is not available with {FIXED_STATES_REASON} yet; "
-                     "trees are placed whole on data-parallel ranks"]
+
+    def placed(placement, pp=1):
+        config = types.SimpleNamespace(placement=placement, expert_model_parallel_size=1, prefix_sharing="tree")
+        layout = types.SimpleNamespace(pipeline_parallel_size=pp, context_parallel_size=1, data_parallel_size=2)
+        notes = []
+        placement, _, measured = placement_and_costs(config, layout, arch, None, geometry, recompute=False,
+                                                     log=notes.append)
+        assert measured is None
+        return placement, notes
+
+    assert placed("cross-rank") == ("cross-rank", [])
+    assert placed("auto") == ("whole-tree", [])
+    assert placed("cross-rank", pp=2) == ("whole-tree", [
+        f"note: --placement cross-rank is not available with {FIXED_STATES_REASON} under pipeline parallelism "
+        "yet; trees are placed whole on data-parallel ranks"])

@@ -2,7 +2,9 @@
 (loss, every parameter gradient, log-probs; fp32, rel 1e-5): one tree several times larger than
 a micro-batch spread over the ranks, a single long chain, step-wise trajectories and the mixed
 workload, with data parallelism (world 2 and 4), context parallelism (CP=2, CP=2 x DP=2,
-CP=2 x TP=2), and a tight KV budget (recomputation)."""
+CP=2 x TP=2), and a tight KV budget (recomputation); a hybrid model (Gated DeltaNet linear
+layers, whose fragments import one state per chain) on DP=2 in one step and in several, and
+with its imported states zeroed (then wrong)."""
 
 import os
 
@@ -27,6 +29,11 @@ LAYOUTS = {  # name: (family, nproc, tp, cp)
 # and CP=4; tight KV budgets (recomputation).
 CASES = [(f"{name}-{kind}", *layout[:1], kind, *layout[1:], 1 << 30)
          for name, layout in LAYOUTS.items() for kind in ("one-tree", "stepwise", "mixed")]
+# A hybrid model (Gated DeltaNet linear layers: one state per chain crosses ranks): one step of
+# two fragments (mechanism 1 within each, a peer read), several steps (cached prefixes and
+# replicas), and the second with every imported state zeroed, which must miss the reference.
+HYBRID = {"dp2-hybrid-one-step": 160, "dp2-hybrid-steps": 48, "dp2-hybrid-states-ignored": 48}
+CASES += [(name, "qwen3.5", "one-tree", 2, 1, 1, 1 << 30) for name in HYBRID]
 CASES += [
     ("cp2-chain", "llama", "chain", 2, 1, 2, 1 << 30),
     ("cp4-chain", "llama", "chain", 4, 1, 4, 1 << 30),
@@ -44,9 +51,11 @@ def launches(tmp_path_factory, request):
     for name, family, kind, nproc, tp, cp, kv_budget in CASES:
         case_id = f"test_cross_rank_step_matches_reference[{name}]"
         outs[case_id] = out = tmp_path_factory.mktemp(name) / "result.pt"
-        shared.add(case_id, nproc, SCRIPT, lambda family=family, kind=kind, tp=tp, cp=cp, kv_budget=kv_budget, out=out: [
+        extra = ["--ignore-imported-states"] if "ignored" in name else []
+        shared.add(case_id, nproc, SCRIPT, lambda family=family, kind=kind, tp=tp, cp=cp, kv_budget=kv_budget, out=out,
+                   budget=HYBRID.get(name, 64), extra=extra: [
             "--hf-dir", cross_rank_reference(family, kind, tmp_path_factory)[0], "--batch", kind, "--tp", str(tp),
-            "--cp", str(cp), "--budget", "64", "--kv-budget", str(kv_budget), "--out", str(out)])
+            "--cp", str(cp), "--budget", str(budget), "--kv-budget", str(kv_budget), "--out", str(out), *extra])
 
     def results(case_id):
         shared.check(case_id)
@@ -63,8 +72,30 @@ def test_cross_rank_step_matches_reference(case, launches, request, tmp_path_fac
     res = launches(request.node.name)
     assert "cross-rank" in res["placements"], res
     assert res["peer_reads"] + res["replicas"] > 0, "prefix K/V must cross ranks"
+    if name in HYBRID:
+        _check_hybrid(name, res, ref_loss, ref_grads, ref_logprobs)
+        return
     if "tight" in name:
         assert res["recomputed"] > 0, "the tight KV budget must force recomputation"
+    assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_close(res["grads"], ref_grads, rtol=1e-5)
+    for a, b in zip(res["logprobs"], ref_logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def _check_hybrid(name, res, ref_loss, ref_grads, ref_logprobs):
+    """A hybrid case: the plan's shape (one step of peers; several with cached reads and
+    replicas), then exact, or (imported states zeroed) visibly wrong."""
+    if name == "dp2-hybrid-one-step":
+        assert res["steps"] == [1, 1] and res["peer_reads"] > 0 and res["replicas"] == 0
+    else:
+        assert min(res["steps"]) > 1 and res["cached_reads"] > 0 and res["replicas"] > 0 and res["peer_reads"] > 0
+    if "ignored" in name:
+        assert res["loss"] != pytest.approx(ref_loss, rel=1e-5)
+        with pytest.raises(AssertionError):
+            assert_grads_close(res["grads"], ref_grads, rtol=1e-5)
+        assert max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(res["logprobs"], ref_logprobs)) > 1e-2
+        return
     assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_close(res["grads"], ref_grads, rtol=1e-5)
     for a, b in zip(res["logprobs"], ref_logprobs):

@@ -2,7 +2,11 @@
 gradients, the log-probs and what the plan did.
 
     torchrun --nproc_per_node N cross_rank_step.py --hf-dir DIR --batch KIND --out FILE
-        [--tp T] [--cp C] [--budget N] [--kv-budget BYTES]
+        [--tp T] [--cp C] [--budget N] [--kv-budget BYTES] [--ignore-imported-states]
+
+A hybrid model (linear-attention layers) keeps its layers' prefix states (the cache geometry of
+its family); ``--ignore-imported-states`` zeroes every linear-layer state a rank receives (the
+comparison must then fail).
 
 The exchange group is megatron's context-parallel group when --cp > 1, else the data-parallel
 group; gradients are summed over data x context parallel ranks, as megatron does.
@@ -37,7 +41,21 @@ p.add_argument("--cp", type=int, default=1)
 p.add_argument("--budget", type=int, default=64)
 p.add_argument("--kv-budget", type=int, default=1 << 30)
 p.add_argument("--out", required=True)
+p.add_argument("--ignore-imported-states", action="store_true", help="zero the linear states received")
 args = p.parse_args()
+if args.ignore_imported_states:
+    from megatron_psrl.distributed.state_exchange import StateLink
+
+    def zeroed(method):
+        def run(self, *a, **kw):
+            got = method(self, *a, **kw)
+            for t in got.values():
+                t.zero_()
+            return got
+        return run
+
+    StateLink.receive_before = zeroed(StateLink.receive_before)
+    StateLink.send_after = zeroed(StateLink.send_after)
 
 layout = initialize_parallel(args.tp, 1, seed=0, device="cpu", context_parallel_size=args.cp)
 arch, model, _ = load_model(ModelSource(hf_dir=args.hf_dir))
@@ -47,7 +65,10 @@ group, group_size = exchange_group_of(layout)
 config = PlannerConfig(micro_batch_tokens=args.budget, sharing="tree",
                        data_parallel_size=layout.data_parallel_size * layout.context_parallel_size,
                        exchange_group_size=group_size, placement="cross-rank", cost_model=CostModel.named("tiny"))
-geom = KVGeometry(arch.num_layers, arch.num_kv_heads // args.tp, arch.head_dim, torch.float32, torch.device("cpu"))
+if arch.linear_attention_layers:  # (a hybrid model: its family's states, a fixed one per linear layer)
+    geom = KVGeometry.for_model(arch, args.tp, 1, torch.float32, torch.device("cpu"))
+else:
+    geom = KVGeometry(arch.num_layers, arch.num_kv_heads // args.tp, arch.head_dim, torch.float32, torch.device("cpu"))
 act = activation_bytes_per_token(arch, args.tp, 4)
 plan, memories, mode = plan_with_memory(build_prefix_tree(batch), config,
                                         lambda ranks: plan_memory_group(ranks, geom, args.kv_budget, act))
@@ -72,5 +93,6 @@ if layout.rank == 0:
                 "steps": [len(r.micro_batches) for r in plan.ranks],
                 "peer_reads": sum(len(mb.peer_reads) for r in plan.ranks for mb in r.micro_batches),
                 "replicas": sum(s.replica_of is not None for r in plan.ranks for s in r.sources.values()),
-                "exchanged_tokens": plan.exchanged_tokens(), "imbalance": plan.imbalance()}, args.out)
+                "exchanged_tokens": plan.exchanged_tokens(), "imbalance": plan.imbalance(),
+                "cached_reads": sum(len(mb.reads) for r in plan.ranks for mb in r.micro_batches)}, args.out)
 shutdown_parallel()
