@@ -113,11 +113,31 @@ def _config(**overrides):
     return TransformerConfig(**fields)
 
 
+def _arch(family: str):
+    """The tiny model of ``family`` with this file's linear-layer shape (for its adapter and the
+    sharding rules: the one place that maps Hugging Face's projections onto megatron's ``in_proj``)."""
+    from megatron_psrl.model.architecture import ModelArchitecture
+    from megatron_psrl.model.tiny import tiny_config
+
+    name = "debug-qwen3-next" if family == "qwen3_next" else "debug-qwen3.5-text"
+    return ModelArchitecture.from_hf_config(dict(
+        tiny_config(name), hidden_size=HIDDEN, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4))
+
+
+def _in_proj_of(hf, tensors) -> torch.Tensor:
+    """megatron's ``in_proj`` from the HF layer's projections ``tensors`` (name -> weight or its
+    gradient: the mapping is a permutation of rows, so it maps gradients too), by the adapter."""
+    from megatron_psrl.model.adapters import get_adapter
+
+    family = "qwen3_next" if hasattr(hf, "in_proj_qkvz") else "qwen3_5"
+    adapter = get_adapter(_arch(family))
+    names = {f"model.layers.0.linear_attn.{k}": v for k, v in tensors.items()}
+    return torch.cat(adapter._in_proj_parts(names.__getitem__, "model.layers.0."), 0)
+
+
 def _hf_in_proj(hf) -> torch.Tensor:
-    if hasattr(hf, "in_proj_qkvz"):
-        return la.in_proj_from_qwen3_next(hf.in_proj_qkvz.weight, hf.in_proj_ba.weight, _full_heads())
-    return la.in_proj_from_qwen3_5(hf.in_proj_qkv.weight, hf.in_proj_z.weight, hf.in_proj_b.weight,
-                                   hf.in_proj_a.weight)
+    return _in_proj_of(hf, {n: p for n, p in hf.named_parameters() if n.startswith("in_proj")})
 
 
 def _full_heads() -> GdnHeads:
@@ -146,10 +166,7 @@ def _hf_grads(hf):
 
 
 def _hf_in_proj_grad(hf):
-    if hasattr(hf, "in_proj_qkvz"):  # the mapping is a permutation of rows: it maps gradients too
-        return la.in_proj_from_qwen3_next(hf.in_proj_qkvz.weight.grad, hf.in_proj_ba.weight.grad, _full_heads())
-    return la.in_proj_from_qwen3_5(hf.in_proj_qkv.weight.grad, hf.in_proj_z.weight.grad,
-                                   hf.in_proj_b.weight.grad, hf.in_proj_a.weight.grad)
+    return _in_proj_of(hf, {n: p.grad for n, p in hf.named_parameters() if n.startswith("in_proj")})
 
 
 def _close(actual, expected):
@@ -390,10 +407,14 @@ def test_an_external_state_gradient_is_the_sum_over_its_continuations():
 
 # ----------------------------------------------------------------- layouts: HF and TP shares
 def test_qwen3_next_in_proj_mapping_round_trips():
-    heads = _full_heads()
+    from megatron_psrl.model.adapters import get_adapter
+
     hf = _hf_layer("qwen3_next")
-    qkvz, ba = la.in_proj_to_qwen3_next(_hf_in_proj(hf), heads)
-    assert torch.equal(qkvz, hf.in_proj_qkvz.weight) and torch.equal(ba, hf.in_proj_ba.weight)
+    arch = _arch("qwen3_next")
+    parts = torch.split(_hf_in_proj(hf), [16, 16, 24, 24, 4, 4], 0)  # q k v z beta alpha of 2 x 8, 4 x 6, 4
+    back = dict(get_adapter(arch)._in_proj_to_hf(list(parts), "model.layers.0."))
+    assert torch.equal(back["model.layers.0.linear_attn.in_proj_qkvz.weight"], hf.in_proj_qkvz.weight)
+    assert torch.equal(back["model.layers.0.linear_attn.in_proj_ba.weight"], hf.in_proj_ba.weight)
 
 
 def test_tensor_parallel_shares_compute_their_heads():
@@ -404,13 +425,16 @@ def test_tensor_parallel_shares_compute_their_heads():
     inputs = _random_inputs(int(sum(lengths)), heads)
     index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cpu")
     full = tree_gated_delta_rule(**inputs, heads=heads, index=index, return_states=True)
-    parts = (heads.qk_dim, heads.qk_dim, heads.v_dim)
+    from megatron_psrl.checkpoint.sharding import tp_shard
+
+    arch = _arch("qwen3_5")
+    conv = "decoder.layers.0.self_attention.conv1d.weight"  # the sharding rules' split of the conv channels
     share = dataclasses.replace(heads, num_key_heads=1, num_value_heads=2)
     for rank in range(2):
-        mine = dict(mixed_qkv=la.tp_share_of_parts(inputs["mixed_qkv"].t(), parts, rank, 2).t(),
+        mine = dict(mixed_qkv=tp_shard(conv, inputs["mixed_qkv"].t(), arch, 2, rank).t(),
                     g=inputs["g"].chunk(2, dim=1)[rank], beta=inputs["beta"].chunk(2, dim=1)[rank],
-                    conv_weight=la.tp_share_of_parts(inputs["conv_weight"], parts, rank, 2),
-                    conv_bias=la.tp_share_of_parts(inputs["conv_bias"], parts, rank, 2))
+                    conv_weight=tp_shard(conv, inputs["conv_weight"], arch, 2, rank),
+                    conv_bias=tp_shard(conv, inputs["conv_bias"], arch, 2, rank))
         out = tree_gated_delta_rule(**mine, heads=share, index=index, return_states=True)
         _close(out.core, full.core.chunk(2, dim=1)[rank])
         _close(out.states.recurrent, full.states.recurrent.chunk(2, dim=1)[rank])
