@@ -6,7 +6,8 @@ per-sample Hugging Face reference (fp32: the loss, every parameter's update, the
   ``A_log`` by value heads, ``out_proj`` by columns, the gated norm's weight gradient summed
   over the ranks), and with sequence parallelism;
 * PP = 2 on a 6-layer Qwen3.5 (linear, linear, full on each stage): 1F1B (mechanism 1) and plan
-  order (mechanism 2), the linear layers' cached states kept per stage;
+  order (mechanism 2), the linear layers' cached states kept per stage; and stages of one kind
+  each (three linear layers, then the full one), whose caches hold different pools;
 * DP = 2 on Qwen3.5, every tree whole on one data-parallel rank (the placement models with
   fixed-size states get);
 * EP = 2 on Qwen3.5-MoE with router replay (``routed_experts``), and Qwen3-Next with TP = 2,
@@ -54,6 +55,8 @@ LAYOUTS = {  # id: (model, arguments of the script, mechanism-1 executor, modes)
     "tp2": ("qwen3.5", ["--tp", "2", "--pp", "1"], None, MODES),
     "tp2-sp": ("qwen3.5", ["--tp", "2", "--pp", "1", "--sequence-parallel"], None, ("m1", "m2-recompute")),
     "pp2": ("qwen3.5-6", ["--pp", "2"], "1f1b", MODES),
+    # stages of one kind each (linear, linear, linear | full): each stage's cache has other pools
+    "pp2-one-kind-stages": ("qwen3.5", ["--pp", "2", "--first-layers", "3"], "1f1b", ("m2", "m2-recompute")),
     "dp2": ("qwen3.5", ["--pp", "1"], None, ("m1", "m2-recompute")),
     "ep2": ("qwen3.5-moe", ["--pp", "1", "--ep", "2"], None, MODES),
     # the costliest: mechanism 2 with recomputed producers only (m1 and m2: the other layouts)
