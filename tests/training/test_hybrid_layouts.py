@@ -1,13 +1,15 @@
 """Hybrid models (Gated DeltaNet linear-attention layers beside gated softmax layers) in the
-parallel layouts, under torchrun (gloo, 2 ranks): one SGD step and the log-probs equal the
-per-sample Hugging Face reference (fp32: the loss, every parameter's update, the log-probs) for
+parallel layouts, under torchrun (gloo, 2 ranks; 4 for PP x TP): one SGD step and the
+log-probs equal the per-sample Hugging Face reference (fp32: the loss, every parameter's
+update, the log-probs) for
 
 * TP = 2 on Qwen3.5 (``in_proj`` / ``conv1d`` split part by part by heads, ``dt_bias`` /
   ``A_log`` by value heads, ``out_proj`` by columns, the gated norm's weight gradient summed
   over the ranks), and with sequence parallelism;
 * PP = 2 on a 6-layer Qwen3.5 (linear, linear, full on each stage): 1F1B (mechanism 1) and plan
   order (mechanism 2), the linear layers' cached states kept per stage; and stages of one kind
-  each (three linear layers, then the full one), whose caches hold different pools;
+  each (three linear layers, then the full one), whose caches hold different pools; and
+  PP = 2 x TP = 2 with sequence parallelism;
 * DP = 2 on Qwen3.5, every tree whole on one data-parallel rank (the placement models with
   fixed-size states get);
 * EP = 2 on Qwen3.5-MoE with router replay (``routed_experts``), and Qwen3-Next with TP = 2,
@@ -18,9 +20,9 @@ with mechanism 1 only (every tree in a micro-batch), with mechanism 2 (16-token 
 far smaller than the trees: the prefixes' recurrent states and conv tails cached and read by
 later micro-batches, graphs kept) and with mechanism 2 where the KV budget makes producers drop
 their graph and recompute it: all three on TP = 2, PP = 2 and EP = 2; mechanism 1 and
-recomputed producers with sequence parallelism and on DP = 2; recomputed producers on
-Qwen3-Next (the costliest case). The cases share one launch (the session's two-rank pool) with
-the script of the pipeline tests.
+recomputed producers with sequence parallelism, on DP = 2 and PP x TP; mechanism 2 on the
+one-kind stages; recomputed producers on Qwen3-Next (the costliest case). The cases run in the
+session's two- and four-rank pools, with the script of the pipeline tests.
 """
 
 import contextlib
@@ -57,6 +59,8 @@ LAYOUTS = {  # id: (model, arguments of the script, mechanism-1 executor, modes)
     "pp2": ("qwen3.5-6", ["--pp", "2"], "1f1b", MODES),
     # stages of one kind each (linear, linear, linear | full): each stage's cache has other pools
     "pp2-one-kind-stages": ("qwen3.5", ["--pp", "2", "--first-layers", "3"], "1f1b", ("m2", "m2-recompute")),
+    # (four ranks)
+    "pp2xtp2-sp": ("qwen3.5-6", ["--tp", "2", "--pp", "2", "--sequence-parallel"], "1f1b", ("m1", "m2-recompute")),
     "dp2": ("qwen3.5", ["--pp", "1"], None, ("m1", "m2-recompute")),
     "ep2": ("qwen3.5-moe", ["--pp", "1", "--ep", "2"], None, MODES),
     # the costliest: mechanism 2 with recomputed producers only (m1 and m2: the other layouts)
@@ -103,15 +107,22 @@ def references(tmp_path_factory):
     return reference
 
 
+def _ranks(args):
+    """Ranks of a layout: TP x PP, at least two (the rest data-parallel)."""
+    size = lambda flag: int(args[args.index(flag) + 1]) if flag in args else 1  # noqa: E731
+    return max(2, size("--tp") * size("--pp"))
+
+
 @pytest.fixture(scope="module")
 def launches(references, tmp_path_factory, request):
-    """Every layout in one launch of two ranks; rank 0 of each saves its results."""
+    """The layouts of two ranks in one launch, of four in another; rank 0 of each case saves
+    its results."""
     shared = SharedLaunches(selected_test_names(request))
     outs = {}
     for layout, (model, args, _, modes) in LAYOUTS.items():
         case = f"test_hybrid_step_equals_per_sample_reference[{layout}]"
         outs[case] = tmp_path_factory.mktemp("case") / "result.pt"
-        shared.add(case, 2, SCRIPT, lambda model=model, args=args, modes=modes, out=outs[case]: [
+        shared.add(case, _ranks(args), SCRIPT, lambda model=model, args=args, modes=modes, out=outs[case]: [
             "--hf-dir", f"{model}={references(model)['hf_dir']}", "--records", references(model)["records"],
             "--modes", ",".join(modes), "--out", str(out)] + args)
 
