@@ -1,5 +1,5 @@
 """Hybrid models (Gated DeltaNet linear-attention layers beside gated softmax layers) in the
-parallel layouts, under torchrun (gloo, 2 ranks; 4 for PP x TP): one SGD step and the
+parallel layouts, under torchrun (gloo, 2 ranks; 4 for PP x TP and PP x DP): one SGD step and the
 log-probs equal the per-sample Hugging Face reference (fp32: the loss, every parameter's
 update, the log-probs) for
 
@@ -9,7 +9,7 @@ update, the log-probs) for
 * PP = 2 on a 6-layer Qwen3.5 (linear, linear, full on each stage): 1F1B (mechanism 1) and plan
   order (mechanism 2), the linear layers' cached states kept per stage; and stages of one kind
   each (three linear layers, then the full one), whose caches hold different pools; and
-  PP = 2 x TP = 2 with sequence parallelism;
+  PP = 2 x TP = 2 with sequence parallelism, PP = 2 x DP = 2;
 * DP = 2 on Qwen3.5, every tree whole on one data-parallel rank (the placement models with
   fixed-size states get);
 * EP = 2 on Qwen3.5-MoE with router replay (``routed_experts``), and Qwen3-Next with TP = 2,
@@ -20,8 +20,8 @@ with mechanism 1 only (every tree in a micro-batch), with mechanism 2 (16-token 
 far smaller than the trees: the prefixes' recurrent states and conv tails cached and read by
 later micro-batches, graphs kept) and with mechanism 2 where the KV budget makes producers drop
 their graph and recompute it: all three on TP = 2, PP = 2 and EP = 2; mechanism 1 and
-recomputed producers with sequence parallelism, on DP = 2 and PP x TP; mechanism 2 on the
-one-kind stages; recomputed producers on Qwen3-Next (the costliest case). The cases run in the
+recomputed producers with sequence parallelism, on DP = 2 and PP x TP; mechanisms 1 and 2
+(kept graphs) on PP x DP; mechanism 2 on the one-kind stages; recomputed producers on Qwen3-Next (the costliest case). The cases run in the
 session's two- and four-rank pools, with the script of the pipeline tests.
 """
 
@@ -61,6 +61,8 @@ LAYOUTS = {  # id: (model, arguments of the script, mechanism-1 executor, modes)
     "pp2-one-kind-stages": ("qwen3.5", ["--pp", "2", "--first-layers", "3"], "1f1b", ("m2", "m2-recompute")),
     # (four ranks)
     "pp2xtp2-sp": ("qwen3.5-6", ["--tp", "2", "--pp", "2", "--sequence-parallel"], "1f1b", ("m1", "m2-recompute")),
+    # a stage whose last backward has nothing to run starts its gradient buckets with its peer's
+    "pp2xdp2": ("qwen3.5-6", ["--pp", "2", "--dp", "2"], "1f1b", ("m1", "m2")),
     "dp2": ("qwen3.5", ["--pp", "1"], None, ("m1", "m2-recompute")),
     "ep2": ("qwen3.5-moe", ["--pp", "1", "--ep", "2"], None, MODES),
     # the costliest: mechanism 2 with recomputed producers only (m1 and m2: the other layouts)
@@ -108,9 +110,16 @@ def references(tmp_path_factory):
 
 
 def _ranks(args):
-    """Ranks of a layout: TP x PP, at least two (the rest data-parallel)."""
+    """Ranks of a layout: TP x PP x DP (``--dp``: not the script's, dropped), at least two."""
     size = lambda flag: int(args[args.index(flag) + 1]) if flag in args else 1  # noqa: E731
-    return max(2, size("--tp") * size("--pp"))
+    return max(2, size("--tp") * size("--pp") * size("--dp"))
+
+
+def _script_args(args):
+    if "--dp" not in args:
+        return list(args)
+    k = args.index("--dp")
+    return list(args[:k]) + list(args[k + 2:])
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +133,7 @@ def launches(references, tmp_path_factory, request):
         outs[case] = tmp_path_factory.mktemp("case") / "result.pt"
         shared.add(case, _ranks(args), SCRIPT, lambda model=model, args=args, modes=modes, out=outs[case]: [
             "--hf-dir", f"{model}={references(model)['hf_dir']}", "--records", references(model)["records"],
-            "--modes", ",".join(modes), "--out", str(out)] + args)
+            "--modes", ",".join(modes), "--out", str(out)] + _script_args(args))
 
     def results(case):
         shared.check(case)
