@@ -9,7 +9,7 @@ update, the log-probs) for
 * PP = 2 on a 6-layer Qwen3.5 (linear, linear, full on each stage): 1F1B (mechanism 1) and plan
   order (mechanism 2), the linear layers' cached states kept per stage; and stages of one kind
   each (three linear layers, then the full one), whose caches hold different pools; and
-  PP = 2 x TP = 2 with sequence parallelism, PP = 2 x DP = 2;
+  PP = 2 x TP = 2 with sequence parallelism, PP = 2 x DP = 2 (and x EP = 2 on Qwen3.5-MoE);
 * DP = 2 on Qwen3.5, every tree whole on one data-parallel rank (the placement models with
   fixed-size states get);
 * EP = 2 on Qwen3.5-MoE with router replay (``routed_experts``), and Qwen3-Next with TP = 2,
@@ -21,7 +21,8 @@ far smaller than the trees: the prefixes' recurrent states and conv tails cached
 later micro-batches, graphs kept) and with mechanism 2 where the KV budget makes producers drop
 their graph and recompute it: all three on TP = 2, PP = 2 and EP = 2; mechanism 1 and
 recomputed producers with sequence parallelism, on DP = 2 and PP x TP; mechanisms 1 and 2
-(kept graphs) on PP x DP; mechanism 2 on the one-kind stages; recomputed producers on Qwen3-Next (the costliest case). The cases run in the
+(kept graphs) on PP x DP; mechanism 2 on the one-kind stages and (recomputed producers) PP x
+EP; recomputed producers on Qwen3-Next (the costliest case). The cases run in the
 session's two- and four-rank pools, with the script of the pipeline tests.
 """
 
@@ -63,6 +64,8 @@ LAYOUTS = {  # id: (model, arguments of the script, mechanism-1 executor, modes)
     "pp2xtp2-sp": ("qwen3.5-6", ["--tp", "2", "--pp", "2", "--sequence-parallel"], "1f1b", ("m1", "m2-recompute")),
     # a stage whose last backward has nothing to run starts its gradient buckets with its peer's
     "pp2xdp2": ("qwen3.5-6", ["--pp", "2", "--dp", "2"], "1f1b", ("m1", "m2")),
+    # stages linear | linear + full, each stage's experts over its two data-parallel ranks
+    "pp2xep2": ("qwen3.5-moe", ["--pp", "2", "--dp", "2", "--ep", "2"], "1f1b", ("m2-recompute",)),
     "dp2": ("qwen3.5", ["--pp", "1"], None, ("m1", "m2-recompute")),
     "ep2": ("qwen3.5-moe", ["--pp", "1", "--ep", "2"], None, MODES),
     # the costliest: mechanism 2 with recomputed producers only (m1 and m2: the other layouts)
