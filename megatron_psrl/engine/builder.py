@@ -72,7 +72,7 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     arch, model, optimizer = model_and_optimizer(source, config, layout, impl, vpp, split, overrides, resume,
                                                  load_optimizer, for_training, say)
     geometry, plan_geometry = kv_geometry(arch, config, layout, vpp, split, model)
-    placement, flop_model, measured = placement_and_costs(config, layout, arch, model, geometry,
+    placement, flop_model, measured = placement_and_costs(config, layout, arch, model, plan_geometry,
                                                           recompute=bool(overrides), log=say, resume=resume)
     # (with an optimizer, the data-parallel reduce may start during a step's last backward)
     backend_name, kv_cache, runner = cache_and_runner(
@@ -251,7 +251,8 @@ def kv_geometry(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, spl
 
 def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
                         recompute: bool, log: Log, resume: Optional[ResumePoint] = None):
-    """``(placement, FLOP cost model, measured costs or None)``.
+    """``(placement, FLOP cost model, measured costs or None)``; ``geometry``: what every stage's
+    plans assume (``KVGeometry.for_pipeline_planning``), so that every stage places alike.
 
     Trees are placed whole with recomputation, and with pipeline stages unless ``--placement
     cross-rank`` asks for them to be split over pipelines

@@ -181,7 +181,7 @@ class Engine:
                  if self.measured else dict(cost_model=self.cost_model))
         cross_group_prefix = c.cross_group_prefix
         if transfer_reasons(self.layout.pipeline_parallel_size, self.recompute, self.arch.is_moe,
-                            fixed_states=self.geometry.fixed_bytes_per_source > 0):
+                            fixed_states=self.plan_geometry.fixed_bytes_per_source > 0):  # (any stage's)
             cross_group_prefix = "recompute"
         return PlannerConfig(micro_batch_tokens=micro_batch_tokens or c.micro_batch_tokens,
                              data_parallel_size=self.layout.placement_size,

@@ -82,13 +82,17 @@ class BucketLaunches:
         self.started = 0
         self.arrived = {}
 
-    def arm(self, roots: Sequence[torch.Tensor] = ()) -> None:
+    def arm(self, roots: Optional[Sequence[torch.Tensor]] = None) -> None:
         """The step's last backward starts, from ``roots``: each group's reduce starts once its
         gradients are in. A parameter that backward cannot reach (its autograd graph from
         ``roots``; e.g. the output layer in a backward that only injects a cached prefix's dK/dV)
-        has its gradient of the step already: it counts as in from the start."""
+        has its gradient of the step already: it counts as in from the start. No roots (a
+        pipeline stage whose last backward has nothing to run: a micro-batch without a loss or
+        a produced prefix in its layers) reach nothing: every group starts now, as on the
+        stage's data-parallel peers, whose last backward starts theirs before the step's next
+        collective over the group. ``roots`` None: not known, every gradient is waited for."""
         self.armed = True
-        reached = reachable_parameters(roots) if roots else None
+        reached = reachable_parameters(roots) if roots is not None else None
         if reached is not None:
             for k, group in enumerate(self.order[self.started:], start=self.started):
                 self.arrived.setdefault(k, set()).update(p for p in group.params if id(p) not in reached)

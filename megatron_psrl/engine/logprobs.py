@@ -87,7 +87,7 @@ def compute_logprobs(
                                     virtual_pipeline_size=len(chunks))
     check_prefix_taps(arch, geometry, model)
     plan_geometry = KVGeometry.for_pipeline_planning(arch, tp, split, dtype, device, len(chunks))
-    fixed = geometry.fixed_bytes_per_source > 0
+    fixed = plan_geometry.fixed_bytes_per_source > 0  # (any stage's layers: every stage places alike)
     if whole_tree_reasons(pp, recompute=False, placement=placement, fixed_states=fixed):
         placement = "whole-tree"
     if transfer_reasons(pp, recompute=False, moe=arch.is_moe, fixed_states=fixed):

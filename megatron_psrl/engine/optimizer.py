@@ -268,7 +268,7 @@ class TrainingOptimizer:
                 ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
 
-    def arm_grad_reduce(self, roots: Sequence[torch.Tensor] = ()) -> None:
+    def arm_grad_reduce(self, roots: Optional[Sequence[torch.Tensor]] = None) -> None:
         """The step's last backward pass, from ``roots``, starts (the step runner says so):
         with ``overlap_grad_reduce`` each bucket's reduce starts once its gradients are in."""
         if self.bucket_launches is not None:

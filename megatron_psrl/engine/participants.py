@@ -136,7 +136,9 @@ class KVCacheLifecycle(StepParticipant):
     def begin(self, step) -> None:
         self.caching = bool(step.rank_plan.sources)
         if self.caching:  # (a memory plan exists: StepRunner checks before lowering the plan)
-            self.cache.begin_step(step.memory.block_size, step.memory.pool_blocks, step.memory.pool_sizes or None)
+            memory = step.memory
+            self.cache.begin_step(memory.block_size, memory.pool_blocks, memory.pool_sizes or None,
+                                  memory.pool_states or None)
         elif self.cache is not None and self.training:
             self.cache.release_pool()  # a step without cached prefixes holds no KV memory
 

@@ -145,10 +145,14 @@ class KVGeometry:
     @classmethod
     def for_pipeline_planning(cls, arch, tensor_parallel_size: int, pipeline, dtype: torch.dtype,
                               device: torch.device, virtual_pipeline_size: int = 1) -> "KVGeometry":
-        """The K/V shape every stage of a pipeline plans its memory with: the largest stage's.
-        Stages tell each other nothing about their plans, yet they must take the same
-        keep-graph / recompute / duplicate decisions (a recompute travels through all of them),
-        so they plan alike; a stage with fewer layers uses less than it planned."""
+        """The K/V shape every stage of a pipeline plans its memory with: of every state its
+        layers keep (softmax K/V, a linear layer's recurrent state), as many layers as the
+        stage with most of them has; the largest stage itself when it has the most of every
+        state (every model whose layers keep one state). Stages tell each other nothing about
+        their plans, yet they must take the same keep-graph / recompute / duplicate decisions
+        (a recompute travels through all of them), so they plan alike; a stage with fewer
+        layers uses less than it planned, and a stage without some state's layers leaves its
+        pool out (:meth:`BlockKVCache.begin_step` sizes a stage's pools by state)."""
         from megatron_psrl.model.stages import stage_counts
 
         counts = stage_counts(arch, pipeline)
@@ -156,10 +160,17 @@ class KVGeometry:
         stages = [[n for vs in range(p, len(counts), pp) for n in range(1 + sum(counts[:vs]), 1 + sum(counts[:vs + 1]))]
                   for p in range(pp)]
         states = model_prefix_states(arch, tensor_parallel_size, dtype)
+        kinds = list(dict.fromkeys(states))  # (in the order of their first layer)
+        per_stage = [[sum(states[n - 1] == kind for n in numbers) for kind in kinds] for numbers in stages]
+        most = [max(column) for column in zip(*per_stage)]
         largest = max(stages, key=lambda numbers: sum(states[n - 1].nbytes(1) for n in numbers))
-        return cls(num_layers=len(largest), num_groups=arch.num_kv_heads // tensor_parallel_size,
-                   head_dim=arch.head_dim, dtype=dtype, device=device,
-                   states=tuple(states[n - 1] for n in largest))
+        if per_stage[stages.index(largest)] == most:
+            return cls(num_layers=len(largest), num_groups=arch.num_kv_heads // tensor_parallel_size,
+                       head_dim=arch.head_dim, dtype=dtype, device=device,
+                       states=tuple(states[n - 1] for n in largest))
+        union = tuple(kind for kind, n in zip(kinds, most) for _ in range(n))
+        return cls(num_layers=len(union), num_groups=arch.num_kv_heads // tensor_parallel_size,
+                   head_dim=arch.head_dim, dtype=dtype, device=device, states=union)
 
     def _single_pool(self, what: str) -> CachePool:
         pools = self.pools
@@ -278,10 +289,22 @@ class BlockKVCache:
         """Blocks of ``block_size`` the budget holds (a cache of one pool)."""
         return self.budget_bytes // self.geometry.block_bytes(block_size)
 
-    def begin_step(self, block_size: int, pool_blocks: int, pool_sizes: Optional[Sequence[int]] = None) -> None:
+    def begin_step(self, block_size: int, pool_blocks: int, pool_sizes: Optional[Sequence[int]] = None,
+                   pool_states: Optional[Sequence[PrefixState]] = None) -> None:
         """(Re)allocate the pools for this step: ``pool_sizes`` blocks in each (one pool:
-        ``pool_blocks``) of ``block_size`` tokens."""
+        ``pool_blocks``) of ``block_size`` tokens. ``pool_states``: the state of each size's
+        pool, when the sizes are those of a plan made for other layers (a pipeline's planning
+        geometry, :meth:`KVGeometry.for_pipeline_planning`): each of this cache's pools takes
+        the size of its state's."""
         sizes = tuple(int(n) for n in pool_sizes) if pool_sizes is not None else (int(pool_blocks),)
+        if pool_states is not None:
+            if len(pool_states) != len(sizes):
+                raise ValueError(f"{len(sizes)} pool sizes for {len(pool_states)} pool states")
+            by_state = dict(zip(pool_states, sizes))
+            missing = [p.state for p in self.pools if p.state not in by_state]
+            if missing:
+                raise ValueError(f"the memory plan sizes no pool of the prefix states {missing}")
+            sizes = tuple(by_state[p.state] for p in self.pools)
         if len(sizes) != len(self.pools):
             raise ValueError(f"{len(sizes)} pool sizes for a cache of {len(self.pools)} pools")
         needed = sum(n * p.block_bytes(block_size) for n, p in zip(sizes, self.pools))

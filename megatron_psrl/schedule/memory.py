@@ -418,6 +418,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
             timeline_bytes=held_r.tolist(),
             gathers_in_backward=gathers_in_backward,
             pool_sizes=pool_sizes,
+            pool_states=tuple(p.state for p in geometry.pools),
         ))
     return memories
 
@@ -466,7 +467,8 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
         )
     pool_sizes = tuple(int(n) for n in peak_blocks)
     return MemoryPlan(block_size=block_size, pool_blocks=sum(pool_sizes), keep_graph={}, kv_release_step=last_read,
-                      peak_bytes=peak, timeline_bytes=held, pool_sizes=pool_sizes)
+                      peak_bytes=peak, timeline_bytes=held, pool_sizes=pool_sizes,
+                      pool_states=tuple(p.state for p in geometry.pools))
 
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_psrl.errors import PsrlError
-from megatron_psrl.kvcache.prefix_state import ALL_ROLES
+from megatron_psrl.kvcache.prefix_state import ALL_ROLES, PrefixState
 from megatron_psrl.schedule.packing import ExternalSource, PackedMicroBatch, pack_tokens
 from megatron_psrl.tree.index import TreeIndex
 from megatron_psrl.tree.prefix_tree import PrefixTree
@@ -65,6 +65,10 @@ class MemoryPlan:
 
     pool_sizes: Tuple[int, ...] = ()
     """Blocks of each of the cache's pools (``KVGeometry.pools`` order): its simulated peak."""
+
+    pool_states: Tuple[PrefixState, ...] = ()
+    """The prefix state of each of those pools (the planning geometry's: a pipeline stage's
+    cache may hold fewer of them; it sizes its own pools by state)."""
 
 
 @dataclass

@@ -59,6 +59,37 @@ def test_reachable_parameters_follow_the_backward_graph():
     assert reachable_parameters([hidden_again]) is None
 
 
+def test_a_last_backward_from_no_roots_starts_every_bucket_at_once():
+    """A pipeline stage whose last backward has nothing to run (no loss, no produced prefix in
+    its layers) starts every bucket's reduce right then, as its data-parallel peers start
+    theirs during their last backward, before the step's next collective over the group;
+    unknown roots still wait for every gradient."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_psrl.engine.grad_reduce import BucketLaunches
+
+    started = []
+
+    class Group:
+        def __init__(self, name, params):
+            self.name, self.params, self.grad_reduce_handle = name, params, None
+
+        def start_grad_sync(self):
+            started.append(self.name)
+
+    low, high = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    ddp = SimpleNamespace(bucket_groups=[Group("high", list(high.parameters())), Group("low", list(low.parameters()))],
+                          expert_parallel_bucket_groups=[], module=torch.nn.Sequential(low, high))
+    launches = BucketLaunches([ddp], torch.device("cpu"))
+    launches.arm(None)
+    assert started == [] and launches.started == 0
+    launches.reset()
+    launches.arm([])
+    assert started == ["high", "low"] and launches.started == 2
+
+
 def test_gradient_accumulation_fusion_only_where_its_kernel_is(monkeypatch):
     """On for a training model on CUDA when apex's fused_weight_gradient_mlp_cuda imports;
     off on CPU (no such kernel) and without the extension."""

@@ -4,8 +4,9 @@
   samples sharing a prefix share its routes (as one rollout's would).
 - :func:`hf_replayed`: the per-sample reference with replayed routes: while active, every
   router of a Hugging Face MoE model computes its own logits and softmax but takes the given
-  expert ids instead of its top-k (``norm_topk_prob`` as HF applies it), one sample per
-  forward, in batch order (as the reference helpers run the samples).
+  expert ids instead of its top-k (``norm_topk_prob`` as HF applies it; Qwen3.5-MoE's router,
+  without the field, always renormalises), one sample per forward, in batch order (as the
+  reference helpers run the samples).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def hf_replayed(model, batch, routes: torch.Tensor):
             own = torch.topk(router_probs, gate.top_k, dim=-1).indices
             indices = torch.where((given[:, 0, 0] < 0)[:, None], own, given[:, layer])  # [n, k]
             top = router_probs.gather(1, indices)
-            if gate.norm_topk_prob:
+            if getattr(gate, "norm_topk_prob", True):  # (Qwen3.5-MoE's router always renormalises)
                 top = top / top.sum(dim=-1, keepdim=True)
             return router_logits, top.to(router_logits.dtype), indices
         return forward

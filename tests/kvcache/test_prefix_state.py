@@ -206,3 +206,33 @@ def test_the_engine_refuses_a_state_its_attention_hook_cannot_reach():
     check_prefix_taps(arch, _geometry((SOFTMAX, RECURRENT)))
     with pytest.raises(UnsupportedModelError, match="layer 1 .* before_up_projection"):
         check_prefix_taps(arch, _geometry((LATENT,)))
+
+
+@pytest.mark.parametrize("split", [2, (3, 1), (1, 3)], ids=["even", "linear-then-softmax", "linear-then-both"])
+def test_pipeline_stages_of_a_hybrid_model_plan_with_every_state_and_size_their_own_pools(split):
+    """Stages holding different kinds of layers (linear only, softmax only, both) plan alike,
+    with as many layers of every state as the stage with most of them; each stage's cache takes
+    its pools' sizes from that plan by state (a stage without softmax layers has no K/V pool)."""
+    from megatron_psrl.model.architecture import ModelArchitecture
+    from megatron_psrl.model.tiny import tiny_config
+
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-qwen3.5-text"))  # linear, linear, linear, full
+    plan_geom = KVGeometry.for_pipeline_planning(arch, 1, split, torch.float32, CPU)
+    stages = [KVGeometry.for_model(arch, 1, split, torch.float32, CPU, pipeline_rank=p) for p in range(2)]
+    counts = {}
+    for geom in stages:
+        for pool in geom.pools:
+            counts[pool.state] = max(counts.get(pool.state, 0), len(pool.layers))
+    assert {p.state: len(p.layers) for p in plan_geom.pools} == counts
+    assert len({frozenset(p.state for p in g.pools) for g in stages}) == 2  # stages of other pools
+    tree = build_prefix_tree(make_workload("grpo", seed=1, vocab_size=arch.vocab_size))
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=64, sharing="tree")).ranks[0]
+    memory = plan_memory(plan, plan_geom, 1 << 40, 0)
+    assert memory.pool_states == tuple(p.state for p in plan_geom.pools)
+    for geom in stages:
+        cache = BlockKVCache(geom, 1 << 40)
+        cache.begin_step(memory.block_size, memory.pool_blocks, memory.pool_sizes, memory.pool_states)
+        sizes = dict(zip(memory.pool_states, memory.pool_sizes))
+        assert [t.shape[1] for t in cache._storage] == [sizes[p.state] for p in geom.pools]
+    with pytest.raises(ValueError, match="sizes no pool"):
+        BlockKVCache(stages[1], 1 << 40).begin_step(16, 4, (4,), (SOFTMAX,))

@@ -1,8 +1,10 @@
-"""PolicyActor with pipeline parallelism under torchrun: for every model and mode, log-probs
-and one SGD step (lr 1, so the step is minus the gradient); rank 0 saves what every rank got.
+"""PolicyActor in a parallel layout under torchrun (pipeline, tensor, sequence, data or expert
+parallelism): for every model and mode, log-probs and one SGD step (lr 1, so the step is minus
+the gradient); rank 0 saves what every rank got.
 
     torchrun --nproc_per_node 4 pipeline_step.py --hf-dir llama=DIR --hf-dir qwen3=DIR \\
-        --records FILE.json --tp 1 --pp 2 --out FILE [--vpp 2] [--placement cross-rank]
+        --records FILE.json --tp 1 --pp 2 --out FILE [--vpp 2] [--placement cross-rank] \\
+        [--sequence-parallel] [--ep 2]
 
 Modes: ``m1`` (every tree fits a micro-batch: megatron's 1F1B schedule), ``m2`` (micro-batches
 a tenth of the largest tree: cached prefixes, graphs kept), ``m2-recompute`` (a KV budget so
@@ -27,6 +29,8 @@ p.add_argument("--tp", type=int, default=1)
 p.add_argument("--pp", type=int, default=2)
 p.add_argument("--vpp-layers", type=int, default=None, help="--num-layers-per-virtual-pipeline-stage")
 p.add_argument("--first-layers", type=int, default=None, help="--decoder-first-pipeline-num-layers")
+p.add_argument("--ep", type=int, default=1, help="--expert-model-parallel-size (MoE; the alltoall dispatcher)")
+p.add_argument("--sequence-parallel", action="store_true", help="--sequence-parallel (with --tp > 1)")
 p.add_argument("--recompute", action="store_true", help="full activation recomputation, one layer per unit")
 p.add_argument("--modes", default="m1,m2,m2-recompute",
                help="modes, each run with every --hf-dir, or NAME:MODE pairs (each mode with that family only)")
@@ -61,6 +65,8 @@ for spec in args.hf_dir:
     for mode in modes_of(name):
         actor = PolicyActor(hf_dir, ActorConfig(
             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, device="cpu",
+            sequence_parallel=args.sequence_parallel, expert_model_parallel_size=args.ep,
+            **(dict(moe_token_dispatcher_type="alltoall") if args.ep > 1 else {}),
             num_layers_per_virtual_pipeline_stage=args.vpp_layers, decoder_first_pipeline_num_layers=args.first_layers,
             **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                if args.recompute else {}),
@@ -74,7 +80,7 @@ for spec in args.hf_dir:
             "tokens_computed": metrics["tokens_computed"], "tokens_total": metrics["tokens_total"],
             "tokens_recomputed_across_groups": metrics["tokens_recomputed_across_groups"],
             "placement": metrics["placement"], "exchanged_bytes": metrics["exchanged_bytes"],
-            "plan_rank_cost": metrics["plan_rank_cost"],
+            "plan_rank_cost": metrics["plan_rank_cost"], "kv_hit_rate": metrics.get("kv_hit_rate"),
             "bubble": metrics.get("pipeline_bubble"), "schedule": metrics.get("pipeline_schedule"), "longest": longest})
 if dist.get_rank() == 0:
     torch.save(results, args.out)
