@@ -218,3 +218,16 @@ def test_released_checkpoints_with_mtp_layers_load_and_carry_them_through(name, 
     a, b = _read(str(src)), _read(str(back))
     assert set(a) == set(b) and set(mtp) <= set(b)
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_qwen3_5_moe_routing_is_renormalised_whatever_the_config_says():
+    """transformers' Qwen3.5-MoE router always renormalises its top-k weights (it has no
+    ``norm_topk_prob``); Qwen3-Next's reads the field."""
+    for name in ("debug-qwen3.5-moe-text", "debug-qwen3.5-moe"):
+        config = tiny_config(name)
+        if "text_config" in config:
+            config = dict(config, text_config=dict(config["text_config"], norm_topk_prob=False))
+        else:
+            config = dict(config, norm_topk_prob=False)
+        assert ModelArchitecture.from_hf_config(config).moe_norm_topk_prob
+    assert not ModelArchitecture.from_hf_config(dict(tiny_config("debug-qwen3-next"), norm_topk_prob=False)).moe_norm_topk_prob

@@ -15,17 +15,23 @@ if TYPE_CHECKING:
     from megatron_psrl.model.architecture import ModelArchitecture
 
 
+ALWAYS_RENORMALISED = ("qwen3_5_moe_text", "qwen3_5_moe")
+"""Model types whose router renormalises the top-k weights whatever the config says
+(transformers' Qwen3.5-MoE router has no ``norm_topk_prob``; Qwen3-Next's reads it)."""
+
+
 class HybridMoeFamily(MoEFamily, HybridFamily):
     """Gated softmax attention and Gated DeltaNet layers, routed experts and a gated shared
     expert in every layer (Qwen3-Next, Qwen3.5-MoE)."""
 
     def hf_mlp_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
         refuse_dense_layers(hf, number, self.model_type)
+        renormalised = self.model_type in ALWAYS_RENORMALISED or bool(hf.get("norm_topk_prob", True))
         return dict(
             num_experts=num_experts(hf, "num_experts"),
             moe_ffn_hidden_size=number("moe_intermediate_size"),
             moe_router_topk=number("num_experts_per_tok"),
-            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            moe_norm_topk_prob=renormalised,
             moe_shared_expert_ffn_hidden_size=number("shared_expert_intermediate_size"),
             moe_shared_expert_gate=True,
         )
