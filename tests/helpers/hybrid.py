@@ -34,6 +34,20 @@ def hf_model(config: Dict[str, Any], seed: int = 0):
     return model
 
 
+def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files, by name, as stored."""
+    import os
+
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(os.listdir(hf_dir)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(hf_dir, f), framework="pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
 def make_hybrid_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0) -> str:
     """Save :func:`hf_model` of ``config`` (safetensors) into ``directory`` and return it."""
     hf_model(config, seed).save_pretrained(directory, safe_serialization=True)

@@ -9,13 +9,10 @@ Also the torch_dist round trip (it builds the model), bit for bit with the visio
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore
-from helpers.hybrid import WRAPPERS, make_hybrid_checkpoint
-from safetensors import safe_open
+from helpers.hybrid import WRAPPERS, make_hybrid_checkpoint, read_safetensors
 
 from megatron_psrl.attention import TreeAttentionMetadata, tree_plan
 from megatron_psrl.checkpoint import ModelSource, load_model
@@ -120,13 +117,6 @@ def test_tree_pack_logprobs_loss_and_gradients_equal_per_sample_hf(name, pack_na
     hf.zero_grad(set_to_none=True)
 
 
-def _read(hf_dir):
-    out = {}
-    for f in sorted(os.listdir(hf_dir)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(hf_dir, f), framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 @pytest.mark.parametrize("name", ["debug-qwen3-next", "debug-qwen3.5", "debug-qwen3.5-moe"])
@@ -134,5 +124,5 @@ def test_torch_dist_round_trip_is_bit_exact(name, hybrid_models, tmp_path):
     _, _, _, src = hybrid_models(name)
     hf_to_mcore(src, str(tmp_path / "ckpt"), progress=False, ckpt_format="torch_dist")
     mcore_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), progress=False)
-    a, b = _read(src), _read(str(tmp_path / "back"))
+    a, b = read_safetensors(src), read_safetensors(str(tmp_path / "back"))
     assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)

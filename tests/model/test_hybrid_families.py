@@ -11,8 +11,7 @@ import re
 
 import pytest
 import torch
-from helpers.hybrid import WRAPPERS, make_hybrid_checkpoint
-from safetensors import safe_open
+from helpers.hybrid import WRAPPERS, make_hybrid_checkpoint, read_safetensors
 
 from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore
 from megatron_psrl.checkpoint.passthrough import PASSTHROUGH_FILE
@@ -27,13 +26,6 @@ HYBRID = [(f.model_type, name) for f in registered_families() if f.has_linear_at
 TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
-def _read(hf_dir):
-    out = {}
-    for f in sorted(os.listdir(hf_dir)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(hf_dir, f), framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +127,7 @@ def test_prefix_states_softmax_and_recurrent(tp, dtype):
 def test_adapter_names_transformers_checkpoint_and_round_trips_it(model_type, name, hybrid_checkpoints):
     """The adapter's names and shapes are those transformers saves; its conversion both ways is
     bit for bit; the vision tower (wrappers) is outside the adapter's names."""
-    hf = _read(hybrid_checkpoints(name))
+    hf = read_safetensors(hybrid_checkpoints(name))
     arch = ModelArchitecture.from_hf_config(tiny_config(name))
     adapter = get_adapter(arch)
     carried = {k for k in hf if k.startswith("model.visual.")}
@@ -155,7 +147,7 @@ def test_legacy_round_trip_is_bit_exact_with_the_vision_tower(model_type, name, 
     hf_to_mcore(src, str(ckpt), tp=tp, progress=False, ckpt_format="legacy")
     assert (ckpt / "release" / PASSTHROUGH_FILE).exists() == (model_type in WRAPPERS)
     mcore_to_hf(str(ckpt), str(back), progress=False)
-    a, b = _read(src), _read(str(back))
+    a, b = read_safetensors(src), read_safetensors(str(back))
     assert set(a) == set(b)
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     assert json.loads((back / "config.json").read_text()) == json.loads(open(os.path.join(src, "config.json")).read())
@@ -173,7 +165,7 @@ def test_a_checkpoint_without_the_vision_tower_takes_it_from_the_template(hybrid
         mcore_to_hf(str(model_only), str(tmp_path / "refused"), progress=False)
     assert "\n" not in str(exc.value)
     mcore_to_hf(str(model_only), str(tmp_path / "back"), hf_template=src, progress=False)
-    a, b = _read(src), _read(str(tmp_path / "back"))
+    a, b = read_safetensors(src), read_safetensors(str(tmp_path / "back"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -194,7 +186,7 @@ def _with_mtp_layer(src: str, dst, text_config: bool) -> dict:
     files = [f for f in os.listdir(dst) if f.endswith(".safetensors")]
     assert files == ["model.safetensors"], files  # (one shard: the tiny checkpoints)
     path = os.path.join(dst, "model.safetensors")
-    save_file(dict(_read(str(dst)), **mtp), path, metadata={"format": "pt"})
+    save_file(dict(read_safetensors(str(dst)), **mtp), path, metadata={"format": "pt"})
     return mtp
 
 
@@ -215,7 +207,7 @@ def test_released_checkpoints_with_mtp_layers_load_and_carry_them_through(name, 
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
     hf_to_mcore(str(src), str(ckpt), progress=False, ckpt_format="legacy")
     mcore_to_hf(str(ckpt), str(back), progress=False)
-    a, b = _read(str(src)), _read(str(back))
+    a, b = read_safetensors(str(src)), read_safetensors(str(back))
     assert set(a) == set(b) and set(mtp) <= set(b)
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 

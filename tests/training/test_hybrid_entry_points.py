@@ -5,12 +5,10 @@ are in ``tests/model/test_hybrid_families.py``; the verl engine in
 ``tests/integrations/test_verl_hybrid.py``.)"""
 
 import json
-import os
 
 import pytest
 import torch
-from helpers.hybrid import WRAPPERS, make_hybrid_checkpoint
-from safetensors import safe_open
+from helpers.hybrid import WRAPPERS, make_hybrid_checkpoint, read_safetensors
 
 from megatron_psrl.model.tiny import HYBRID_CONFIGS, tiny_config
 from megatron_psrl.rl.actor import ActorConfig, PolicyActor
@@ -49,13 +47,6 @@ def test_sharing_with_cached_states_trains_as_the_baseline(tmp_path, model):
     assert shared[0]["kv_hit_rate"] > 0  # trajectories exceed 256 tokens: mechanism 2 is used
 
 
-def _hf_tensors(hf_dir):
-    out = {}
-    for f in sorted(os.listdir(hf_dir)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(hf_dir, f), framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 @pytest.mark.parametrize("name", ["debug-qwen3.5", "debug-qwen3-next"])
@@ -69,7 +60,7 @@ def test_the_actor_streams_back_the_checkpoint_it_loaded(tmp_path, name):
         streamed = actor.state_dict_hf()
     finally:
         actor.close()
-    stored = {k: v for k, v in _hf_tensors(hf_dir).items() if not k.startswith("model.visual.")}
+    stored = {k: v for k, v in read_safetensors(hf_dir).items() if not k.startswith("model.visual.")}
     assert (tiny_config(name)["model_type"] in WRAPPERS) == any(k.startswith("model.language_model.") for k in stored)
     assert set(streamed) == set(stored)
     assert all(torch.equal(streamed[k], stored[k]) for k in stored)
