@@ -37,7 +37,8 @@ setup(
         # see docs/installation.md.
         "gpu": ["transformer-engine[pytorch]>=1.13", "flash-attn>=2.6"],
         # pytest-randomly: the suite runs in a random order, its seed printed (README, "Testing").
-        "test": ["pytest>=7", "pytest-randomly>=3.15", "transformers>=4.45", "hypothesis>=6", "tensorboard>=2.14"],
+        # transformers 5.10+: the per-sample references of every family, Qwen3.5 and Qwen3-Next included
+        "test": ["pytest>=7", "pytest-randomly>=3.15", "transformers>=5.10", "hypothesis>=6", "tensorboard>=2.14"],
         # The verl training engine (megatron_psrl.integrations.verl; docs/integrations.md). verl is
         # pinned: its engine interface changes between releases. uvicorn and fastapi: verl's worker
         # layer (verl.workers.engine_workers, the TrainingWorker tests) imports them, and verl does
