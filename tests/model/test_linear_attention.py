@@ -14,12 +14,12 @@ the roots continuing it), a plain batch without metadata, and fla against the to
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.gated_delta import naive_path, random_inputs
 from helpers.tolerance import assert_equal_up_to_rounding
 from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
 
@@ -267,44 +267,16 @@ def test_output_norm_is_not_zero_centred(parallel):
 
 
 # ------------------------------------------------------------------- the math on its own
-def _random_inputs(t, heads: GdnHeads, kernel=4, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    conv_dim = 2 * heads.qk_dim + heads.v_dim
-    return dict(mixed_qkv=torch.randn(t, conv_dim, generator=g),
-                g=-torch.rand(t, heads.num_value_heads, generator=g) * 0.5,
-                beta=torch.rand(t, heads.num_value_heads, generator=g),
-                conv_weight=torch.randn(conv_dim, 1, kernel, generator=g) * 0.5,
-                conv_bias=torch.randn(conv_dim, generator=g) * 0.1)
-
-
-def _naive_path(inputs, rows, heads: GdnHeads, state=None):
-    """One path alone: megatron's conv1d, then the delta rule token by token,
-    ``S = exp(g) S``, ``S += k (beta (v - S^T k))^T``, ``o = S^T q / sqrt(d_k)`` (S ``[d_k, d_v]``)."""
-    x = inputs["mixed_qkv"][rows]
-    k_size = inputs["conv_weight"].shape[-1]
-    mixed = F.silu(F.conv1d(x.t()[None], inputs["conv_weight"], inputs["conv_bias"], padding=k_size - 1,
-                            groups=x.shape[1])[0, :, :len(rows)].t())
-    q, k, v = la._heads(mixed, heads)
-    s = torch.zeros(heads.num_value_heads, heads.key_head_dim, heads.value_head_dim) if state is None else state
-    outs = []
-    for i, r in enumerate(rows):
-        s = s * inputs["g"][r].exp()[:, None, None]
-        err = v[i] - torch.einsum("hkv,hk->hv", s, k[i])
-        s = s + torch.einsum("hk,hv->hkv", k[i], inputs["beta"][r][:, None] * err)
-        outs.append(torch.einsum("hkv,hk->hv", s, q[i]) / math.sqrt(heads.key_head_dim))
-    return torch.stack(outs), s
-
-
 @pytest.mark.parametrize("tree", sorted(TREES))
 def test_delta_rule_matches_naive_recurrence_per_path(tree):
     lengths, parents = TREES[tree]
     heads = _full_heads()
-    inputs = _random_inputs(int(sum(lengths)), heads)
+    inputs = random_inputs(int(sum(lengths)), heads)
     index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cpu")
     result = tree_gated_delta_rule(**inputs, heads=heads, index=index, return_states=True)
     ends = np.cumsum(lengths)
     for rows in _paths(lengths, parents):
-        expected, final = _naive_path(inputs, rows, heads)
+        expected, final = naive_path(inputs, rows, heads)
         _close(result.core[rows], expected)
         leaf = int(np.searchsorted(ends, rows[-1], side="right"))
         _close(result.states.recurrent[leaf], final)
@@ -327,13 +299,13 @@ def test_a_branch_from_a_zero_state_is_far_off():
     context) must differ clearly from the per-path reference the real run matches."""
     lengths, parents = TREES["grpo-group"]
     heads = _full_heads()
-    inputs = _random_inputs(int(sum(lengths)), heads)
+    inputs = random_inputs(int(sum(lengths)), heads)
     forest = SegmentForest.from_plan(_plan(lengths, parents))
     real = tree_gated_delta_rule(**inputs, heads=heads, index=build_tree_linear_index(forest, 4, "cpu")).core
     cut = SegmentForest(forest.seg_start, forest.seg_end, np.full(len(lengths), -1), forest.source)
     zero = tree_gated_delta_rule(**inputs, heads=heads, index=build_tree_linear_index(cut, 4, "cpu")).core
     branch = _paths(lengths, parents)[0][lengths[0]:]  # the first response's rows
-    expected = torch.cat([_naive_path(inputs, rows, heads)[0][lengths[0]:] for rows in _paths(lengths, parents)])
+    expected = torch.cat([naive_path(inputs, rows, heads)[0][lengths[0]:] for rows in _paths(lengths, parents)])
     responses = np.concatenate([p[lengths[0]:] for p in _paths(lengths, parents)])
     _close(real[responses], expected)
     assert (zero[branch] - real[branch]).abs().max() > 1e-2 * real[branch].abs().max()
@@ -362,7 +334,7 @@ def test_a_returned_state_continues_its_prefix_exactly():
     an external source, equal the whole tree in one pack."""
     lengths, parents = [6, 4, 2, 5], [-1, 0, 1, 0]
     heads = _full_heads()
-    inputs = _random_inputs(sum(lengths), heads)
+    inputs = random_inputs(sum(lengths), heads)
     whole = tree_gated_delta_rule(**inputs, heads=heads,
                                   index=build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)),
                                                                 4, "cpu"))
@@ -381,7 +353,7 @@ def test_a_returned_state_continues_its_prefix_exactly():
 
 def test_an_external_state_gradient_is_the_sum_over_its_continuations():
     heads = _full_heads()
-    inputs = _random_inputs(9, heads)
+    inputs = random_inputs(9, heads)
     torch.manual_seed(5)
     state = LinearState(recurrent=torch.randn(1, 4, 8, 6).requires_grad_(),
                         conv_tail=torch.randn(1, 3, inputs["mixed_qkv"].shape[1]).requires_grad_())
@@ -422,7 +394,7 @@ def test_tensor_parallel_shares_compute_their_heads():
     split separately, key heads with their value-head groups) gives exactly its heads' outputs."""
     lengths, parents = TREES["short-branches"]
     heads = _full_heads()
-    inputs = _random_inputs(int(sum(lengths)), heads)
+    inputs = random_inputs(int(sum(lengths)), heads)
     index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cpu")
     full = tree_gated_delta_rule(**inputs, heads=heads, index=index, return_states=True)
     from megatron_psrl.checkpoint.sharding import tp_shard
@@ -446,7 +418,7 @@ def test_tensor_parallel_shares_compute_their_heads():
 def test_fla_kernel_matches_the_torch_kernel():
     lengths, parents = TREES["short-branches"]
     heads = _full_heads()
-    inputs = {k: v.cuda() for k, v in _random_inputs(int(sum(lengths)), heads).items()}
+    inputs = {k: v.cuda() for k, v in random_inputs(int(sum(lengths)), heads).items()}
     index = build_tree_linear_index(SegmentForest.from_plan(_plan(lengths, parents)), 4, "cuda")
     fla = tree_gated_delta_rule(**inputs, heads=heads, index=index, return_states=True)
     torch_heads = dataclasses.replace(heads, deterministic=True)

@@ -9,13 +9,12 @@ import types
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers.gated_delta import naive_path, random_inputs
 
 from megatron_psrl.attention.plan import tree_plan
 from megatron_psrl.engine.prefix_kv import check_prefix_taps
 from megatron_psrl.kvcache import KVGeometry
 from megatron_psrl.kvcache.prefix_state import PrefixState
-from megatron_psrl.model import linear_attention as la
 from megatron_psrl.model.architecture import UnsupportedModelError
 from megatron_psrl.model.linear_attention import (
     GdnHeads,
@@ -29,31 +28,6 @@ from megatron_psrl.schedule.with_memory import FIXED_STATES_REASON, transfer_rea
 HEADS = GdnHeads(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6)
 
 
-def _inputs(t, kernel=4, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    conv_dim = 2 * HEADS.qk_dim + HEADS.v_dim
-    return dict(mixed_qkv=torch.randn(t, conv_dim, generator=g),
-                g=-torch.rand(t, HEADS.num_value_heads, generator=g) * 0.5,
-                beta=torch.rand(t, HEADS.num_value_heads, generator=g),
-                conv_weight=torch.randn(conv_dim, 1, kernel, generator=g) * 0.5,
-                conv_bias=torch.randn(conv_dim, generator=g) * 0.1)
-
-
-def _naive_state(inputs, rows):
-    """The delta rule's state after ``rows`` run alone from zero, token by token."""
-    x = inputs["mixed_qkv"][rows]
-    k_size = inputs["conv_weight"].shape[-1]
-    mixed = F.silu(F.conv1d(x.t()[None], inputs["conv_weight"], inputs["conv_bias"], padding=k_size - 1,
-                            groups=x.shape[1])[0, :, :len(rows)].t())
-    _, k, v = la._heads(mixed, HEADS)
-    s = torch.zeros(HEADS.num_value_heads, HEADS.key_head_dim, HEADS.value_head_dim)
-    for i, r in enumerate(rows):
-        s = s * inputs["g"][r].exp()[:, None, None]
-        err = v[i] - torch.einsum("hkv,hk->hv", s, k[i])
-        s = s + torch.einsum("hk,hv->hkv", k[i], inputs["beta"][r][:, None] * err)
-    return s
-
-
 def test_cuts_end_segments_where_a_prefix_ends_and_change_no_output():
     # a root of 8 tokens with two children; cuts after rows 2 (inside the root), 7 (the root's
     # end: nothing to cut) and 10 (inside the first child)
@@ -64,7 +38,7 @@ def test_cuts_end_segments_where_a_prefix_ends_and_change_no_output():
     assert list(cut.seg_start) == [0, 3, 8, 11, 13] and list(cut.seg_end) == [3, 8, 11, 13, 17]
     assert list(cut.parent) == [-1, 0, 1, 2, 1]
     assert forest.cut_after(np.array([7, 12, 16])) is forest  # (segment ends already)
-    inputs = _inputs(int(ends[-1]))
+    inputs = random_inputs(int(ends[-1]), HEADS)
     whole = tree_gated_delta_rule(**inputs, heads=HEADS, index=build_tree_linear_index(forest, 4, "cpu"))
     index = build_tree_linear_index(cut, 4, "cpu")
     pieces = tree_gated_delta_rule(**inputs, heads=HEADS, index=index, return_states=True)
@@ -72,7 +46,7 @@ def test_cuts_end_segments_where_a_prefix_ends_and_change_no_output():
     segments = SegmentStates(pieces.states, index.segment_ends)
     for row, path in ((2, [0, 1, 2]), (10, list(range(8)) + [8, 9, 10])):
         g = segments.segment_ending_after(row)
-        torch.testing.assert_close(pieces.states.recurrent[g], _naive_state(inputs, path), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pieces.states.recurrent[g], naive_path(inputs, path, HEADS)[1], rtol=1e-5, atol=1e-6)
         tail = inputs["mixed_qkv"][path[-3:]]
         assert torch.equal(pieces.states.conv_tail[g], tail)
     with pytest.raises(ValueError, match="no segment ends after pack row 4"):
