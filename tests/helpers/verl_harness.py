@@ -215,3 +215,18 @@ def psrl_engine(hf_dir: str, **engine_fields):
                                 checkpoint_config=None)
     engine.initialize()
     return engine
+
+
+def spy_step_metrics(engine) -> dict:
+    """A dict that fills with the metrics of every step the engine's actor runs (the tokens it
+    computed, the KV cache's hit rate, ...): its ``forward_backward`` wrapped."""
+    seen: dict = {}
+    original = engine.actor.forward_backward
+
+    def spy(batch, **kwargs):
+        result = original(batch, **kwargs)
+        seen.update(result.metrics)
+        return result
+
+    engine.actor.forward_backward = spy
+    return seen

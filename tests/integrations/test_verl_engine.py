@@ -14,6 +14,7 @@ pytest.importorskip("verl", reason="the verl extra is not installed (pip install
 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")  # verl assumes CUDA unless told
 
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint  # noqa: E402
+from helpers.hybrid import make_hybrid_checkpoint  # noqa: E402
 from helpers.torchrun import REPO_ROOT, run_torchrun  # noqa: E402
 from helpers.verl_harness import (  # noqa: E402
     ONE_PASS_CASES,
@@ -23,6 +24,7 @@ from helpers.verl_harness import (  # noqa: E402
     psrl_engine,
     reference,
     response_positions,
+    spy_step_metrics,
     verl_batch,
     verl_loss_config,
 )
@@ -90,15 +92,7 @@ def test_the_batch_is_computed_with_its_prefixes_shared(hf_dir):
     """The engine's step over verl's batch computes each shared prompt and turn once."""
     data = verl_batch(multi_turn_samples(), global_batch_size=6)
     engine = _engine(hf_dir)
-    seen = {}
-    original = engine.actor.forward_backward
-
-    def spy(batch, **kwargs):
-        result = original(batch, **kwargs)
-        seen.update(result.metrics)
-        return result
-
-    engine.actor.forward_backward = spy
+    seen = spy_step_metrics(engine)
     with engine.train_mode():
         engine.train_batch(data.clone(), partial(ppo_loss, verl_loss_config()))
     total = int(data["input_ids"].offsets()[-1])
@@ -162,3 +156,37 @@ def test_two_ranks_match_the_per_sample_reference(hf_dir, tmp_path, tp):
     assert len(summary["losses"]) == 2 and all(np.isfinite(v) for v in summary["losses"].values())
     if tp == 1:
         assert sorted(summary["cases"]) == sorted(list(ONE_PASS_CASES) + list(TWO_PASS_CASES))
+
+
+@pytest.fixture(scope="module")
+def hybrid_hf_dir(tmp_path_factory):
+    return make_hybrid_checkpoint(dict(tiny_config("debug-qwen3.5-text"), vocab_size=VOCAB),
+                                  str(tmp_path_factory.mktemp("hf-qwen3.5")))
+
+
+def test_a_qwen3_5_model_matches_the_per_sample_reference_with_cached_states(hybrid_hf_dir):
+    """A Qwen3.5 model (Gated DeltaNet and gated softmax layers), 48-token micro-batches (the
+    shared prompts and first turn cached: the linear layers' states and the softmax layers' K/V):
+    infer_batch's log-probs and train_batch's loss and every parameter's gradient (SGD, lr 1)
+    equal the per-sample HF computation through verl's ppo_loss; cached prefixes are read."""
+    data = verl_batch(multi_turn_samples(), global_batch_size=6)
+    config = verl_loss_config("token-mean", 0.0)
+    engine = _engine(hybrid_hf_dir)
+    seen = spy_step_metrics(engine)
+    with engine.eval_mode():
+        inferred = engine.infer_batch(data.clone())
+    before = engine.actor.state_dict_hf()
+    with engine.train_mode():
+        trained = engine.train_batch(data.clone(), partial(ppo_loss, config))
+    after = engine.actor.state_dict_hf()
+    ref = reference(load_hf_model(hybrid_hf_dir), [data], config, False)
+
+    keep = response_positions(data)
+    torch.testing.assert_close(inferred["model_output"]["log_probs"].values()[keep], ref["log_probs"][0][keep],
+                               rtol=0, atol=1e-5)
+    assert trained["loss"][0] == pytest.approx(ref["losses"][0], rel=1e-5)
+    assert seen["kv_hit_rate"] > 0 and seen["tokens_computed"] < int(data["input_ids"].offsets()[-1])
+    assert len(ref["grads"]) == len(before)
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(before[name] - after[name], grad, rtol=1e-4, atol=2e-6,
+                                   msg=lambda m: f"{name}: {m}")

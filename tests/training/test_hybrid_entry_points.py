@@ -2,7 +2,7 @@
 (prefix sharing with cached prefixes against the per-sample baseline) and ``PolicyActor``
 loading a Hugging Face folder and streaming it back bit for bit. (The converter's round trips
 are in ``tests/model/test_hybrid_families.py``; the verl engine in
-``tests/integrations/test_verl_hybrid.py``.)"""
+``tests/integrations/test_verl_engine.py``.)"""
 
 import json
 
