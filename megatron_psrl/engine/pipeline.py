@@ -233,14 +233,18 @@ class PipelineStepRunner(StepRunner):
             return super()._training_stream(rank_plan, memory)
         return flatten(one_f_one_b(lower_training(rank_plan, {}, {}), self.stage, self.pp_size))
 
-    def _runs_1f1b(self, rank_plan: RankPlan) -> bool:
-        """A step this executor runs in 1F1B order: micro-batches independent (mechanism 1, every
-        step ``forward_backward``, no tree split across pipelines), one model chunk (virtual
-        stages: megatron's interleaved schedule or the plan's order), and no expert parallelism
-        (a stage's MoE all-to-alls meet the same pass on the stage's other pipelines, whose
+    def _independent(self, rank_plan: RankPlan) -> bool:
+        """Micro-batches that may run in a 1F1B order: independent (mechanism 1, every step
+        ``forward_backward``, no tree split across pipelines) and no expert parallelism (a
+        stage's MoE all-to-alls meet the same pass on the stage's other pipelines, whose
         micro-batch counts differ: the expert lockstep follows the plan's order)."""
-        return (len(self.chunks) == 1 and self.expert_group is None and not rank_plan.sources
-                and not rank_plan.cross_rank and all(op == "forward_backward" for op, _ in rank_plan.schedule))
+        return (self.expert_group is None and not rank_plan.sources and not rank_plan.cross_rank
+                and all(op == "forward_backward" for op, _ in rank_plan.schedule))
+
+    def _runs_1f1b(self, rank_plan: RankPlan) -> bool:
+        """A step this executor runs in 1F1B order: independent micro-batches and one model chunk
+        (virtual stages: megatron's interleaved schedule or the plan's order)."""
+        return len(self.chunks) == 1 and self._independent(rank_plan)
 
     # ------------------------------------------------------------------ results on every stage
     def _from_loss_stage(self, value):
@@ -294,9 +298,7 @@ class PipelineStepRunner(StepRunner):
         plan's order here (still interleaved over the chunks, one micro-batch at a time). With
         activation recomputation a backward routes (and weighs) its MoE tokens again, with what
         the last forward set, after later forwards in megatron's order: those steps too."""
-        if len(self.chunks) == 1 or self.expert_group is not None or rank_plan.sources or rank_plan.cross_rank:
-            return False
-        if not all(op == "forward_backward" for op, _ in rank_plan.schedule):
+        if len(self.chunks) == 1 or not self._independent(rank_plan):
             return False
         per_pack_routers = plan.tree.batch.routed_experts is not None or self.router_losses is not None
         num = len(rank_plan.micro_batches)
