@@ -226,7 +226,8 @@ def test_sequence_parallel_padding_rows_past_the_plan(parallel):
     with torch.no_grad():
         padded, _ = ours(x, attention_mask=None, packed_seq_params=meta)
         exact, _ = ours(x[:t], attention_mask=None, packed_seq_params=TreeAttentionMetadata(plan=meta.plan))
-    assert torch.equal(padded[:t], exact)
+    # (the projections run over t + 2 rows against t: another GEMM shape, equal up to rounding)
+    _close(padded[:t], exact)
     assert torch.equal(padded[t:], torch.zeros(2, 1, HIDDEN))
 
 
