@@ -25,10 +25,10 @@ one order, so round ``t`` completes on every stage once every stage has run its 
 way, under NCCL's rules too (between two ranks the n-th send is the n-th receive, a send
 completes when its receive is posted, a batch's operations do not wait for each other; played
 for every stage, chunk and micro-batch count in tests/training/test_stage_links_order.py).
-With ``P`` or more micro-batches this is megatron's own pairing: a steady-state iteration sends
-its forward's output and its backward's input gradient and receives the next forward's input
-and the next backward's output gradient, four operations in one batch, and each stage runs one
-tick after the stage before it. (A send held until the stage's next receive, as in 1F1B
+When no stage's warm-up is every forward this is megatron's own timing and pairing: each stage
+runs one tick after the stage before it, and a steady-state iteration sends its forward's
+output and its backward's input gradient and receives the next forward's input and the next
+backward's output gradient, four operations in one batch. (A send held until the stage's next receive, as in 1F1B
 (``engine/stage_links.py``), deadlocks on this order: a stage receives one iteration ahead.)
 """
 
