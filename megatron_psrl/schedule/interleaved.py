@@ -163,6 +163,8 @@ def interleaved_1f1b(steps: List[LoweredStep], stage: int, num_stages: int, num_
         if not all(isinstance(x, ForwardBackward) for x in step.instructions):
             raise ValueError(f"the interleaved order runs independent micro-batches only, not {step.instructions}")
     order = [step.micro_batch for step in steps]  # position -> micro-batch
+    if not order:  # (a pipeline without micro-batches in this step: every stage alike)
+        return []
     iterations = [stage_iterations(len(order), num_chunks, num_stages, s) for s in range(num_stages)]
     times = ticks(iterations, num_chunks)
     rounds = _rounds(iterations, times, num_chunks)[stage]

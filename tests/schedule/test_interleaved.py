@@ -102,6 +102,10 @@ def test_the_stream_names_the_plan_micro_batches_and_their_chunks():
     assert (g.sender_chunk(2), g.receiver_chunk(2)) == (1, 0)
 
 
+def test_a_pipeline_without_micro_batches_runs_nothing():
+    assert interleaved_1f1b([], 0, 2, 2) == []
+
+
 def test_the_interleaved_order_refuses_a_plan_order_step():
     steps = [ins.LoweredStep(0, (ins.ForwardKeep(0),)), ins.LoweredStep(0, (ins.Backward(0),))]
     with pytest.raises(ValueError, match="independent"):
