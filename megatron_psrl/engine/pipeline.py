@@ -10,11 +10,11 @@ stage from the claims.
 
 One executor runs every stage: the :class:`~megatron_psrl.engine.step.StepRunner`'s, the
 same instructions and participants (router replay and losses, the KV pool, the gradient
-reduce's start) as without pipeline parallelism; a stage only adds the transfers around each
-model run. A forward receives its input from the stage before and sends its output on; a
-backward receives the output's gradient from the stage after, runs
-``autograd.backward([output, K rows, V rows, ...], [grad, dK, dV, ...])`` (this stage's own
-block KV cache and dK/dV, for its own layers) and sends the input's gradient back. The order:
+reduce's start) as without pipeline parallelism; a stage only adds the transfers. A forward
+receives its input from the stage before and sends its output on; a backward receives the
+output's gradient from the stage after, runs ``autograd.backward([output, K rows, V rows,
+...], [grad, dK, dV, ...])`` (this stage's own block KV cache and dK/dV, for its own layers)
+and sends the input's gradient back. The order:
 
 - **1F1B** for a step of independent micro-batches (mechanism 1 only, every schedule step
   ``forward_backward``): :func:`~megatron_psrl.schedule.instructions.one_f_one_b` splits each
@@ -22,24 +22,26 @@ block KV cache and dK/dV, for its own layers) and sends the input's gradient bac
   forward and one backward in turn), so stages overlap and a stage holds at most
   ``PP - stage`` graphs. A backward that recomputes routes its MoE tokens as its forward did
   (the participants hold the routes), so activation recomputation with router replay runs here too.
+- **The interleaved order** of the same steps with virtual stages (several model chunks per
+  rank): :func:`~megatron_psrl.schedule.interleaved.interleaved_1f1b` lowers the step into
+  one kept forward and one backward per micro-batch and chunk (``ForwardKeep`` /
+  ``Backward`` with a ``chunk``) in megatron's interleaved 1F1B order, and
+  :class:`~megatron_psrl.schedule.instructions.Transfer` instructions between them: the sends
+  and receives that go together, one batch each (:meth:`StageLinks.transfer`). A chunk's
+  forward reads the input a transfer received for it and leaves its output for the next
+  transfer; its backward likewise with gradients.
 - **The plan's order** for mechanism 2 (cached prefixes: a producer's backward waits until
   its readers are done, which 1F1B's first-in-first-out backward order cannot honour), trees
   split across pipelines (each stage's per-layer K/V exchanges meet the same micro-batch on the
   same stage of the other pipelines) and expert parallelism (a stage's MoE all-to-alls meet
   the same passes of the stage's other pipelines, whose micro-batch counts differ, through the
-  expert lockstep, :class:`~megatron_psrl.model.moe.ExpertLockstep`: docs/moe.md). Every stage
-  runs the same instructions in the same order, so every message it waits for is sent by a
-  neighbour that needs nothing from it first: no deadlock.
+  expert lockstep, :class:`~megatron_psrl.model.moe.ExpertLockstep`: docs/moe.md), one
+  micro-batch at a time through the chunks. Every stage runs the same instructions in the same
+  order, so every message it waits for is sent by a neighbour that needs nothing from it
+  first: no deadlock.
 
-- **The interleaved order** with virtual stages (several model chunks per rank) for a step of
-  independent micro-batches: :func:`~megatron_psrl.schedule.interleaved.interleaved_1f1b`
-  lowers it into one kept forward and one backward per micro-batch and chunk
-  (``ForwardKeep`` / ``Backward`` with a ``chunk``) in megatron's interleaved 1F1B order, and
-  :class:`~megatron_psrl.schedule.instructions.Transfer` instructions between them: the sends
-  and receives that go together, one batch each (:meth:`StageLinks.transfer`). A chunk's
-  forward reads the input a transfer received for it and leaves its output for the next
-  transfer; its backward likewise with gradients. Other virtual-stage steps run in the plan's
-  order, one micro-batch at a time through the chunks.
+In 1F1B and the plan's order a model run receives and sends itself (a send goes with the
+stage's next receive, :class:`StageLinks`); in the interleaved order only the transfers do.
 
 megatron-core's own pipeline schedules are not used (its ``P2PCommunicator`` with
 ``variable_seq_lengths`` exchanges shapes and synchronises the device around every transfer,
