@@ -30,14 +30,12 @@ are, why, and what dropping each one would take:
    the distributed optimizer with ``--overlap-param-gather``) and the same checkpoint state run
    on CPU as on CUDA. Nothing changes on CUDA. Dropping it needs device-agnostic buffers, type
    checks by ``dtype`` and a device-agnostic state gather upstream.
-4. ``install_cpu_pipeline_shims``: megatron's pipeline schedules and p2p communication
-   (``pipeline_parallel/schedules.py``, ``p2p_communication.py``) allocate their small shape
-   and token-count tensors with ``device='cuda'`` / ``torch.cuda.current_device()`` and call
-   ``torch.cuda.synchronize()``; the communication itself is plain ``torch.distributed`` and
-   works over gloo. On CPU those two modules see a ``torch`` whose ``cuda.current_device()``
-   is the CPU, whose ``cuda.synchronize()`` does nothing, and whose ``zeros``/``empty`` put
-   ``device='cuda'`` tensors on the CPU; everything else is torch itself. Nothing is changed
-   when the model is on CUDA. Dropping it needs device-agnostic schedules upstream.
+4. The CPU ``torch`` (``_CpuTorch``) the modules of items 3 and 7 to 10 see on CPU: its
+   ``cuda.current_device()`` is the CPU, its ``cuda.synchronize()`` does nothing, and its
+   ``zeros``/``empty``/``tensor`` put ``device='cuda'`` tensors on the CPU; everything else is
+   torch itself. Nothing is changed when the model is on CUDA. (megatron's pipeline schedules
+   and p2p communication need none: they are not used, every pipeline step runs the project's
+   executor, ``engine/pipeline.py``.)
 5. ``keeps_cuda_embedding_sync``: with PP > 1 and tied embeddings, megatron's
    ``setup_embeddings_and_output_layer`` moves the last stage's copy of the word embeddings
    to CUDA (``weight.data.cuda()``) before all-reducing it with the first stage's. On CPU
@@ -207,8 +205,8 @@ def _on_cpu(factory):
 
 
 class _CpuTorch:
-    """The ``torch`` module seen by megatron's pipeline, DDP and optimizer modules on CPU
-    (items 3, 4 and 7)."""
+    """The ``torch`` module seen by megatron's DDP, optimizer and checkpoint-writer modules on
+    CPU (items 3, 4 and 7)."""
 
     cuda = _CpuCuda()
     zeros = staticmethod(_on_cpu(torch.zeros))
@@ -217,17 +215,6 @@ class _CpuTorch:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
-
-
-_PIPELINE_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication")
-
-
-def install_cpu_pipeline_shims(device: torch.device) -> None:
-    """Let megatron's pipeline schedules and p2p run with a CPU model over gloo (item 4);
-    nothing on CUDA. Idempotent."""
-    if on_cuda(device):
-        return
-    _give_cpu_torch(_PIPELINE_MODULES)
 
 
 def _give_cpu_torch(module_names) -> None:

@@ -104,7 +104,7 @@ class ActorConfig:
     (the others wait for the rows before their kernel)."""
 
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    """Layers per virtual pipeline stage (megatron's interleaved schedule): each rank holds
+    """Layers per virtual pipeline stage (the interleaved 1F1B order): each rank holds
     ``layers / (PP x this)`` chunks, the pipeline bubble shrinks by that factor."""
 
     context_parallel_size: int = 1

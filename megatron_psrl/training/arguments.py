@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention (megatron's sequence parallelism: less activation memory; mixture-of-experts "
                         "models need it under TP). Turns the last-layer row skip off")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="pipeline stages (megatron's 1F1B schedule; with cached prefixes the plan's order on every "
-                        "stage); a pipeline is one rank for tree placement (--placement cross-rank spreads a tree "
+                   help="pipeline stages (1F1B order, interleaved with virtual stages; with cached prefixes the "
+                        "plan's order on every stage); a pipeline is one rank for tree placement (--placement cross-rank spreads a tree "
                         "over pipelines, each stage exchanging prefix K/V with the same stage of the others)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="layers of the first pipeline stage (the rest split evenly): fewer to balance the embedding "
