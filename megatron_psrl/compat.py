@@ -100,8 +100,12 @@ are, why, and what dropping each one would take:
    item 4. Without Transformer Engine the same ``__init__`` fails on
    ``isinstance(self.linear_proj, TELinear)`` (megatron's import placeholder for ``TELinear`` is
    not a type, yet its ``HAVE_TE`` says True): while it is built, the module's ``HAVE_TE`` is
-   False when ``transformer_engine`` cannot be imported. Nothing changes on CUDA with Transformer
-   Engine. Dropping it needs ``use_cpu_initialization`` passed and ``HAVE_TE`` set right upstream.
+   False when ``transformer_engine`` cannot be imported. Under tensor parallelism its gathers of
+   the column-parallel down-projections (``tensor_parallel/mappings.py``) allocate on
+   ``torch.cuda.current_device()``: ``install_cpu_latent_attention_shims`` gives that module the
+   ``torch`` of item 4 on CPU (as item 9 does). Nothing changes on CUDA with Transformer Engine.
+   Dropping it needs ``use_cpu_initialization`` passed, ``HAVE_TE`` set right and
+   device-agnostic gathers upstream.
 
 Design choices that are *not* workarounds (they hold on GPU too): RoPE frequencies come from
 explicit per-token position ids (megatron's RotaryEmbedding knows only 0..S-1) and the core
@@ -554,6 +558,14 @@ def gated_delta_net_construction(config):
 # ---------------------------------------------------------------------- 11: latent attention
 _ROTARY_MODULES = ("megatron.core.models.common.embeddings.rotary_pos_embedding",
                    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+
+
+def install_cpu_latent_attention_shims(device: torch.device) -> None:
+    """Let latent attention's tensor-parallel gathers allocate on the CPU (item 11); nothing on
+    CUDA. Idempotent."""
+    if on_cuda(device):
+        return
+    _give_cpu_torch(("megatron.core.tensor_parallel.mappings",))
 
 
 @contextlib.contextmanager

@@ -92,7 +92,9 @@ PARALLEL_CONFIGS: Dict[str, Dict[str, Any]] = {
     "llama": dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True),
     "qwen3": dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=251,
                   tie_word_embeddings=True),
+    "deepseek": dict(tiny_config("debug-deepseek-v3"), vocab_size=251, tie_word_embeddings=True),
 }
 """The multi-rank tests' models: an odd vocabulary (TP pads it), GQA (4 heads over 2 groups),
 tied embeddings; Qwen3 adds per-head q/k norms, whose gradients are TP-partial until the
-optimizer sums them."""
+optimizer sums them; DeepSeek-V3's latent attention (4 heads, keys of 24 and values of 12 per
+head, the latents and the RoPE key whole on every tensor-parallel rank)."""

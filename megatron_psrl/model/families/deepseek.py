@@ -120,16 +120,24 @@ class LatentAttentionFamily(LlamaLikeFamily):
         return MLATransformerConfig
 
     def transformer_config_fields(self, arch: "ModelArchitecture") -> Dict[str, Any]:
-        """Llama's fields plus megatron's MLA fields: the ranks and widths, the latents' RMSNorms
-        (``qk_layernorm``), and the YaRN fields megatron derives the softmax scale from
-        (``rotary_scaling_factor``, ``mscale_all_dim``; the angles themselves come from the
-        model's position ids, :class:`~megatron_psrl.model.latent_attention.TreeMLASelfAttention`)."""
+        """Llama's fields plus megatron's MLA fields: the ranks and widths, and the YaRN fields
+        megatron derives the softmax scale from (``rotary_scaling_factor``, ``mscale_all_dim``;
+        the angles themselves come from the model's position ids,
+        :class:`~megatron_psrl.model.latent_attention.TreeMLASelfAttention`).
+
+        ``qk_layernorm`` stays False although the layer has the latents' RMSNorms (the spec is
+        asked for them, :meth:`layer_spec_choices`): megatron's ``finalize_model_grads`` sums the
+        gradient of every ``q_layernorm`` over the tensor-parallel ranks when it is set (a
+        per-head q/k norm's gradient is partial on each rank), while the query latent is whole
+        on every rank and its norm's gradient complete there (summed, it would count TP times;
+        under sequence parallelism both latent norms run on a rank's rows and are summed as
+        every sequence-parallel norm is)."""
         rope = arch.rope
         yarn_correction = rope.rope_type != "default" and bool(rope.mscale_all_dim)
         return dict(
             super().transformer_config_fields(arch),
             multi_latent_attention=True,
-            qk_layernorm=True,
+            qk_layernorm=False,
             q_lora_rank=arch.q_lora_rank,
             kv_lora_rank=arch.kv_lora_rank,
             qk_head_dim=arch.qk_nope_head_dim,
