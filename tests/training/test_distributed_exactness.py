@@ -1,8 +1,9 @@
 """Under torchrun (gloo): data parallelism (DP=2, trees split over ranks, gradients summed) and
 tensor parallelism (TP=2, vocab-parallel loss) give the per-sample reference's loss, log-probs
-and gradients, with mechanism 2 active (micro-batch budget smaller than the trees); both also on
-DeepSeek-V3's latent attention (TP = 2: every rank's heads, the latents whole on both ranks,
-the shared RoPE key's gradient summed over them)."""
+and gradients, with mechanism 2 active (micro-batch budget smaller than the trees); TP = 2 also
+on DeepSeek-V3's latent attention (every rank's heads, the latents whole on both ranks, the
+shared RoPE key's gradient summed over them; its DP = 2 runs cross-rank,
+tests/training/test_cross_rank_exactness.py)."""
 
 import os
 
@@ -24,8 +25,8 @@ from helpers.torchrun import SharedLaunches, selected_test_names
 from megatron_psrl.model import ModelArchitecture
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "distributed_step.py")
-LAYOUTS = {  # name: (family, TP): DP = 2 / TP = 2 on Llama / Qwen3, and both on DeepSeek-V3
-    "dp2": ("llama", 1), "tp2": ("qwen3", 2), "dp2-latent": ("deepseek", 1), "tp2-latent": ("deepseek", 2)}
+LAYOUTS = {  # name: (family, TP): DP = 2 / TP = 2 on Llama / Qwen3, TP = 2 on DeepSeek-V3
+    "dp2": ("llama", 1), "tp2": ("qwen3", 2), "tp2-latent": ("deepseek", 2)}
 
 
 @pytest.fixture(scope="module")
