@@ -123,10 +123,12 @@ class PrefixSharingAttention(MegatronModule):
                                       layer_number, self.value_dim)
 
     def _build_te(self, num_heads: int, num_groups: int, head_dim: int, layer_number: int,
-                  value_dim: int) -> TETreeAttention:
+                  value_dim: Optional[int] = None) -> TETreeAttention:
         if self.deterministic:
             te_deterministic()
-        return TETreeAttention(num_heads, num_groups, head_dim, self.softmax_scale, layer_number, value_dim)
+        if value_dim is None or value_dim == head_dim:
+            return TETreeAttention(num_heads, num_groups, head_dim, self.softmax_scale, layer_number)
+        return TETreeAttention(num_heads, num_groups, head_dim, self.softmax_scale, layer_number, value_dim=value_dim)
 
     def _own_value(self, v: Tensor) -> Tensor:
         """``v`` in a storage of its own when a graph would save it. V is a view of the fused QKV

@@ -63,10 +63,11 @@ _LSE_ALIGN = 32
 """The memory-efficient kernel's log-sum-exp rows come padded to a multiple of this."""
 
 
-def _use_cuda(q: Tensor, v: Tensor) -> bool:
+def _use_cuda(q: Tensor, v: Optional[Tensor] = None) -> bool:
     if q.device.type != "cuda" or q.dtype not in _CUDA_DTYPES \
             or not hasattr(torch.ops.aten, "_scaled_dot_product_efficient_attention"):
         return False
+    v = q if v is None else v
     key = (q.dtype, q.shape[-1], v.shape[-1])
     if key not in _CUDA_CHECKED:
         _CUDA_CHECKED[key] = _cuda_kernel_agrees(q.dtype, q.shape[-1], q.device, v.shape[-1])
