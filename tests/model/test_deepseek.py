@@ -249,3 +249,16 @@ def test_saved_activation_count_is_what_autograd_saves(name):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(torch.randint(0, arch.vocab_size, (24,)), positions, meta)
         assert sum(seen.values()) == 24 * saved_activation_bytes_per_token(arch, 1, size), dtype
+
+
+def test_cost_model_charges_latent_attentions_flops():
+    """Per key: ``QK^T`` over nope + rope and ``PV`` over the value width per head; per token: the
+    latent projections and the MLP (through the stand-in's MLP width, rounded to whole columns)."""
+    from megatron_psrl.schedule.cost import FORWARD_BACKWARD_FACTOR, CostModel
+
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-deepseek-v3"))
+    cost = CostModel.for_architecture(arch)
+    n, layers, fb = arch.num_attention_heads, arch.num_layers, FORWARD_BACKWARD_FACTOR
+    assert cost.attention_flops_per_key == fb * 2 * layers * n * (arch.head_dim + arch.v_head_dim)
+    linear = fb * 2 * layers * (arch.latent_attention_parameters() + 3 * arch.hidden_size * arch.ffn_hidden_size)
+    assert cost.linear_flops_per_token == pytest.approx(linear, abs=fb * 2 * layers * 3 * arch.hidden_size / 2)
