@@ -14,13 +14,14 @@ by DeepSeek's correction ``(0.1 mscale_all_dim ln(factor) + 1)^2``
 (:meth:`~megatron_psrl.model.architecture.ModelArchitecture.softmax_scale`).
 
 The MLP: DeepSeek-V3's MoE layers (sigmoid routing with a selection bias, expert groups, a
-shared expert; layers ``first_k_dense_replace`` and up) are not supported here yet: a config
-with any is refused naming the field; the dense layers' SwiGLU (``intermediate_size``) is
-Llama's. :class:`LatentAttentionFamily` holds the attention's share of every method (parsing,
-megatron config, layer spec, prefix state, saved bytes, parameters, FLOPs) and calls the MLP's
-through the hooks an MoE MLP overrides (``hf_mlp_fields``, ``moe_config_fields``,
-``mlp_saved_bytes_per_token``, ``mlp_parameters``, ``active_mlp_parameters``), so a routed MLP
-composes with it as :class:`~megatron_psrl.model.families.MoEFamily` does with Qwen3's attention.
+shared expert; layers ``first_k_dense_replace`` and up) are not supported here yet:
+:class:`DeepseekV3Family` refuses a config with any, naming the field; the dense layers' SwiGLU
+(``intermediate_size``) is Llama's. :class:`LatentAttentionFamily` holds the attention's share of
+every method (parsing, megatron config, layer spec, prefix state, saved bytes, parameters,
+FLOPs) and reaches the MLP through the hooks an MoE MLP overrides (``hf_mlp_fields``,
+``moe_config_fields``, ``layer_spec_choices`` through ``super()``, ``mlp_saved_bytes_per_token``,
+``mlp_parameters``, ``active_mlp_parameters``): a routed MLP composes with it listed after it in
+the bases (``class X(LatentAttentionFamily, RoutedMlp)``), in place of the dense-only refusal.
 
 Multi-token-prediction layers (``num_nextn_predict_layers``, a draft head; DeepSeek-V3 has one,
 stored as layer ``num_hidden_layers``) are not built or trained: their tensors are carried
@@ -56,8 +57,6 @@ HF_DEFAULT_ROUTED_EXPERTS = 256
 
 class LatentAttentionFamily(LlamaLikeFamily):
     """Multi-head latent attention (MLA) and a dense SwiGLU MLP (see the module docstring)."""
-
-    reads_moe_fields = True  # DeepSeek configs carry MoE fields whatever layers are dense
 
     # ------------------------------------------------------------------ Hugging Face config
     def hf_attention_fields(self, hf: Dict[str, Any]) -> Dict[str, Any]:
@@ -99,19 +98,6 @@ class LatentAttentionFamily(LlamaLikeFamily):
                         "carried through conversions unchanged, not built or trained", self.model_type,
                         fields["mtp_layers"])
         return fields
-
-    def hf_mlp_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
-        """Dense layers only: layers ``first_k_dense_replace`` and up of a config with routed
-        experts (``n_routed_experts``) are MoE layers, refused naming the field."""
-        layers = number("num_hidden_layers")
-        experts = number("n_routed_experts", default=HF_DEFAULT_ROUTED_EXPERTS)
-        first_moe = number("first_k_dense_replace", default=HF_DEFAULT_FIRST_K_DENSE)
-        if experts and first_moe < layers:
-            raise UnsupportedModelError(
-                f"field 'first_k_dense_replace' {first_moe} < num_hidden_layers {layers}: {self.model_type} layers "
-                f"{first_moe}..{layers - 1} are mixture-of-experts layers (n_routed_experts {experts}), not supported "
-                "yet; only configs whose every layer is dense (first_k_dense_replace >= num_hidden_layers)")
-        return {}
 
     # ------------------------------------------------------------------ megatron model
     def transformer_config_class(self, arch: "ModelArchitecture") -> type:
@@ -230,6 +216,21 @@ class LatentAttentionFamily(LlamaLikeFamily):
 
 class DeepseekV3Family(LatentAttentionFamily):
     """DeepSeek-V3 / Kimi K2: latent attention; dense layers only for now (see the module docstring)."""
+
+    reads_moe_fields = True  # DeepSeek configs carry MoE fields whatever layers are dense
+
+    def hf_mlp_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
+        """Dense layers only: layers ``first_k_dense_replace`` and up of a config with routed
+        experts (``n_routed_experts``) are MoE layers, refused naming the field."""
+        layers = number("num_hidden_layers")
+        experts = number("n_routed_experts", default=HF_DEFAULT_ROUTED_EXPERTS)
+        first_moe = number("first_k_dense_replace", default=HF_DEFAULT_FIRST_K_DENSE)
+        if experts and first_moe < layers:
+            raise UnsupportedModelError(
+                f"field 'first_k_dense_replace' {first_moe} < num_hidden_layers {layers}: {self.model_type} layers "
+                f"{first_moe}..{layers - 1} are mixture-of-experts layers (n_routed_experts {experts}), not supported "
+                "yet; only configs whose every layer is dense (first_k_dense_replace >= num_hidden_layers)")
+        return {}
 
 
 DEEPSEEK_TINY: Dict[str, Any] = dict(
