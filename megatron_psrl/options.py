@@ -30,7 +30,7 @@ MEMORY_TRACKING = ("sampled", "ops", "off")
 WORKLOAD_NAMES = ("grpo", "stepwise", "tree", "mixed")
 """Synthetic workloads (``megatron_psrl.data.synthetic``)."""
 
-TINY_MODEL_NAMES = ("debug-llama", "tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
+TINY_MODEL_NAMES = ("debug-deepseek-v3", "debug-llama", "tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
 """Debug-size model configs with random weights (``megatron_psrl.model.tiny``)."""
 MOE_MODEL_NAMES = ("debug-mixtral", "debug-qwen2-moe", "debug-qwen3-moe")
 """Debug-size mixture-of-experts configs that ``--model`` takes besides the dense tiny ones

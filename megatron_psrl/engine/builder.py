@@ -47,6 +47,7 @@ from megatron_psrl.engine.runners import make_runner
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
+from megatron_psrl.model.gpt import local_spec_only
 from megatron_psrl.model.logits import loss_head_peak_bytes
 from megatron_psrl.model.stages import pipeline_layer_counts, virtual_pipeline_size
 from megatron_psrl.schedule.memory import activation_bytes_per_token
@@ -65,7 +66,7 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     notes and warnings go (None: dropped)."""
     say = log or (lambda msg: None)
     layout = process_groups(config, layout)
-    impl = layer_spec(config, layout.device)
+    impl = layer_spec(config, layout.device, source_architecture(source))
     vpp, split = pipeline_split(config, layout, source)
     resume = resume_point(source, layout, vpp, split, load_optimizer and for_training)
     overrides = recompute_overrides(config, layout)
@@ -111,10 +112,13 @@ def process_groups(config: ActorConfig, layout: Optional[ParallelLayout]) -> Par
     return layout
 
 
-def layer_spec(config: ActorConfig, device: torch.device) -> str:
-    """``auto``: Transformer Engine's layers on CUDA where it is installed, else megatron's local ones."""
+def layer_spec(config: ActorConfig, device: torch.device, arch=None) -> str:
+    """``auto``: Transformer Engine's layers on CUDA where it is installed, else megatron's local
+    ones (also for a model built with the local spec only, :func:`~megatron_psrl.model.gpt.local_spec_only`)."""
     if config.transformer_impl != "auto":
         return config.transformer_impl
+    if arch is not None and local_spec_only(arch):
+        return "local"
     if device.type == "cuda":
         try:
             import transformer_engine  # noqa: F401

@@ -319,6 +319,24 @@ class ModelArchitecture:
     tensors: a draft head for speculative decoding). Not built or trained: their tensors are
     carried through conversions unchanged (:mod:`megatron_psrl.checkpoint.passthrough`)."""
 
+    q_lora_rank: Optional[int] = None
+    """Latent attention (MLA): rank of the query's compression (``q_a_proj``, its RMSNorm, then
+    ``q_b_proj``); None: the query is projected directly (``q_proj``)."""
+
+    kv_lora_rank: int = 0
+    """Latent attention (MLA, DeepSeek-V3): rank of the compressed key/value latent every head's
+    key (its position-free part) and value are projected up from; 0: not latent attention."""
+
+    qk_nope_head_dim: int = 0
+    """Latent attention: per-head width of the key and query part without RoPE (from the latent)."""
+
+    qk_rope_head_dim: int = 0
+    """Latent attention: width of the rotated part of every query head and of the one RoPE key all
+    heads share (projected from the hidden state beside the latent)."""
+
+    v_head_dim: int = 0
+    """Latent attention: per-head value width (the query/key width is ``head_dim``, nope + rope)."""
+
     hf_config: Dict[str, Any] = field(default_factory=dict)
     """The original config.json content, written back unchanged by mcore-to-hf."""
 
@@ -336,6 +354,7 @@ class ModelArchitecture:
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_layer_types()
+        self._check_latent_attention()
         if (self.num_experts is not None) != self.family.is_moe:
             raise UnsupportedModelError(f"model type {self.model_type!r} with num_experts={self.num_experts}")
         if self.is_moe:
@@ -349,6 +368,20 @@ class ModelArchitecture:
                 raise UnsupportedModelError(f"shared_expert_intermediate_size must be positive, got {shared}")
             if self.moe_shared_expert_gate and shared is None:
                 raise UnsupportedModelError("a shared-expert gate without a shared expert (shared_expert_intermediate_size)")
+
+    def _check_latent_attention(self) -> None:
+        if not self.kv_lora_rank:
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise UnsupportedModelError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise UnsupportedModelError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise UnsupportedModelError(f"latent attention: head_dim {self.head_dim} is not qk_nope_head_dim "
+                                        f"{self.qk_nope_head_dim} + qk_rope_head_dim {self.qk_rope_head_dim}")
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -382,7 +415,8 @@ class ModelArchitecture:
 
         text = get_family(model_type).hf_text_config(hf) if model_type in supported else hf
         moe = [k for k in _MOE_KEYS if text.get(k)]
-        if model_type not in moe_types and (moe or "moe" in str(model_type)):
+        reads_moe = model_type in supported and get_family(model_type).reads_moe_fields
+        if model_type not in moe_types and not reads_moe and (moe or "moe" in str(model_type)):
             raise UnsupportedModelError(
                 f"mixture-of-experts models other than {', '.join(moe_types)} are not supported "
                 f"(model_type {model_type!r}" + (f", config keys {moe}" if moe else "") + ")"
@@ -420,7 +454,7 @@ class ModelArchitecture:
             num_layers=number("num_hidden_layers"),
             num_attention_heads=heads,
             num_kv_heads=number("num_key_value_heads", default=None) or heads,
-            head_dim=number("head_dim", default=None) or hidden // heads,
+            head_dim=family.hf_head_dim(text, number),
             ffn_hidden_size=number("intermediate_size"),
             rms_norm_eps=number("rms_norm_eps", float, 1e-6),
             max_position_embeddings=number("max_position_embeddings", default=4096),
@@ -476,8 +510,27 @@ class ModelArchitecture:
         """
         return int(math.ceil(self.vocab_size / tensor_parallel_size) * tensor_parallel_size)
 
+    @property
+    def multi_latent_attention(self) -> bool:
+        """The attention is latent attention (MLA, ``kv_lora_rank`` > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The head width RoPE's frequencies are computed for: ``head_dim`` (of which
+        ``partial_rotary_factor`` is rotated); latent attention's ``qk_rope_head_dim``."""
+        return self.qk_rope_head_dim if self.multi_latent_attention else self.head_dim
+
     def softmax_scale(self) -> float:
-        """1/sqrt(head_dim), times yarn's cos/sin scaling squared (it scales both q and k)."""
+        """1/sqrt(head_dim), times yarn's cos/sin scaling squared (it scales both q and k).
+        Latent attention: 1/sqrt(head_dim) times DeepSeek's YaRN correction squared,
+        ``(0.1 mscale_all_dim ln(factor) + 1)^2`` (Hugging Face's ``DeepseekV3Attention.scaling``;
+        the cos/sin scaling rotates only the RoPE part of each head, it is not folded in here)."""
+        if self.multi_latent_attention:
+            rope, scale = self.rope, 1.0 / math.sqrt(self.head_dim)
+            if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor > 1:
+                scale *= (0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0) ** 2
+            return scale
         return self.rope.attention_scaling() ** 2 / math.sqrt(self.head_dim)
 
     @property
@@ -520,7 +573,10 @@ class ModelArchitecture:
 
     def attention_parameters(self) -> int:
         """Parameters of one softmax-attention layer's attention (projections, biases, q/k norms;
-        the output gate's half of the query projection)."""
+        the output gate's half of the query projection; latent attention's down- and
+        up-projections and latent norms)."""
+        if self.multi_latent_attention:
+            return self.latent_attention_parameters()
         h, hd = self.hidden_size, self.head_dim
         q_rows = self.num_attention_heads * hd * (2 if self.attention_output_gate else 1)
         attn = h * (q_rows + 2 * self.num_kv_heads * hd) + self.num_attention_heads * hd * h
@@ -529,6 +585,16 @@ class ModelArchitecture:
         if self.qk_norm:
             attn += 2 * hd
         return attn
+
+    def latent_attention_parameters(self) -> int:
+        """Parameters of one latent-attention layer: the query's down-projection, norm and
+        up-projection (or its direct projection), the K/V down-projection to the latent and the
+        RoPE key, the latent's norm, its up-projection to every head's key and value, and the
+        output projection."""
+        h, n, hd = self.hidden_size, self.num_attention_heads, self.head_dim
+        r, rope, v = self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
+        q = h * n * hd if self.q_lora_rank is None else self.q_lora_rank * (h + 1 + n * hd)
+        return q + h * (r + rope) + r + r * n * (self.qk_nope_head_dim + v) + n * v * h
 
     def linear_attention_parameters(self) -> int:
         """Parameters of one Gated DeltaNet layer's mixer: the input projection to q, k, v, the

@@ -114,7 +114,7 @@ def build_transformer_config(
         # selective recompute of core attention: megatron warns that TE's fused attention would
         # not need it; ours is not TE's, and the choice is the user's
         warnings.filterwarnings("ignore", message="If you are using transformer_engine as the transformer")
-        return TransformerConfig(**kwargs)
+        return arch.family.transformer_config_class(arch)(**kwargs)  # (latent attention: MLATransformerConfig)
 
 
 def moe_config_fields(arch: ModelArchitecture) -> dict:
@@ -123,6 +123,13 @@ def moe_config_fields(arch: ModelArchitecture) -> dict:
     family uses megatron's softmax top-k router, dropless, load-balancing loss off unless
     ``moe_aux_loss_coeff`` overrides it)."""
     return arch.family.moe_config_fields(arch)
+
+
+def local_spec_only(arch: ModelArchitecture) -> bool:
+    """The model is built with megatron's local layer spec only (latent attention; the hybrid
+    families' zero-centred norms and Gated DeltaNet layers)."""
+    choices = arch.family.layer_spec_choices(arch)
+    return choices.multi_latent_attention or choices.zero_centered_norms
 
 
 def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", moe_grouped_gemm: bool = False,
@@ -135,6 +142,11 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
     choices = arch.family.layer_spec_choices(arch)
     experts = choices.num_experts
     grouped = bool(moe_grouped_gemm and experts)
+    if choices.multi_latent_attention and transformer_impl != "local":
+        raise ConfigurationError(f"model type {arch.model_type!r} (latent attention) is built with transformer_impl "
+                                 "'local' only: Transformer Engine's latent-attention spec duplicates the "
+                                 "down-projections the local spec splits, which the checkpoints' tensor-parallel "
+                                 "layout does not cover yet")
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -144,9 +156,15 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
         # (torch norms that also run under sequence parallelism; as megatron's without it)
         spec = with_sequence_parallel_norms(get_gpt_layer_local_spec(
             num_experts=experts, moe_grouped_gemm=grouped, normalization=choices.normalization,
-            qk_layernorm=choices.qk_layernorm))
+            qk_layernorm=choices.qk_layernorm, multi_latent_attention=choices.multi_latent_attention))
     else:
         raise ConfigurationError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
+    if choices.multi_latent_attention:  # megatron's MLA rotating by the pack's position ids
+        from megatron_psrl.model.latent_attention import TreeMLASelfAttention
+
+        attention = spec.submodules.self_attention
+        spec.submodules.self_attention = dataclasses.replace(
+            attention, module=TreeMLASelfAttention, params=dict(attention.params, rope_mscale=arch.rope.attention_scaling()))
     spec.submodules.self_attention.submodules.core_attention = (
         PrefixSharingAttention if attention_backend is None
         else ModuleSpec(module=PrefixSharingAttention, params={"backend": attention_backend}))
@@ -216,7 +234,7 @@ class RotaryFrequencies(torch.nn.Module):
 
     def __init__(self, arch: ModelArchitecture):
         super().__init__()
-        self.register_buffer("inv_freq", arch.rope.inv_freq(arch.head_dim), persistent=False)
+        self.register_buffer("inv_freq", arch.rope.inv_freq(arch.rope_head_dim), persistent=False)
 
     def forward(self, position_ids: Tensor) -> Tensor:
         inv_freq = self.inv_freq.to(position_ids.device)

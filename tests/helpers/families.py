@@ -32,6 +32,12 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
     elif name == "mistral-linear":  # linear RoPE scaling, theta != 10000
         cfg = dict(tiny_config("tiny-mistral"), **_SMALL)
         cfg.update(rope_theta=50000.0, rope_scaling=dict(rope_type="linear", factor=2.0))
+    elif name == "deepseek-v3":  # latent attention, values narrower than keys, YaRN with DeepSeek's mscale
+        cfg = tiny_config("debug-deepseek-v3")
+    elif name == "deepseek-v3-q-proj":  # no query latent (q_proj), plain RoPE, tied embeddings, odd vocabulary
+        cfg = dict(tiny_config("debug-deepseek-v3"), q_lora_rank=None, v_head_dim=20, vocab_size=301,
+                   tie_word_embeddings=True)
+        del cfg["rope_scaling"]
     else:
         raise ValueError(name)
     cfg.update(overrides)
@@ -39,6 +45,8 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
 
 
 FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear")
+LATENT_FAMILIES = ("deepseek-v3", "deepseek-v3-q-proj")
+"""DeepSeek-V3's latent attention (MLA), with and without the query's latent."""
 
 
 def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0, dtype=None,
@@ -62,13 +70,16 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     qk_norm = cfg.model_type == "qwen3"
+    # latent attention: the query's projection, the keys' up-projection (and values) and the RoPE key
+    queries_and_keys = ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_b_proj.weight",
+                        "kv_a_proj_with_mqa.weight")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
             if qk_norm and (name.endswith("q_norm.weight") or name.endswith("k_norm.weight")):
                 p.mul_(qk_gain ** 0.5)
-            elif not qk_norm and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            elif not qk_norm and name.endswith(queries_and_keys):
                 p.mul_(qk_gain ** 0.5)
     if dtype is not None:
         model = model.to(dtype)
@@ -81,7 +92,9 @@ PARALLEL_CONFIGS: Dict[str, Dict[str, Any]] = {
     "llama": dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True),
     "qwen3": dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=251,
                   tie_word_embeddings=True),
+    "deepseek": dict(tiny_config("debug-deepseek-v3"), vocab_size=251, tie_word_embeddings=True),
 }
 """The multi-rank tests' models: an odd vocabulary (TP pads it), GQA (4 heads over 2 groups),
 tied embeddings; Qwen3 adds per-head q/k norms, whose gradients are TP-partial until the
-optimizer sums them."""
+optimizer sums them; DeepSeek-V3's latent attention (4 heads, keys of 24 and values of 12 per
+head, the latents and the RoPE key whole on every tensor-parallel rank)."""

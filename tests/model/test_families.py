@@ -34,12 +34,14 @@ from megatron_psrl.schedule.memory import (
 SEVEN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 """Qwen3-Next and Qwen3.5 (tests/model/test_hybrid_families.py)."""
+LATENT = ("deepseek_v3",)
+"""DeepSeek-V3's latent attention (tests/model/test_deepseek.py); Kimi K2's ``kimi_k2`` is its alias."""
 DEBUG_CONFIGS = [(f.model_type, name) for f in registered_families() for name in f.tiny_configs]
 
 
 def test_registry_lists_the_families_in_order():
-    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS
-    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS
+    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS + LATENT
+    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS + LATENT + ("kimi_k2",)
     assert architecture.MOE_MODEL_TYPES == ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe_text",
                                             "qwen3_5_moe")
     for family in registered_families():
@@ -53,7 +55,7 @@ def test_tiny_module_is_a_view_of_the_bundles():
     dense = {n: c for f in plain if not f.is_moe for n, c in f.tiny_configs.items()}
     moe = {n: c for f in plain if f.is_moe for n, c in f.tiny_configs.items()}
     assert TINY_CONFIGS == dense and MOE_CONFIGS == moe
-    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class"}
+    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "deepseek-v3-class"}
     assert set(get_family("qwen2").shape_configs) == {"qwen2.5-1.5b-shape"}
 
 
@@ -83,7 +85,8 @@ def test_prefix_states_one_softmax_state_per_layer(model_type, name, tp, dtype):
     arch = ModelArchitecture.from_hf_config(tiny_config(name))
     states = arch.family.prefix_states(arch, tp, dtype)
     assert len(states) == arch.num_layers
-    expected = PrefixState.softmax(arch.num_kv_heads // tp, arch.head_dim, dtype=dtype)
+    # (latent attention's per-head values are narrower than its keys)
+    expected = PrefixState.softmax(arch.num_kv_heads // tp, arch.head_dim, arch.v_head_dim or arch.head_dim, dtype=dtype)
     assert all(state == expected for state in states)
 
 

@@ -1,4 +1,5 @@
-"""Fixtures: one tiny HF checkpoint, the HF reference model and our megatron model (TP=1)."""
+"""Fixtures: one tiny HF checkpoint, the HF reference model and our megatron model (TP=1); the same
+for DeepSeek-V3's latent attention (``latent_*``)."""
 
 import pytest
 import torch
@@ -27,15 +28,39 @@ def _psrl_model_cache():
     return {}
 
 
-@pytest.fixture
-def psrl_model(hf_dir, _psrl_model_cache):
-    """(arch, model), loaded once and loaded again only when the process groups it was built
-    under are gone: megatron's layers keep their groups, and a test elsewhere in the session may
-    end them (``PolicyActor.close()``), which would leave this model calling collectives on
-    destroyed groups in whatever test runs next in random order."""
+def _loaded(cache: dict, key: str, hf_dir: str):
+    """(arch, model) of ``hf_dir``, loaded once and loaded again only when the process groups it
+    was built under are gone: megatron's layers keep their groups, and a test elsewhere in the
+    session may end them (``PolicyActor.close()``), which would leave this model calling
+    collectives on destroyed groups in whatever test runs next in random order."""
     initialize_parallel(1, 1, seed=0, device="cpu")  # a no-op while the state is alive
     group = parallel_state.get_tensor_model_parallel_group()
-    if _psrl_model_cache.get("group") is not group:
+    if cache.get((key, "group")) is not group:
         arch, model, _ = load_model(ModelSource(hf_dir=hf_dir), dtype=torch.float32)
-        _psrl_model_cache.update(group=group, model=(arch, model))
-    return _psrl_model_cache["model"]
+        cache.update({(key, "group"): group, key: (arch, model)})
+    return cache[key]
+
+
+@pytest.fixture
+def psrl_model(hf_dir, _psrl_model_cache):
+    """(arch, model) of the Llama checkpoint (:func:`_loaded`)."""
+    return _loaded(_psrl_model_cache, "llama", hf_dir)
+
+
+@pytest.fixture(scope="session")
+def latent_hf_dir(tmp_path_factory):
+    """DeepSeek-V3's latent attention (``debug-deepseek-v3``), attention sharpened for the tests."""
+    from helpers.families import family_config, make_family_checkpoint
+
+    return make_family_checkpoint(family_config("deepseek-v3"), str(tmp_path_factory.mktemp("hf-latent")), seed=2)
+
+
+@pytest.fixture(scope="session")
+def latent_hf_model(latent_hf_dir):
+    return load_hf_model(latent_hf_dir)
+
+
+@pytest.fixture
+def latent_model(latent_hf_dir, _psrl_model_cache):
+    """(arch, model) of the latent-attention checkpoint (:func:`_loaded`)."""
+    return _loaded(_psrl_model_cache, "latent", latent_hf_dir)

@@ -34,6 +34,9 @@ CASES = [(f"{name}-{kind}", *layout[:1], kind, *layout[1:], 1 << 30)
 # replicas), and the second with every imported state zeroed, which must miss the reference.
 HYBRID = {"dp2-hybrid-one-step": 160, "dp2-hybrid-steps": 48, "dp2-hybrid-states-ignored": 48}
 CASES += [(name, "qwen3.5", "one-tree", 2, 1, 1, 1 << 30) for name in HYBRID]
+# DeepSeek-V3's latent attention: K and V of different widths cross ranks as flat rows
+CASES += [("dp2-latent-one-tree", "deepseek", "one-tree", 2, 1, 1, 1 << 30),
+          ("dp2-latent-chain-tight-kv", "deepseek", "chain", 2, 1, 1, 640 * 1024)]
 CASES += [
     ("cp2-chain", "llama", "chain", 2, 1, 2, 1 << 30),
     ("cp4-chain", "llama", "chain", 4, 1, 4, 1 << 30),

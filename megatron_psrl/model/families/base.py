@@ -82,6 +82,11 @@ class LayerSpecChoices:
     zero_centered_norms: bool = False
     """The decoder's RMSNorms compute ``x * (1 + w)`` (megatron ``layernorm_zero_centered_gamma``)."""
 
+    multi_latent_attention: bool = False
+    """The token mixer is latent attention (megatron's ``MLASelfAttention``, built as the project's
+    :class:`~megatron_psrl.model.latent_attention.TreeMLASelfAttention`); with ``qk_layernorm``
+    its latents' RMSNorms."""
+
 
 @dataclass(frozen=True)
 class ModelFamily(abc.ABC):
@@ -108,6 +113,11 @@ class ModelFamily(abc.ABC):
     has_linear_attention: ClassVar[bool] = False
     """Some layers' token mixer is linear attention (``ModelArchitecture.layer_types``)."""
 
+    reads_moe_fields: ClassVar[bool] = False
+    """The family reads a config's mixture-of-experts fields itself, MoE or not (DeepSeek-V3's
+    configs carry them whatever layers are dense); otherwise a family that is not MoE is refused
+    any of them before parsing."""
+
     # ------------------------------------------------------------------ Hugging Face config
     @abc.abstractmethod
     def hf_attention_fields(self, hf: Dict[str, Any]) -> Dict[str, Any]:
@@ -118,6 +128,11 @@ class ModelFamily(abc.ABC):
         """The part of a config.json that describes the language model (a multimodal wrapper's
         ``text_config``; the whole dict otherwise)."""
         return hf
+
+    def hf_head_dim(self, hf: Dict[str, Any], number: NumberReader) -> int:
+        """The query/key head width ``ModelArchitecture.head_dim``: ``head_dim``, else hidden
+        size / heads."""
+        return number("head_dim", default=None) or number("hidden_size") // number("num_attention_heads")
 
     def hf_tie_word_embeddings(self, hf: Dict[str, Any]) -> bool:
         """Whether the output layer shares the input embedding (``tie_word_embeddings``)."""
@@ -137,6 +152,13 @@ class ModelFamily(abc.ABC):
         routing, shared expert); a missing required field raises ``KeyError(key)``."""
 
     # ------------------------------------------------------------------ megatron model
+    def transformer_config_class(self, arch: "ModelArchitecture") -> type:
+        """megatron's config class the model is built with (``TransformerConfig``; latent
+        attention: ``MLATransformerConfig``)."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig
+
     @abc.abstractmethod
     def transformer_config_fields(self, arch: "ModelArchitecture") -> Dict[str, Any]:
         """``TransformerConfig`` fields of the layer's structure (norm, MLP, biases, q/k norms)."""
