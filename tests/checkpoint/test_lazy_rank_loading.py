@@ -56,13 +56,13 @@ HYBRID_LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, (1, 3), 2), (1, 4, 2)]  # (TP, PP or
 
 
 @pytest.fixture(scope="module")
-def hybrid_checkpoints(tmp_path_factory):
+def whole_tensor_checkpoints(tmp_path_factory):
     from helpers.hybrid import make_hybrid_checkpoint
 
     from megatron_psrl.model.tiny import tiny_config
 
     return {name: make_hybrid_checkpoint(tiny_config(name), str(tmp_path_factory.mktemp(name)))
-            for name in ("debug-qwen3-next", "debug-qwen3.5")}
+            for name in ("debug-qwen3-next", "debug-qwen3.5", "debug-deepseek-v3")}
 
 
 class _CountingReader:
@@ -86,10 +86,10 @@ class _CountingReader:
         monkeypatch.setattr(hf_io.HFCheckpointReader, "get_slice", counted_slice)
 
 
-@pytest.mark.parametrize("name", ["debug-qwen3-next", "debug-qwen3.5"])
-def test_hybrid_rank_reads_its_stage_and_experts_only(name, hybrid_checkpoints, monkeypatch):
+@pytest.mark.parametrize("name", ["debug-qwen3-next", "debug-qwen3.5", "debug-deepseek-v3"])
+def test_whole_tensor_rank_reads_its_stage_and_experts_only(name, whole_tensor_checkpoints, monkeypatch):
     """A family whose layouts are not per-group slices (gated queries, Gated DeltaNet's fused
-    projections) reads its stage's layers and its expert-parallel rank's experts whole, cuts each
+    projections, latent attention's replicated down-projections) reads its stage's layers and its expert-parallel rank's experts whole, cuts each
     converted tensor: the shard of the full path bit for bit, and nothing of other stages' layers
     or other ranks' experts is read."""
     import re
@@ -97,7 +97,7 @@ def test_hybrid_rank_reads_its_stage_and_experts_only(name, hybrid_checkpoints, 
     from megatron_psrl.model.moe import local_experts
     from megatron_psrl.model.stages import stage_counts
 
-    hf_dir = hybrid_checkpoints[name]
+    hf_dir = whole_tensor_checkpoints[name]
     arch = ModelArchitecture.from_hf_dir(hf_dir)
     full = hf_full_state_dict(hf_dir, arch)
     reads = _CountingReader(monkeypatch)
