@@ -128,9 +128,11 @@ def _layer_slice(reader, full_name: str, suffix: str, shape, heads: Tuple[int, i
         return reader.get_slice(full_name, 0, *block, shape)
     if suffix == "mlp.down_proj.weight":
         return reader.get_slice(full_name, 1, *block, shape)
-    if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
+    # the shared expert (Qwen2-MoE ``shared_expert``; GLM-4.5 / DeepSeek-V3 ``shared_experts``)
+    if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                  "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"):
         return reader.get_slice(full_name, 0, *shared, shape)
-    if suffix == "mlp.shared_expert.down_proj.weight":
+    if suffix in ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.down_proj.weight"):
         return reader.get_slice(full_name, 1, *shared, shape)
     return reader.get(full_name, shape)
 
@@ -167,7 +169,10 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
     vocab_rows = arch.padded_vocab_size(tp) // tp
     local = dataclasses.replace(arch, num_attention_heads=ng * rep, num_kv_heads=ng, ffn_hidden_size=ffn,
                                 num_layers=counts[stage],
-                                moe_shared_expert_ffn_hidden_size=shared or arch.moe_shared_expert_ffn_hidden_size)
+                                moe_shared_expert_ffn_hidden_size=shared or arch.moe_shared_expert_ffn_hidden_size,
+                                # this stage's dense layers, numbered as its layers are (from 0)
+                                dense_mlp_layers=[i - offset for i in arch.dense_mlp_layers
+                                                  if offset <= i < offset + counts[stage]])
     heads = (tp_rank * ng * rep * hd, (tp_rank + 1) * ng * rep * hd)  # this rank's query rows
     groups = (tp_rank * ng * hd, (tp_rank + 1) * ng * hd)  # its key / value rows
     block = (tp_rank * ffn, (tp_rank + 1) * ffn)  # its FFN rows (gate, up) / columns (down)
@@ -275,6 +280,7 @@ def load_model(
                                  attention_backend), None
     if source.hf_dir:  # only this rank's slices are read
         arch = ModelArchitecture.from_hf_dir(source.hf_dir)
+        log_untrained_mtp(arch, source.hf_dir)
         shards = [hf_rank_state_dict(source.hf_dir, arch, tp_rank, tp, s, split, ep_rank, ep) for s in stages]
     elif source.hf_config is not None:
         arch = ModelArchitecture.from_hf_config(source.hf_config)
@@ -298,6 +304,14 @@ def load_model(
     for chunk, shard in zip(model_chunks(model), shards):
         load_state_into(chunk, shard)
     return arch, model, optimizer_state
+
+
+def log_untrained_mtp(arch: ModelArchitecture, where: str) -> None:
+    """One line saying that ``arch``'s multi-token-prediction layers are not trained (nor
+    built: their tensors are carried through conversions unchanged)."""
+    if arch.mtp_layers:
+        logger.info("%s: %d multi-token-prediction layer(s) not built or trained; conversions carry their tensors "
+                    "through unchanged", where, arch.mtp_layers)
 
 
 def legacy_experts(ckpt_dir: str, info: CheckpointInfo, shard: Dict[str, Tensor], ep_rank: int,

@@ -70,6 +70,9 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
                 p.mul_(qk_gain ** 0.5)
             elif not qk_norm and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
                 p.mul_(qk_gain ** 0.5)
+        for name, b in model.named_buffers():  # a router's expert bias (GLM-4.5, DeepSeek-V3): selection only
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     if dtype is not None:
         model = model.to(dtype)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
