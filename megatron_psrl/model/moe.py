@@ -63,6 +63,21 @@ def check_moe_settings(arch: ModelArchitecture, overrides: Mapping[str, object],
                                  "depends on the other tokens of the batch, so prefix sharing would change them")
 
 
+def keep_expert_bias_counts_to_the_trainer(model: torch.nn.Module) -> None:
+    """Switch off megatron's own token count of its routers' expert-bias update
+    (``TopKRouter._apply_expert_bias``; the bias still selects experts). It counts each computed
+    row once, where the per-sample run counts a shared token once per sample: the trainer
+    counts them weighted when it updates the bias (``--moe-router-enable-expert-bias``,
+    :mod:`megatron_psrl.model.moe_losses`), and otherwise the bias is frozen and nothing needs
+    counting (megatron 0.16's count also fails on sequence parallelism's padding mask, which it
+    applies to the ``[tokens, E]`` map without a trailing dimension)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.enable_expert_bias = False
+
+
 def install_moe_runtime(device: torch.device) -> None:
     """What megatron's MoE layer needs on ``device`` (CPU: :func:`~megatron_psrl.compat.install_cpu_moe_shims`)."""
     install_cpu_moe_shims(torch.device(device))
@@ -560,4 +575,5 @@ def native_routing(layers: Sequence[torch.nn.Module]):
 
 __all__ = ["TOKEN_DISPATCHERS", "ExpertLoad", "ExpertLockstep", "expert_load_summary", "RouterReplayer", "native_routing", "routing_shape",
            "tree_token_sources", "Pass", "Unit", "lockstep_ticks", "moe_layers", "recompute_units", "check_moe_settings", "expert_index", "global_experts", "install_moe_runtime",
-           "is_expert_parameter", "local_experts", "moe_layer_index", "moe_layer_pattern"]
+           "is_expert_parameter", "keep_expert_bias_counts_to_the_trainer", "local_experts", "moe_layer_index",
+           "moe_layer_pattern"]

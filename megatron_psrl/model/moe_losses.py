@@ -155,9 +155,9 @@ class RouterLosses:
         for router in self.routers:
             if router.config.moe_aux_loss_coeff or router.config.moe_z_loss_coeff:
                 raise ConfigurationError("megatron's own router losses must be off (0): megatron_psrl computes them")
+            if self.expert_bias_counts and getattr(router, "expert_bias", None) is None:
+                raise ConfigurationError("--moe-router-enable-expert-bias: the model's routers have no expert bias")
             if self.expert_bias_counts:
-                if getattr(router, "expert_bias", None) is None:
-                    raise ConfigurationError("--moe-router-enable-expert-bias: the model's routers have no expert bias")
                 router.enable_expert_bias = False  # megatron's own (unweighted) count: off; the bias stays in use
             layer = moe_layer_index(router.config, router.layer_number)
             router.routing = self._routing(router, router.routing, layer)

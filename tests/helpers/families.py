@@ -32,13 +32,15 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
     elif name == "mistral-linear":  # linear RoPE scaling, theta != 10000
         cfg = dict(tiny_config("tiny-mistral"), **_SMALL)
         cfg.update(rope_theta=50000.0, rope_scaling=dict(rope_type="linear", factor=2.0))
+    elif name == "glm4-moe-qk-norm":  # GLM-4.5 with use_qk_norm: a dense first layer, then grouped routing
+        cfg = dict(tiny_config("debug-glm4-moe"), **dict(_SMALL, vocab_size=256), use_qk_norm=True)
     else:
         raise ValueError(name)
     cfg.update(overrides)
     return cfg
 
 
-FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear")
+FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear", "glm4-moe-qk-norm")
 
 
 def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0, dtype=None,
@@ -61,7 +63,7 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
     cfg = AutoConfig.for_model(**config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    qk_norm = cfg.model_type == "qwen3"
+    qk_norm = cfg.model_type == "qwen3" or bool(getattr(cfg, "use_qk_norm", False))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):

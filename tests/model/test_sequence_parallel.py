@@ -1,7 +1,8 @@
 """Sequence parallelism (``--sequence-parallel``): the row split and its padding, the norms that
 run under it, the core attention's handling of padding rows, and exactness against the
 per-sample Hugging Face reference under torchrun (dense TP = 2 and TP = 2 x CP = 2; MoE TP = 2
-with EP = 1, 2 and 4, a shared expert included, and TP = 2 x PP = 2 x EP = 2)."""
+with EP = 1, 2 and 4, a shared expert included, GLM-4.5's dense first layer and grouped routing,
+and TP = 2 x PP = 2 x EP = 2)."""
 
 import os
 import re
@@ -116,6 +117,8 @@ CASES = {  # name: (family, processes, EP, dispatcher, PP, CP[, placement, TP])
     "qwen3-moe-tp2": ("debug-qwen3-moe", 2, 1, "allgather", 1, 1),  # whole experts on both TP ranks
     "qwen3-moe-tp2xep4": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 1),  # EP over TP x DP: the lockstep's empty passes
     "qwen2-moe-tp2xep2": ("debug-qwen2-moe", 2, 2, "alltoall", 1, 1),  # its shared expert split over TP
+    # GLM-4.5: a dense first layer split over TP, then grouped sigmoid routing with the expert bias
+    "glm4-moe-tp2xep2": ("debug-glm4-moe", 2, 2, "alltoall", 1, 1),
     "qwen3-moe-tp2xpp2xep2": ("debug-qwen3-moe", 4, 2, "alltoall", 2, 1),  # stages pass their shares of the rows
     # EP x CP, trees split over the CP ranks (K/V exchanged inside passes that also exchange tokens):
     # one exchange group, one participant of the expert lockstep (no empty pass) ...
