@@ -250,6 +250,14 @@ class RouterLosses:
         if self._active and i in self._packs:
             self._weights = self._packs[i]
 
+    def zero_expert_bias_counts(self) -> None:
+        """A new step's gradients start from zero: so do the expert bias's token counts (megatron
+        zeroes them after it updates the bias; a sharing check's passes, which run before the
+        step, must not count)."""
+        if self.expert_bias_counts:
+            for router in self.routers:
+                router.local_tokens_per_expert.zero_()
+
     def end_step(self) -> Dict[str, Tensor]:
         """This rank's sums of the step's terms (``moe_z_loss``, ``moe_aux_loss``, with their
         coefficients, over every MoE layer: with pipeline parallelism, summed over the stages

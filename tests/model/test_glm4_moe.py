@@ -10,6 +10,7 @@ tests/model/test_moe_families.py; router replay: test_router_replay.py; TP, EP, 
 test_sequence_parallel.py, test_router_replay.py, tests/training/test_cross_rank_exactness.py."""
 
 import copy
+import importlib
 import json
 import logging
 import os
@@ -182,13 +183,14 @@ def _hf_logprobs_and_route_counts(hf, batch):
     return logprobs, counts
 
 
-def test_a_step_over_the_mixed_workload_with_dropped_graphs_and_the_expert_bias(hf_dir):
+def test_a_step_over_the_mixed_workload_with_dropped_graphs_and_the_expert_bias(hf_dir, monkeypatch):
     """A GRPO group, a step-wise chain and a branching tree in one batch, micro-batches of 16
     tokens and a KV budget that drops prefix graphs (recomputed): one SGD step (lr 1) moves
     every parameter by minus the per-sample reference gradient, the loss and log-probs are the
     reference's; and with ``moe_router_enable_expert_bias`` the bias moves by megatron's rule
     from the per-sample token counts (a shared token counted once per sample), bit for bit,
-    which counting each tree token once would not give."""
+    which counting each tree token once would not give (nor counting the prefix sharing check's
+    passes before the step)."""
     hf = load_hf_model(hf_dir)
     batch = cross_rank_batch("mixed", vocab_size=256)
     ref_loss, ref_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
@@ -196,15 +198,27 @@ def test_a_step_over_the_mixed_workload_with_dropped_graphs_and_the_expert_bias(
     arch = ModelArchitecture.from_hf_dir(hf_dir)
     head = loss_head_peak_bytes(arch.padded_vocab_size(1), 32)
     rate = 0.01
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+    seen = []  # the token counts megatron updates the bias from ([MoE layers, E], summed over ranks)
+
+    def update(tokens, bias, update_rate, update=finalize.get_updated_expert_bias):
+        out = update(tokens, bias, update_rate)
+        seen.append(tokens.clone())
+        return out
+
+    monkeypatch.setattr(finalize, "get_updated_expert_bias", update)
     actor = PolicyActor(hf_dir, ActorConfig(
         device="cpu", micro_batch_tokens=32, kv_cache_budget=150000 + head, loss=LOSS,
         moe_router_enable_expert_bias=True, moe_router_bias_update_rate=rate,
+        check_sharing_every=1, check_sharing_samples=2,  # (its passes before the step count nothing)
         optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0)))
     try:
         before = actor.state_dict_hf()
         metrics = actor.train_step(batch)
         after = actor.state_dict_hf()
         assert metrics["tokens_recomputed"] > 0 and metrics["kv_hit_rate"] > 0  # mechanism 2, graphs dropped
+        assert metrics["sharing_check"]["passed"]
         assert metrics["tokens_computed"] < batch.num_tokens
         assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
         for lp, ref in zip(metrics["logprobs"], ref_logprobs):
@@ -217,6 +231,7 @@ def test_a_step_over_the_mixed_workload_with_dropped_graphs_and_the_expert_bias(
             torch.testing.assert_close(after[name], before[name] - grad, rtol=0, atol=atol,
                                        msg=lambda m, name=name: f"{name}: {m}")
         # the expert bias: megatron's update (get_updated_expert_bias) of the per-sample counts
+        assert len(seen) == 1 and torch.equal(seen[0], counts)
         offset = counts.sum(dim=-1, keepdim=True) / counts.shape[-1] - counts
         for row, layer in enumerate(arch.moe_layers):
             name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
