@@ -4,8 +4,10 @@ Supported: the families registered in :mod:`megatron_psrl.model.families`, one b
 Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 (dense decoder-only, GQA, RoPE, RMSNorm, SwiGLU, tied
 or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm), and the mixture-of-experts
 families Qwen3-MoE (Qwen3 attention, every layer a top-k mixture of SwiGLU experts), Qwen2-MoE
-(Qwen2 attention, routed experts plus a sigmoid-gated shared expert) and Mixtral (Mistral
-attention, top-k of softmax renormalised; docs/moe.md). Anything else (other MoE families,
+(Qwen2 attention, routed experts plus a sigmoid-gated shared expert), Mixtral (Mistral
+attention, top-k of softmax renormalised) and GLM-4.5 (dense first layers, then grouped sigmoid
+routing with an expert bias and a shared expert; docs/moe.md), and the hybrid linear-attention
+families. Anything else (other MoE families,
 LayerNorm models, unknown RoPE scaling, sliding-window layers) is refused with a message naming
 what is unsupported, before any weight is read. This module holds what every family shares
 (the fields, RoPE, the checks); the family's bundle parses its own keys.
@@ -213,7 +215,8 @@ class ModelArchitecture:
 
     model_type: str
     """Hugging Face ``model_type`` of a registered family (:mod:`megatron_psrl.model.families`):
-    ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe`` or ``mixtral``."""
+    ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
+    ``glm4_moe``, the hybrid ``qwen3_next`` / ``qwen3_5*``."""
 
     vocab_size: int
     """Vocabulary size (unpadded)."""

@@ -107,7 +107,8 @@ class ModelFamily(abc.ABC):
     """Full-size architectures by name, randomly initialised (GPU benchmarks; too large for CPU tests)."""
 
     is_moe: ClassVar[bool] = False
-    """Every layer's MLP is a mixture of experts (``ModelArchitecture.num_experts`` is set)."""
+    """The MLPs are mixtures of experts (``ModelArchitecture.num_experts`` is set), all but
+    those of ``ModelArchitecture.dense_mlp_layers``."""
 
     has_linear_attention: ClassVar[bool] = False
     """Some layers' token mixer is linear attention (``ModelArchitecture.layer_types``)."""

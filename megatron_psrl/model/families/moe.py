@@ -1,5 +1,7 @@
-"""The mixture-of-experts MLP of a family: every layer a top-k softmax router over SwiGLU
-experts, optionally with a gated shared expert (docs/moe.md).
+"""The mixture-of-experts MLP of a family: a top-k softmax router over SwiGLU experts,
+optionally with a gated shared expert, in every layer (docs/moe.md); or, for the families of
+:mod:`.grouped_routing`, a grouped sigmoid router with an expert bias and an ungated shared
+expert, after dense first layers (``ModelArchitecture.dense_mlp_layers``).
 
 :class:`MoEFamily` goes before the family's attention bundle in the bases
 (``class Qwen3MoeFamily(MoEFamily, Qwen3Family)``) and replaces its dense MLP: the MoE
@@ -19,8 +21,8 @@ if TYPE_CHECKING:
 
 
 class MoEFamily(LlamaLikeFamily):
-    """A Llama-like decoder whose every MLP is megatron's ``MoELayer``. Subclasses parse their
-    config's MoE fields (:meth:`hf_mlp_fields`)."""
+    """A Llama-like decoder whose MLPs are megatron's ``MoELayer`` (but those of
+    ``dense_mlp_layers``). Subclasses parse their config's MoE fields (:meth:`hf_mlp_fields`)."""
 
     is_moe = True
 
