@@ -155,9 +155,11 @@ class _StageReads:
     def local_arch(self, **widths) -> ModelArchitecture:
         """The architecture of the stage's layers alone, whose adapter names them from 0
         (``widths``: a tensor-parallel rank's head counts and FFN width)."""
-        types = self.arch.layer_types
-        local_types = list(types[self.offset:self.offset + self.count]) if types else None
-        return dataclasses.replace(self.arch, num_layers=self.count, layer_types=local_types, **widths)
+        a, lo, hi = self.arch, self.offset, self.offset + self.count
+        local_types = list(a.layer_types[lo:hi]) if a.layer_types else None
+        dense = [i - lo for i in a.dense_mlp_layers if lo <= i < hi]  # numbered as the stage's layers
+        return dataclasses.replace(a, num_layers=self.count, layer_types=local_types, dense_mlp_layers=dense,
+                                   **widths)
 
     def layer_tensor(self, name: str) -> Optional[Tuple[str, str]]:
         """``(global name, suffix after the layer index)`` of a stage-local layer tensor's HF
@@ -212,9 +214,11 @@ def _layer_slice(reader, full_name: str, suffix: str, shape, heads: Tuple[int, i
         return reader.get_slice(full_name, 0, *block, shape)
     if suffix == "mlp.down_proj.weight":
         return reader.get_slice(full_name, 1, *block, shape)
-    if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
+    # the shared expert (Qwen2-MoE ``shared_expert``; GLM-4.5 / DeepSeek-V3 ``shared_experts``)
+    if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                  "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"):
         return reader.get_slice(full_name, 0, *shared, shape)
-    if suffix == "mlp.shared_expert.down_proj.weight":
+    if suffix in ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.down_proj.weight"):
         return reader.get_slice(full_name, 1, *shared, shape)
     return reader.get(full_name, shape)
 
@@ -381,6 +385,7 @@ def load_model(
                                  attention_backend), None
     if source.hf_dir:  # only this rank's slices are read
         arch = ModelArchitecture.from_hf_dir(source.hf_dir)
+        log_untrained_mtp(arch, source.hf_dir)
         shards = [hf_rank_state_dict(source.hf_dir, arch, tp_rank, tp, s, split, ep_rank, ep) for s in stages]
     elif source.hf_config is not None:
         arch = ModelArchitecture.from_hf_config(source.hf_config)
@@ -404,6 +409,14 @@ def load_model(
     for chunk, shard in zip(model_chunks(model), shards):
         load_state_into(chunk, shard)
     return arch, model, optimizer_state
+
+
+def log_untrained_mtp(arch: ModelArchitecture, where: str) -> None:
+    """One line saying that ``arch``'s multi-token-prediction layers are not trained (nor
+    built: their tensors are carried through conversions unchanged)."""
+    if arch.mtp_layers:
+        logger.info("%s: %d multi-token-prediction layer(s) not built or trained; conversions carry their tensors "
+                    "through unchanged", where, arch.mtp_layers)
 
 
 def legacy_experts(ckpt_dir: str, info: CheckpointInfo, shard: Dict[str, Tensor], ep_rank: int,

@@ -236,7 +236,14 @@ def moe_overrides(config: ActorConfig, arch) -> Dict[str, object]:
     """megatron's TransformerConfig fields of the MoE flags (an MoE model), or a refusal of MoE
     flags for a dense model."""
     if arch.is_moe:
+        if config.moe_router_enable_expert_bias and not arch.moe_router_expert_bias:
+            raise ConfigurationError(f"--moe-router-enable-expert-bias: a {arch.model_type} router has no expert bias "
+                                     "(megatron's aux-loss-free balancing biases a sigmoid router's selection: "
+                                     "grouped routing, e.g. glm4_moe; this family routes by softmax)")
         return config.moe_overrides()
+    if config.moe_router_enable_expert_bias:
+        raise ConfigurationError(f"--moe-router-enable-expert-bias applies to mixture-of-experts models; this is a "
+                                 f"dense {arch.model_type} model")
     if config.expert_model_parallel_size > 1 or config.moe_grouped_gemm:
         raise ConfigurationError(f"--expert-model-parallel-size / --moe-grouped-gemm apply to mixture-of-experts "
                                  f"models; this is a dense {arch.model_type} model")
@@ -333,14 +340,16 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
     kv_cache = BlockKVCache(geometry, config.kv_cache_budget)
     group, _ = exchange_group_of(layout)
     router_losses = None
-    if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0):
+    bias_counts = arch.is_moe and config.moe_router_enable_expert_bias  # (weighted per sample, as the losses)
+    if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0 or bias_counts):
         from megatron_psrl.model.moe_losses import RouterLosses
 
-        router_losses = RouterLosses(model, config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
+        router_losses = RouterLosses(model, config.moe_aux_loss_coeff, config.moe_z_loss_coeff,
+                                     expert_bias_counts=bias_counts)
     runner = make_runner(
         model, arch.vocab_size, device, backend, kv_cache, exchange_group=group,
         loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute,
-        # The router losses count every row of every layer: the last layer computes them all.
+        # The router losses (and expert-bias counts) count every row of every layer: the last layer computes them all.
         last_layer_row_skip=config.last_layer_row_skip and router_losses is None,
         overlap_kv_exchange=config.overlap_kv_exchange, router_losses=router_losses,
         # (the heads of trees split between exchange groups travel over it)

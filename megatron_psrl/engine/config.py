@@ -141,9 +141,16 @@ class ActorConfig:
     """MoE models: megatron's grouped-GEMM experts (``--moe-grouped-gemm``; CUDA only)."""
 
     moe_router_enable_expert_bias: bool = False
-    """MoE models: megatron's aux-loss-free load balancing (``--moe-router-enable-expert-bias``):
-    refused, with the reason. megatron applies the expert bias to sigmoid routers only, and every
-    supported family (Qwen3-MoE, Qwen2-MoE, Mixtral) routes by softmax (docs/moe.md)."""
+    """MoE models whose router carries an expert bias (grouped sigmoid routing: GLM-4.5): update
+    it every step with megatron's aux-loss-free balancing rule (``--moe-router-enable-expert-bias``;
+    ``bias += moe_router_bias_update_rate * sign(mean - tokens per expert)``), the tokens counted
+    once per sample as the per-sample run counts them (docs/moe.md). Off: the bias is loaded and
+    used for selection, and stays as loaded. Refused for a model without such a bias (softmax
+    routers: Qwen-MoE, Mixtral)."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """MoE models: the expert bias's step with ``moe_router_enable_expert_bias``
+    (``--moe-router-bias-update-rate``; Megatron-LM's default)."""
 
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
@@ -269,10 +276,8 @@ class ActorConfig:
                    "samples) would change every route" if self.moe_router_load_balancing_type == "sinkhorn" else "")
             raise ConfigurationError(f"--moe-router-load-balancing-type must be one of {MOE_LOAD_BALANCING_TYPES}, "
                                      f"got {self.moe_router_load_balancing_type!r}{why}")
-        if self.moe_router_enable_expert_bias:
-            raise ConfigurationError("--moe-router-enable-expert-bias is not supported: megatron's aux-loss-free "
-                                     "expert bias needs a sigmoid router score function, and every supported "
-                                     "mixture-of-experts family (Qwen3-MoE, Qwen2-MoE, Mixtral) routes by softmax")
+        if self.moe_router_bias_update_rate < 0:
+            raise ConfigurationError(f"moe_router_bias_update_rate must be >= 0, got {self.moe_router_bias_update_rate}")
         if self.expert_tensor_parallel_size != 1:
             raise ConfigurationError(f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not "
                                      "supported yet (experts run whole on every rank that holds them: 1)")
@@ -302,11 +307,15 @@ class ActorConfig:
         return dict(out, deterministic_mode=True) if self.deterministic else out
 
     def moe_overrides(self) -> dict:
-        """megatron TransformerConfig fields of the MoE flags (used for MoE models only)."""
+        """megatron TransformerConfig fields of the MoE flags (used for MoE models only; the
+        expert-bias update only for a model whose router has the bias)."""
         # (megatron's own router losses stay off: megatron_psrl.model.moe_losses computes them weighted)
-        return dict(moe_token_dispatcher_type=self.moe_token_dispatcher_type, moe_aux_loss_coeff=0.0,
-                    moe_router_load_balancing_type=self.moe_router_load_balancing_type,
-                    moe_grouped_gemm=self.moe_grouped_gemm)
+        out = dict(moe_token_dispatcher_type=self.moe_token_dispatcher_type, moe_aux_loss_coeff=0.0,
+                   moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+                   moe_grouped_gemm=self.moe_grouped_gemm)
+        if self.moe_router_enable_expert_bias:
+            out["moe_router_bias_update_rate"] = self.moe_router_bias_update_rate
+        return out
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -322,10 +322,15 @@ class Engine:
         return outcome
 
     def zero_grad(self) -> None:
+        """Gradients zeroed for a new step; so are the token counts of the expert bias's update
+        (a sharing check's passes count nothing for the step)."""
         if self.optimizer is None:
             self.model.zero_grad(set_to_none=True)
         else:
             self.optimizer.zero_grad()
+        router_losses = getattr(self.runner, "router_losses", None)
+        if router_losses is not None:
+            router_losses.zero_expert_bias_counts()
 
     # ------------------------------------------------------------------ log-probs
     def compute_logprobs(self, batch: SampleBatch, with_entropy: bool = False):

@@ -4,8 +4,10 @@ Supported: the families registered in :mod:`megatron_psrl.model.families`, one b
 Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 (dense decoder-only, GQA, RoPE, RMSNorm, SwiGLU, tied
 or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm), and the mixture-of-experts
 families Qwen3-MoE (Qwen3 attention, every layer a top-k mixture of SwiGLU experts), Qwen2-MoE
-(Qwen2 attention, routed experts plus a sigmoid-gated shared expert) and Mixtral (Mistral
-attention, top-k of softmax renormalised; docs/moe.md). Anything else (other MoE families,
+(Qwen2 attention, routed experts plus a sigmoid-gated shared expert), Mixtral (Mistral
+attention, top-k of softmax renormalised) and GLM-4.5 (dense first layers, then grouped sigmoid
+routing with an expert bias and a shared expert; docs/moe.md), and the hybrid linear-attention
+families. Anything else (other MoE families,
 LayerNorm models, unknown RoPE scaling, sliding-window layers) is refused with a message naming
 what is unsupported, before any weight is read. This module holds what every family shares
 (the fields, RoPE, the checks); the family's bundle parses its own keys.
@@ -213,7 +215,8 @@ class ModelArchitecture:
 
     model_type: str
     """Hugging Face ``model_type`` of a registered family (:mod:`megatron_psrl.model.families`):
-    ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe`` or ``mixtral``."""
+    ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
+    ``glm4_moe``, the hybrid ``qwen3_next`` / ``qwen3_5*``."""
 
     vocab_size: int
     """Vocabulary size (unpadded)."""
@@ -287,6 +290,32 @@ class ModelArchitecture:
     """The shared expert's output is scaled by ``sigmoid(x . w)``, ``w`` a ``[1, h]`` weight
     (Qwen2-MoE ``mlp.shared_expert_gate``; megatron ``moe_shared_expert_gate``)."""
 
+    moe_router_score_function: str = "softmax"
+    """How the router scores experts: ``softmax`` (Qwen-MoE, Mixtral) or ``sigmoid`` (each
+    expert's ``sigmoid(logit)``, the top k renormalised: DeepSeek-V3, GLM-4.5; megatron
+    ``moe_router_score_function``)."""
+
+    moe_router_num_groups: Optional[int] = None
+    """Grouped routing (``n_group``): the experts split into this many equal groups, and a token
+    picks its top k among the experts of its ``moe_router_group_topk`` best groups (a group's
+    score: the sum of its two best experts' scores). None: no group limit."""
+
+    moe_router_group_topk: Optional[int] = None
+    """Groups a token's experts are picked from (``topk_group``); None: no group limit."""
+
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """The routing weights are multiplied by this (``routed_scaling_factor``); None: by 1."""
+
+    moe_router_expert_bias: bool = False
+    """The router adds a per-expert bias (``e_score_correction_bias``, fp32) to the scores it
+    selects experts by, not to the routing weights (aux-loss-free balancing; megatron
+    ``moe_router_enable_expert_bias``, its ``expert_bias`` buffer)."""
+
+    dense_mlp_layers: List[int] = field(default_factory=list)
+    """0-based indices of the layers of an MoE model whose MLP is a dense SwiGLU of
+    ``ffn_hidden_size`` (``first_k_dense_replace``: the first k; megatron ``moe_layer_freq``);
+    every other layer's MLP is the mixture of experts."""
+
     layer_types: Optional[List[str]] = None
     """Each layer's token mixer, ``full_attention`` or ``linear_attention`` (Qwen3-Next /
     Qwen3.5 ``layer_types``); None: every layer is softmax attention."""
@@ -358,16 +387,42 @@ class ModelArchitecture:
         if (self.num_experts is not None) != self.family.is_moe:
             raise UnsupportedModelError(f"model type {self.model_type!r} with num_experts={self.num_experts}")
         if self.is_moe:
-            if not self.moe_ffn_hidden_size or self.moe_ffn_hidden_size <= 0:
-                raise UnsupportedModelError(f"moe_intermediate_size must be positive, got {self.moe_ffn_hidden_size}")
-            if not 1 <= self.moe_router_topk <= self.num_experts:
-                raise UnsupportedModelError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                                            f"got {self.moe_router_topk}")
-            shared = self.moe_shared_expert_ffn_hidden_size
-            if shared is not None and shared <= 0:
-                raise UnsupportedModelError(f"shared_expert_intermediate_size must be positive, got {shared}")
-            if self.moe_shared_expert_gate and shared is None:
-                raise UnsupportedModelError("a shared-expert gate without a shared expert (shared_expert_intermediate_size)")
+            self._check_moe()
+        elif self.dense_mlp_layers:
+            raise UnsupportedModelError("dense_mlp_layers of a model without mixture-of-experts layers")
+
+    def _check_moe(self) -> None:
+        if not self.moe_ffn_hidden_size or self.moe_ffn_hidden_size <= 0:
+            raise UnsupportedModelError(f"moe_intermediate_size must be positive, got {self.moe_ffn_hidden_size}")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise UnsupportedModelError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                        f"got {self.moe_router_topk}")
+        shared = self.moe_shared_expert_ffn_hidden_size
+        if shared is not None and shared <= 0:
+            raise UnsupportedModelError(f"shared_expert_intermediate_size must be positive, got {shared}")
+        if self.moe_shared_expert_gate and shared is None:
+            raise UnsupportedModelError("a shared-expert gate without a shared expert (shared_expert_intermediate_size)")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"router score function {self.moe_router_score_function!r}: softmax or "
+                                        "sigmoid")
+        if self.moe_router_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise UnsupportedModelError("a router expert bias (e_score_correction_bias) needs the sigmoid score "
+                                        "function")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise UnsupportedModelError("grouped routing needs both n_group and topk_group")
+        if groups is not None:
+            if groups < 1 or self.num_experts % groups:
+                raise UnsupportedModelError(f"n_group {groups} must divide n_routed_experts {self.num_experts}")
+            if not 1 <= group_topk <= groups:
+                raise UnsupportedModelError(f"topk_group must be in [1, n_group={groups}], got {group_topk}")
+            if self.moe_router_topk > group_topk * (self.num_experts // groups):
+                raise UnsupportedModelError(f"num_experts_per_tok {self.moe_router_topk} exceeds the experts of "
+                                            f"topk_group {group_topk} groups of {self.num_experts // groups}")
+        dense = self.dense_mlp_layers
+        if len(set(dense)) != len(dense) or any(not 0 <= i < self.num_layers for i in dense):
+            raise UnsupportedModelError(f"dense MLP layers {dense} must be distinct layers of the model's "
+                                        f"{self.num_layers}")
 
     def _check_latent_attention(self) -> None:
         if not self.kv_lora_rank:
@@ -496,6 +551,7 @@ class ModelArchitecture:
         d["rope"] = RopeConfig(**d["rope"])
         if d.get("layer_types") is not None:
             d["layer_types"] = list(d["layer_types"])
+        d["dense_mlp_layers"] = list(d.get("dense_mlp_layers") or [])
         return cls(**d)
 
     # ------------------------------------------------------------------ derived
@@ -535,8 +591,17 @@ class ModelArchitecture:
 
     @property
     def is_moe(self) -> bool:
-        """Every layer's MLP is a mixture of experts."""
+        """The model's MLPs are mixtures of experts (all but ``dense_mlp_layers``)."""
         return self.num_experts is not None
+
+    @property
+    def moe_layers(self) -> Tuple[int, ...]:
+        """0-based indices of the layers whose MLP is a mixture of experts, in layer order (the
+        routes of router replay are per such layer)."""
+        if not self.is_moe:
+            return ()
+        dense = set(self.dense_mlp_layers)
+        return tuple(i for i in range(self.num_layers) if i not in dense)
 
     @property
     def family(self):
@@ -555,11 +620,23 @@ class ModelArchitecture:
         router and the shared expert), which its FLOPs are proportional to."""
         return self.family.active_mlp_parameters(self)
 
+    def dense_mlp_parameters(self) -> int:
+        """Parameters of a dense SwiGLU MLP of ``ffn_hidden_size`` (a dense layer of an MoE model)."""
+        return 3 * self.hidden_size * self.ffn_hidden_size
+
+    def all_mlp_parameters(self) -> int:
+        """Parameters of every layer's MLP (an MoE model's dense layers counted as such)."""
+        dense = len(self.dense_mlp_layers)
+        return (self.num_layers - dense) * self.mlp_parameters() + dense * self.dense_mlp_parameters()
+
     def active_ffn_hidden_size(self) -> int:
         """The SwiGLU width of a dense MLP with the FLOPs per token of this model's MLP: the
         intermediate size of a dense model; for MoE, its top-k experts' widths plus the router
-        (the cost model counts the experts a token is routed to, not all of them)."""
-        return max(1, round(self.active_mlp_parameters() / (3 * self.hidden_size)))
+        (the cost model counts the experts a token is routed to, not all of them), averaged
+        over the layers when some are dense (``dense_mlp_layers``)."""
+        dense = len(self.dense_mlp_layers)
+        active = (self.num_layers - dense) * self.active_mlp_parameters() + dense * self.dense_mlp_parameters()
+        return max(1, round(active / (self.num_layers * 3 * self.hidden_size)))
 
     @property
     def layer_kinds(self) -> Tuple[str, ...]:
@@ -610,4 +687,4 @@ class ModelArchitecture:
         mixers = sum(self.linear_attention_parameters() if kind == LINEAR_ATTENTION else self.attention_parameters()
                      for kind in self.layer_kinds)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return mixers + self.num_layers * (self.mlp_parameters() + 2 * h) + emb + h
+        return mixers + self.all_mlp_parameters() + self.num_layers * 2 * h + emb + h

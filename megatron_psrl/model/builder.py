@@ -94,5 +94,9 @@ def build_model(
         sync_tied_output_copy(chunk)
         if arch.is_moe and tp > 1:
             sum_expert_gradients_over_expert_data_parallel(chunk)
+        if arch.moe_router_expert_bias:  # (the trainer counts its update's tokens per sample)
+            from megatron_psrl.model.moe import keep_expert_bias_counts_to_the_trainer
+
+            keep_expert_bias_counts_to_the_trainer(chunk)
         chunks.append(chunk.to(device))
     return chunks[0] if virtual_pipeline_size == 1 else PsrlModelChunks(chunks)

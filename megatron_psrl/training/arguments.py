@@ -106,8 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(aux_loss takes effect with --moe-aux-loss-coeff > 0; seq_aux_loss / global_aux_loss with it "
                         "and sinkhorn are refused)")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
-                   help="mixture-of-experts models: megatron's aux-loss-free expert bias (refused: it needs a sigmoid "
-                        "router; the supported families route by softmax)")
+                   help="mixture-of-experts models whose sigmoid router has an expert bias (glm4_moe): update it "
+                        "every step by megatron's aux-loss-free balancing rule, tokens counted once per sample "
+                        "(without the flag the bias stays as loaded; refused for softmax routers)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="the expert bias's step with --moe-router-enable-expert-bias (Megatron-LM's default)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="mixture-of-experts models: megatron's grouped-GEMM experts (CUDA only)")
 

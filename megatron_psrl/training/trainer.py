@@ -337,6 +337,7 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         moe_z_loss_coeff=args.moe_z_loss_coeff, moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_grouped_gemm=args.moe_grouped_gemm, device=args.device, dtype=dtype,
         transformer_impl=args.transformer_impl, attention_backend=args.attention_backend,
         micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,

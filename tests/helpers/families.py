@@ -38,13 +38,15 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
         cfg = dict(tiny_config("debug-deepseek-v3"), q_lora_rank=None, v_head_dim=20, vocab_size=301,
                    tie_word_embeddings=True)
         del cfg["rope_scaling"]
+    elif name == "glm4-moe-qk-norm":  # GLM-4.5 with use_qk_norm: a dense first layer, then grouped routing
+        cfg = dict(tiny_config("debug-glm4-moe"), **dict(_SMALL, vocab_size=256), use_qk_norm=True)
     else:
         raise ValueError(name)
     cfg.update(overrides)
     return cfg
 
 
-FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear")
+FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear", "glm4-moe-qk-norm")
 LATENT_FAMILIES = ("deepseek-v3", "deepseek-v3-q-proj")
 """DeepSeek-V3's latent attention (MLA), with and without the query's latent."""
 
@@ -69,7 +71,7 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
     cfg = AutoConfig.for_model(**config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    qk_norm = cfg.model_type == "qwen3"
+    qk_norm = cfg.model_type == "qwen3" or bool(getattr(cfg, "use_qk_norm", False))
     # latent attention: the query's projection, the keys' up-projection (and values) and the RoPE key
     queries_and_keys = ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_b_proj.weight",
                         "kv_a_proj_with_mqa.weight")
@@ -81,6 +83,9 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
                 p.mul_(qk_gain ** 0.5)
             elif not qk_norm and name.endswith(queries_and_keys):
                 p.mul_(qk_gain ** 0.5)
+        for name, b in model.named_buffers():  # a router's expert bias (GLM-4.5, DeepSeek-V3): selection only
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     if dtype is not None:
         model = model.to(dtype)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)

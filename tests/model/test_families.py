@@ -36,14 +36,16 @@ HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5
 """Qwen3-Next and Qwen3.5 (tests/model/test_hybrid_families.py)."""
 LATENT = ("deepseek_v3",)
 """DeepSeek-V3's latent attention (tests/model/test_deepseek.py); Kimi K2's ``kimi_k2`` is its alias."""
+GROUPED = ("glm4_moe",)
+"""Grouped sigmoid routing (tests/model/test_glm4_moe.py)."""
 DEBUG_CONFIGS = [(f.model_type, name) for f in registered_families() for name in f.tiny_configs]
 
 
 def test_registry_lists_the_families_in_order():
-    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS + LATENT
-    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS + LATENT + ("kimi_k2",)
+    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS + LATENT + GROUPED
+    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS + LATENT + ("kimi_k2",) + GROUPED
     assert architecture.MOE_MODEL_TYPES == ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe_text",
-                                            "qwen3_5_moe")
+                                            "qwen3_5_moe", "glm4_moe")
     for family in registered_families():
         assert isinstance(family, ModelFamily)
         assert get_family(family.model_type) is family
@@ -55,7 +57,8 @@ def test_tiny_module_is_a_view_of_the_bundles():
     dense = {n: c for f in plain if not f.is_moe for n, c in f.tiny_configs.items()}
     moe = {n: c for f in plain if f.is_moe for n, c in f.tiny_configs.items()}
     assert TINY_CONFIGS == dense and MOE_CONFIGS == moe
-    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "deepseek-v3-class"}
+    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "deepseek-v3-class",
+                                  "glm-4.5-air-class"}
     assert set(get_family("qwen2").shape_configs) == {"qwen2.5-1.5b-shape"}
 
 

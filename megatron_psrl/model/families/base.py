@@ -86,6 +86,9 @@ class LayerSpecChoices:
     """The token mixer is latent attention (megatron's ``MLASelfAttention``, built as the project's
     :class:`~megatron_psrl.model.latent_attention.TreeMLASelfAttention`); with ``qk_layernorm``
     its latents' RMSNorms."""
+    dense_mlp_layers: Tuple[int, ...] = ()
+    """0-based indices of the layers of an MoE model built with a dense MLP (megatron's
+    ``moe_layer_freq`` 0); the others get ``num_experts``' MoE layer."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ class ModelFamily(abc.ABC):
     """Full-size architectures by name, randomly initialised (GPU benchmarks; too large for CPU tests)."""
 
     is_moe: ClassVar[bool] = False
-    """Every layer's MLP is a mixture of experts (``ModelArchitecture.num_experts`` is set)."""
+    """The MLPs are mixtures of experts (``ModelArchitecture.num_experts`` is set), all but
+    those of ``ModelArchitecture.dense_mlp_layers``."""
 
     has_linear_attention: ClassVar[bool] = False
     """Some layers' token mixer is linear attention (``ModelArchitecture.layer_types``)."""
@@ -272,7 +276,8 @@ class LlamaLikeFamily(ModelFamily):
           a kept graph does not hold that whole buffer); with Qwen3's q/k norms the key norm's
           input is a view of it, which keeps the fused QKV output, (np + 2 ng) hd / tp, instead;
         - the query after RoPE and the attention output: 2 np hd / tp; the key after RoPE: ng hd / tp;
-        - RoPE's cos and sin for queries and keys: 4 hd;
+        - RoPE's cos and sin for queries and keys: 4 r, ``r`` the rotated width (``hd``; partial
+          RoPE: ``partial_rotary_factor * hd``);
         - Qwen3's per-head q/k norms: the query's input and normalised input in fp32 (2 np hd / tp);
           the key's normalised input, and its input where the cast to fp32 copies it (a view of
           the fused QKV output in fp32): (1 or 2) ng hd / tp;
@@ -287,7 +292,8 @@ class LlamaLikeFamily(ModelFamily):
         fp32 = FP32_BYTES
         norms = 2 * (2 * h * fp32 + h * b)
         value = (q + 2 * kv if arch.qk_norm else kv) * b
-        attention = value + 4 * hd * b + self.attention_saved_bytes_per_token(arch, tp, b)
+        rotated = 2 * ((int(hd * arch.rope.partial_rotary_factor) + 1) // 2)  # (RopeConfig.inv_freq's width x 2)
+        attention = value + 4 * rotated * b + self.attention_saved_bytes_per_token(arch, tp, b)
         qk_norms = 2 * q * fp32 + (1 if b == fp32 else 2) * kv * fp32 if arch.qk_norm else 0
         mlp = self.mlp_saved_bytes_per_token(arch, tp, b)
         stats = fp32 * (2 + ((q + kv) // hd if arch.qk_norm else 0))
