@@ -47,9 +47,10 @@ from megatron_psrl.engine.runners import make_runner
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
-from megatron_psrl.model.logits import loss_head_peak_bytes
-from megatron_psrl.model.stages import pipeline_layer_counts, virtual_pipeline_size
+from megatron_psrl.model.logits import chunk_rows, loss_head_peak_bytes
+from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts, virtual_pipeline_size
 from megatron_psrl.schedule.memory import activation_bytes_per_token
+from megatron_psrl.schedule.step_charge import ActivationCharge
 from megatron_psrl.schedule.with_memory import whole_tree_reasons
 
 Log = Callable[[str], None]
@@ -87,8 +88,39 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
         act_bytes=activation_bytes_per_token(arch, tp, torch.tensor([], dtype=config.torch_dtype).element_size()),
         head_bytes=loss_head_peak_bytes(arch.padded_vocab_size(tp) // tp, config.micro_batch_tokens,
                                         int(config.loss_head_chunk_mb * 2**20)),
+        graph_charge=activation_charge(arch, config, layout, vpp, split, runner, grads_in_step=optimizer is None,
+                                       model=model),
         log=say,
     )
+
+
+def _parameter_bytes(model, num_layers: int) -> Tuple[int, int, int]:
+    """``(all, one layer's, the input embedding's)`` parameter bytes of this rank's chunks."""
+    total = layers = embedding = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        total += size
+        layers += size if ".layers." in f".{name}" else 0
+        embedding += size if "embedding" in name else 0
+    return total, layers // max(1, num_layers), embedding
+
+
+def activation_charge(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, split, runner: StepRunner,
+                      grads_in_step: bool, model) -> ActivationCharge:
+    """What a micro-batch's graph and loss head hold by its rows (the memory plan's charge):
+    for the largest pipeline stage (every stage plans alike), with the run's recomputation and
+    row skip; the parameters' gradients count in the step when no buffer holds them before it
+    (a log-prob-only engine's ``.grad``; megatron's DDP allocates its buffers at start-up)."""
+    tp = layout.tensor_parallel_size
+    layers = arch.num_layers if layout.pipeline_parallel_size == 1 else max(stage_counts(arch, split)) * vpp
+    grads = _parameter_bytes(model, layers) if grads_in_step else (0, 0, 0)
+    local_vocab = arch.padded_vocab_size(tp) // tp
+    row_skip = runner.last_layer_row_skip and not (config.sequence_parallel and tp > 1)
+    return ActivationCharge.of(arch, tp, torch.tensor([], dtype=config.torch_dtype).element_size(), local_vocab,
+                               chunk_rows(local_vocab, int(config.loss_head_chunk_mb * 2**20)), row_skip=row_skip,
+                               grad_bytes=grads, num_layers=layers,
+                               recompute=(config.recompute_granularity, config.recompute_method,
+                                          config.recompute_num_layers))
 
 
 # ---------------------------------------------------------------------- the steps
