@@ -38,6 +38,7 @@ from megatron_psrl.distributed.setup import (
     gradient_group,
     initialize_parallel,
 )
+from megatron_psrl.engine.budget import free_device_memory, memory_budget_for, resolve_budget
 from megatron_psrl.engine.calibration import MeasuredCosts, calibrate_for_planning
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, cost_model_for, same_layout
@@ -66,6 +67,8 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     notes and warnings go (None: dropped)."""
     say = log or (lambda msg: None)
     layout = process_groups(config, layout)
+    # (the CUDA default budget: the device's free memory before this run's model is on it)
+    budget = resolve_budget(config, layout.device, free_device_memory(layout.device))
     impl = layer_spec(config, layout.device)
     vpp, split = pipeline_split(config, layout, source)
     resume = resume_point(source, layout, vpp, split, load_optimizer and for_training)
@@ -78,9 +81,9 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     # (with an optimizer, the data-parallel reduce may start during a step's last backward)
     backend_name, kv_cache, runner = cache_and_runner(
         config, layout, arch, model, geometry, recompute=bool(overrides), log=say,
-        arm_grad_reduce=optimizer.arm_grad_reduce if optimizer is not None else None)
+        arm_grad_reduce=optimizer.arm_grad_reduce if optimizer is not None else None, kv_limit=budget)
     tp = layout.tensor_parallel_size
-    return Engine(
+    engine = Engine(
         config=config, layout=layout, arch=arch, model=model, optimizer=optimizer, kv_cache=kv_cache, runner=runner,
         geometry=geometry, plan_geometry=plan_geometry, flop_model=flop_model, measured=measured,
         placement=placement, backend_name=backend_name, transformer_impl=impl, pipeline_split=split,
@@ -92,6 +95,8 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
                                        model=model),
         log=say,
     )
+    engine.memory_budget = memory_budget_for(engine, budget)
+    return engine
 
 
 def _parameter_bytes(model, num_layers: int) -> Tuple[int, int, int]:
@@ -346,10 +351,12 @@ def attention_backend_name(config: ActorConfig, device: torch.device) -> str:
 
 
 def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
-                     recompute: bool, log: Log, arm_grad_reduce=None) -> Tuple[str, BlockKVCache, StepRunner]:
+                     recompute: bool, log: Log, arm_grad_reduce=None,
+                     kv_limit: Optional[int] = None) -> Tuple[str, BlockKVCache, StepRunner]:
     """``(attention backend, KV cache, step runner)``: the pipeline runner with PP > 1, built
     complete (``arm_grad_reduce``: the optimizer's, when a step's last backward may start the
-    data-parallel reduce)."""
+    data-parallel reduce; ``kv_limit``: the cache's limit, ``--memory-budget`` when one is set,
+    else ``--kv-cache-budget``)."""
     device = layout.device
     backend = None if config.attention_backend == "auto" else config.attention_backend
     backend_name = attention_backend_name(config, device)
@@ -358,7 +365,7 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
         log("note: flash-attn is not installed, so tree attention runs the torch backend with PyTorch's fused "
             "memory-efficient attention (checked against the reference math at first use); pip install "
             "flash-attn, or --attention-backend te with Transformer Engine, for the varlen kernels")
-    kv_cache = BlockKVCache(geometry, config.kv_cache_budget)
+    kv_cache = BlockKVCache(geometry, kv_limit or config.kv_cache_budget)
     group, _ = exchange_group_of(layout)
     router_losses = None
     if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0):

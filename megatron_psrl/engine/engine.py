@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_psrl.compat import install_cpu_recompute_shims
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.distributed.setup import ParallelLayout, exchange_group_of, gradient_group
+from megatron_psrl.engine.budget import MemoryBudget, budget_metrics, plan_under_budget
 from megatron_psrl.engine.calibration import MeasuredCosts
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.logprobs import per_sample_logprobs, per_sample_values, run_logprobs
@@ -163,6 +164,10 @@ class Engine:
     """What a micro-batch's graph, loss head and the step's gradients hold by its rows (the
     memory plans' charge; None: ``act_bytes`` per token and ``head_bytes`` at every step)."""
 
+    memory_budget: Optional["MemoryBudget"] = None
+    """``--memory-budget`` and what fills it (:mod:`megatron_psrl.engine.budget`); None: every
+    step planned with the configured budgets."""
+
     log: Callable[[str], None] = field(default=lambda msg: None, repr=False)
     """Where notes and warnings go."""
 
@@ -182,17 +187,21 @@ class Engine:
         backward; recomputation re-reads cached prefixes)."""
         return self.memory_settings_for()
 
-    def memory_settings_for(self, entropy: bool = False, step_budget: Optional[int] = None,
-                            offload: bool = False) -> MemorySettings:
+    def memory_settings_for(self, entropy: bool = False, step_budget: Optional[int] = None, offload: bool = False,
+                            recompute: Optional[Tuple[Optional[str], Optional[str], Optional[int]]] = None
+                            ) -> MemorySettings:
         """:attr:`memory_settings` of a step whose loss head computes the entropy, or not; with
         ``step_budget``, the step's own peak must fit it (``--memory-budget``: the KV plan's own
-        limit is then the cache's, the memory budget) and ``offload`` prices host offload."""
+        limit is then the cache's, the memory budget); ``offload`` prices host offload;
+        ``recompute``: megatron's recomputation setting the step would run with (default: now's)."""
+        recompute = recompute or self.recompute_setting
         step = None
         if self.graph_charge is not None:
-            step = StepCharge(dataclasses.replace(self.charge, entropy=entropy), step_budget, offload)
+            charge = self._charge_for(recompute)
+            step = StepCharge(dataclasses.replace(charge, entropy=entropy), step_budget, offload)
         budget = self.config.kv_cache_budget if step_budget is None else self.kv_cache.budget_bytes
         return MemorySettings(self.plan_geometry, budget, self.act_bytes,
-                              rereads=self.recompute, gathers_in_backward=self.backend_name == "torch",
+                              rereads=recompute[0] is not None, gathers_in_backward=self.backend_name == "torch",
                               head_bytes=self.head_bytes if step_budget is None else 0, varlen=self.varlen_charge,
                               step=step)
 
@@ -225,11 +234,11 @@ class Engine:
     @property
     def charge(self) -> Optional[ActivationCharge]:
         """:attr:`graph_charge` under the model's recomputation setting now."""
-        if self.graph_charge is None:
-            return None
+        return self._charge_for(self.recompute_setting) if self.graph_charge is not None else None
+
+    def _charge_for(self, recompute: Tuple[Optional[str], Optional[str], Optional[int]]) -> ActivationCharge:
         dtype_bytes = torch.tensor([], dtype=self.config.torch_dtype).element_size()
-        return self.graph_charge.with_recompute(*self.recompute_setting, self.arch, self.layout.tensor_parallel_size,
-                                                dtype_bytes)
+        return self.graph_charge.with_recompute(*recompute, self.arch, self.layout.tensor_parallel_size, dtype_bytes)
 
     def predicted_step_peak(self, plan: StepPlan, memory: Optional[MemoryPlan], entropy: bool = False) -> int:
         """The memory plan's prediction of this rank's step peak above the weights (and above
@@ -279,12 +288,16 @@ class Engine:
         tree = build_prefix_tree(batch)
         t1 = time.perf_counter()
         wanted = prefix_sharing or self.config.prefix_sharing
-        plan, memories, mode = plan_with_memory(tree, self.planner_config(wanted, micro_batch_tokens),
-                                                self.memory_settings_for(entropy))
+        if self.memory_budget is not None:
+            plan, memories, mode, _ = plan_under_budget(self, tree, wanted, micro_batch_tokens, entropy)
+        else:
+            plan, memories, mode = plan_with_memory(tree, self.planner_config(wanted, micro_batch_tokens),
+                                                    self.memory_settings_for(entropy))
         if times is not None:
             times.update(tree=t1 - t0, plan=time.perf_counter() - t1)
         if mode != wanted:
-            self.log("warning: the cached prefixes do not fit --kv-cache-budget; duplicating them this step")
+            budget = "--memory-budget" if self.memory_budget is not None else "--kv-cache-budget"
+            self.log(f"warning: the cached prefixes do not fit {budget}; duplicating them this step")
         return tree, plan, memories[self.layout.placement_rank], mode
 
     # ------------------------------------------------------------------ a step
@@ -341,6 +354,8 @@ class Engine:
         if "ratio_clamped" in metrics:
             metrics["ratio_clamped"] = int(metrics["ratio_clamped"])
         metrics.update(plan_metrics(plan, self.geometry, self.measured))
+        if self.memory_budget is not None and self.memory_budget.last is not None:
+            metrics["memory_plan"] = budget_metrics(self.memory_budget)
         if self.layout.pipeline_parallel_size > 1:
             metrics.update(pipeline_bubble=self.runner.last_bubble, pipeline_schedule=self.runner.last_schedule)
         aliases = token_aliases(plan.head_sends)

@@ -553,6 +553,11 @@ def _drop_until_fits(timelines: _Timelines, producers, keep, forward_at, backwar
                                            -timelines.plans[rank].micro_batches[p].num_tokens, -p))
         keep[victim] = False
         held = timelines(keep)
+    if timelines.step_budget is not None and not timelines.fits(held):
+        # (greedy drops are not always the least: a recomputing reader re-reads its prefixes later)
+        dropped = {p: False for p in producers}
+        if timelines.fits(timelines(dropped)):
+            return dropped
     return keep
 
 

@@ -15,8 +15,8 @@ import os
 import sys
 
 import torch
-from helpers.torchrun import REPO_ROOT
 
+from helpers.torchrun import REPO_ROOT
 from megatron_psrl.checkpoint import ModelSource
 from megatron_psrl.data import make_mixed, make_tree_rollouts
 from megatron_psrl.engine.config import ActorConfig
