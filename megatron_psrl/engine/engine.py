@@ -191,15 +191,17 @@ class Engine:
                             recompute: Optional[Tuple[Optional[str], Optional[str], Optional[int]]] = None
                             ) -> MemorySettings:
         """:attr:`memory_settings` of a step whose loss head computes the entropy, or not; with
-        ``step_budget``, the step's own peak must fit it (``--memory-budget``: the KV plan's own
-        limit is then the cache's, the memory budget); ``offload`` prices host offload;
+        ``step_budget``, the step's own peak must fit it (``--memory-budget``: the KV plan has no
+        limit of its own then); ``offload`` prices host offload;
         ``recompute``: megatron's recomputation setting the step would run with (default: now's)."""
         recompute = recompute or self.recompute_setting
         step = None
         if self.graph_charge is not None:
             charge = self._charge_for(recompute)
             step = StepCharge(dataclasses.replace(charge, entropy=entropy), step_budget, offload)
-        budget = self.config.kv_cache_budget if step_budget is None else self.kv_cache.budget_bytes
+        # (under --memory-budget the step's own timeline is the limit; the cache's pools stay within
+        # the cache's limit, the memory budget, which BlockKVCache checks)
+        budget = self.config.kv_cache_budget if step_budget is None else 1 << 62
         return MemorySettings(self.plan_geometry, budget, self.act_bytes,
                               rereads=recompute[0] is not None, gathers_in_backward=self.backend_name == "torch",
                               head_bytes=self.head_bytes if step_budget is None else 0, varlen=self.varlen_charge,
