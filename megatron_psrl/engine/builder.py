@@ -120,7 +120,9 @@ def activation_charge(arch, config: ActorConfig, layout: ParallelLayout, vpp: in
     layers = arch.num_layers if layout.pipeline_parallel_size == 1 else max(stage_counts(arch, split)) * vpp
     grads = _parameter_bytes(model, layers) if grads_in_step else (0, 0, 0)
     local_vocab = arch.padded_vocab_size(tp) // tp
-    row_skip = runner.last_layer_row_skip and not (config.sequence_parallel and tp > 1)
+    # (the largest stage is charged: only the last one's last layer skips rows)
+    row_skip = (runner.last_layer_row_skip and not (config.sequence_parallel and tp > 1)
+                and layout.pipeline_parallel_size == 1)
     return ActivationCharge.of(arch, tp, torch.tensor([], dtype=config.torch_dtype).element_size(), local_vocab,
                                chunk_rows(local_vocab, int(config.loss_head_chunk_mb * 2**20)), row_skip=row_skip,
                                grad_bytes=grads, num_layers=layers,

@@ -205,12 +205,20 @@ def _least_recompute(evaluate: Evaluate, base: Lever, max_layers: int, room: int
 
 
 def choose(evaluate: Evaluate, budget_bytes: int, static: StaticMemory, micro_batch_tokens: Sequence[int],
-           max_recompute_layers: int = 0, offload: bool = False, margin: float = PLAN_MARGIN) -> Outcome:
+           max_recompute_layers: int = 0, offload: bool = False, margin: float = PLAN_MARGIN,
+           unbeatable: Optional[Callable[[Outcome], bool]] = None) -> Outcome:
     """The fitting lever of least predicted time (ties: the larger micro-batches, no offload, the
-    lower peak), or :class:`MemoryBudgetError` naming the smallest budget that fits."""
+    lower peak), or :class:`MemoryBudgetError` naming the smallest budget that fits.
+    ``unbeatable(outcome)``: the first lever (the largest micro-batches, nothing recomputed, no
+    offload) fits with nothing recomputed or duplicated either, so no other lever can be faster
+    (each does as much work in at least as many micro-batches): chosen without the others."""
     room = step_budget(budget_bytes, static, margin)
     seen: List[Outcome] = []
     fitting = []
+    if room > 0 and unbeatable is not None:
+        first = evaluate(Lever(micro_batch_tokens[0]), room)
+        if first.fits and unbeatable(first):
+            return first
     if room > 0:
         for tokens in micro_batch_tokens:
             for off in ((False, True) if offload else (False,)):

@@ -299,15 +299,19 @@ class _Stream:
         copies = (tables.running_reads[i] if runs else 0) + tables.attention.get(i, 0)
         self.rows["blocks"].append(self.blocks)
         self.rows["other"].append(self.graphs + copies + tables.head_bytes)
-        graphs, sources = self._touched(t) if tables.offload else (set(self.kept), set(self.held))
+        own = copies + tables.running(i, kind, self.grads)
+        if not tables.offload:  # everything alive is on the device
+            self.rows["device"].append(self.blocks)
+            self.rows["step"].append(sum(self.kept.values()) + own)
+            return
+        graphs, sources = self._touched(t)
         device = sum((self.held[s][r] for s in sources & set(self.held) for r in self.held[s]), self.zero)
         moved = (self.on_device[1] ^ sources) & set(self.held)  # (left, or back for the next step)
         self.rows["moved_blocks"].append(sum((self.held[s][r] for s in moved for r in self.held[s]), self.zero))
         self.rows["moved"].append(sum(self.kept[g] for g in (self.on_device[0] ^ graphs) & set(self.kept)))
         self.on_device = (graphs, sources)
         self.rows["device"].append(device)
-        on = sum(b for g, b in self.kept.items() if g in graphs)
-        self.rows["step"].append(on + copies + tables.running(i, kind, self.grads))
+        self.rows["step"].append(sum(b for g, b in self.kept.items() if g in graphs) + own)
 
 
 def _count(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", geometry: KVGeometry) -> _Counts:
@@ -348,6 +352,8 @@ def _count(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", geomet
     pools = len(geometry.pools)
     as_blocks = lambda rows: np.asarray(rows, dtype=np.int64).reshape(len(rows), pools)  # noqa: E731
     r = state.rows
+    if not tables.offload:  # (nothing moves)
+        r["moved_blocks"], r["moved"] = [state.zero] * len(steps), [0] * len(steps)
     return _Counts(as_blocks(r["blocks"]), np.asarray(r["other"], dtype=np.int64), np.asarray(r["step"], dtype=np.int64),
                    as_blocks(r["device"]), as_blocks(r["moved_blocks"]), np.asarray(r["moved"], dtype=np.int64))
 

@@ -13,6 +13,7 @@ from helpers.step_memory import measured_step, peer_actor, small_workloads
 from helpers.tolerance import rounding_tolerance
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
+from megatron_psrl.data import make_grpo
 from megatron_psrl.data.loader import samples_from_dicts
 from megatron_psrl.engine.budget import evaluate_lever
 from megatron_psrl.engine.memory import heap_bytes_in_use
@@ -31,8 +32,15 @@ def _smallest_budget(actor, batch) -> int:
     return int(str(refused.value).split("smallest budget that fits is ")[1].split(" ")[0])
 
 
-def test_a_budget_no_plan_fits_is_refused_before_the_step_and_the_named_one_plans():
-    actor = peer_actor(memory_budget=UNLIMITED)
+@pytest.fixture(scope="module")
+def peer():
+    """One actor on the bench_peers model for the tests below (each sets its budget)."""
+    return peer_actor(memory_budget=UNLIMITED)
+
+
+def test_a_budget_no_plan_fits_is_refused_before_the_step_and_the_named_one_plans(peer):
+    actor = peer
+    actor.zero_grad()
     batch = small_workloads()["grpo-256x4x256"]
     smallest = _smallest_budget(actor, batch)
     actor.engine.memory_budget.budget_bytes = smallest - 1
@@ -50,11 +58,12 @@ def test_weights_alone_over_the_budget_are_refused_at_start_up():
         peer_actor(memory_budget=1 << 20)
 
 
-def test_one_log_line_per_step_says_what_was_chosen():
+def test_one_log_line_per_step_says_what_was_chosen(peer):
     lines = []
-    actor = peer_actor(memory_budget=UNLIMITED)
+    actor = peer
+    actor.engine.memory_budget.budget_bytes = UNLIMITED
     actor.engine.log = lines.append
-    batch = small_workloads()["stepwise-4x256"]
+    batch = make_grpo(num_prompts=1, group_size=4, prompt_len=(64, 64), response_len=(32, 32), vocab_size=2048)
     for _ in range(2):
         metrics = actor.forward_backward(batch, return_logprobs=False).metrics
     chosen = [line for line in lines if line.startswith("memory budget")]

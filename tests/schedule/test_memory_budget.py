@@ -126,6 +126,20 @@ def test_a_budget_between_two_plans_picks_the_faster_that_fits():
     assert choose(evaluate, _budget_for(700), STATIC, [4096, 2048], 2, offload=True).lever == Lever(4096, 0, True)
 
 
+def test_a_first_lever_that_needs_nothing_recomputed_is_taken_without_the_others():
+    calls = []
+
+    def evaluate(lever, room):
+        calls.append(lever)
+        return _fake(LEVERS)(lever, room)
+
+    assert choose(evaluate, _budget_for(1000), STATIC, [4096, 2048], 2, unbeatable=lambda o: True).lever == Lever(4096)
+    assert calls == [Lever(4096)]
+    calls.clear()
+    assert choose(evaluate, _budget_for(850), STATIC, [4096, 2048], 2, unbeatable=lambda o: True).lever == Lever(2048)
+    assert len(calls) > 1
+
+
 def test_recomputation_takes_the_fewest_layers_that_fit():
     calls = []
     levers = {(4096, k, False): (1000 - 10 * k, 1.0 + k) for k in range(33)}
