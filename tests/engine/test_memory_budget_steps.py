@@ -109,30 +109,35 @@ def reference(tmp_path_factory):
     return hf_dir, records, batch, loss, grads
 
 
-def _actor(hf_dir):
+def _actor(hf_dir, offload=False):
     return PolicyActor(hf_dir, ActorConfig(
-        device="cpu", micro_batch_tokens=16, memory_budget=UNLIMITED,
+        device="cpu", micro_batch_tokens=16, memory_budget=UNLIMITED, memory_offload=offload,
         optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0),
         loss=LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")))
 
 
-@pytest.mark.parametrize("squeeze", ["one-layer", "leanest"])
+@pytest.mark.parametrize("squeeze", ["one-layer", "leanest", "offload"])
 def test_a_plan_chosen_by_the_budget_equals_the_per_sample_reference(reference, squeeze):
     """A budget that the default plan (every graph kept, nothing recomputed) does not fit: the
-    chosen plan recomputes layers or producer graphs, and one SGD step still equals the
-    per-sample Hugging Face reference (as ``test_recompute.py`` checks for the flags)."""
+    chosen plan recomputes layers or producer graphs (or, priced on CPU where it moves nothing,
+    offloads them), and one SGD step still equals the per-sample Hugging Face reference (as
+    ``test_recompute.py`` checks for the flags)."""
     hf_dir, records, batch, ref_loss, ref_grads = reference
-    actor = _actor(hf_dir)
+    actor = _actor(hf_dir, offload=squeeze == "offload")
     engine, tree = actor.engine, build_prefix_tree(batch)
     peak = {k: evaluate_lever(engine, tree, "tree", Lever(16, k), UNLIMITED, True).peak_bytes for k in (0, 1, 3)}
     assert peak[0] > peak[1] > peak[3]
+    peak["offload"] = evaluate_lever(engine, tree, "tree", Lever(16, 0, True), UNLIMITED, True).peak_bytes
+    assert peak["offload"] < peak[0]
     budget = engine.memory_budget
-    budget.budget_bytes = budget_for(peak[1] if squeeze == "one-layer" else peak[3], budget.static)
+    budget.budget_bytes = budget_for({"one-layer": peak[1], "leanest": peak[3]}.get(squeeze, peak["offload"]),
+                                     budget.static)
     before = actor.state_dict_hf()
     metrics = actor.train_step(records)
     after = actor.state_dict_hf()
     chosen = metrics["memory_plan"]
-    assert chosen["recompute_layers"] > 0 or chosen["dropped_graphs"] > 0, chosen
+    assert chosen["recompute_layers"] > 0 or chosen["dropped_graphs"] > 0 or chosen["host_offload"], chosen
+    assert chosen["host_offload"] == (squeeze == "offload"), chosen
     assert chosen["predicted_peak_bytes"] <= budget.budget_bytes
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in ref_grads.items():
