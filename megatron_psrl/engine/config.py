@@ -169,7 +169,23 @@ class ActorConfig:
     """Token budget of one micro-batch."""
 
     kv_cache_budget: int = 1 << 30
-    """Bytes for cached prefix K/V, their gradients and retained prefix graphs."""
+    """Bytes for cached prefix K/V, their gradients and retained prefix graphs (not used with a
+    ``memory_budget``, which covers them)."""
+
+    memory_budget: Optional[int] = None
+    """Bytes the step may hold on the device, everything counted (``--memory-budget``): weights,
+    gradients, optimizer state, kept graphs, cached K/V and their gradients, the loss head,
+    attention temporaries. The planner fills it for speed, per step: micro-batch budget (at
+    most ``micro_batch_tokens``), keep or recompute per prefix, activation recomputation per
+    layer, host offload (``memory_offload``); a budget no plan fits is refused naming the
+    smallest that would (docs/architecture.md, "One memory budget"). None: on CUDA the
+    device's free memory at start-up less 10% of its total, none on CPU; 0: none."""
+
+    memory_offload: bool = False
+    """With a memory budget, host offload of kept graphs and cached K/V is one of the planner's
+    levers (``--memory-offload``): priced as the bytes moved over the host link, less the
+    compute they overlap. On CPU the copy is a no-op the plan still prices (the memory it
+    frees is not freed); on CUDA refused: not implemented yet."""
 
     prefix_sharing: str = "tree"
     """``tree`` (mechanisms 1 + 2), ``tree-dup`` or ``none`` (the baseline)."""
@@ -240,6 +256,8 @@ class ActorConfig:
         if self.check_sharing_every < 0 or self.check_sharing_samples < 1:
             raise ConfigurationError(f"check_sharing_every must be >= 0 and check_sharing_samples >= 1, got "
                                      f"{self.check_sharing_every} and {self.check_sharing_samples}")
+        if self.memory_budget is not None and self.memory_budget < 0:
+            raise ConfigurationError(f"memory_budget must be >= 0 bytes (0: none), got {self.memory_budget}")
         if not self.loss_head_chunk_mb > 0:
             raise ConfigurationError(f"loss_head_chunk_mb must be > 0, got {self.loss_head_chunk_mb}")
         if self.dtype not in DTYPES:
