@@ -1,5 +1,6 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``) and Kimi K2 (``kimi_k2``, the same architecture):
-multi-head latent attention (MLA) with a Llama-like dense SwiGLU MLP.
+multi-head latent attention (MLA), dense SwiGLU first layers, then DeepSeek-V3's mixture of
+experts.
 
 Latent attention (:class:`LatentAttentionFamily`; megatron's ``MLASelfAttention`` as the
 project's :class:`~megatron_psrl.model.latent_attention.TreeMLASelfAttention`): per token a K/V
@@ -13,15 +14,20 @@ layout megatron's MLA has); YaRN scales cos and sin by its attention factor and 
 by DeepSeek's correction ``(0.1 mscale_all_dim ln(factor) + 1)^2``
 (:meth:`~megatron_psrl.model.architecture.ModelArchitecture.softmax_scale`).
 
-The MLP: DeepSeek-V3's MoE layers (sigmoid routing with a selection bias, expert groups, a
-shared expert; layers ``first_k_dense_replace`` and up) are not supported here yet:
-:class:`DeepseekV3Family` refuses a config with any, naming the field; the dense layers' SwiGLU
-(``intermediate_size``) is Llama's. :class:`LatentAttentionFamily` holds the attention's share of
-every method (parsing, megatron config, layer spec, prefix state, saved bytes, parameters,
-FLOPs) and reaches the MLP through the hooks an MoE MLP overrides (``hf_mlp_fields``,
-``moe_config_fields``, ``layer_spec_choices`` through ``super()``, ``mlp_saved_bytes_per_token``,
-``mlp_parameters``, ``active_mlp_parameters``): a routed MLP composes with it listed after it in
-the bases (``class X(LatentAttentionFamily, RoutedMlp)``), in place of the dense-only refusal.
+The MLP (:class:`DeepseekV3Family`): the first ``first_k_dense_replace`` layers' dense SwiGLU
+(``intermediate_size``, Llama's), then MoE layers of grouped sigmoid routing
+(:mod:`.grouped_routing`, GLM-4.5's: expert groups, the expert bias ``e_score_correction_bias``
+for selection only, ``routed_scaling_factor``, ungated shared experts), with transformers'
+``DeepseekV3Config`` defaults of the optional fields. A config without MoE layers
+(``first_k_dense_replace >= num_hidden_layers``) is a dense model of the family
+(:attr:`~.base.ModelFamily.moe_layers_optional`). :class:`LatentAttentionFamily` holds the
+attention's share of every method (parsing, megatron config, layer spec, prefix state, saved
+bytes, parameters, FLOPs) and reaches the MLP through the hooks an MoE MLP overrides
+(``hf_mlp_fields``, ``moe_config_fields``, ``layer_spec_choices`` through ``super()``,
+``mlp_saved_bytes_per_token``, ``mlp_parameters``, ``active_mlp_parameters``): the routed MLP is
+composed with it as ``class DeepseekV3Family(GroupedRoutingMixin, LatentAttentionFamily,
+MoEFamily)``, its saved bytes corrected for the dense layers
+(:meth:`~.moe.MoEFamily.dense_layers_saved_bytes_difference`) and its FLOPs averaged over them.
 
 Multi-token-prediction layers (``num_nextn_predict_layers``, a draft head; DeepSeek-V3 has one,
 stored as layer ``num_hidden_layers``) are not built or trained: their tensors are carried
