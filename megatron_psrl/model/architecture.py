@@ -384,7 +384,9 @@ class ModelArchitecture:
                 raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_layer_types()
         self._check_latent_attention()
-        if (self.num_experts is not None) != self.family.is_moe:
+        family = self.family
+        if self.num_experts is not None and not family.is_moe or (
+                self.num_experts is None and family.is_moe and not family.moe_layers_optional):
             raise UnsupportedModelError(f"model type {self.model_type!r} with num_experts={self.num_experts}")
         if self.is_moe:
             self._check_moe()

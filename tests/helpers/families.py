@@ -38,6 +38,8 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
         cfg = dict(tiny_config("debug-deepseek-v3"), q_lora_rank=None, v_head_dim=20, vocab_size=301,
                    tie_word_embeddings=True)
         del cfg["rope_scaling"]
+    elif name == "deepseek-v3-moe":  # latent attention, a dense first layer, then grouped routing (2 of 8 experts)
+        cfg = tiny_config("debug-deepseek-v3-moe")
     elif name == "glm4-moe-qk-norm":  # GLM-4.5 with use_qk_norm: a dense first layer, then grouped routing
         cfg = dict(tiny_config("debug-glm4-moe"), **dict(_SMALL, vocab_size=256), use_qk_norm=True)
     else:
@@ -47,8 +49,8 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
 
 
 FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear", "glm4-moe-qk-norm")
-LATENT_FAMILIES = ("deepseek-v3", "deepseek-v3-q-proj")
-"""DeepSeek-V3's latent attention (MLA), with and without the query's latent."""
+LATENT_FAMILIES = ("deepseek-v3", "deepseek-v3-q-proj", "deepseek-v3-moe")
+"""DeepSeek-V3's latent attention (MLA), with and without the query's latent; with its MoE layers."""
 
 
 def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0, dtype=None,

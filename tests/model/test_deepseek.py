@@ -83,11 +83,11 @@ def test_softmax_scale_is_transformers_and_megatrons(name):
     (dict(attention_bias=True), ["attention_bias"]),
     (dict(rope_interleave=False), ["rope_interleave"]),
     (dict(num_key_value_heads=2), ["num_key_value_heads"]),
-    (dict(first_k_dense_replace=1), ["first_k_dense_replace", "mixture-of-experts", "layers 1..1"]),
-    (dict(first_k_dense_replace=None, num_hidden_layers=4), ["first_k_dense_replace' 3"]),  # transformers' default
+    (dict(first_k_dense_replace=1, topk_method="greedy"), ["topk_method 'greedy'", "noaux_tc"]),  # DeepSeek-V2's
+    (dict(first_k_dense_replace=1, num_experts_per_tok=4), ["num_experts_per_tok 4 and topk_group 1", "best 2"]),
     (dict(qk_rope_head_dim=7), ["qk_rope_head_dim", "even"]),
     (dict(kv_lora_rank=0), ["kv_lora_rank"]),
-], ids=["attention-bias", "rope-not-interleaved", "kv-heads", "moe-layers", "default-first-dense", "odd-rope",
+], ids=["attention-bias", "rope-not-interleaved", "kv-heads", "greedy-router", "group-score", "odd-rope",
         "no-latent"])
 def test_variants_not_implemented_are_refused_naming_the_field(override, words):
     cfg = {k: v for k, v in dict(tiny_config("debug-deepseek-v3"), **override).items() if v is not None}
@@ -97,14 +97,49 @@ def test_variants_not_implemented_are_refused_naming_the_field(override, words):
         assert word in str(err.value)
 
 
-def test_the_deepseek_v3_class_shape_is_refused_until_its_moe_layers_are_supported():
-    with pytest.raises(UnsupportedModelError, match="first_k_dense_replace. 3 < num_hidden_layers 61"):
-        ModelArchitecture.from_hf_config(tiny_config("deepseek-v3-class"))
-    dense = dict(tiny_config("deepseek-v3-class"), first_k_dense_replace=61)
-    arch = ModelArchitecture.from_hf_config(dense)  # its attention, with dense layers
+def test_the_deepseek_v3_class_shape_parses_with_its_moe_layers():
+    """DeepSeek-V3's config.json: 58 MoE layers after 3 dense ones, 256 experts top-8 from the best
+    4 of 8 groups, one shared expert; 671.0B parameters (its multi-token-prediction layer not built)."""
+    arch = ModelArchitecture.from_hf_config(tiny_config("deepseek-v3-class"))
     assert (arch.head_dim, arch.v_head_dim, arch.mtp_layers) == (192, 128, 1)
     assert arch.latent_attention_parameters() == (1536 * (7168 + 1 + 128 * 192) + 7168 * 576 + 512
                                                   + 512 * 128 * 256 + 128 * 128 * 7168)
+    assert (arch.num_experts, arch.moe_router_topk, arch.moe_router_num_groups, arch.moe_router_group_topk) == (
+        256, 8, 8, 4)
+    assert arch.dense_mlp_layers == [0, 1, 2] and len(arch.moe_layers) == 58
+    assert arch.moe_shared_expert_ffn_hidden_size == 2048 and arch.moe_router_topk_scaling_factor == 2.5
+    assert arch.moe_router_expert_bias and not arch.moe_shared_expert_gate
+    assert arch.num_parameters() == 671_026_404_352
+
+
+def test_transformers_defaults_fill_the_moe_fields():
+    """A config without the optional MoE fields: DeepseekV3Config's defaults (first 3 layers
+    dense, 8 groups keeping 4, routing weights scaled by 2.5, one shared expert)."""
+    optional = ("first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
+                "norm_topk_prob")
+    cfg = {k: v for k, v in tiny_config("debug-deepseek-v3-moe").items() if k not in optional}
+    arch = ModelArchitecture.from_hf_config(dict(cfg, num_hidden_layers=4, n_routed_experts=16,
+                                                 num_experts_per_tok=8))
+    assert arch.dense_mlp_layers == [0, 1, 2] and arch.moe_layers == (3,)
+    assert (arch.moe_router_num_groups, arch.moe_router_group_topk) == (8, 4)
+    assert arch.moe_router_topk_scaling_factor == 2.5 and arch.moe_shared_expert_ffn_hidden_size == 32
+    dense = ModelArchitecture.from_hf_config(dict(cfg, num_hidden_layers=3))  # every layer dense
+    assert not dense.is_moe and dense.family is arch.family
+
+
+def test_the_moe_config_builds_dense_then_moe_layers():
+    from megatron_psrl.distributed.setup import initialize_parallel
+    from megatron_psrl.model.builder import build_model
+
+    initialize_parallel(1, 1, device="cpu")
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-deepseek-v3-moe"))
+    model = build_model(arch)
+    layers = model.decoder.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["MLP", "MoELayer", "MoELayer"]
+    assert all(type(layer.self_attention).__name__ == "TreeMLASelfAttention" for layer in layers)
+    router = layers[1].mlp.router
+    assert router.score_function == "sigmoid" and router.expert_bias is not None
+    assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
 
 
 def test_kimi_k2_is_deepseek_v3():
@@ -131,14 +166,16 @@ def test_prefix_state_and_layer_spec():
         build_layer_spec(arch, "transformer_engine")
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-q-proj"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-q-proj", "deepseek-v3-moe"])
 def test_adapter_names_transformers_checkpoint_and_round_trips_it(name, checkpoints):
     hf = read_safetensors(checkpoints(name))
     arch = ModelArchitecture.from_hf_config(family_config(name))
     adapter = get_adapter(arch)
     assert {k: tuple(v.shape) for k, v in hf.items()} == adapter.hf_shapes()
     mcore = dict(adapter.hf_to_mcore(hf.__getitem__))
-    assert sum(t.numel() for t in mcore.values()) == arch.num_parameters()
+    biases = sum(t.numel() for k, t in mcore.items() if k.endswith("router.expert_bias"))  # buffers
+    assert biases == (8 * 2 if arch.is_moe else 0)
+    assert sum(t.numel() for t in mcore.values()) - biases == arch.num_parameters()
     back = dict(adapter.mcore_to_hf(mcore))
     assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in back)
 
@@ -226,7 +263,8 @@ def test_saved_activation_count_is_what_autograd_saves(name):
     """The memory plan's count of what a forward keeps for backward (fp32 and bf16), against the
     storages ``saved_tensors_hooks`` sees (parameters excluded), on a tree pack; the debug config
     is also measured in a fresh process with the other tiny configs
-    (tests/kvcache/test_activation_estimate.py)."""
+    (tests/kvcache/test_activation_estimate.py; ``debug-deepseek-v3-moe`` with the other MoE
+    configs, tests/kvcache/test_moe_activation_estimate.py)."""
     from megatron_psrl.attention import TreeAttentionMetadata, tree_plan
     from megatron_psrl.distributed.setup import initialize_parallel
     from megatron_psrl.model.builder import build_model

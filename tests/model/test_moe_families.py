@@ -31,7 +31,8 @@ from megatron_psrl.model.architecture import ModelArchitecture, UnsupportedModel
 from megatron_psrl.model.gpt import moe_config_fields
 from megatron_psrl.model.tiny import tiny_config
 
-FAMILIES = {"qwen2_moe": "debug-qwen2-moe", "mixtral": "debug-mixtral", "glm4_moe": "debug-glm4-moe"}
+FAMILIES = {"qwen2_moe": "debug-qwen2-moe", "mixtral": "debug-mixtral", "glm4_moe": "debug-glm4-moe",
+            "deepseek_v3": "debug-deepseek-v3-moe"}
 MICRO_BATCH = 32  # below the longest trees: cached prefixes (mechanism 2) in every step (as test_moe.py)
 LOSS = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
 SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_parallel.py")
@@ -191,14 +192,14 @@ def test_hf_megatron_round_trip_is_bit_exact(family, hf_dirs):
     arch = ModelArchitecture.from_hf_dir(hf_dir)
     on_disk = load_file(os.path.join(hf_dir, "model.safetensors"))
     expert = {"qwen2_moe": "mlp.experts.7.down_proj.weight", "mixtral": "block_sparse_moe.experts.7.w2.weight",
-              "glm4_moe": "mlp.experts.7.down_proj.weight"}[family]
+              "glm4_moe": "mlp.experts.7.down_proj.weight", "deepseek_v3": "mlp.experts.7.down_proj.weight"}[family]
     assert f"model.layers.1.{expert}" in on_disk
     assert set(on_disk) == set(get_adapter(arch).hf_keys())
     mcore = hf_full_state_dict(hf_dir, arch, strict=True)
     assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight" in mcore
     assert "decoder.layers.1.mlp.router.weight" in mcore
-    if family == "glm4_moe":  # layer 0 dense; the router's expert bias, fp32, bit for bit
-        assert mcore["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 128, 64)
+    if family in ("glm4_moe", "deepseek_v3"):  # layer 0 dense; the router's expert bias, fp32, bit for bit
+        assert mcore["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * arch.ffn_hidden_size, 64)
         assert mcore["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
         assert mcore["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (2 * 32, 64)
     if family == "qwen2_moe":

@@ -39,6 +39,7 @@ SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_router_replay
 CFG = tiny_config("debug-qwen3-moe")
 LAYERS, TOPK, EXPERTS = CFG["num_hidden_layers"], CFG["num_experts_per_tok"], CFG["num_experts"]
 GLM = "debug-glm4-moe"  # its 2 MoE layers (after a dense one) take routes of the same shape
+DEEPSEEK = "debug-deepseek-v3-moe"  # latent attention; as GLM-4.5's, 2 MoE layers after a dense one
 
 
 # ------------------------------------------------------------------------------- routes
@@ -85,13 +86,15 @@ def glm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def models(hf_dir, hf_model, glm_dir):
-    """``model -> (HF folder, HF model)``: Qwen3-MoE's, or GLM-4.5's (built when asked)."""
+def models(hf_dir, hf_model, glm_dir, tmp_path_factory):
+    """``model -> (HF folder, HF model)``: Qwen3-MoE's, GLM-4.5's or DeepSeek-V3's (built when asked)."""
     cache = {"qwen3_moe": (hf_dir, hf_model)}
 
     def get(model):
         if model not in cache:
-            cache[model] = glm_dir, load_hf_model(glm_dir)
+            directory = glm_dir if model == "glm4_moe" else make_family_checkpoint(
+                tiny_config(DEEPSEEK), str(tmp_path_factory.mktemp("hf-deepseek-v3-moe-replay")), seed=3)
+            cache[model] = directory, load_hf_model(directory)
         return cache[model]
 
     return get
@@ -115,15 +118,17 @@ RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recom
 @pytest.mark.parametrize("model,micro_batch,overrides", [
     ("qwen3_moe", 4096, {}), ("qwen3_moe", 32, {}),
     pytest.param("qwen3_moe", 32, RECOMPUTE, marks=pytest.mark.slow),  # recomputation on CPU: ~20 s a step here
-    ("glm4_moe", 32, {}),
-], ids=["tree-packing", "cached-prefixes", "cached-prefixes-recompute", "glm4-moe-cached-prefixes"])
+    ("glm4_moe", 32, {}), ("deepseek_v3", 32, {}),
+], ids=["tree-packing", "cached-prefixes", "cached-prefixes-recompute", "glm4-moe-cached-prefixes",
+        "deepseek-v3-moe-cached-prefixes"])
 def test_replayed_routes_equal_the_per_sample_reference(models, records, model, micro_batch, overrides):
     """Mechanism 1 (one tree-packed micro-batch) and mechanisms 1 + 2 (micro-batches of 32
     tokens: cached prefixes; also with activation recomputation, whose backward passes route
     again), EP = 1, fp32: log-probs, the loss and every gradient, the router's and every
     expert's included, equal the per-sample HF computation with the same routes replayed; and
     the routes matter (the model's own routing gives other log-probs). GLM-4.5: the replayed
-    experts' sigmoid weights (no expert bias), renormalised and scaled, per MoE layer."""
+    experts' sigmoid weights (no expert bias), renormalised and scaled, per MoE layer; DeepSeek-V3
+    the same routing behind latent attention."""
     hf_dir, hf_model = models(model)
     batch = samples_from_dicts(records, source="records")
     actor = _actor(hf_dir, micro_batch, **overrides)

@@ -1,5 +1,5 @@
 """Fixtures: one tiny HF checkpoint, the HF reference model and our megatron model (TP=1); the same
-for DeepSeek-V3's latent attention (``latent_*``)."""
+for DeepSeek-V3's latent attention (``latent_*``) and with its MoE layers (``latent_moe_*``)."""
 
 import pytest
 import torch
@@ -64,3 +64,24 @@ def latent_hf_model(latent_hf_dir):
 def latent_model(latent_hf_dir, _psrl_model_cache):
     """(arch, model) of the latent-attention checkpoint (:func:`_loaded`)."""
     return _loaded(_psrl_model_cache, "latent", latent_hf_dir)
+
+
+@pytest.fixture(scope="session")
+def latent_moe_hf_dir(tmp_path_factory):
+    """DeepSeek-V3 with its MoE layers (``debug-deepseek-v3-moe``: a dense layer, then two of
+    grouped sigmoid routing), attention sharpened for the tests."""
+    from helpers.families import family_config, make_family_checkpoint
+
+    return make_family_checkpoint(family_config("deepseek-v3-moe"), str(tmp_path_factory.mktemp("hf-latent-moe")),
+                                  seed=2)
+
+
+@pytest.fixture(scope="session")
+def latent_moe_hf_model(latent_moe_hf_dir):
+    return load_hf_model(latent_moe_hf_dir)
+
+
+@pytest.fixture
+def latent_moe_model(latent_moe_hf_dir, _psrl_model_cache):
+    """(arch, model) of the latent-attention MoE checkpoint (:func:`_loaded`)."""
+    return _loaded(_psrl_model_cache, "latent-moe", latent_moe_hf_dir)

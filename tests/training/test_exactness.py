@@ -167,12 +167,16 @@ def _latent_batch(kind: str):
                               obs_len=(3, 6), **common)
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("kind", ["grpo-group", "stepwise-chain", "branching-tree"])
 @pytest.mark.parametrize("mode,budget,kv_budget", [CASES[0], CASES[4]], ids=["m1", "m2-tight"])
-def test_latent_attention_gradients_equal_per_sample_reference(latent_model, latent_hf_model, kind, mode, budget,
-                                                               kv_budget):
-    arch, model = latent_model
-    assert arch.multi_latent_attention
+def test_latent_attention_gradients_equal_per_sample_reference(request, moe, kind, mode, budget, kv_budget):
+    """DeepSeek-V3's latent attention with dense MLPs (``debug-deepseek-v3``) and with its MoE
+    layers (``debug-deepseek-v3-moe``: grouped sigmoid routing, an expert bias, a shared expert)."""
+    prefix = "latent_moe" if moe else "latent"
+    arch, model = request.getfixturevalue(f"{prefix}_model")
+    latent_hf_model = request.getfixturevalue(f"{prefix}_hf_model")
+    assert arch.multi_latent_attention and arch.is_moe == moe
     batch = _latent_batch(kind)
     cfg = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
     ref_loss, ref_hf = per_sample_loss_and_grads(latent_hf_model, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")

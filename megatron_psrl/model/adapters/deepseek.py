@@ -1,4 +1,8 @@
-"""DeepSeek-V3 (and Kimi K2) adapter: latent attention's projections and norms.
+"""DeepSeek-V3 (and Kimi K2) adapter: latent attention's projections and norms
+(:class:`LatentAttentionAdapter`), and the MLPs of grouped routing (dense first layers, routed
+experts with the router's ``e_score_correction_bias``, an ungated shared expert:
+:class:`~megatron_psrl.model.adapters.grouped_routing.GroupedRoutingAdapterMixin`; a config
+without MoE layers has Llama's dense MLP in every layer).
 
 Hugging Face names under ``model.layers.{i}.self_attn.`` and megatron's (``MLASelfAttention``,
 the local spec) under ``decoder.layers.{i}.self_attention.``, every tensor as it is (the row
@@ -25,7 +29,7 @@ attention is built with the local spec only, see ``megatron_psrl.model.gpt.build
 
 Multi-token-prediction layers (``num_nextn_predict_layers``: DeepSeek-V3 stores its one as
 ``model.layers.{num_hidden_layers}.*``) are not part of the megatron model: a conversion carries
-their tensors through unchanged (:attr:`DeepseekV3Adapter.hf_passthrough_prefixes`).
+their tensors through unchanged (:attr:`LatentAttentionAdapter.hf_passthrough_prefixes`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from __future__ import annotations
 from typing import Dict, Iterator, List, Tuple
 
 from megatron_psrl.model.adapters.base import GetTensor, LlamaStyleAdapter, Tensor
+from megatron_psrl.model.adapters.grouped_routing import GroupedRoutingAdapterMixin
 
 _SA, _MA = "self_attn.", "self_attention."
 
 
-class DeepseekV3Adapter(LlamaStyleAdapter):
-    """Latent attention (the names above) with the dense SwiGLU MLP of Llama."""
+class LatentAttentionAdapter(LlamaStyleAdapter):
+    """Latent attention (the names above); each layer's MLP through :meth:`_layer_mlp_to_mcore`
+    / :meth:`_layer_mlp_to_hf` (Llama's dense SwiGLU here)."""
 
     reads_rank_slices = False  # the down-projections' rows are split by megatron's column layout: cut from the whole
 
@@ -78,7 +84,7 @@ class DeepseekV3Adapter(LlamaStyleAdapter):
             for hf_name, mc_name in self._pairs():
                 yield mc + _MA + mc_name, get(hf + _SA + hf_name)
             yield mc + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
-            yield from self._mlp_to_mcore(get, hf, mc)
+            yield from self._layer_mlp_to_mcore(i, get, hf, mc)
         yield "decoder.final_layernorm.weight", get("model.norm.weight")
         if not self.arch.tie_word_embeddings:
             yield "output_layer.weight", get("lm_head.weight")
@@ -91,7 +97,26 @@ class DeepseekV3Adapter(LlamaStyleAdapter):
             for hf_name, mc_name in self._pairs():
                 yield hf + _SA + hf_name, mcore[mc + _MA + mc_name]
             yield hf + "post_attention_layernorm.weight", mcore[mc + "pre_mlp_layernorm.weight"]
-            yield from self._mlp_to_hf(mcore, hf, mc)
+            yield from self._layer_mlp_to_hf(i, mcore, hf, mc)
         yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
         if not self.arch.tie_word_embeddings:
             yield "lm_head.weight", mcore["output_layer.weight"]
+
+
+class DeepseekV3Adapter(GroupedRoutingAdapterMixin, LatentAttentionAdapter):
+    """Latent attention with grouped routing's MLPs; every layer dense in a config without MoE
+    layers (``ModelArchitecture.num_experts`` None)."""
+
+    def _dense(self, layer: int) -> bool:
+        return not self.arch.is_moe or super()._dense(layer)
+
+    def hf_mlp_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return super().hf_mlp_shapes() if self.arch.is_moe else LlamaStyleAdapter.hf_mlp_shapes(self)
+
+    def mcore_to_hf(self, mcore: Dict[str, Tensor]) -> Iterator[Tuple[str, Tensor]]:
+        if self.arch.is_moe:  # (routed experts in any of megatron's layouts)
+            return super().mcore_to_hf(mcore)
+        return LatentAttentionAdapter.mcore_to_hf(self, mcore)
+
+
+__all__ = ["DeepseekV3Adapter", "LatentAttentionAdapter"]

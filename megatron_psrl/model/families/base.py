@@ -114,6 +114,11 @@ class ModelFamily(abc.ABC):
     """The MLPs are mixtures of experts (``ModelArchitecture.num_experts`` is set), all but
     those of ``ModelArchitecture.dense_mlp_layers``."""
 
+    moe_layers_optional: ClassVar[bool] = False
+    """An MoE family some of whose configs have no MoE layer (DeepSeek-V3 with
+    ``first_k_dense_replace >= num_hidden_layers``): those parse as dense models
+    (``ModelArchitecture.num_experts`` None) of the family."""
+
     has_linear_attention: ClassVar[bool] = False
     """Some layers' token mixer is linear attention (``ModelArchitecture.layer_types``)."""
 
@@ -123,6 +128,11 @@ class ModelFamily(abc.ABC):
     any of them before parsing."""
 
     # ------------------------------------------------------------------ Hugging Face config
+    def hf_has_moe_layers(self, hf: Mapping[str, Any]) -> bool:
+        """Whether the config.json dict ``hf`` has mixture-of-experts layers (every config of an
+        MoE family, unless :attr:`moe_layers_optional`)."""
+        return self.is_moe
+
     @abc.abstractmethod
     def hf_attention_fields(self, hf: Dict[str, Any]) -> Dict[str, Any]:
         """``qkv_bias``, ``qk_norm`` and ``sliding_window`` of a config.json; raises

@@ -1,5 +1,6 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``) and Kimi K2 (``kimi_k2``, the same architecture):
-multi-head latent attention (MLA) with a Llama-like dense SwiGLU MLP.
+multi-head latent attention (MLA), dense SwiGLU first layers, then DeepSeek-V3's mixture of
+experts.
 
 Latent attention (:class:`LatentAttentionFamily`; megatron's ``MLASelfAttention`` as the
 project's :class:`~megatron_psrl.model.latent_attention.TreeMLASelfAttention`): per token a K/V
@@ -13,15 +14,20 @@ layout megatron's MLA has); YaRN scales cos and sin by its attention factor and 
 by DeepSeek's correction ``(0.1 mscale_all_dim ln(factor) + 1)^2``
 (:meth:`~megatron_psrl.model.architecture.ModelArchitecture.softmax_scale`).
 
-The MLP: DeepSeek-V3's MoE layers (sigmoid routing with a selection bias, expert groups, a
-shared expert; layers ``first_k_dense_replace`` and up) are not supported here yet:
-:class:`DeepseekV3Family` refuses a config with any, naming the field; the dense layers' SwiGLU
-(``intermediate_size``) is Llama's. :class:`LatentAttentionFamily` holds the attention's share of
-every method (parsing, megatron config, layer spec, prefix state, saved bytes, parameters,
-FLOPs) and reaches the MLP through the hooks an MoE MLP overrides (``hf_mlp_fields``,
-``moe_config_fields``, ``layer_spec_choices`` through ``super()``, ``mlp_saved_bytes_per_token``,
-``mlp_parameters``, ``active_mlp_parameters``): a routed MLP composes with it listed after it in
-the bases (``class X(LatentAttentionFamily, RoutedMlp)``), in place of the dense-only refusal.
+The MLP (:class:`DeepseekV3Family`): the first ``first_k_dense_replace`` layers' dense SwiGLU
+(``intermediate_size``, Llama's), then MoE layers of grouped sigmoid routing
+(:mod:`.grouped_routing`, GLM-4.5's: expert groups, the expert bias ``e_score_correction_bias``
+for selection only, ``routed_scaling_factor``, ungated shared experts), with transformers'
+``DeepseekV3Config`` defaults of the optional fields. A config without MoE layers
+(``first_k_dense_replace >= num_hidden_layers``) is a dense model of the family
+(:attr:`~.base.ModelFamily.moe_layers_optional`). :class:`LatentAttentionFamily` holds the
+attention's share of every method (parsing, megatron config, layer spec, prefix state, saved
+bytes, parameters, FLOPs) and reaches the MLP through the hooks an MoE MLP overrides
+(``hf_mlp_fields``, ``moe_config_fields``, ``layer_spec_choices`` through ``super()``,
+``mlp_saved_bytes_per_token``, ``mlp_parameters``, ``active_mlp_parameters``): the routed MLP is
+composed with it as ``class DeepseekV3Family(GroupedRoutingMixin, LatentAttentionFamily,
+MoEFamily)``, its saved bytes corrected for the dense layers
+(:meth:`~.moe.MoEFamily.dense_layers_saved_bytes_difference`) and its FLOPs averaged over them.
 
 Multi-token-prediction layers (``num_nextn_predict_layers``, a draft head; DeepSeek-V3 has one,
 stored as layer ``num_hidden_layers``) are not built or trained: their tensors are carried
@@ -32,13 +38,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Tuple
 
 import torch
 
 from megatron_psrl.errors import UnsupportedModelError
 from megatron_psrl.model.adapters.deepseek import DeepseekV3Adapter
 from megatron_psrl.model.families.base import FP32_BYTES, TINY_BASE, LayerSpecChoices, LlamaLikeFamily, NumberReader
+from megatron_psrl.model.families.grouped_routing import GroupedRoutingMixin
+from megatron_psrl.model.families.moe import MoEFamily
 from megatron_psrl.model.families.registry import register_family
 
 if TYPE_CHECKING:
@@ -203,34 +211,73 @@ class LatentAttentionFamily(LlamaLikeFamily):
         width (the latent projections, less the stand-in's own q/k/v/o projections, plus the
         active MLP). The stand-in's projections are wider than latent attention's (DeepSeek-V3:
         4 h n 160 = 587M weights against 187M), so a dense MLP narrower than the difference
-        cannot absorb it: the width is then 1 and the linear term over by the rest."""
+        cannot absorb it: the width is then 1 and the linear term over by the rest. An MoE model's
+        active MLP is averaged over its layers, dense first layers included."""
         from megatron_psrl.schedule.cost import ModelDims
 
         h, n = arch.hidden_size, arch.num_attention_heads
         width = max(1, round((arch.head_dim + arch.v_head_dim) / 2))
-        per_token = arch.latent_attention_parameters() + self.active_mlp_parameters(arch)
+        dense = len(arch.dense_mlp_layers)  # (an MoE model's dense first layers: the MLP averaged over the layers)
+        mlp = ((arch.num_layers - dense) * self.active_mlp_parameters(arch)
+               + dense * arch.dense_mlp_parameters()) / arch.num_layers
+        per_token = arch.latent_attention_parameters() + mlp
         ffn = round((per_token - 4 * h * n * width) / (3 * h))
         return ModelDims(hidden_size=h, num_layers=arch.num_layers, num_heads=n, num_kv_heads=n, head_dim=width,
                          ffn_hidden_size=max(1, ffn), vocab_size=arch.vocab_size, gated=True)
 
 
-class DeepseekV3Family(LatentAttentionFamily):
-    """DeepSeek-V3 / Kimi K2: latent attention; dense layers only for now (see the module docstring)."""
+class DeepseekV3Family(GroupedRoutingMixin, LatentAttentionFamily, MoEFamily):
+    """DeepSeek-V3 / Kimi K2: latent attention, dense first layers, then grouped sigmoid routing
+    (see the module docstring). A config whose every layer is dense (``first_k_dense_replace >=
+    num_hidden_layers``, or no routed experts) is a dense model of the family."""
 
     reads_moe_fields = True  # DeepSeek configs carry MoE fields whatever layers are dense
+    moe_layers_optional = True
+
+    # transformers' DeepseekV3Config defaults (topk_method "noaux_tc": the only one it has)
+    hf_mlp_defaults = dict(n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5,
+                           n_shared_experts=1, first_k_dense_replace=HF_DEFAULT_FIRST_K_DENSE,
+                           n_routed_experts=HF_DEFAULT_ROUTED_EXPERTS, topk_method="noaux_tc")
+
+    def hf_has_moe_layers(self, hf: Mapping[str, Any]) -> bool:
+        """Routed experts (``n_routed_experts``, transformers' default 256) in layers
+        ``first_k_dense_replace`` (default 3) and up, when there are such layers."""
+        experts = hf.get("n_routed_experts", HF_DEFAULT_ROUTED_EXPERTS)
+        first_moe = hf.get("first_k_dense_replace")
+        first_moe = HF_DEFAULT_FIRST_K_DENSE if first_moe is None else first_moe
+        return bool(experts) and first_moe < hf["num_hidden_layers"]
 
     def hf_mlp_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
-        """Dense layers only: layers ``first_k_dense_replace`` and up of a config with routed
-        experts (``n_routed_experts``) are MoE layers, refused naming the field."""
-        layers = number("num_hidden_layers")
-        experts = number("n_routed_experts", default=HF_DEFAULT_ROUTED_EXPERTS)
-        first_moe = number("first_k_dense_replace", default=HF_DEFAULT_FIRST_K_DENSE)
-        if experts and first_moe < layers:
-            raise UnsupportedModelError(
-                f"field 'first_k_dense_replace' {first_moe} < num_hidden_layers {layers}: {self.model_type} layers "
-                f"{first_moe}..{layers - 1} are mixture-of-experts layers (n_routed_experts {experts}), not supported "
-                "yet; only configs whose every layer is dense (first_k_dense_replace >= num_hidden_layers)")
-        return {}
+        """Grouped routing's fields (:func:`~.grouped_routing.grouped_routing_fields`, with
+        transformers' defaults), none for a config without MoE layers."""
+        if not self.hf_has_moe_layers(hf):
+            return {}
+        experts = dict(hf, n_routed_experts=hf.get("n_routed_experts", HF_DEFAULT_ROUTED_EXPERTS))
+        return super().hf_mlp_fields(experts, number)
+
+    # ------------------------------------------------------------------ an all-dense config
+    def moe_config_fields(self, arch: "ModelArchitecture") -> Dict[str, Any]:
+        return super().moe_config_fields(arch) if arch.is_moe else {}
+
+    def mlp_saved_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
+                                  dtype_bytes: int) -> int:
+        """An MoE layer's (:meth:`MoEFamily.moe_saved_bytes_per_token`), SwiGLU's in a dense model."""
+        if arch.is_moe:
+            return super().mlp_saved_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+        return LlamaLikeFamily.mlp_saved_bytes_per_token(self, arch, tensor_parallel_size, dtype_bytes)
+
+    def saved_activation_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
+                                         dtype_bytes: int) -> int:
+        """Latent attention's count (every layer's MLP :meth:`mlp_saved_bytes_per_token`), less
+        the difference of an MoE layer's MLP and a dense SwiGLU in each dense layer."""
+        every_layer = super().saved_activation_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+        return every_layer - self.dense_layers_saved_bytes_difference(arch, tensor_parallel_size, dtype_bytes)
+
+    def mlp_parameters(self, arch: "ModelArchitecture") -> int:
+        return super().mlp_parameters(arch) if arch.is_moe else LlamaLikeFamily.mlp_parameters(self, arch)
+
+    def active_mlp_parameters(self, arch: "ModelArchitecture") -> int:
+        return super().active_mlp_parameters(arch) if arch.is_moe else LlamaLikeFamily.active_mlp_parameters(self, arch)
 
 
 DEEPSEEK_TINY: Dict[str, Any] = dict(
@@ -248,6 +295,12 @@ DEEPSEEK_TINY: Dict[str, Any] = dict(
 uses them) of 4 heads: query latent 32, K/V latent 24, keys 16 + 8 (RoPE) wide, values 12;
 YaRN with DeepSeek's mscale / mscale_all_dim (cos/sin scaled by 0.93, the softmax by 1.29)."""
 
+DEEPSEEK_TINY_MOE: Dict[str, Any] = dict(DEEPSEEK_TINY, num_hidden_layers=3, first_k_dense_replace=1)
+""":data:`DEEPSEEK_TINY`'s attention in 3 layers, the first dense, then two MoE layers: 8 routed
+experts of width 32 in 2 groups, top-2 from the best group (``k // topk_group`` = 2, the group
+score Hugging Face and megatron share), the expert bias used for selection, the weights
+renormalised and scaled by 2.5, one shared expert."""
+
 DEEPSEEK_V3_CLASS: Dict[str, Any] = dict(
     {k: v for k, v in TINY_BASE.items() if k != "head_dim"},
     model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
@@ -260,13 +313,13 @@ DEEPSEEK_V3_CLASS: Dict[str, Any] = dict(
                       original_max_position_embeddings=4096),
 )
 """DeepSeek-V3 (671B; its config.json): 61 layers, the first 3 dense, 256 routed experts top-8
-and a shared one in the others, one multi-token-prediction layer. Refused until MoE layers of
-this routing are supported (its attention is what :data:`DEEPSEEK_TINY` tests)."""
+and a shared one in the others (8 groups, the best 4 kept), one multi-token-prediction layer
+(not built): 671.0B parameters."""
 
 DEEPSEEK_V3 = register_family(DeepseekV3Family(
     model_type="deepseek_v3",
     adapter=DeepseekV3Adapter,
-    tiny_configs={"debug-deepseek-v3": DEEPSEEK_TINY},
+    tiny_configs={"debug-deepseek-v3": DEEPSEEK_TINY, "debug-deepseek-v3-moe": DEEPSEEK_TINY_MOE},
     shape_configs={"deepseek-v3-class": DEEPSEEK_V3_CLASS},
 ), aliases=("kimi_k2",))
 """Kimi K2 ships ``model_type`` ``kimi_k2`` with DeepSeek-V3's architecture

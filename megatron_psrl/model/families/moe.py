@@ -98,9 +98,17 @@ class MoEFamily(LlamaLikeFamily):
         """The decoder's count with an MoE MLP in every layer, less the difference of a dense
         layer's SwiGLU (``dense_mlp_layers``: ``5 f / tp``) and an MoE layer's."""
         every_layer_moe = super().saved_activation_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+        return every_layer_moe - self.dense_layers_saved_bytes_difference(arch, tensor_parallel_size, dtype_bytes)
+
+    def dense_layers_saved_bytes_difference(self, arch: "ModelArchitecture", tensor_parallel_size: int,
+                                            dtype_bytes: int) -> int:
+        """What the dense layers (``dense_mlp_layers``) save less than MoE layers would, per token:
+        each an MoE layer's MLP bytes less a dense SwiGLU's (``5 f / tp``)."""
+        if not arch.dense_mlp_layers:
+            return 0
         moe = self.mlp_saved_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
         dense = LlamaLikeFamily.mlp_saved_bytes_per_token(self, arch, tensor_parallel_size, dtype_bytes)
-        return every_layer_moe - len(arch.dense_mlp_layers) * (moe - dense)
+        return len(arch.dense_mlp_layers) * (moe - dense)
 
     def mlp_saved_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
                                   dtype_bytes: int) -> int:
