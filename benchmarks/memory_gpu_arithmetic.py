@@ -26,6 +26,12 @@ activations of the path's tokens (whole-sequence blocks) or of one block (blocks
 the earlier blocks of a sequence are rebuilt in backward), plus K, V, dK, dV of the path, plus
 the same loss head. Per-token activation bytes are the plan's (``activation_bytes_per_token``)
 for both: the same arithmetic, not a measurement of either.
+
+``--memory-budget`` (issue 46): per model (``MODELS``), workload, device memory and TP, the
+plan the planner picks under one budget (``schedule.budget.choose``, each lever evaluated by the
+engine's ``engine.budget.evaluate_lever`` on :class:`ArithmeticEngine`), its predicted time
+relative to the fastest plan with no memory limit, and AReaL-DTA's peak by the same terms; the
+static memory of one rank of an 8-GPU node (:func:`node_static`).
 """
 
 from __future__ import annotations
