@@ -62,7 +62,7 @@ def test_tiny_module_is_a_view_of_the_bundles():
     assert all(f.hf_has_moe_layers(c) == f.is_moe for f in plain if not f.moe_layers_optional
                for c in f.tiny_configs.values())
     assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "deepseek-v3-class",
-                                  "glm-4.5-air-class"}
+                                  "glm-4.5-air-class", "qwen3-30b-a3b-class"}
     assert set(get_family("qwen2").shape_configs) == {"qwen2.5-1.5b-shape"}
 
 
