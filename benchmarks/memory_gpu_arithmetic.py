@@ -89,6 +89,7 @@ MODELS = {
     "qwen3-30b-a3b": ("Qwen3-30B-A3B-class", lambda: tiny_config("qwen3-30b-a3b-class")),
     "qwen3.5-27b": ("Qwen3.5-27B-class", lambda: tiny_config("qwen3.5-27b-class")),
     "qwen3-next-80b": ("Qwen3-Next-80B-A3B", lambda: tiny_config("qwen3-next-80b-a3b")),
+    "deepseek-v3": ("DeepSeek-V3-class (671B, MLA)", lambda: tiny_config("deepseek-v3-class")),
 }
 """``--models`` name -> (title, its Hugging Face config): add a shape here to tabulate it (a
 family's shape configs are in megatron_psrl.model.tiny.SHAPE_CONFIGS)."""
