@@ -32,14 +32,17 @@ class CachedPrefixKV(Protocol):
     hands the gradients back with :meth:`add_grad`; other backends call :meth:`materialize`.
     """
 
-    def read(self, again: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v)`` ``[n, ng, hn]`` copies (``again``: the backward pass's re-read)."""
+    def read(self, again: bool = False, start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` ``[n, ng, hn]`` copies (``again``: the backward pass's re-read; ``start``:
+        of the rows from there on, a sliding window's, ``[n - start, ng, hn]``)."""
 
-    def add_grad(self, grad_key: torch.Tensor, grad_value: torch.Tensor) -> None:
-        """Add the gradients of ``(k, v)`` (fp32 or the model dtype) to the source's dK/dV."""
+    def add_grad(self, grad_key: torch.Tensor, grad_value: torch.Tensor, start: int = 0) -> None:
+        """Add the gradients of ``(k, v)`` (fp32 or the model dtype; of the rows from ``start``
+        on) to the source's dK/dV."""
 
-    def materialize(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v)`` tensors whose autograd gradients reach the source (kernels that take tensors)."""
+    def materialize(self, start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` tensors (of the rows from ``start`` on) whose autograd gradients reach the
+        source (kernels that take tensors)."""
 
 
 @runtime_checkable

@@ -22,12 +22,15 @@ Three implementations with one signature:
 Layouts (token-major, as megatron hands them to core attention, batch dimension removed):
 q ``[nq, np, hn]``, k/v ``[nk, ng, hn]`` (np a multiple of ng: GQA groups are not expanded),
 o ``[nq, np, hn]``, lse ``[nq, np]`` (float32; float64 for float64 inputs). ``causal`` is only used with nq == nk (a
-segment attending to itself).
+segment attending to itself). ``mask`` (bool ``[nq, nk]``, True where the query sees the key; a
+sliding window's block) restricts an unmasked block: a query that sees none of the block's keys
+gets ``o = 0``, ``lse = -inf`` (nothing to merge). The CUDA kernel takes no mask here: masked
+blocks run on the math path (a window's masked blocks are at most ``window - 1`` keys wide).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -140,34 +143,44 @@ def _cuda_kernel_agrees(dtype: torch.dtype, head_dim: int, device) -> bool:
     return True
 
 
+def _additive(mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+    """A bool mask as the aten kernel's additive one, ``[1, 1, nq, nk]`` (0 or -inf, q's dtype)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[None, None]
+
+
 def partial_attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, impl: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, impl: str = "auto", mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention of q over (k, v); returns ``(o [nq, np, hn], lse [nq, np])``."""
-    if impl == "cuda" or (impl == "auto" and _use_cuda(q)):
+    if mask is None and (impl == "cuda" or (impl == "auto" and _use_cuda(q))):
         return _cuda_forward(q, k, v, causal, scale)
     if impl == "aten" or (impl == "auto" and _use_aten(q)):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhld(q), _bhld(k), _bhld(v), 0.0, causal, scale=scale
+            _bhld(q), _bhld(k), _bhld(v), 0.0, causal, attn_mask=_additive(mask, q), scale=scale
         )
-        return o[0].transpose(0, 1), lse[0].transpose(0, 1)
-    return _math_forward(q, k, v, causal, scale)
+        o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+        if mask is not None:  # the kernel answers a query that sees no key with lse 0
+            lse = lse.masked_fill(~mask.any(1)[:, None], float("-inf"))
+        return o, lse
+    return _math_forward(q, k, v, causal, scale, mask=mask)
 
 
 def partial_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
-    impl: str = "auto",
+    impl: str = "auto", mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the merged output ``o`` and log-sum-exp ``lse``."""
-    if impl == "cuda" or (impl == "auto" and _use_cuda(q)):
+    if mask is None and (impl == "cuda" or (impl == "auto" and _use_cuda(q))):
         return _cuda_backward(do, q, k, v, o, lse, causal, scale)
     if impl == "aten" or (impl == "auto" and _use_aten(q)):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhld(do), _bhld(q), _bhld(k), _bhld(v), _bhld(o),
-            lse.to(lse_dtype(q)).transpose(0, 1).unsqueeze(0), 0.0, causal, scale=scale,
+            lse.to(lse_dtype(q)).transpose(0, 1).unsqueeze(0), 0.0, causal, attn_mask=_additive(mask, q), scale=scale,
         )
         return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
-    return _math_backward(do, q, k, v, o, lse, causal, scale)
+    return _math_backward(do, q, k, v, o, lse, causal, scale, mask=mask)
 
 
 # ---------------------------------------------------------------------- reference math
@@ -181,9 +194,10 @@ def _query_chunks(nq: int, np_: int, nk: int, max_elements: int):
     return [(a, min(nq, a + step)) for a in range(0, nq, step)]
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int, nq_total: int) -> Tensor:
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int, nq_total: int,
+            mask: Optional[Tensor] = None) -> Tensor:
     """``[ng, rep, nq, nk]`` scores of queries ``q_offset:q_offset+nq`` of ``nq_total``, grouped
-    by their K/V head (float32; float64 for float64 inputs)."""
+    by their K/V head (float32; float64 for float64 inputs); ``mask`` is the whole block's."""
     nq, np_, hn = q.shape
     ng = k.shape[1]
     qg = q.to(lse_dtype(q)).reshape(nq, ng, np_ // ng, hn)
@@ -193,22 +207,25 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int, nq_
         rows = torch.arange(q_offset, q_offset + nq, device=q.device)[:, None]
         keep = torch.arange(nk, device=q.device)[None, :] <= rows + (nk - nq_total)
         s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[q_offset:q_offset + nq], float("-inf"))
     return s
 
 
-def _math_forward(q, k, v, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS):
+def _math_forward(q, k, v, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS, mask=None):
     nq, np_, hn = q.shape
     outs, lses = [], []
     for a, b in _query_chunks(nq, np_, k.shape[0], max_elements):
-        s = _scores(q[a:b], k, causal, scale, a, nq)
+        s = _scores(q[a:b], k, causal, scale, a, nq, mask)
         lse = torch.logsumexp(s, dim=-1)  # [ng, rep, n]
-        p = torch.exp(s - lse.unsqueeze(-1))
+        # (a query that sees no key: lse -inf, and nothing to weigh)
+        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
         outs.append(torch.einsum("grqk,kgd->qgrd", p, v.to(p.dtype)).reshape(b - a, np_, hn).to(q.dtype))
         lses.append(lse.reshape(np_, b - a).transpose(0, 1))
     return torch.cat(outs), torch.cat(lses).contiguous()
 
 
-def _math_backward(do, q, k, v, o, lse, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS):
+def _math_backward(do, q, k, v, o, lse, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS, mask=None):
     nq, np_, hn = q.shape
     ng = k.shape[1]
     rep = np_ // ng
@@ -218,7 +235,7 @@ def _math_backward(do, q, k, v, o, lse, causal, scale, max_elements: int = MATH_
     dv = torch.zeros(v.shape, dtype=f, device=v.device)
     for a, b in _query_chunks(nq, np_, k.shape[0], max_elements):
         n = b - a
-        s = _scores(q[a:b], k, causal, scale, a, nq)
+        s = _scores(q[a:b], k, causal, scale, a, nq, mask)
         lse_g = lse[a:b].to(f).transpose(0, 1).reshape(ng, rep, n)
         p = torch.exp(s - lse_g.unsqueeze(-1))  # [ng, rep, n, nk]
         do_g = do[a:b].to(f).reshape(n, ng, rep, hn)
