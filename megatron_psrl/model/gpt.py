@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.identity_op import IdentityOp
@@ -150,7 +151,22 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
     spec.submodules.self_attention.submodules.core_attention = (
         PrefixSharingAttention if attention_backend is None
         else ModuleSpec(module=PrefixSharingAttention, params={"backend": attention_backend}))
+    experts = getattr(getattr(spec.submodules.mlp, "submodules", None), "experts", None)
+    if arch.linear_bias and getattr(getattr(experts, "submodules", None), "linear_fc2", None) is RowParallelLinear:
+        experts.submodules.linear_fc2 = BiasedExpertOutput
     return spec
+
+
+class BiasedExpertOutput(RowParallelLinear):
+    """megatron's ``RowParallelLinear`` as an expert's fc2 when the experts have biases (gpt-oss).
+    megatron's ``MLP`` adds the routing-weighted bias to this layer's output in place
+    (``output += bias * probs``); without tensor or expert parallelism that output is the input
+    a reduce over one rank hands back as is, an autograd view that may not be modified in
+    place. Here such an output is returned as a tensor of its own (a copy of the expert's rows)."""
+
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)
+        return (output.clone() if output._is_view() else output), bias
 
 
 def _with_norm(spec, norm):
