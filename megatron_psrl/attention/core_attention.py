@@ -181,7 +181,7 @@ class PrefixSharingAttention(MegatronModule):
     def _run(self, backend: str, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external) -> Tensor:
         if self.window is not None:  # its window's keys only (older cached rows are not read)
             plan = plan.windowed(self.window)
-            external = rows_in_window(external, plan.external_starts)
+        external = rows_in_window(external, plan.external_starts)
         sink = self.softmax_offset
         backend = runnable_backend(backend, self.window, sink is not None)
         if backend == "torch":  # reads CachedPrefixKV sources itself (no copy kept for backward)

@@ -2,7 +2,7 @@
 
 - :func:`layer_window`: a layer's window in keys, from megatron's ``window_size`` and
   ``window_attn_skip_freq`` (gpt-oss: every other layer);
-- :func:`rows_in_window`: the external K/V a windowed plan reads (``AttentionPlan.windowed``
+- :func:`rows_in_window`: the external K/V a (windowed) plan reads (``AttentionPlan.windowed``
   drops the rows of a cached prefix no query's window reaches: they are not gathered at all);
 - :func:`runnable_backend`: the backend that runs a window or a sink (flash-attn takes a window,
   no sink; Transformer Engine's thd kernels are not asked for either here: both fall back to
@@ -19,7 +19,7 @@ import copy
 import logging
 from typing import List, Optional, Sequence
 
-from megatron_psrl.attention.metadata import ArrivingPrefixKV
+from megatron_psrl.attention.metadata import ArrivingPrefixKV, PrefixCopies
 from megatron_psrl.errors import ConfigurationError
 
 logger = logging.getLogger("megatron_psrl")
@@ -48,14 +48,17 @@ def layer_window(config, layer_number: int) -> Optional[int]:
     return int(left) + 1
 
 
-def rows_in_window(external: Sequence, starts: Sequence[int]) -> List:
+def rows_in_window(external: Sequence, starts: Optional[Sequence[int]] = None) -> List:
     """``external`` (the hook's K/V sources, in plan order) from row ``starts[j]`` of source
-    ``j`` on: ``(k, v)`` pairs sliced, cached readers reading only those rows (nothing for a
-    source no window reaches), arriving rows narrowed to them."""
+    ``j`` on (None: every row): copies gathered of those rows only (:class:`PrefixCopies`),
+    ``(k, v)`` pairs sliced, cached readers reading only those rows (nothing for a source no
+    window reaches), arriving rows narrowed to them."""
     out = []
-    for source, start in zip(external, starts):
+    for source, start in zip(external, [0] * len(external) if starts is None else starts):
         start = int(start)
-        if not start:
+        if isinstance(source, PrefixCopies):
+            out.append(source.take(start))
+        elif not start:
             out.append(source)
         elif isinstance(source, tuple):
             out.append((source[0][start:], source[1][start:]))

@@ -18,6 +18,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from megatron_psrl.attention.metadata import PrefixCopies
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start
 from megatron_psrl.distributed.state_exchange import StateLink, received_leaf, send_states
 from megatron_psrl.host_copy import host_to_device
@@ -349,18 +350,15 @@ class PrefixKV:
             anchor = anchor + InjectCachedGrad.apply(states.conv_tail, self.cache, layer_number, 1, sources).sum() * 0.0
         return anchor if sent is None else anchor + sent
 
-    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "CachedRead", ReceivedKV]]:
-        out: List[Union[Tuple[Tensor, Tensor], CachedRead, ReceivedKV]] = []
+    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], PrefixCopies, "CachedRead",
+                                                                ReceivedKV]]:
+        out: List[Union[Tuple[Tensor, Tensor], PrefixCopies, CachedRead, ReceivedKV]] = []
         count = layer_number not in self._counted  # a recomputation reads again: count once
         self._counted.add(layer_number)
         for s in self.reads:
             reader = CachedRead(self.cache, s, layer_number, count)
-            if not self.track_grads:
-                out.append(reader.read())
-            elif self.gather_in_backward:
-                out.append(reader)
-            else:
-                out.append(reader.materialize())
+            # copies are gathered by the attention: a sliding window's layer gathers only its rows
+            out.append(reader if self.track_grads and self.gather_in_backward else PrefixCopies(reader, self.track_grads))
         out += self.peers.pop(layer_number, [])
         return out
 

@@ -6,7 +6,8 @@
   router of a Hugging Face MoE model computes its own logits and softmax but takes the given
   expert ids instead of its top-k (``norm_topk_prob`` as HF applies it; Qwen3.5-MoE's router,
   without the field, always renormalises), one sample per forward, in batch order (as the
-  reference helpers run the samples).
+  reference helpers run the samples). gpt-oss's router (``mlp.router``: a bias, the softmax over
+  the chosen experts' logits) takes them alike.
 """
 
 from __future__ import annotations
@@ -58,7 +59,21 @@ def hf_replayed(model, batch, routes: torch.Tensor):
             return router_logits, top.to(router_logits.dtype), indices
         return forward
 
-    gates = [layer.mlp.gate for layer in model.model.layers]
+    def router_forward(router, layer):  # gpt-oss: softmax over the chosen experts' logits
+        def forward(hidden_states):
+            router_logits = F.linear(hidden_states, router.weight, router.bias)  # [n, E]
+            given = state["routes"]
+            own = torch.topk(router_logits, router.top_k, dim=-1).indices
+            indices = torch.where((given[:, 0, 0] < 0)[:, None], own, given[:, layer])  # [n, k]
+            scores = torch.softmax(router_logits.gather(1, indices), dim=1, dtype=router_logits.dtype)
+            return router_logits, scores, indices
+        return forward
+
+    if hasattr(model.model.layers[0].mlp, "router"):
+        gate_forward = router_forward
+        gates = [layer.mlp.router for layer in model.model.layers]
+    else:
+        gates = [layer.mlp.gate for layer in model.model.layers]
     handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
     for layer, gate in enumerate(gates):
         gate.forward = gate_forward(gate, layer)

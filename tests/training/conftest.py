@@ -1,7 +1,9 @@
-"""Fixtures: one tiny HF checkpoint, the HF reference model and our megatron model (TP=1)."""
+"""Fixtures: one tiny HF checkpoint, the HF reference model and our megatron model (TP=1); the
+same for the debug gpt-oss model (sliding windows, sinks, clamped-SwiGLU experts)."""
 
 import pytest
 import torch
+from helpers.families import make_family_checkpoint
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint
 from megatron.core import parallel_state
 
@@ -39,3 +41,22 @@ def psrl_model(hf_dir, _psrl_model_cache):
         arch, model, _ = load_model(ModelSource(hf_dir=hf_dir), dtype=torch.float32)
         _psrl_model_cache.update(group=group, model=(arch, model))
     return _psrl_model_cache["model"]
+
+
+@pytest.fixture(scope="session")
+def _gpt_oss_checkpoint(tmp_path_factory):
+    hf_dir = make_family_checkpoint(tiny_config("debug-gpt-oss"), str(tmp_path_factory.mktemp("hf-gpt-oss")), seed=2)
+    return hf_dir, load_hf_model(hf_dir)
+
+
+@pytest.fixture
+def gpt_oss_model(_gpt_oss_checkpoint, _psrl_model_cache):
+    """(arch, model, HF model) of the debug gpt-oss model (a window of 8 tokens on its first layer),
+    loaded again only when its process groups are gone (as :func:`psrl_model`)."""
+    hf_dir, hf = _gpt_oss_checkpoint
+    initialize_parallel(1, 1, seed=0, device="cpu")
+    group = parallel_state.get_tensor_model_parallel_group()
+    if _psrl_model_cache.get("gpt-oss-group") is not group:
+        arch, model, _ = load_model(ModelSource(hf_dir=hf_dir), dtype=torch.float32)
+        _psrl_model_cache.update({"gpt-oss-group": group, "gpt-oss": (arch, model)})
+    return (*_psrl_model_cache["gpt-oss"], hf)
