@@ -32,13 +32,15 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
     elif name == "mistral-linear":  # linear RoPE scaling, theta != 10000
         cfg = dict(tiny_config("tiny-mistral"), **_SMALL)
         cfg.update(rope_theta=50000.0, rope_scaling=dict(rope_type="linear", factor=2.0))
+    elif name == "gpt-oss":  # an 8-token window (first layer), sinks, biases, clamped experts, YaRN
+        cfg = dict(tiny_config("debug-gpt-oss"), vocab_size=301)
     else:
         raise ValueError(name)
     cfg.update(overrides)
     return cfg
 
 
-FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear")
+FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear", "gpt-oss")
 
 
 def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0, dtype=None,
@@ -85,7 +87,8 @@ PARALLEL_CONFIGS: Dict[str, Dict[str, Any]] = {
     "llama": dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True),
     "qwen3": dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=251,
                   tie_word_embeddings=True),
+    "gpt_oss": dict(tiny_config("debug-gpt-oss"), vocab_size=251),
 }
 """The multi-rank tests' models: an odd vocabulary (TP pads it), GQA (4 heads over 2 groups),
 tied embeddings; Qwen3 adds per-head q/k norms, whose gradients are TP-partial until the
-optimizer sums them."""
+optimizer sums them; gpt-oss (untied) adds windows, sinks split by heads, biases and experts."""

@@ -34,14 +34,16 @@ from megatron_psrl.schedule.memory import (
 SEVEN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 """Qwen3-Next and Qwen3.5 (tests/model/test_hybrid_families.py)."""
+LATER = ("gpt_oss",)
+"""Registered after the hybrids (tests/model/test_moe_families.py)."""
 DEBUG_CONFIGS = [(f.model_type, name) for f in registered_families() for name in f.tiny_configs]
 
 
 def test_registry_lists_the_families_in_order():
-    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS
-    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS
+    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS + LATER
+    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS + LATER
     assert architecture.MOE_MODEL_TYPES == ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe_text",
-                                            "qwen3_5_moe")
+                                            "qwen3_5_moe", "gpt_oss")
     for family in registered_families():
         assert isinstance(family, ModelFamily)
         assert get_family(family.model_type) is family
@@ -53,7 +55,7 @@ def test_tiny_module_is_a_view_of_the_bundles():
     dense = {n: c for f in plain if not f.is_moe for n, c in f.tiny_configs.items()}
     moe = {n: c for f in plain if f.is_moe for n, c in f.tiny_configs.items()}
     assert TINY_CONFIGS == dense and MOE_CONFIGS == moe
-    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class"}
+    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "gpt-oss-120b-class"}
     assert set(get_family("qwen2").shape_configs) == {"qwen2.5-1.5b-shape"}
 
 

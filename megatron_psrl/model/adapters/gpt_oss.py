@@ -83,13 +83,13 @@ class GptOssAdapter(RoutedExpertsMixin, LlamaStyleAdapter):
         e, h, f = a.num_experts, a.hidden_size, a.moe_ffn_hidden_size
         yield hf + "mlp.router.weight", mcore[mc + "mlp.router.weight"]
         yield hf + "mlp.router.bias", mcore[mc + "mlp.router.bias"]
-        first = mcore[f"{mc}mlp.experts.local_experts.0.linear_fc1.weight"]
-        gate_up = first.new_empty(e, h, 2 * f)
-        gate_up_bias = first.new_empty(e, 2 * f)
-        down, down_bias = first.new_empty(e, f, h), first.new_empty(e, h)
-        for i in range(e):
+        for i in range(e):  # (each megatron tensor read once: the weight stream hands each out once)
             src = f"{mc}mlp.experts.local_experts.{i}."
-            gate, up = torch.chunk(mcore[src + "linear_fc1.weight"], 2, dim=0)  # 2 x [I, h]
+            fc1 = mcore[src + "linear_fc1.weight"]
+            if i == 0:
+                gate_up, gate_up_bias = fc1.new_empty(e, h, 2 * f), fc1.new_empty(e, 2 * f)
+                down, down_bias = fc1.new_empty(e, f, h), fc1.new_empty(e, h)
+            gate, up = torch.chunk(fc1, 2, dim=0)  # 2 x [I, h]
             gate_up[i, :, 0::2], gate_up[i, :, 1::2] = gate.t(), up.t()
             gate_bias, up_bias = torch.chunk(mcore[src + "linear_fc1.bias"], 2, dim=0)
             gate_up_bias[i, 0::2], gate_up_bias[i, 1::2] = gate_bias, up_bias
