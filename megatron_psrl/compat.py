@@ -147,6 +147,16 @@ def transformer_config_overrides(device: torch.device) -> Dict[str, Any]:
     )
 
 
+def eager_activation(func, device: torch.device):
+    """``func`` where it runs: megatron's activations are ``torch.compile``d (``jit_fuser``), and
+    on CPU dynamo compiles one for seconds per kind of shape and gains nothing over the same
+    eager math (gpt-oss's ``quick_gelu``); there the original function is returned. On CUDA
+    ``func`` as it is (megatron's fused bias-GLU kernels recognise it by identity)."""
+    if on_cuda(device):
+        return func
+    return getattr(func, "_torchdynamo_orig_callable", func)
+
+
 def training_fusions(device: torch.device) -> Dict[str, Any]:
     """TransformerConfig fields of a model that trains (megatron's DDP gives every weight the
     fp32 ``main_grad`` its fused kernels add into): ``gradient_accumulation_fusion`` where the

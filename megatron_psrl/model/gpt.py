@@ -26,9 +26,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -36,7 +36,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_psrl.attention import PrefixSharingAttention, TreeAttentionMetadata
-from megatron_psrl.compat import keeps_cuda_embedding_sync, quiet_expected_import_warnings, transformer_config_overrides
+from megatron_psrl.compat import (
+    eager_activation,
+    keeps_cuda_embedding_sync,
+    quiet_expected_import_warnings,
+    transformer_config_overrides,
+)
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.sequence_parallel import (
@@ -109,6 +114,7 @@ def build_transformer_config(
         calculate_per_token_loss=True,
     )
     kwargs.update(transformer_config_overrides(device))
+    kwargs["activation_func"] = eager_activation(kwargs["activation_func"], device)
     kwargs.update(moe_config_fields(arch))
     kwargs.update(overrides)
     with warnings.catch_warnings():

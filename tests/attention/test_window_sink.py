@@ -15,7 +15,6 @@ import pytest
 import torch
 from attn_reference import (
     chain_forest,
-    depths,
     make_qkv,
     per_query_attention_with_sink,
     plan_with_depths,
