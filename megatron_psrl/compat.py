@@ -6,7 +6,9 @@ are, why, and what dropping each one would take:
 1. ``transformer_config_overrides``: on CPU, megatron's fused kernels (bias-GELU/SwiGLU,
    bias-dropout-add, masked softmax, RoPE fusion, persistent layer norm, gradient
    accumulation fusion) do not exist; they are switched off and weights are initialised on
-   the CPU (``use_cpu_initialization``). Dropping it needs CPU builds of those fusions.
+   the CPU (``use_cpu_initialization``); megatron's ``torch.compile``d activations
+   (``quick_gelu``, gpt-oss) run as their eager originals (``eager_activation``: dynamo's CPU
+   compiles cost seconds per kind of shape). Dropping it needs CPU builds of those fusions.
 2. ``seed_model_parallel_rng``: ``tensor_parallel.model_parallel_cuda_manual_seed`` saves and
    restores CUDA RNG states. On CPU we install megatron's inference RNG tracker (its
    ``fork()`` is a no-op) and seed torch's CPU generator; dropout is disallowed anyway
