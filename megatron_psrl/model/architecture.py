@@ -28,9 +28,11 @@ FULL_ATTENTION = "full_attention"
 """A layer type (Hugging Face ``layer_types``): softmax attention."""
 LINEAR_ATTENTION = "linear_attention"
 """A layer type: linear attention (Gated DeltaNet)."""
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 SLIDING_ATTENTION = "sliding_attention"
-"""A layer type: softmax attention within ``sliding_window`` tokens of the query's path (gpt-oss)."""
-LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION)
+"""A layer type: softmax attention within ``sliding_window`` tokens of the query's path (gpt-oss;
+a family that has such layers accepts it, :meth:`ModelFamily.hf_layer_fields`)."""
+ALL_LAYER_TYPES = LAYER_TYPES + (SLIDING_ATTENTION,)
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 _REQUIRED = object()
 
@@ -368,9 +370,9 @@ class ModelArchitecture:
         if len(self.layer_types) != self.num_layers:
             raise UnsupportedModelError(f"layer_types names {len(self.layer_types)} layers, the model has "
                                         f"num_hidden_layers {self.num_layers}")
-        unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES}, key=str)
+        unknown = sorted({t for t in self.layer_types if t not in ALL_LAYER_TYPES}, key=str)
         if unknown:
-            raise UnsupportedModelError(f"layer_types {unknown} not supported; supported: {', '.join(LAYER_TYPES)}")
+            raise UnsupportedModelError(f"layer_types {unknown} not supported; supported: {', '.join(ALL_LAYER_TYPES)}")
         if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
             raise UnsupportedModelError(f"field 'sliding_window': sliding_attention layers need a window of at least "
                                         f"one token, got {self.sliding_window}")

@@ -216,3 +216,37 @@ def test_cached_rows_no_window_reaches_are_not_read():
     ref.sum().backward()
     torch.testing.assert_close(reader.grad_k, ek2.grad, atol=1e-12, rtol=1e-10)
     assert not reader.grad_k[:15].any() and reader.grad_k[15:].abs().min() > 0
+
+
+def test_each_layer_reads_its_window_from_megatrons_config():
+    """megatron's ``window_size`` is ``(W - 1, 0)`` and ``window_attn_skip_freq`` marks the
+    windowed layers (1-based layer numbers); gpt-oss's alternate."""
+    from types import SimpleNamespace
+
+    from megatron_psrl.attention.window import layer_window
+    from megatron_psrl.errors import ConfigurationError
+
+    config = SimpleNamespace(window_size=(7, 0), window_attn_skip_freq=[1, 0, 1, 0])
+    assert [layer_window(config, n) for n in (1, 2, 3, 4)] == [8, None, 8, None]
+    assert layer_window(SimpleNamespace(window_size=None, window_attn_skip_freq=None), 1) is None
+    assert layer_window(SimpleNamespace(window_size=(-1, -1), window_attn_skip_freq=None), 1) is None
+    with pytest.raises(ConfigurationError, match="right"):
+        layer_window(SimpleNamespace(window_size=(7, 3), window_attn_skip_freq=None), 1)
+
+
+def test_kernels_without_a_window_or_a_sink_fall_back_to_torch(caplog):
+    """flash-attn takes a window (2.3+) but no sink; Transformer Engine is asked for neither:
+    those layers run on the torch backend, each reason logged once."""
+    from megatron_psrl.attention import window
+
+    window._LOGGED.clear()
+    with caplog.at_level("WARNING", logger="megatron_psrl"):
+        assert window.runnable_backend("flash", 8, False, flash_version=(2, 6, 3)) == "flash"
+        assert window.runnable_backend("flash", None, True, flash_version=(2, 6, 3)) == "torch"
+        assert window.runnable_backend("flash", 8, True, flash_version=(2, 6, 3)) == "torch"
+        assert window.runnable_backend("flash", 8, False, flash_version=(2, 2)) == "torch"
+        assert window.runnable_backend("te", 8, False) == "torch"
+        assert window.runnable_backend("te", None, False) == "te"
+        assert window.runnable_backend("dense", 8, True) == "dense"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and any("no attention sinks" in m for m in lines) and any("2.3" in m for m in lines)

@@ -70,8 +70,8 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a visible share
                 p.copy_(torch.randn_like(p))
-            if name.endswith("mlp.experts.gate_up_proj"):  # gpt-oss: some gates and ups past the clamp
-                p.mul_(4.0)
+            if cfg.model_type == "gpt_oss" and name.endswith("mlp.experts.gate_up_proj"):
+                p.mul_(4.0)  # some gates and ups past the clamp
             if qk_norm and (name.endswith("q_norm.weight") or name.endswith("k_norm.weight")):
                 p.mul_(qk_gain ** 0.5)
             elif not qk_norm and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
