@@ -226,6 +226,12 @@ class AttentionPlan:
             return queries, self.positions, np.asarray(self.external_positions or [], dtype=np.int64)
         if self.external_lengths or self.is_query_subset:
             raise ValueError("windowed attention needs the plan's positions (tree_plan(..., positions=...))")
+        if "_depths" not in self.__dict__:  # (derived once)
+            self.__dict__["_depths"] = self._derived_depths()
+        return self.__dict__["_depths"]
+
+    def _derived_depths(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`depths` of a plan without positions or external sources."""
         t = self.num_tokens
         seg = np.repeat(np.arange(self.num_segments), self.seg_end - self.seg_start)
         seen = np.zeros(t + 1, dtype=np.int64)  # keys of the ancestor blocks over each token

@@ -37,6 +37,8 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
     else:
         raise ValueError(name)
     cfg.update(overrides)
+    if name == "gpt-oss" and "layer_types" not in overrides:  # sliding and full layers alternate
+        cfg["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(cfg["num_hidden_layers"])]
     return cfg
 
 

@@ -103,13 +103,16 @@ class GptOssFamily(MoEFamily):
 
     # ------------------------------------------------------------------ memory plan
     def moe_saved_bytes_per_token(self, arch: "ModelArchitecture", dtype_bytes: int) -> int:
-        """:meth:`MoEFamily.moe_saved_bytes_per_token` for the clamped GLU: one more ``f``-wide
-        tensor per routed copy (SwiGLU's ``silu`` keeps a view of the fc1 output; the clamped
-        gate is a tensor of its own that ``quick_gelu`` keeps with its sigmoid, and ``up + 1``
-        one more factor), in the model dtype. The biases save nothing (fc1's is added before
-        the GLU, fc2's times the routing weight the experts keep already). Counted against what
-        ``saved_tensors_hooks`` sees, fp32 and bf16 (tests/kvcache/test_moe_activation_estimate.py)."""
-        return super().moe_saved_bytes_per_token(arch, dtype_bytes) + arch.moe_router_topk * arch.moe_ffn_hidden_size * dtype_bytes
+        """:meth:`MoEFamily.moe_saved_bytes_per_token` for the clamped GLU: two more ``f``-wide
+        tensors per routed copy, in the model dtype (SwiGLU's ``silu`` keeps a view of the fc1
+        output; here the clamped gate, which ``quick_gelu``'s product keeps with its sigmoid, and
+        ``up + 1``, which the GLU's product keeps, are tensors of their own). The biases save
+        nothing (fc1's is added before the GLU, fc2's times the routing weight the experts keep
+        already). Counted against what ``saved_tensors_hooks`` sees, fp32 and bf16, with the
+        eager ``quick_gelu`` that runs on CPU (tests/kvcache/test_moe_activation_estimate.py);
+        megatron's compiled one (CUDA) keeps one tensor fewer: an ``f`` per copy over there."""
+        k, f = arch.moe_router_topk, arch.moe_ffn_hidden_size
+        return super().moe_saved_bytes_per_token(arch, dtype_bytes) + 2 * k * f * dtype_bytes
 
     # ------------------------------------------------------------------ cost model
     def cost_dims(self, arch: "ModelArchitecture") -> "ModelDims":
