@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from typing import List, Optional, Sequence
 
 from megatron_psrl.attention.metadata import ArrivingPrefixKV, PrefixCopies
@@ -93,11 +94,15 @@ _FLASH_VERSION: List = []
 
 
 def _flash_version():
-    """The installed flash-attn's version tuple (None without it), looked up once."""
+    """The installed flash-attn's ``(major, minor)`` (None without it), looked up once."""
     if not _FLASH_VERSION:
-        from megatron_psrl.attention.backends import kernel_facts
+        try:
+            import flash_attn
 
-        _FLASH_VERSION.append(kernel_facts("cpu").flash_attn_version)
+            numbers = re.findall(r"\d+", str(getattr(flash_attn, "__version__", "0")))[:2]
+            _FLASH_VERSION.append(tuple(int(n) for n in numbers))
+        except ImportError:
+            _FLASH_VERSION.append(None)
     return _FLASH_VERSION[0]
 
 
