@@ -131,16 +131,20 @@ class PrefixSharingAttention(MegatronModule):
             return None
         if kind not in ("learnable", "off-by-one"):
             raise ConfigurationError(f"softmax_type {kind!r}: choose vanilla, off-by-one or learnable")
-        heads = config.num_attention_heads // config.tensor_model_parallel_size
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        offset = torch.zeros(heads, dtype=config.params_dtype, device=device)
-        if kind == "off-by-one":
-            return offset
+        from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        offset = torch.nn.Parameter(offset)
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        if kind == "off-by-one":
+            return torch.zeros(heads, dtype=config.params_dtype, device=device)
+        # Every head's sink drawn, this rank's heads kept: the same model under any TP layout
+        # (as megatron's CPU initialisation of the split weights), and the same draws after it.
+        every = torch.zeros(config.num_attention_heads, dtype=config.params_dtype, device=device)
         if config.perform_initialization:
-            config.init_method(offset)
+            config.init_method(every)
+        first = parallel_state.get_tensor_model_parallel_rank() * heads
+        offset = torch.nn.Parameter(every[first:first + heads].clone())
         set_tensor_model_parallel_attributes(offset, is_parallel=True, dim=0, stride=1)
         return offset
 
