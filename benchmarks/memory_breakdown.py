@@ -214,11 +214,9 @@ def predicted(engine, batch, overrides: Optional[dict] = None) -> dict:
     """The memory plan's prediction for the step ``engine`` would run on ``batch``: its
     timeline's peak (KV blocks, kept graphs, gathered copies, loss head) and the step peak
     (``schedule.memory.step_peak_bytes``: plus the running micro-batch's graph)."""
-    from megatron_psrl.schedule.memory import step_peak_bytes
-
     _, plan, memory, _ = engine.plan(batch)
     rank = plan.ranks[0]
     return {"micro_batches": len(rank.micro_batches), "plan_peak": memory.peak_bytes if memory else 0,
-            "step_peak": step_peak_bytes(rank, memory, engine.act_bytes, engine.head_bytes),
+            "step_peak": engine.predicted_step_peak(plan, memory),
             "recompute_tokens": memory.recompute_tokens if memory else 0,
             "max_micro_batch_tokens": max(mb.num_tokens for mb in rank.micro_batches)}

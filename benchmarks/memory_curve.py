@@ -44,26 +44,15 @@ def kv_floor(bench, batch) -> int:
 @contextlib.contextmanager
 def recomputing(bench):
     """Full activation recomputation (every layer its own unit) on the bench's model for the
-    duration: megatron's config fields, the engine's re-read flag and the runner's injection
-    of prefix gradients, as ``--recompute-granularity full`` builds them."""
-    from megatron_psrl.compat import install_cpu_recompute_shims
-
-    install_cpu_recompute_shims(bench.device)
-    configs = {id(m.config): m.config for m in bench.model.modules() if hasattr(m, "config")}.values()
-    fields = ("recompute_granularity", "recompute_method", "recompute_num_layers")
-    saved = [(c, {f: getattr(c, f) for f in fields}) for c in configs]
-    engine, runner = bench.engine, bench.engine.runner
-    before = (engine.recompute, runner.inject_kv_grads)
-    for c, _ in saved:
-        c.recompute_granularity, c.recompute_method, c.recompute_num_layers = "full", "uniform", 1
-    engine.recompute, runner.inject_kv_grads = True, True
+    duration (``Engine.set_recompute``: megatron's config fields, the engine's re-read flag and
+    the runner's injection of prefix gradients, as ``--recompute-granularity full`` builds them)."""
+    engine = bench.engine
+    before = engine.recompute_setting
+    engine.set_recompute("full", "uniform", 1)
     try:
         yield
     finally:
-        for c, values in saved:
-            for f, v in values.items():
-                setattr(c, f, v)
-        engine.recompute, runner.inject_kv_grads = before
+        engine.set_recompute(*before)
 
 
 def curve_contenders(bench, psrl_class) -> list:

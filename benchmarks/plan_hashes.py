@@ -72,8 +72,8 @@ def _canon(x):
     if hasattr(x, "__dataclass_fields__"):
         out = {}
         for name in sorted(x.__dataclass_fields__):
-            if name in ("pool_sizes", "segment_shapes"):  # (later additions, derived)
-                continue
+            if name in ("pool_sizes", "segment_shapes", "row_counts", "step_timeline_bytes", "offloaded_bytes"):
+                continue  # (later additions, derived)
             value = getattr(x, name)
             if name == "kinds" and value is not None:
                 value = sorted({_role(k) if k not in ("values", "grads") else k for k in value})

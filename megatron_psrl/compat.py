@@ -32,14 +32,12 @@ are, why, and what dropping each one would take:
    the distributed optimizer with ``--overlap-param-gather``) and the same checkpoint state run
    on CPU as on CUDA. Nothing changes on CUDA. Dropping it needs device-agnostic buffers, type
    checks by ``dtype`` and a device-agnostic state gather upstream.
-4. ``install_cpu_pipeline_shims``: megatron's pipeline schedules and p2p communication
-   (``pipeline_parallel/schedules.py``, ``p2p_communication.py``) allocate their small shape
-   and token-count tensors with ``device='cuda'`` / ``torch.cuda.current_device()`` and call
-   ``torch.cuda.synchronize()``; the communication itself is plain ``torch.distributed`` and
-   works over gloo. On CPU those two modules see a ``torch`` whose ``cuda.current_device()``
-   is the CPU, whose ``cuda.synchronize()`` does nothing, and whose ``zeros``/``empty`` put
-   ``device='cuda'`` tensors on the CPU; everything else is torch itself. Nothing is changed
-   when the model is on CUDA. Dropping it needs device-agnostic schedules upstream.
+4. The CPU ``torch`` (``_CpuTorch``) the modules of items 3 and 7 to 10 see on CPU: its
+   ``cuda.current_device()`` is the CPU, its ``cuda.synchronize()`` does nothing, and its
+   ``zeros``/``empty``/``tensor`` put ``device='cuda'`` tensors on the CPU; everything else is
+   torch itself. Nothing is changed when the model is on CUDA. (megatron's pipeline schedules
+   and p2p communication need none: they are not used, every pipeline step runs the project's
+   executor, ``engine/pipeline.py``.)
 5. ``keeps_cuda_embedding_sync``: with PP > 1 and tied embeddings, megatron's
    ``setup_embeddings_and_output_layer`` moves the last stage's copy of the word embeddings
    to CUDA (``weight.data.cuda()``) before all-reducing it with the first stage's. On CPU
@@ -93,6 +91,21 @@ are, why, and what dropping each one would take:
    (``use_cpu_initialization``, item 1) the module sees the ``torch`` of item 4. With fla
    installed and a CUDA model nothing changes. Dropping it needs an optional fla and
    device-agnostic allocations upstream.
+11. ``latent_attention_construction``: megatron's ``MLASelfAttention.__init__``
+   (``transformer/multi_latent_attention.py``) builds its rotary module without passing
+   ``use_cpu_initialization``, so ``RotaryEmbedding`` / ``YarnRotaryEmbedding``
+   (``models/common/embeddings/``) allocate on ``torch.cuda.current_device()``. While
+   ``TreeMLASelfAttention`` (``model/latent_attention.py``, which rotates by the pack's position
+   ids and drops that module) is built for a CPU model, those two modules see the ``torch`` of
+   item 4. Without Transformer Engine the same ``__init__`` fails on
+   ``isinstance(self.linear_proj, TELinear)`` (megatron's import placeholder for ``TELinear`` is
+   not a type, yet its ``HAVE_TE`` says True): while it is built, the module's ``HAVE_TE`` is
+   False when ``transformer_engine`` cannot be imported. Under tensor parallelism its gathers of
+   the column-parallel down-projections (``tensor_parallel/mappings.py``) allocate on
+   ``torch.cuda.current_device()``: ``install_cpu_latent_attention_shims`` gives that module the
+   ``torch`` of item 4 on CPU (as item 9 does). Nothing changes on CUDA with Transformer Engine.
+   Dropping it needs ``use_cpu_initialization`` passed, ``HAVE_TE`` set right and
+   device-agnostic gathers upstream.
 
 Design choices that are *not* workarounds (they hold on GPU too): RoPE frequencies come from
 explicit per-token position ids (megatron's RotaryEmbedding knows only 0..S-1) and the core
@@ -219,8 +232,8 @@ def _on_cpu(factory):
 
 
 class _CpuTorch:
-    """The ``torch`` module seen by megatron's pipeline, DDP and optimizer modules on CPU
-    (items 3, 4 and 7)."""
+    """The ``torch`` module seen by megatron's DDP, optimizer and checkpoint-writer modules on
+    CPU (items 3, 4 and 7)."""
 
     cuda = _CpuCuda()
     zeros = staticmethod(_on_cpu(torch.zeros))
@@ -229,17 +242,6 @@ class _CpuTorch:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
-
-
-_PIPELINE_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication")
-
-
-def install_cpu_pipeline_shims(device: torch.device) -> None:
-    """Let megatron's pipeline schedules and p2p run with a CPU model over gloo (item 4);
-    nothing on CUDA. Idempotent."""
-    if on_cuda(device):
-        return
-    _give_cpu_torch(_PIPELINE_MODULES)
 
 
 def _give_cpu_torch(module_names) -> None:
@@ -550,3 +552,41 @@ def gated_delta_net_construction(config):
         yield
     finally:
         module.HAVE_FLA, module.torch = saved
+
+
+# ---------------------------------------------------------------------- 11: latent attention
+_ROTARY_MODULES = ("megatron.core.models.common.embeddings.rotary_pos_embedding",
+                   "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+
+
+def install_cpu_latent_attention_shims(device: torch.device) -> None:
+    """Let latent attention's tensor-parallel gathers allocate on the CPU (item 11); nothing on
+    CUDA. Idempotent."""
+    if on_cuda(device):
+        return
+    _give_cpu_torch(("megatron.core.tensor_parallel.mappings",))
+
+
+@contextlib.contextmanager
+def latent_attention_construction(config):
+    """While megatron's ``MLASelfAttention`` is built for ``TreeMLASelfAttention``: on a CPU model
+    its rotary module is allocated on the CPU, and without Transformer Engine its TE check is off
+    (item 11). Restores the modules afterwards; nothing is changed for a CUDA model with
+    Transformer Engine."""
+    import importlib
+    import importlib.util
+
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    on_cpu = bool(config.use_cpu_initialization) or not torch.cuda.is_available()
+    modules = [importlib.import_module(name) for name in _ROTARY_MODULES] if on_cpu else []
+    saved = [m.torch for m in modules], mla.HAVE_TE
+    for m in modules:
+        m.torch = _CpuTorch()
+    if importlib.util.find_spec("transformer_engine") is None:
+        mla.HAVE_TE = False
+    try:
+        yield
+    finally:
+        for m, t in zip(modules, saved[0]):
+            m.torch = t
+        mla.HAVE_TE = saved[1]

@@ -5,7 +5,7 @@ in the ``core_attention`` slot of any GPT layer spec, local or Transformer Engin
 
 - ``packed_seq_params=TreeAttentionMetadata``: a tree-packed micro-batch, ``[t, 1, np, hn]``;
   every token attends to its ancestors and the earlier tokens of its own segment (with
-  ``query_rows``, the model's last layer: only those rows' outputs, ``[n, 1, np*hn]``);
+  ``query_rows``, the model's last layer: only those rows' outputs, ``[n, 1, np*hv]``);
 - ``packed_seq_params=PackedSeqParams(qkv_format="thd")``: megatron's packed sequences,
   ``[t, np, hn]``, causal within every ``cu_seqlens`` segment;
 - ``packed_seq_params=None``: plain causal attention over ``[s, b, np, hn]``.
@@ -15,6 +15,11 @@ plan's windowed form (``AttentionPlan.windowed``), reading only the cached prefi
 query's window reaches; with ``softmax_type`` ``learnable`` (``off-by-one``: fixed at zero) the
 module holds megatron's ``softmax_offset``, one sink logit per head that the backend joins to
 every softmax's denominator once (:mod:`megatron_psrl.attention.window`).
+
+Values may be narrower than queries and keys (latent attention, DeepSeek-V3: ``hn`` 192 =
+128 without RoPE + 64 with it, ``hv`` 128; megatron's ``k_channels`` / ``v_channels``): the
+output is ``np * hv`` wide, and every backend takes the two widths (the CPU kernels and
+flash-attn 2, which take one, get values padded with zeros for the call: exact).
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ class PrefixSharingAttention(MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
         backend: Optional[str] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -103,7 +110,10 @@ class PrefixSharingAttention(MegatronModule):
             raise ConfigurationError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
-        self.head_dim = config.kv_channels
+        self.head_dim = k_channels if k_channels is not None else config.kv_channels
+        """Query/key head width (megatron's ``k_channels``: latent attention's nope + rope part)."""
+        self.value_dim = v_channels if v_channels is not None else self.head_dim
+        """Value head width (``v_channels``; latent attention's is narrower than the keys')."""
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
         self.default_backend = backend
         self.deterministic = bool(getattr(config, "deterministic_mode", False))
@@ -121,7 +131,7 @@ class PrefixSharingAttention(MegatronModule):
             # state dict from the start, so a checkpoint saved before any step loads after one.
             tp = config.tensor_model_parallel_size
             self._te = self._build_te(config.num_attention_heads // tp, config.num_query_groups // tp, self.head_dim,
-                                      layer_number)
+                                      layer_number, self.value_dim)
 
     def _sink_parameter(self, config: TransformerConfig) -> Optional[Tensor]:
         """megatron's ``softmax_offset`` for ``softmax_type`` ``learnable`` (a parameter, split
@@ -164,10 +174,13 @@ class PrefixSharingAttention(MegatronModule):
                 dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
         return state
 
-    def _build_te(self, num_heads: int, num_groups: int, head_dim: int, layer_number: int) -> TETreeAttention:
+    def _build_te(self, num_heads: int, num_groups: int, head_dim: int, layer_number: int,
+                  value_dim: Optional[int] = None) -> TETreeAttention:
         if self.deterministic:
             te_deterministic()
-        return TETreeAttention(num_heads, num_groups, head_dim, self.softmax_scale, layer_number)
+        if value_dim is None or value_dim == head_dim:
+            return TETreeAttention(num_heads, num_groups, head_dim, self.softmax_scale, layer_number)
+        return TETreeAttention(num_heads, num_groups, head_dim, self.softmax_scale, layer_number, value_dim=value_dim)
 
     def _own_value(self, v: Tensor) -> Tensor:
         """``v`` in a storage of its own when a graph would save it. V is a view of the fused QKV
@@ -198,7 +211,7 @@ class PrefixSharingAttention(MegatronModule):
         if backend == "te":
             require_cuda("te", q)  # before importing Transformer Engine: the CPU error names CUDA
             if self._te is None:  # a model built for another backend: its state grows now
-                self._te = self._build_te(q.shape[1], k.shape[1], q.shape[2], self.layer_number)
+                self._te = self._build_te(q.shape[1], k.shape[1], q.shape[2], self.layer_number, v.shape[2])
             return self._te(q, k, v, plan, external, self.softmax_scale)
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
 
@@ -222,7 +235,7 @@ class PrefixSharingAttention(MegatronModule):
         backend_default = self.default_backend or default_backend(query.device.type, query.dtype)
 
         if isinstance(packed_seq_params, TreeAttentionMetadata):
-            # query [t, 1, np, hn], key/value [t, 1, ng, hn] (sbhd with one packed row)
+            # query [t, 1, np, hn], key [t, 1, ng, hn], value [t, 1, ng, hv] (sbhd with one packed row)
             if attention_mask is not None:
                 raise NotImplementedError(
                     "PrefixSharingAttention takes the tree mask from TreeAttentionMetadata.plan; pass attention_mask=None"
@@ -252,7 +265,7 @@ class PrefixSharingAttention(MegatronModule):
             after = getattr(meta.kv_hook, "after_attention", None)
             if after is not None:  # an overlapped exchange: rows no attention waited for
                 after(self.layer_number)
-            out = out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hn] ([n, 1, np*hn] with query_rows)
+            out = out.reshape(q.shape[0], 1, -1)  # [t, 1, np*hv] ([n, 1, np*hv] with query_rows)
             return F.pad(out, (0, 0, 0, 0, 0, padding)) if padding > 0 else out
 
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":

@@ -20,8 +20,11 @@ Three implementations with one signature:
   queries so that the score tensor stays bounded (``MATH_SCORE_ELEMENTS``).
 
 Layouts (token-major, as megatron hands them to core attention, batch dimension removed):
-q ``[nq, np, hn]``, k/v ``[nk, ng, hn]`` (np a multiple of ng: GQA groups are not expanded),
-o ``[nq, np, hn]``, lse ``[nq, np]`` (float32; float64 for float64 inputs). ``causal`` is only used with nq == nk (a
+q ``[nq, np, hn]``, k ``[nk, ng, hn]``, v ``[nk, ng, hv]`` (np a multiple of ng: GQA groups are
+not expanded; latent attention's values are narrower than its queries and keys, ``hv < hn``),
+o ``[nq, np, hv]``, lse ``[nq, np]`` (float32; float64 for float64 inputs). The CPU kernels
+take one head width for all three: there the narrower side is padded with zeros for the call
+(:func:`_one_width`), which changes no score, no output column and no gradient. ``causal`` is only used with nq == nk (a
 segment attending to itself). ``mask`` (bool ``[nq, nk]``, True where the query sees the key; a
 sliding window's block) restricts an unmasked block: a query that sees none of the block's keys
 gets ``o = 0``, ``lse = -inf`` (nothing to merge). The CUDA kernel takes no mask here: masked
@@ -56,19 +59,21 @@ def _bhld(x: Tensor) -> Tensor:
 
 
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CUDA_CHECKED: Dict[Tuple[torch.dtype, int], bool] = {}
-"""(dtype, head width) -> the CUDA kernel agreed with the math path (once per process)."""
+_CUDA_CHECKED: Dict[Tuple[torch.dtype, int, int], bool] = {}
+"""(dtype, query/key head width, value head width) -> the CUDA kernel agreed with the math path
+(once per process)."""
 _LSE_ALIGN = 32
 """The memory-efficient kernel's log-sum-exp rows come padded to a multiple of this."""
 
 
-def _use_cuda(q: Tensor) -> bool:
+def _use_cuda(q: Tensor, v: Optional[Tensor] = None) -> bool:
     if q.device.type != "cuda" or q.dtype not in _CUDA_DTYPES \
             or not hasattr(torch.ops.aten, "_scaled_dot_product_efficient_attention"):
         return False
-    key = (q.dtype, q.shape[-1])
+    v = q if v is None else v
+    key = (q.dtype, q.shape[-1], v.shape[-1])
     if key not in _CUDA_CHECKED:
-        _CUDA_CHECKED[key] = _cuda_kernel_agrees(q.dtype, q.shape[-1], q.device)
+        _CUDA_CHECKED[key] = _cuda_kernel_agrees(q.dtype, q.shape[-1], q.device, v.shape[-1])
     return _CUDA_CHECKED[key]
 
 
@@ -81,17 +86,17 @@ def _heads_of(x: Tensor, ng: int, r: int) -> Tensor:
 def _cuda_forward(q, k, v, causal, scale):
     """One kernel call per query head within a group (``rep`` of them), each over every group
     at once: GQA without copies of K and V."""
-    nq, np_, hn = q.shape
-    ng = k.shape[1]
+    nq, np_, _ = q.shape
+    ng, hv = k.shape[1], v.shape[-1]
     rep = np_ // ng
-    o = torch.empty((nq, ng, rep, hn), dtype=q.dtype, device=q.device)
+    o = torch.empty((nq, ng, rep, hv), dtype=q.dtype, device=q.device)
     lse = torch.empty((nq, ng, rep), dtype=torch.float32, device=q.device)
     for r in range(rep):
         o_r, lse_r, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             _bhld(_heads_of(q, ng, r)), _bhld(k), _bhld(v), None, True, 0.0, causal, scale=scale)
         o[:, :, r] = o_r[0].transpose(0, 1)
         lse[:, :, r] = lse_r[0, :, :nq].transpose(0, 1)
-    return o.view(nq, np_, hn), lse.view(nq, np_)
+    return o.view(nq, np_, hv), lse.view(nq, np_)
 
 
 def _cuda_backward(do, q, k, v, o, lse, causal, scale):
@@ -117,12 +122,14 @@ def _cuda_backward(do, q, k, v, o, lse, causal, scale):
     return dq.view(nq, np_, hn), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _cuda_kernel_agrees(dtype: torch.dtype, head_dim: int, device) -> bool:
+def _cuda_kernel_agrees(dtype: torch.dtype, head_dim: int, device, value_dim: Optional[int] = None) -> bool:
     """The CUDA kernel against the math path on a small GQA problem (outputs, lse and every
-    gradient, causal and not), within the dtype's rounding; False (and one logged line) if not."""
+    gradient, causal and not), within the dtype's rounding; False (and one logged line) if not
+    (a kernel that refuses values narrower than the keys included)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, do = (torch.randn(n, h, head_dim, generator=gen).to(device=device, dtype=dtype)
-                   for n, h in ((37, 4), (37, 2), (37, 2), (37, 4)))
+    value_dim = head_dim if value_dim is None else value_dim
+    q, k, v, do = (torch.randn(n, h, d, generator=gen).to(device=device, dtype=dtype)
+                   for n, h, d in ((37, 4, head_dim), (37, 2, head_dim), (37, 2, value_dim), (37, 4, value_dim)))
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     try:
         for causal in (True, False):
@@ -137,8 +144,8 @@ def _cuda_kernel_agrees(dtype: torch.dtype, head_dim: int, device) -> bool:
         import logging
 
         logging.getLogger(__name__).warning(
-            "torch's fused CUDA attention disagrees with the reference for %s, head width %d (%s): tree "
-            "attention uses the reference math on this device", dtype, head_dim, exc)
+            "torch's fused CUDA attention disagrees with the reference for %s, head width %d, value width %d "
+            "(%s): tree attention uses the reference math on this device", dtype, head_dim, value_dim, exc)
         return False
     return True
 
@@ -150,17 +157,27 @@ def _additive(mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
     return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[None, None]
 
 
+def _one_width(x: Tensor, width: int) -> Tensor:
+    """``x`` padded with zero columns to ``width`` (itself when it has that width): a kernel that
+    takes one head width for q, k and v then computes the same scores (the zeros add nothing to
+    q . k) and the same output and gradients in the real columns (a zero value column gives a
+    zero output column; a zero output-gradient column adds nothing to dP)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def partial_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, impl: str = "auto", mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Attention of q over (k, v); returns ``(o [nq, np, hn], lse [nq, np])``."""
-    if mask is None and (impl == "cuda" or (impl == "auto" and _use_cuda(q))):
+    """Attention of q over (k, v); returns ``(o [nq, np, hv], lse [nq, np])``."""
+    if mask is None and (impl == "cuda" or (impl == "auto" and _use_cuda(q, v))):
         return _cuda_forward(q, k, v, causal, scale)
     if impl == "aten" or (impl == "auto" and _use_aten(q)):
+        width = max(q.shape[-1], v.shape[-1])
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhld(q), _bhld(k), _bhld(v), 0.0, causal, attn_mask=_additive(mask, q), scale=scale
-        )
-        o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+            _bhld(_one_width(q, width)), _bhld(_one_width(k, width)), _bhld(_one_width(v, width)), 0.0, causal,
+            attn_mask=_additive(mask, q), scale=scale,
+        )[:2]
+        o, lse = o[0, ..., :v.shape[-1]].transpose(0, 1), lse[0].transpose(0, 1)
         if mask is not None:  # the kernel answers a query that sees no key with lse 0
             lse = lse.masked_fill(~mask.any(1)[:, None], float("-inf"))
         return o, lse
@@ -172,14 +189,17 @@ def partial_attention_backward(
     impl: str = "auto", mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the merged output ``o`` and log-sum-exp ``lse``."""
-    if mask is None and (impl == "cuda" or (impl == "auto" and _use_cuda(q))):
+    if mask is None and (impl == "cuda" or (impl == "auto" and _use_cuda(q, v))):
         return _cuda_backward(do, q, k, v, o, lse, causal, scale)
     if impl == "aten" or (impl == "auto" and _use_aten(q)):
+        hn, hv = q.shape[-1], v.shape[-1]
+        width = max(hn, hv)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhld(do), _bhld(q), _bhld(k), _bhld(v), _bhld(o),
+            *(_bhld(_one_width(x, width)) for x in (do, q, k, v, o)),
             lse.to(lse_dtype(q)).transpose(0, 1).unsqueeze(0), 0.0, causal, attn_mask=_additive(mask, q), scale=scale,
         )
-        return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+        return (dq[0, ..., :hn].transpose(0, 1), dk[0, ..., :hn].transpose(0, 1),
+                dv[0, ..., :hv].transpose(0, 1))
     return _math_backward(do, q, k, v, o, lse, causal, scale, mask=mask)
 
 
@@ -213,14 +233,15 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int, nq_
 
 
 def _math_forward(q, k, v, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS, mask=None):
-    nq, np_, hn = q.shape
+    nq, np_, _ = q.shape
+    hv = v.shape[-1]
     outs, lses = [], []
     for a, b in _query_chunks(nq, np_, k.shape[0], max_elements):
         s = _scores(q[a:b], k, causal, scale, a, nq, mask)
         lse = torch.logsumexp(s, dim=-1)  # [ng, rep, n]
         # (a query that sees no key: lse -inf, and nothing to weigh)
         p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
-        outs.append(torch.einsum("grqk,kgd->qgrd", p, v.to(p.dtype)).reshape(b - a, np_, hn).to(q.dtype))
+        outs.append(torch.einsum("grqk,kgd->qgrd", p, v.to(p.dtype)).reshape(b - a, np_, hv).to(q.dtype))
         lses.append(lse.reshape(np_, b - a).transpose(0, 1))
     return torch.cat(outs), torch.cat(lses).contiguous()
 
@@ -238,7 +259,7 @@ def _math_backward(do, q, k, v, o, lse, causal, scale, max_elements: int = MATH_
         s = _scores(q[a:b], k, causal, scale, a, nq, mask)
         lse_g = lse[a:b].to(f).transpose(0, 1).reshape(ng, rep, n)
         p = torch.exp(s - lse_g.unsqueeze(-1))  # [ng, rep, n, nk]
-        do_g = do[a:b].to(f).reshape(n, ng, rep, hn)
+        do_g = do[a:b].to(f).reshape(n, ng, rep, v.shape[-1])
         delta = (do[a:b].to(f) * o[a:b].to(f)).sum(-1).transpose(0, 1).reshape(ng, rep, n)
         dv += torch.einsum("grqk,qgrd->kgd", p, do_g)
         ds = p * (torch.einsum("qgrd,kgd->grqk", do_g, v.to(f)) - delta.unsqueeze(-1))

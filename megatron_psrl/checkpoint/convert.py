@@ -25,7 +25,7 @@ from megatron_psrl.checkpoint.layout import (
     read_checkpoint_info,
 )
 from megatron_psrl.checkpoint.legacy_format import save_sharded_checkpoint
-from megatron_psrl.checkpoint.loading import hf_full_state_dict, load_full_state_dict
+from megatron_psrl.checkpoint.loading import hf_full_state_dict, load_full_state_dict, log_untrained_mtp
 from megatron_psrl.checkpoint.passthrough import passthrough_for_export, read_hf_passthrough, write_passthrough
 from megatron_psrl.checkpoint.sharding import shard_state_dict
 from megatron_psrl.errors import ConfigurationError
@@ -61,6 +61,7 @@ def hf_to_mcore(
                                    non_finite="warn" if allow_non_finite else "refuse")
     dtype = str(next(iter(full.values())).dtype).replace("torch.", "")
     carried = read_hf_passthrough(hf_dir, get_adapter(arch).hf_passthrough_prefixes)  # e.g. a vision tower
+    log_untrained_mtp(arch, hf_dir)
     if ckpt_format == "torch_dist":
         info = CheckpointInfo(architecture=arch, tensor_parallel_size=1, pipeline_parallel_size=1, iteration=0,
                               dtype=dtype)

@@ -16,7 +16,7 @@ from megatron_psrl.checkpoint import dist_format, legacy_format
 from megatron_psrl.checkpoint.hf_io import HFCheckpointReader
 from megatron_psrl.checkpoint.layout import CheckpointInfo, checkpoint_format, iteration_format, read_checkpoint_info
 from megatron_psrl.checkpoint.passthrough import passthrough_names
-from megatron_psrl.checkpoint.sharding import shard_state_dict
+from megatron_psrl.checkpoint.sharding import shard_state_dict, tp_shard
 from megatron_psrl.checkpoint.state_dict import load_state_into
 from megatron_psrl.errors import CheckpointError, ConfigurationError
 from megatron_psrl.model.adapters import get_adapter, unfuse_experts
@@ -113,6 +113,92 @@ def check_finite(tensor: Tensor, path: str, name: str, refuse: bool = True) -> N
     logger.warning("%s: tensor %r: %s; converted as is (--allow-non-finite)", path, name, what)
 
 
+@dataclass(frozen=True)
+class _StageReads:
+    """What one rank reads of a HF folder for one (virtual) pipeline stage: the stage's layers,
+    the embedding where the stage holds it, the final norm and output layer on the last stage,
+    and of the routed experts only expert-parallel rank ``ep_rank``'s. Every other tensor is a
+    meta tensor of its shape (no memory), dropped after conversion."""
+
+    arch: ModelArchitecture
+    offset: int
+    """Global index of the stage's first layer."""
+    count: int
+    """Layers of the stage."""
+    stages: int
+    """(Virtual) pipeline stages in all."""
+    stage: int
+    """This stage's index."""
+    ep_rank: int
+    """This rank's index in its expert-parallel group."""
+    ep: int
+    """Expert-parallel size."""
+
+    @classmethod
+    def of(cls, arch: ModelArchitecture, stage: int, split: PipelineSplit, ep_rank: int, ep: int) -> "_StageReads":
+        counts = stage_counts(arch, split)
+        return cls(arch, sum(counts[:stage]), counts[stage], len(counts), stage, ep_rank, ep)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def embedding_here(self) -> bool:
+        """The first stage's input embedding, or megatron's copy of tied embeddings on the last."""
+        return self.first or (self.last and self.arch.tie_word_embeddings)
+
+    def local_arch(self, **widths) -> ModelArchitecture:
+        """The architecture of the stage's layers alone, whose adapter names them from 0
+        (``widths``: a tensor-parallel rank's head counts and FFN width)."""
+        a, lo, hi = self.arch, self.offset, self.offset + self.count
+        local_types = list(a.layer_types[lo:hi]) if a.layer_types else None
+        dense = [i - lo for i in a.dense_mlp_layers if lo <= i < hi]  # numbered as the stage's layers
+        return dataclasses.replace(a, num_layers=self.count, layer_types=local_types, dense_mlp_layers=dense,
+                                   **widths)
+
+    def layer_tensor(self, name: str) -> Optional[Tuple[str, str]]:
+        """``(global name, suffix after the layer index)`` of a stage-local layer tensor's HF
+        name; None for a tensor outside the decoder layers."""
+        m = re.match(r"^(.*?layers\.)(\d+)\.(.*)$", name)
+        if m is None:
+            return None
+        return f"{m.group(1)}{int(m.group(2)) + self.offset}.{m.group(3)}", m.group(3)
+
+    def skips_expert(self, suffix: str) -> bool:
+        """A routed expert of another expert-parallel rank."""
+        expert = re.match(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.", suffix)
+        return expert is not None and int(expert.group(1)) // (self.arch.num_experts // self.ep) != self.ep_rank
+
+    def holds_outside(self, name: str, embedding: str) -> bool:
+        """Whether the stage holds the non-layer tensor ``name``: the input embedding (HF name
+        ``embedding``) where :attr:`embedding_here`, the final norm and output layer on the last."""
+        return self.embedding_here if name == embedding else self.last
+
+    def finish(self, shard: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """This expert-parallel rank's experts renumbered from 0; on the last of several stages,
+        the tied embedding under megatron's name for its copy."""
+        if self.arch.is_moe:
+            shard = local_experts(shard, self.arch, self.ep_rank, self.ep)
+        if self.last and self.arch.tie_word_embeddings and self.stages > 1:
+            shard["output_layer.weight"] = shard.pop("embedding.word_embeddings.weight")
+        return shard
+
+
+def _open_checked(hf_dir: str, arch: ModelArchitecture) -> Tuple[HFCheckpointReader, Dict[str, tuple]]:
+    """The folder's reader and the HF shapes of ``arch``; a missing tensor names the folder."""
+    reader = HFCheckpointReader(hf_dir)
+    shapes = get_adapter(arch).hf_shapes()
+    missing = [k for k in shapes if k not in reader.weight_map]
+    if missing:
+        raise CheckpointError(hf_dir, f"missing tensors for a {arch.model_type} model: {missing[:5]}")
+    return reader, shapes
+
+
 def _layer_slice(reader, full_name: str, suffix: str, shape, heads: Tuple[int, int], groups: Tuple[int, int],
                  block: Tuple[int, int], shared: Tuple[int, int]) -> Tensor:
     """One tensor-parallel rank's part of a layer tensor: its query (``heads``), key/value
@@ -128,9 +214,11 @@ def _layer_slice(reader, full_name: str, suffix: str, shape, heads: Tuple[int, i
         return reader.get_slice(full_name, 0, *block, shape)
     if suffix == "mlp.down_proj.weight":
         return reader.get_slice(full_name, 1, *block, shape)
-    if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
+    # the shared expert (Qwen2-MoE ``shared_expert``; GLM-4.5 / DeepSeek-V3 ``shared_experts``)
+    if suffix in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                  "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"):
         return reader.get_slice(full_name, 0, *shared, shape)
-    if suffix == "mlp.shared_expert.down_proj.weight":
+    if suffix in ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.down_proj.weight"):
         return reader.get_slice(full_name, 1, *shared, shape)
     return reader.get(full_name, shape)
 
@@ -138,44 +226,75 @@ def _layer_slice(reader, full_name: str, suffix: str, shape, heads: Tuple[int, i
 def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: int, stage: int,
                        split: PipelineSplit, ep_rank: int = 0, ep: int = 1) -> Dict[str, Tensor]:
     """One rank's shard of a HF folder (tensor-parallel rank ``tp_rank``, (virtual) pipeline
-    stage ``stage`` of ``split``), reading only that rank's slices of the files: its layers,
-    and of each tensor the rows or columns it holds (safetensors ``get_slice``). Host memory
-    while loading is about the shard, not the model; the result equals
-    ``shard_state_dict(hf_full_state_dict(...))[(tp_rank, stage)]`` bit for bit.
+    stage ``stage`` of ``split``), reading only what that rank holds: its stage's layers, of the
+    routed experts only expert-parallel rank ``ep_rank``'s of ``ep`` (renumbered from 0,
+    :func:`~megatron_psrl.model.moe.local_experts`), and, where the adapter's layouts allow it,
+    only the rank's rows or columns of each tensor (safetensors ``get_slice``). The result
+    equals ``shard_state_dict(hf_full_state_dict(...))[(tp_rank, stage)]`` bit for bit.
 
-    How: the family's adapter runs on a *local* architecture (this rank's heads, key/value
-    groups, FFN width and layers) with a reader that returns the matching slices; megatron's
-    layouts (grouped QKV, [gate; up]) are per group / per row block, so the local result is
-    exactly the TP shard. Tensors this stage does not hold come back as meta tensors (no
-    memory) and are dropped. MoE models: only the experts of expert-parallel rank ``ep_rank``
-    of ``ep`` are read, renumbered from 0 (:func:`~megatron_psrl.model.moe.local_experts`)."""
-    if not get_adapter(arch).reads_rank_slices:  # the whole state dict, cut (host memory: the model)
-        shard = shard_state_dict(hf_full_state_dict(hf_dir, arch), arch, tp, split)[(tp_rank, stage)]
-        return local_experts(shard, arch, ep_rank, ep) if arch.is_moe else shard
-    reader = HFCheckpointReader(hf_dir)
-    shapes = get_adapter(arch).hf_shapes()
-    missing = [k for k in shapes if k not in reader.weight_map]
-    if missing:
-        raise CheckpointError(hf_dir, f"missing tensors for a {arch.model_type} model: {missing[:5]}")
+    Host memory while loading: about the shard where the adapter reads slices
+    (:func:`_rank_slices`); otherwise the shard plus the full tensors of the layer being
+    converted (:func:`_stage_cut`)."""
     if arch.num_kv_heads % tp:
         raise ConfigurationError(f"tensor parallel size {tp} must divide the {arch.num_kv_heads} key/value heads")
-    counts = stage_counts(arch, split)
-    first, last, offset = stage == 0, stage == len(counts) - 1, sum(counts[:stage])
+    reads = _StageReads.of(arch, stage, split, ep_rank, ep)
+    reader, shapes = _open_checked(hf_dir, arch)
+    if get_adapter(arch).reads_rank_slices:
+        shard = _rank_slices(reader, shapes, reads, tp_rank, tp)
+    else:
+        shard = _stage_cut(reader, shapes, reads, tp_rank, tp)
+    return reads.finish(shard)
+
+
+_VOCAB_HF = ("model.embed_tokens.weight", "lm_head.weight")
+"""The HF names of the input embedding and the output layer (a plain ``...ForCausalLM``)."""
+
+
+def _stage_cut(reader: HFCheckpointReader, shapes: Dict[str, tuple], reads: _StageReads, tp_rank: int,
+               tp: int) -> Dict[str, Tensor]:
+    """The stage's tensors read whole and converted by the family's adapter on the stage's
+    layers, each cut to this tensor-parallel rank's shard as it comes out (for layouts that are
+    not per-group slices of the HF tensors: a gated query, Gated DeltaNet's fused projections).
+    The embedding's name is the adapter's (a multimodal wrapper prefixes it)."""
+    arch = reads.arch
+    embedding = next((n for n in shapes if n.endswith("embed_tokens.weight")), _VOCAB_HF[0])
+
+    def get(name: str) -> Tensor:
+        layer = reads.layer_tensor(name)
+        if layer is None:
+            here = reads.holds_outside(name, embedding)
+            return reader.get(name, shapes[name]) if here else torch.empty(shapes[name], device="meta")
+        full_name, suffix = layer
+        if reads.skips_expert(suffix):
+            return torch.empty(shapes[full_name], device="meta")
+        return reader.get(full_name, shapes[full_name])
+
+    shard = {}
+    for name, tensor in get_adapter(reads.local_arch()).hf_to_mcore(get):
+        if not tensor.is_meta:
+            shard[name] = tp_shard(name, tensor, arch, tp, tp_rank)
+    return shard
+
+
+def _rank_slices(reader: HFCheckpointReader, shapes: Dict[str, tuple], reads: _StageReads, tp_rank: int,
+                 tp: int) -> Dict[str, Tensor]:
+    """The stage's tensors as this tensor-parallel rank's slices of the files: the family's
+    adapter runs on a *local* architecture (this rank's heads, key/value groups, FFN width and
+    the stage's layers) with a reader that returns the matching slices; megatron's layouts
+    (grouped QKV, [gate; up]) are per group / per row block, so the local result is exactly the
+    rank's shard."""
+    arch = reads.arch
     ng, hd, rep = arch.num_kv_heads // tp, arch.head_dim, arch.num_attention_heads // arch.num_kv_heads
     ffn = arch.ffn_hidden_size // tp
     shared = (arch.moe_shared_expert_ffn_hidden_size or 0) // tp  # a shared expert splits like the MLP
     vocab_rows = arch.padded_vocab_size(tp) // tp
-    local = dataclasses.replace(arch, num_attention_heads=ng * rep, num_kv_heads=ng, ffn_hidden_size=ffn,
-                                num_layers=counts[stage],
-                                moe_shared_expert_ffn_hidden_size=shared or arch.moe_shared_expert_ffn_hidden_size)
+    local = reads.local_arch(num_attention_heads=ng * rep, num_kv_heads=ng, ffn_hidden_size=ffn,
+                             moe_shared_expert_ffn_hidden_size=shared or arch.moe_shared_expert_ffn_hidden_size)
     heads = (tp_rank * ng * rep * hd, (tp_rank + 1) * ng * rep * hd)  # this rank's query rows
     groups = (tp_rank * ng * hd, (tp_rank + 1) * ng * hd)  # its key / value rows
     block = (tp_rank * ffn, (tp_rank + 1) * ffn)  # its FFN rows (gate, up) / columns (down)
-    embedding_here = first or (last and arch.tie_word_embeddings and len(counts) > 1)
 
-    def vocab(name: str, needed: bool) -> Tensor:
-        if not needed:
-            return torch.empty(vocab_rows, arch.hidden_size, device="meta")
+    def vocab(name: str) -> Tensor:
         start = tp_rank * vocab_rows
         t = reader.get_slice(name, 0, min(start, arch.vocab_size), min(start + vocab_rows, arch.vocab_size),
                              shapes[name])
@@ -184,28 +303,19 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
         return t
 
     def get(name: str) -> Tensor:
-        m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
-        if m is None:
-            if name == "model.embed_tokens.weight":
-                return vocab(name, embedding_here)
-            if name == "lm_head.weight":
-                return vocab(name, last)
-            return reader.get(name, shapes[name]) if last else torch.empty(shapes[name], device="meta")
-        full_name = f"model.layers.{int(m.group(1)) + offset}.{m.group(2)}"
-        suffix, shape = m.group(2), shapes[full_name]
-        expert = re.match(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.", suffix)
-        if expert is not None and int(expert.group(1)) // (arch.num_experts // ep) != ep_rank:
-            return torch.empty(shape, device="meta")  # another expert-parallel rank's expert
-        return _layer_slice(reader, full_name, suffix, shape, heads, groups, block,
+        layer = reads.layer_tensor(name)
+        if layer is None:
+            if name in _VOCAB_HF:
+                return vocab(name) if reads.holds_outside(name, _VOCAB_HF[0]) else \
+                    torch.empty(vocab_rows, arch.hidden_size, device="meta")
+            return reader.get(name, shapes[name]) if reads.last else torch.empty(shapes[name], device="meta")
+        full_name, suffix = layer
+        if reads.skips_expert(suffix):
+            return torch.empty(shapes[full_name], device="meta")
+        return _layer_slice(reader, full_name, suffix, shapes[full_name], heads, groups, block,
                             (tp_rank * shared, (tp_rank + 1) * shared))
 
-    shard = {name: t for name, t in get_adapter(local).hf_to_mcore(get) if not t.is_meta}
-    if arch.is_moe:
-        shard = local_experts(shard, arch, ep_rank, ep)
-    if last and arch.tie_word_embeddings and len(counts) > 1:  # megatron's copy of the tied embeddings
-        shard["output_layer.weight"] = shard["embedding.word_embeddings.weight"] if first else \
-            shard.pop("embedding.word_embeddings.weight")
-    return shard
+    return {name: t for name, t in get_adapter(local).hf_to_mcore(get) if not t.is_meta}
 
 
 def hf_memory_state_dict(state_dict: Dict[str, Tensor], arch: ModelArchitecture,
@@ -275,6 +385,7 @@ def load_model(
                                  attention_backend), None
     if source.hf_dir:  # only this rank's slices are read
         arch = ModelArchitecture.from_hf_dir(source.hf_dir)
+        log_untrained_mtp(arch, source.hf_dir)
         shards = [hf_rank_state_dict(source.hf_dir, arch, tp_rank, tp, s, split, ep_rank, ep) for s in stages]
     elif source.hf_config is not None:
         arch = ModelArchitecture.from_hf_config(source.hf_config)
@@ -298,6 +409,14 @@ def load_model(
     for chunk, shard in zip(model_chunks(model), shards):
         load_state_into(chunk, shard)
     return arch, model, optimizer_state
+
+
+def log_untrained_mtp(arch: ModelArchitecture, where: str) -> None:
+    """One line saying that ``arch``'s multi-token-prediction layers are not trained (nor
+    built: their tensors are carried through conversions unchanged)."""
+    if arch.mtp_layers:
+        logger.info("%s: %d multi-token-prediction layer(s) not built or trained; conversions carry their tensors "
+                    "through unchanged", where, arch.mtp_layers)
 
 
 def legacy_experts(ckpt_dir: str, info: CheckpointInfo, shard: Dict[str, Tensor], ep_rank: int,

@@ -16,6 +16,11 @@ Rules follow megatron's parallel layers (names of the local layer spec):
 A shared expert (``mlp.shared_experts.linear_fc1/fc2``) splits like the dense MLP, as megatron's
 ``SharedExpertMLP`` (the attention's tensor parallelism) does.
 
+Latent attention (megatron's ``MLASelfAttention``, local spec): its down-projections
+(``linear_q_down_proj``, ``linear_kv_down_proj``: column-parallel, their output gathered) and
+up-projections (``linear_q_up_proj``, ``linear_q_proj``, ``linear_kv_up_proj``: per head) split
+their output rows in equal blocks (``rows``); the latents' norms are replicated.
+
 A Gated DeltaNet layer (``self_attention.`` of a linear-attention layer, megatron's
 ``GatedDeltaNet``): ``in_proj.weight`` ``[q; k; v; z; beta; alpha]`` and ``conv1d.weight``
 ``[q; k; v]`` split each part by heads, then stack the rank's parts in the same order
@@ -45,6 +50,9 @@ Tensor = torch.Tensor
 LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 """A megatron decoder-layer parameter name: group 1 the layer number, group 2 the rest."""
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+_LATENT_PROJECTIONS = tuple(f"self_attention.{p}.weight" for p in (
+    "linear_q_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj"))
+"""Latent attention's column-parallel projections: output rows in equal blocks."""
 
 
 def shard_kind(name: str) -> str:
@@ -63,7 +71,8 @@ def shard_kind(name: str) -> str:
         return "fc1"
     if name.endswith(("self_attention.in_proj.weight", "self_attention.conv1d.weight")):
         return "parts"
-    if name.endswith(("self_attention.dt_bias", "self_attention.A_log", "core_attention.softmax_offset")):
+    if name.endswith(("self_attention.dt_bias", "self_attention.A_log", "core_attention.softmax_offset")
+                     + _LATENT_PROJECTIONS):
         return "rows"  # (per head: a Gated DeltaNet's value heads, attention sinks' query heads)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")):
         return "row"

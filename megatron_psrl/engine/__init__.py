@@ -6,7 +6,8 @@
 - ``step``: the executor of a rank's instructions (:mod:`megatron_psrl.schedule.instructions`),
   one method per kind; ``participants``: what spans a step (expert lockstep, router replay and
   losses, head sends, the KV cache's pool); ``prefix_kv``: the attention hook of one forward;
-- ``pipeline``: the same with pipeline stages (and megatron's 1F1B where it applies);
+- ``pipeline``: the same with pipeline stages (1F1B or interleaved order where the micro-batches
+  are independent; ``stage_links``: the transfers between stages);
 - ``head_sends``: split trees' heads sent between exchange groups (point to point);
 - ``optimizer``, ``calibration``, ``memory``, ``logprobs``, ``runners``,
   ``weights``: the engine's parts.

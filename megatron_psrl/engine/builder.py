@@ -38,6 +38,7 @@ from megatron_psrl.distributed.setup import (
     gradient_group,
     initialize_parallel,
 )
+from megatron_psrl.engine.budget import free_device_memory, memory_budget_for, resolve_budget
 from megatron_psrl.engine.calibration import MeasuredCosts, calibrate_for_planning
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.engine import Engine, cost_model_for, same_layout
@@ -47,9 +48,11 @@ from megatron_psrl.engine.runners import make_runner
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
-from megatron_psrl.model.logits import loss_head_peak_bytes
-from megatron_psrl.model.stages import pipeline_layer_counts, virtual_pipeline_size
+from megatron_psrl.model.gpt import local_spec_only
+from megatron_psrl.model.logits import chunk_rows, loss_head_peak_bytes
+from megatron_psrl.model.stages import pipeline_layer_counts, stage_counts, virtual_pipeline_size
 from megatron_psrl.schedule.memory import activation_bytes_per_token
+from megatron_psrl.schedule.step_charge import ActivationCharge
 from megatron_psrl.schedule.with_memory import whole_tree_reasons
 
 Log = Callable[[str], None]
@@ -65,7 +68,9 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     notes and warnings go (None: dropped)."""
     say = log or (lambda msg: None)
     layout = process_groups(config, layout)
-    impl = layer_spec(config, layout.device)
+    # (the CUDA default budget: the device's free memory before this run's model is on it)
+    budget = resolve_budget(config, layout.device, free_device_memory(layout.device))
+    impl = layer_spec(config, layout.device, source_architecture(source))
     vpp, split = pipeline_split(config, layout, source)
     resume = resume_point(source, layout, vpp, split, load_optimizer and for_training)
     overrides = recompute_overrides(config, layout)
@@ -77,9 +82,9 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
     # (with an optimizer, the data-parallel reduce may start during a step's last backward)
     backend_name, kv_cache, runner = cache_and_runner(
         config, layout, arch, model, geometry, recompute=bool(overrides), log=say,
-        arm_grad_reduce=optimizer.arm_grad_reduce if optimizer is not None else None)
+        arm_grad_reduce=optimizer.arm_grad_reduce if optimizer is not None else None, kv_limit=budget)
     tp = layout.tensor_parallel_size
-    return Engine(
+    engine = Engine(
         config=config, layout=layout, arch=arch, model=model, optimizer=optimizer, kv_cache=kv_cache, runner=runner,
         geometry=geometry, plan_geometry=plan_geometry, flop_model=flop_model, measured=measured,
         placement=placement, backend_name=backend_name, transformer_impl=impl, pipeline_split=split,
@@ -87,8 +92,43 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
         act_bytes=activation_bytes_per_token(arch, tp, torch.tensor([], dtype=config.torch_dtype).element_size()),
         head_bytes=loss_head_peak_bytes(arch.padded_vocab_size(tp) // tp, config.micro_batch_tokens,
                                         int(config.loss_head_chunk_mb * 2**20)),
+        graph_charge=activation_charge(arch, config, layout, vpp, split, runner, grads_in_step=optimizer is None,
+                                       model=model),
         log=say,
     )
+    engine.memory_budget = memory_budget_for(engine, budget)
+    return engine
+
+
+def _parameter_bytes(model, num_layers: int) -> Tuple[int, int, int]:
+    """``(all, one layer's, the input embedding's)`` parameter bytes of this rank's chunks."""
+    total = layers = embedding = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        total += size
+        layers += size if ".layers." in f".{name}" else 0
+        embedding += size if "embedding" in name else 0
+    return total, layers // max(1, num_layers), embedding
+
+
+def activation_charge(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, split, runner: StepRunner,
+                      grads_in_step: bool, model) -> ActivationCharge:
+    """What a micro-batch's graph and loss head hold by its rows (the memory plan's charge):
+    for the largest pipeline stage (every stage plans alike), with the run's recomputation and
+    row skip; the parameters' gradients count in the step when no buffer holds them before it
+    (a log-prob-only engine's ``.grad``; megatron's DDP allocates its buffers at start-up)."""
+    tp = layout.tensor_parallel_size
+    layers = arch.num_layers if layout.pipeline_parallel_size == 1 else max(stage_counts(arch, split)) * vpp
+    grads = _parameter_bytes(model, layers) if grads_in_step else (0, 0, 0)
+    local_vocab = arch.padded_vocab_size(tp) // tp
+    # (the largest stage is charged: only the last one's last layer skips rows)
+    row_skip = (runner.last_layer_row_skip and not (config.sequence_parallel and tp > 1)
+                and layout.pipeline_parallel_size == 1)
+    return ActivationCharge.of(arch, tp, torch.tensor([], dtype=config.torch_dtype).element_size(), local_vocab,
+                               chunk_rows(local_vocab, int(config.loss_head_chunk_mb * 2**20)), row_skip=row_skip,
+                               grad_bytes=grads, num_layers=layers,
+                               recompute=(config.recompute_granularity, config.recompute_method,
+                                          config.recompute_num_layers))
 
 
 # ---------------------------------------------------------------------- the steps
@@ -111,10 +151,13 @@ def process_groups(config: ActorConfig, layout: Optional[ParallelLayout]) -> Par
     return layout
 
 
-def layer_spec(config: ActorConfig, device: torch.device) -> str:
-    """``auto``: Transformer Engine's layers on CUDA where it is installed, else megatron's local ones."""
+def layer_spec(config: ActorConfig, device: torch.device, arch=None) -> str:
+    """``auto``: Transformer Engine's layers on CUDA where it is installed, else megatron's local
+    ones (also for a model built with the local spec only, :func:`~megatron_psrl.model.gpt.local_spec_only`)."""
     if config.transformer_impl != "auto":
         return config.transformer_impl
+    if arch is not None and local_spec_only(arch):
+        return "local"
     if device.type == "cuda":
         try:
             import transformer_engine  # noqa: F401
@@ -232,7 +275,14 @@ def moe_overrides(config: ActorConfig, arch) -> Dict[str, object]:
     """megatron's TransformerConfig fields of the MoE flags (an MoE model), or a refusal of MoE
     flags for a dense model."""
     if arch.is_moe:
+        if config.moe_router_enable_expert_bias and not arch.moe_router_expert_bias:
+            raise ConfigurationError(f"--moe-router-enable-expert-bias: a {arch.model_type} router has no expert bias "
+                                     "(megatron's aux-loss-free balancing biases a sigmoid router's selection: "
+                                     "grouped routing, e.g. glm4_moe; this family routes by softmax)")
         return config.moe_overrides()
+    if config.moe_router_enable_expert_bias:
+        raise ConfigurationError(f"--moe-router-enable-expert-bias applies to mixture-of-experts models; this is a "
+                                 f"dense {arch.model_type} model")
     if config.expert_model_parallel_size > 1 or config.moe_grouped_gemm:
         raise ConfigurationError(f"--expert-model-parallel-size / --moe-grouped-gemm apply to mixture-of-experts "
                                  f"models; this is a dense {arch.model_type} model")
@@ -314,10 +364,12 @@ def attention_backend_name(config: ActorConfig, device: torch.device) -> str:
 
 
 def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
-                     recompute: bool, log: Log, arm_grad_reduce=None) -> Tuple[str, BlockKVCache, StepRunner]:
+                     recompute: bool, log: Log, arm_grad_reduce=None,
+                     kv_limit: Optional[int] = None) -> Tuple[str, BlockKVCache, StepRunner]:
     """``(attention backend, KV cache, step runner)``: the pipeline runner with PP > 1, built
     complete (``arm_grad_reduce``: the optimizer's, when a step's last backward may start the
-    data-parallel reduce)."""
+    data-parallel reduce; ``kv_limit``: the cache's limit, ``--memory-budget`` when one is set,
+    else ``--kv-cache-budget``)."""
     device = layout.device
     backend = None if config.attention_backend == "auto" else config.attention_backend
     backend_name = attention_backend_name(config, device)
@@ -326,17 +378,19 @@ def cache_and_runner(config: ActorConfig, layout: ParallelLayout, arch, model, g
         log("note: flash-attn is not installed, so tree attention runs the torch backend with PyTorch's fused "
             "memory-efficient attention (checked against the reference math at first use); pip install "
             "flash-attn, or --attention-backend te with Transformer Engine, for the varlen kernels")
-    kv_cache = BlockKVCache(geometry, config.kv_cache_budget)
+    kv_cache = BlockKVCache(geometry, kv_limit or config.kv_cache_budget)
     group, _ = exchange_group_of(layout)
     router_losses = None
-    if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0):
+    bias_counts = arch.is_moe and config.moe_router_enable_expert_bias  # (weighted per sample, as the losses)
+    if arch.is_moe and (config.moe_aux_loss_coeff > 0 or config.moe_z_loss_coeff > 0 or bias_counts):
         from megatron_psrl.model.moe_losses import RouterLosses
 
-        router_losses = RouterLosses(model, config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
+        router_losses = RouterLosses(model, config.moe_aux_loss_coeff, config.moe_z_loss_coeff,
+                                     expert_bias_counts=bias_counts)
     runner = make_runner(
         model, arch.vocab_size, device, backend, kv_cache, exchange_group=group,
         loss_head_chunk_bytes=int(config.loss_head_chunk_mb * 2**20), inject_kv_grads=recompute,
-        # The router losses count every row of every layer: the last layer computes them all.
+        # The router losses (and expert-bias counts) count every row of every layer: the last layer computes them all.
         last_layer_row_skip=config.last_layer_row_skip and router_losses is None,
         overlap_kv_exchange=config.overlap_kv_exchange, router_losses=router_losses,
         # (the heads of trees split between exchange groups travel over it)

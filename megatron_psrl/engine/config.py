@@ -104,7 +104,7 @@ class ActorConfig:
     (the others wait for the rows before their kernel)."""
 
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    """Layers per virtual pipeline stage (megatron's interleaved schedule): each rank holds
+    """Layers per virtual pipeline stage (the interleaved 1F1B order): each rank holds
     ``layers / (PP x this)`` chunks, the pipeline bubble shrinks by that factor."""
 
     context_parallel_size: int = 1
@@ -141,9 +141,16 @@ class ActorConfig:
     """MoE models: megatron's grouped-GEMM experts (``--moe-grouped-gemm``; CUDA only)."""
 
     moe_router_enable_expert_bias: bool = False
-    """MoE models: megatron's aux-loss-free load balancing (``--moe-router-enable-expert-bias``):
-    refused, with the reason. megatron applies the expert bias to sigmoid routers only, and every
-    supported family (Qwen3-MoE, Qwen2-MoE, Mixtral) routes by softmax (docs/moe.md)."""
+    """MoE models whose router carries an expert bias (grouped sigmoid routing: GLM-4.5): update
+    it every step with megatron's aux-loss-free balancing rule (``--moe-router-enable-expert-bias``;
+    ``bias += moe_router_bias_update_rate * sign(mean - tokens per expert)``), the tokens counted
+    once per sample as the per-sample run counts them (docs/moe.md). Off: the bias is loaded and
+    used for selection, and stays as loaded. Refused for a model without such a bias (softmax
+    routers: Qwen-MoE, Mixtral)."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """MoE models: the expert bias's step with ``moe_router_enable_expert_bias``
+    (``--moe-router-bias-update-rate``; Megatron-LM's default)."""
 
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
@@ -162,7 +169,23 @@ class ActorConfig:
     """Token budget of one micro-batch."""
 
     kv_cache_budget: int = 1 << 30
-    """Bytes for cached prefix K/V, their gradients and retained prefix graphs."""
+    """Bytes for cached prefix K/V, their gradients and retained prefix graphs (not used with a
+    ``memory_budget``, which covers them)."""
+
+    memory_budget: Optional[int] = None
+    """Bytes the step may hold on the device, everything counted (``--memory-budget``): weights,
+    gradients, optimizer state, kept graphs, cached K/V and their gradients, the loss head,
+    attention temporaries. The planner fills it for speed, per step: micro-batch budget (at
+    most ``micro_batch_tokens``), keep or recompute per prefix, activation recomputation per
+    layer, host offload (``memory_offload``); a budget no plan fits is refused naming the
+    smallest that would (docs/architecture.md, "One memory budget"). None: on CUDA the
+    device's free memory at start-up less 10% of its total, none on CPU; 0: none."""
+
+    memory_offload: bool = False
+    """With a memory budget, host offload of kept graphs and cached K/V is one of the planner's
+    levers (``--memory-offload``): priced as the bytes moved over the host link, less the
+    compute they overlap. On CPU the copy is a no-op the plan still prices (the memory it
+    frees is not freed); on CUDA refused: not implemented yet."""
 
     prefix_sharing: str = "tree"
     """``tree`` (mechanisms 1 + 2), ``tree-dup`` or ``none`` (the baseline)."""
@@ -233,6 +256,8 @@ class ActorConfig:
         if self.check_sharing_every < 0 or self.check_sharing_samples < 1:
             raise ConfigurationError(f"check_sharing_every must be >= 0 and check_sharing_samples >= 1, got "
                                      f"{self.check_sharing_every} and {self.check_sharing_samples}")
+        if self.memory_budget is not None and self.memory_budget < 0:
+            raise ConfigurationError(f"memory_budget must be >= 0 bytes (0: none), got {self.memory_budget}")
         if not self.loss_head_chunk_mb > 0:
             raise ConfigurationError(f"loss_head_chunk_mb must be > 0, got {self.loss_head_chunk_mb}")
         if self.dtype not in DTYPES:
@@ -269,10 +294,8 @@ class ActorConfig:
                    "samples) would change every route" if self.moe_router_load_balancing_type == "sinkhorn" else "")
             raise ConfigurationError(f"--moe-router-load-balancing-type must be one of {MOE_LOAD_BALANCING_TYPES}, "
                                      f"got {self.moe_router_load_balancing_type!r}{why}")
-        if self.moe_router_enable_expert_bias:
-            raise ConfigurationError("--moe-router-enable-expert-bias is not supported: megatron's aux-loss-free "
-                                     "expert bias needs a sigmoid router score function, and every supported "
-                                     "mixture-of-experts family (Qwen3-MoE, Qwen2-MoE, Mixtral) routes by softmax")
+        if self.moe_router_bias_update_rate < 0:
+            raise ConfigurationError(f"moe_router_bias_update_rate must be >= 0, got {self.moe_router_bias_update_rate}")
         if self.expert_tensor_parallel_size != 1:
             raise ConfigurationError(f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not "
                                      "supported yet (experts run whole on every rank that holds them: 1)")
@@ -302,11 +325,15 @@ class ActorConfig:
         return dict(out, deterministic_mode=True) if self.deterministic else out
 
     def moe_overrides(self) -> dict:
-        """megatron TransformerConfig fields of the MoE flags (used for MoE models only)."""
+        """megatron TransformerConfig fields of the MoE flags (used for MoE models only; the
+        expert-bias update only for a model whose router has the bias)."""
         # (megatron's own router losses stay off: megatron_psrl.model.moe_losses computes them weighted)
-        return dict(moe_token_dispatcher_type=self.moe_token_dispatcher_type, moe_aux_loss_coeff=0.0,
-                    moe_router_load_balancing_type=self.moe_router_load_balancing_type,
-                    moe_grouped_gemm=self.moe_grouped_gemm)
+        out = dict(moe_token_dispatcher_type=self.moe_token_dispatcher_type, moe_aux_loss_coeff=0.0,
+                   moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+                   moe_grouped_gemm=self.moe_grouped_gemm)
+        if self.moe_router_enable_expert_bias:
+            out["moe_router_bias_update_rate"] = self.moe_router_bias_update_rate
+        return out
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -18,6 +18,7 @@ The engine validates nothing a caller passes: :class:`~megatron_psrl.rl.actor.Po
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -26,13 +27,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_psrl.compat import install_cpu_recompute_shims
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.distributed.setup import ParallelLayout, exchange_group_of, gradient_group
+from megatron_psrl.engine.budget import MemoryBudget, budget_metrics, plan_under_budget
 from megatron_psrl.engine.calibration import MeasuredCosts
 from megatron_psrl.engine.config import ActorConfig
 from megatron_psrl.engine.logprobs import per_sample_logprobs, per_sample_values, run_logprobs
 from megatron_psrl.engine.optimizer import StepOutcome
 from megatron_psrl.engine.step import StepRunner
+from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
 from megatron_psrl.model.architecture import ModelArchitecture
@@ -43,8 +47,16 @@ from megatron_psrl.model.stages import stage_counts, virtual_stages
 from megatron_psrl.rl.loss import ClaimLoss, LossConfig, PerClaimLoss, SequenceInputs, SequenceLoss
 from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.cost import CostModel
-from megatron_psrl.schedule.memory import MemoryPlan, MemorySettings, VarlenCharge
+from megatron_psrl.schedule.memory import (
+    MemoryPlan,
+    MemorySettings,
+    StepCharge,
+    VarlenCharge,
+    add_segment_shapes,
+    step_peak_bytes,
+)
 from megatron_psrl.schedule.plan import StepPlan, token_aliases
+from megatron_psrl.schedule.step_charge import ActivationCharge, add_row_counts
 from megatron_psrl.schedule.with_memory import memory_plans, plan_with_memory, transfer_reasons
 from megatron_psrl.tree.build import build_prefix_tree
 from megatron_psrl.tree.prefix_tree import PrefixTree
@@ -145,7 +157,16 @@ class Engine:
     """Activation bytes per token of a kept graph (the memory plan's charge)."""
 
     head_bytes: int
-    """The loss head's transient peak, charged by every memory plan."""
+    """The loss head's transient peak as a bound for any micro-batch (six chunks of the budget's
+    rows; what memory plans charged before they charged by rows: ``graph_charge``)."""
+
+    graph_charge: Optional[ActivationCharge] = None
+    """What a micro-batch's graph, loss head and the step's gradients hold by its rows (the
+    memory plans' charge; None: ``act_bytes`` per token and ``head_bytes`` at every step)."""
+
+    memory_budget: Optional["MemoryBudget"] = None
+    """``--memory-budget`` and what fills it (:mod:`megatron_psrl.engine.budget`); None: every
+    step planned with the configured budgets."""
 
     log: Callable[[str], None] = field(default=lambda msg: None, repr=False)
     """Where notes and warnings go."""
@@ -164,9 +185,77 @@ class Engine:
     def memory_settings(self) -> MemorySettings:
         """What this run's memory plans need (the torch backend gathers cached K/V again in its
         backward; recomputation re-reads cached prefixes)."""
-        return MemorySettings(self.plan_geometry, self.config.kv_cache_budget, self.act_bytes,
-                              rereads=self.recompute, gathers_in_backward=self.backend_name == "torch",
-                              head_bytes=self.head_bytes, varlen=self.varlen_charge)
+        return self.memory_settings_for()
+
+    def memory_settings_for(self, entropy: bool = False, step_budget: Optional[int] = None, offload: bool = False,
+                            recompute: Optional[Tuple[Optional[str], Optional[str], Optional[int]]] = None
+                            ) -> MemorySettings:
+        """:attr:`memory_settings` of a step whose loss head computes the entropy, or not; with
+        ``step_budget``, the step's own peak must fit it (``--memory-budget``: the KV plan has no
+        limit of its own then); ``offload`` prices host offload;
+        ``recompute``: megatron's recomputation setting the step would run with (default: now's)."""
+        recompute = recompute or self.recompute_setting
+        step = None
+        if self.graph_charge is not None:
+            charge = self._charge_for(recompute)
+            step = StepCharge(dataclasses.replace(charge, entropy=entropy), step_budget, offload)
+        # (under --memory-budget the step's own timeline is the limit; the cache's pools stay within
+        # the cache's limit, the memory budget, which BlockKVCache checks)
+        budget = self.config.kv_cache_budget if step_budget is None else 1 << 62
+        return MemorySettings(self.plan_geometry, budget, self.act_bytes,
+                              rereads=recompute[0] is not None, gathers_in_backward=self.backend_name == "torch",
+                              head_bytes=self.head_bytes if step_budget is None else 0, varlen=self.varlen_charge,
+                              step=step)
+
+    @property
+    def recompute_setting(self) -> Tuple[Optional[str], Optional[str], Optional[int]]:
+        """megatron's ``(recompute_granularity, recompute_method, recompute_num_layers)`` as the
+        model's layers read them now (a step may change them: :mod:`megatron_psrl.engine.budget`)."""
+        config = model_chunks(self.model)[0].config
+        return config.recompute_granularity, config.recompute_method, config.recompute_num_layers
+
+    def set_recompute(self, granularity: Optional[str], method: Optional[str] = None,
+                      num_layers: Optional[int] = None) -> None:
+        """Run the next steps with megatron's ``full`` activation recomputation of ``(method,
+        num_layers)``, or none (``granularity`` None): the fields megatron's transformer block
+        reads at every forward, the memory plan's re-reads and the runner's injection of prefix
+        gradients inside the graph, as ``--recompute-granularity full`` builds them (``selective``
+        is fixed when the layers are built: not switched here)."""
+        if granularity not in (None, "full"):
+            raise ConfigurationError(f"a step switches to full recomputation or none, not {granularity!r}")
+        if granularity is not None:
+            install_cpu_recompute_shims(self.layout.device)
+        for module in self.model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "recompute_granularity"):
+                config.recompute_granularity, config.recompute_method = granularity, method
+                config.recompute_num_layers = num_layers
+        self.recompute = granularity is not None
+        self.runner.inject_kv_grads = self.recompute
+
+    @property
+    def charge(self) -> Optional[ActivationCharge]:
+        """:attr:`graph_charge` under the model's recomputation setting now."""
+        return self._charge_for(self.recompute_setting) if self.graph_charge is not None else None
+
+    def _charge_for(self, recompute: Tuple[Optional[str], Optional[str], Optional[int]]) -> ActivationCharge:
+        dtype_bytes = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        return self.graph_charge.with_recompute(*recompute, self.arch, self.layout.tensor_parallel_size, dtype_bytes)
+
+    def predicted_step_peak(self, plan: StepPlan, memory: Optional[MemoryPlan], entropy: bool = False) -> int:
+        """The memory plan's prediction of this rank's step peak above the weights (and above
+        gradients allocated before the step): :func:`~megatron_psrl.schedule.memory.step_peak_bytes`
+        (``entropy``: the loss head computes it)."""
+        rank = plan.ranks[self.layout.placement_rank]
+        step = self.memory_settings_for(entropy).step
+        if step is None:
+            return step_peak_bytes(rank, memory, self.act_bytes, self.head_bytes, self.varlen_charge)
+        add_row_counts(plan.index, rank)
+        if self.varlen_charge is not None:
+            add_segment_shapes(plan.index, rank)
+        return step_peak_bytes(rank, memory, self.act_bytes, self.head_bytes, self.varlen_charge,
+                               in_flight=self.layout.pipeline_parallel_size * self.virtual_pipeline_size,
+                               charge=step.charge)
 
     @property
     def varlen_charge(self) -> Optional[VarlenCharge]:
@@ -191,21 +280,26 @@ class Engine:
                              cross_group_prefix=cross_group_prefix, **costs)
 
     def plan(self, batch: SampleBatch, times: Optional[Dict[str, float]] = None,
-             prefix_sharing: Optional[str] = None, micro_batch_tokens: Optional[int] = None
-             ) -> Tuple[PrefixTree, StepPlan, Optional[MemoryPlan], str]:
+             prefix_sharing: Optional[str] = None, micro_batch_tokens: Optional[int] = None,
+             entropy: bool = False) -> Tuple[PrefixTree, StepPlan, Optional[MemoryPlan], str]:
         """``(tree, step plan, this rank's memory plan, sharing mode used)`` of a training step
         (``times`` receives the seconds of the tree build and of the planning; ``prefix_sharing``
-        and ``micro_batch_tokens``: other settings than the run's, e.g. for the sharing check)."""
+        and ``micro_batch_tokens``: other settings than the run's, e.g. for the sharing check;
+        ``entropy``: the step's loss head computes the entropy)."""
         t0 = time.perf_counter()
         tree = build_prefix_tree(batch)
         t1 = time.perf_counter()
         wanted = prefix_sharing or self.config.prefix_sharing
-        plan, memories, mode = plan_with_memory(tree, self.planner_config(wanted, micro_batch_tokens),
-                                                self.memory_settings)
+        if self.memory_budget is not None:
+            plan, memories, mode, _ = plan_under_budget(self, tree, wanted, micro_batch_tokens, entropy)
+        else:
+            plan, memories, mode = plan_with_memory(tree, self.planner_config(wanted, micro_batch_tokens),
+                                                    self.memory_settings_for(entropy))
         if times is not None:
             times.update(tree=t1 - t0, plan=time.perf_counter() - t1)
         if mode != wanted:
-            self.log("warning: the cached prefixes do not fit --kv-cache-budget; duplicating them this step")
+            budget = "--memory-budget" if self.memory_budget is not None else "--kv-cache-budget"
+            self.log(f"warning: the cached prefixes do not fit {budget}; duplicating them this step")
         return tree, plan, memories[self.layout.placement_rank], mode
 
     # ------------------------------------------------------------------ a step
@@ -219,7 +313,8 @@ class Engine:
         ``prefix_sharing``, ``micro_batch_tokens``: plan this call with other settings than the run's."""
         monitor, it = self.layout.monitor, self.iteration + 1
         times: Dict[str, float] = {}
-        tree, plan, memory, mode = self.plan(batch, times, prefix_sharing, micro_batch_tokens)
+        tree, plan, memory, mode = self.plan(batch, times, prefix_sharing, micro_batch_tokens,
+                                             entropy=bool(getattr(loss, "needs_entropy", False)))
         sequence_loss = None
         if isinstance(loss, SequenceLoss):
             sequence_loss, loss = loss, self._sequence_surrogate(loss, plan, batch)
@@ -261,6 +356,8 @@ class Engine:
         if "ratio_clamped" in metrics:
             metrics["ratio_clamped"] = int(metrics["ratio_clamped"])
         metrics.update(plan_metrics(plan, self.geometry, self.measured))
+        if self.memory_budget is not None and self.memory_budget.last is not None:
+            metrics["memory_plan"] = budget_metrics(self.memory_budget)
         if self.layout.pipeline_parallel_size > 1:
             metrics.update(pipeline_bubble=self.runner.last_bubble, pipeline_schedule=self.runner.last_schedule)
         aliases = token_aliases(plan.head_sends)
@@ -322,10 +419,15 @@ class Engine:
         return outcome
 
     def zero_grad(self) -> None:
+        """Gradients zeroed for a new step; so are the token counts of the expert bias's update
+        (a sharing check's passes count nothing for the step)."""
         if self.optimizer is None:
             self.model.zero_grad(set_to_none=True)
         else:
             self.optimizer.zero_grad()
+        router_losses = getattr(self.runner, "router_losses", None)
+        if router_losses is not None:
+            router_losses.zero_expert_bias_counts()
 
     # ------------------------------------------------------------------ log-probs
     def compute_logprobs(self, batch: SampleBatch, with_entropy: bool = False):

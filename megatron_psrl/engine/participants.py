@@ -95,7 +95,9 @@ class RouterState(StepParticipant):
     def before_graph_backward(self, instruction: Instruction, step) -> None:
         runner, i = self.runner, instruction.micro_batch
         if i in step.held_routes:  # a recomputing backward routes its tokens as their forward did
-            runner.replayer.set(*step.held_routes.pop(i))
+            # (virtual stages: every chunk's backward; the micro-batch's last, chunk 0's, lets them go)
+            last = getattr(instruction, "chunk", None) in (None, 0)
+            runner.replayer.set(*(step.held_routes.pop(i) if last else step.held_routes[i]))
         if runner.router_losses is not None:  # (and weighs them as their forward did)
             runner.router_losses.select(i)
 

@@ -10,11 +10,11 @@ stage from the claims.
 
 One executor runs every stage: the :class:`~megatron_psrl.engine.step.StepRunner`'s, the
 same instructions and participants (router replay and losses, the KV pool, the gradient
-reduce's start) as without pipeline parallelism; a stage only adds the transfers around each
-model run. A forward receives its input from the stage before and sends its output on; a
-backward receives the output's gradient from the stage after, runs
-``autograd.backward([output, K rows, V rows, ...], [grad, dK, dV, ...])`` (this stage's own
-block KV cache and dK/dV, for its own layers) and sends the input's gradient back. The order:
+reduce's start) as without pipeline parallelism; a stage only adds the transfers. A forward
+receives its input from the stage before and sends its output on; a backward receives the
+output's gradient from the stage after, runs ``autograd.backward([output, K rows, V rows,
+...], [grad, dK, dV, ...])`` (this stage's own block KV cache and dK/dV, for its own layers)
+and sends the input's gradient back. The order:
 
 - **1F1B** for a step of independent micro-batches (mechanism 1 only, every schedule step
   ``forward_backward``): :func:`~megatron_psrl.schedule.instructions.one_f_one_b` splits each
@@ -22,25 +22,34 @@ block KV cache and dK/dV, for its own layers) and sends the input's gradient bac
   forward and one backward in turn), so stages overlap and a stage holds at most
   ``PP - stage`` graphs. A backward that recomputes routes its MoE tokens as its forward did
   (the participants hold the routes), so activation recomputation with router replay runs here too.
+- **The interleaved order** of the same steps with virtual stages (several model chunks per
+  rank): :func:`~megatron_psrl.schedule.interleaved.interleaved_1f1b` lowers the step into
+  one kept forward and one backward per micro-batch and chunk (``ForwardKeep`` /
+  ``Backward`` with a ``chunk``) in megatron's interleaved 1F1B order, and
+  :class:`~megatron_psrl.schedule.instructions.Transfer` instructions between them: the sends
+  and receives that go together, one batch each (:meth:`StageLinks.transfer`). A chunk's
+  forward reads the input a transfer received for it and leaves its output for the next
+  transfer; its backward likewise with gradients.
 - **The plan's order** for mechanism 2 (cached prefixes: a producer's backward waits until
   its readers are done, which 1F1B's first-in-first-out backward order cannot honour), trees
   split across pipelines (each stage's per-layer K/V exchanges meet the same micro-batch on the
   same stage of the other pipelines) and expert parallelism (a stage's MoE all-to-alls meet
   the same passes of the stage's other pipelines, whose micro-batch counts differ, through the
-  expert lockstep, :class:`~megatron_psrl.model.moe.ExpertLockstep`: docs/moe.md). Every stage
-  runs the same instructions in the same order, so every message it waits for is sent by a
-  neighbour that needs nothing from it first: no deadlock.
+  expert lockstep, :class:`~megatron_psrl.model.moe.ExpertLockstep`: docs/moe.md), one
+  micro-batch at a time through the chunks. Every stage runs the same instructions in the same
+  order, so every message it waits for is sent by a neighbour that needs nothing from it
+  first: no deadlock.
 
-One exception remains: with virtual stages (several model chunks per rank), steps of
-independent micro-batches run megatron-core's interleaved 1F1B schedule
-(``get_forward_backward_func``, its ``P2PCommunicator`` with ``variable_seq_lengths``) with a
-``forward_step_func`` that packs micro-batch ``i`` and the same loss head and participants;
-other virtual-stage steps run in the plan's order, one micro-batch at a time through the chunks.
+In 1F1B and the plan's order a model run receives and sends itself (a send goes with the
+stage's next receive, :class:`StageLinks`); in the interleaved order only the transfers do.
+
+megatron-core's own pipeline schedules are not used (its ``P2PCommunicator`` with
+``variable_seq_lengths`` exchanges shapes and synchronises the device around every transfer,
+and it runs steps through its own loop, not these instructions).
 
 The bubble is measured: the time each stage spends waiting on its transfers over the step's
 device time (``pipeline_bubble``; :class:`StageLinks` times waits on the host on CPU and with
-CUDA events on GPU; megatron's communicator synchronises the device, so the device is drained
-before its timer starts, :class:`_TimedP2P`).
+CUDA events on GPU).
 """
 
 from __future__ import annotations
@@ -51,20 +60,28 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
-from megatron_psrl.compat import install_cpu_pipeline_shims
-from megatron_psrl.engine.participants import KVCacheLifecycle, RouterState, StepParticipant
+from megatron_psrl.engine.participants import StepParticipant
 from megatron_psrl.engine.stage_links import StageLinks
-from megatron_psrl.engine.step import ComputedLogprobs, StepOutput, StepRunner, StepState
+from megatron_psrl.engine.step import ComputedLogprobs, StepOutput, StepRunner
 from megatron_psrl.errors import ConfigurationError
-from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.sequence_parallel import padded_rows
-from megatron_psrl.rl.loss import ClaimLoss, claim_coefficients
-from megatron_psrl.schedule.instructions import LOCAL_INSTRUCTIONS, Instruction, flatten, lower_training, one_f_one_b
+from megatron_psrl.rl.loss import ClaimLoss
+from megatron_psrl.schedule.instructions import (
+    LOCAL_INSTRUCTIONS,
+    Backward,
+    ForwardKeep,
+    Instruction,
+    Transfer,
+    flatten,
+    lower_training,
+    one_f_one_b,
+)
+from megatron_psrl.schedule.interleaved import interleaved_1f1b
 from megatron_psrl.schedule.memory import MemoryPlan
+from megatron_psrl.schedule.packing import PackedMicroBatch
 from megatron_psrl.schedule.plan import RankPlan, StepPlan
 
 Tensor = torch.Tensor
@@ -74,41 +91,27 @@ _clock = time.perf_counter  # the bubble's clock (a test replaces it with a fake
 
 
 def _settle(device: Optional[torch.device]) -> None:
-    """Wait for the work queued on ``device`` (CUDA runs it asynchronously; CPU: nothing).
-
-    At a step's start and end, so that its measured time is its device time. And before every
-    transfer of megatron's communicator (its interleaved schedule only), where it costs no wait
-    the step would not have anyway: megatron-core 0.16's ``P2PCommunicator._communicate``
-    drains the device itself on every call. Tree-packed micro-batches differ in length
-    (``variable_seq_lengths``), so it first exchanges shapes, then calls
-    ``torch.cuda.synchronize()`` unconditionally and reads the shapes with ``.tolist()``
-    (``_communicate_shapes``), and after the batched isend/irecv it synchronises again
-    (``batch_p2p_sync``, on by default). Draining here, outside the timer, moves that wait in
-    front of the clock: the bubble measured is the neighbour and the wire, not this stage's
-    own queued compute. (The project's own links, :class:`StageLinks`, never synchronise.)"""
+    """Wait for the work queued on ``device`` (CUDA runs it asynchronously; CPU: nothing): at a
+    step's start and end, so that its measured time is its device time."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-class _TimedP2P(P2PCommunicator):
-    """megatron's P2PCommunicator, adding up the time spent in its transfers (waits included).
+class _ChunkRuns:
+    """A virtual-stage step's tensors between its instructions (one model chunk per run)."""
 
-    megatron's ``_communicate`` calls ``torch.cuda.synchronize()`` (around batched isend/irecv
-    and the shape exchange of variable-length micro-batches): timed as is, a transfer would
-    include every kernel this stage had queued before it, its own compute, and the bubble would
-    be far too large. The device is drained first, outside the timer, so what is timed is the
-    wait for the neighbour and the transfer itself."""
-
-    wait_s = 0.0
-    device: Optional[torch.device] = None
-
-    def _communicate(self, *args, **kwargs):
-        _settle(self.device)  # this stage's own queued compute: not a wait
-        t0 = _clock()
-        try:
-            return super()._communicate(*args, **kwargs)
-        finally:
-            self.wait_s += _clock() - t0
+    def __init__(self) -> None:
+        self.packs: Dict[int, PackedMicroBatch] = {}
+        """Micro-batch -> its pack, from its first chunk's forward to its last's."""
+        self.io: Dict[Tuple[int, int], Tuple[Optional[Tensor], Tensor]] = {}
+        """(micro-batch, chunk) -> a kept forward's input (None: the embedding's) and output,
+        until its backward."""
+        self.received: Dict[Tuple[int, int, bool], Tensor] = {}
+        """(micro-batch, chunk, gradient) -> a chunk's input (or its output's gradient), from
+        the transfer that received it until the run that reads it."""
+        self.made: Dict[Tuple[int, int, bool], Tensor] = {}
+        """(micro-batch, chunk, gradient) -> a chunk's output (or its input's gradient), from
+        the run that made it until the transfer that sends it."""
 
 
 class PipelineStepRunner(StepRunner):
@@ -120,10 +123,7 @@ class PipelineStepRunner(StepRunner):
     def __init__(self, model, vocab_size: int, device: torch.device, attention_backend: Optional[str] = None,
                  kv_cache=None, exchange_group=None, **kwargs):
         super().__init__(model, vocab_size, device, attention_backend, kv_cache, exchange_group, **kwargs)
-        install_cpu_pipeline_shims(device)
         self.chunks = model_chunks(model)
-        for chunk in self.chunks:
-            chunk.config.variable_seq_lengths = True  # tree-packed micro-batches differ in length
         self.config = self.chunks[0].config
         self.chunk_layers = [{layer.layer_number for layer in chunk.decoder.layers} for chunk in self.chunks]
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -133,27 +133,16 @@ class PipelineStepRunner(StepRunner):
         self.last_rank = dist.get_global_rank(self.pp_group, self.pp_size - 1)
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.links = StageLinks(self.pp_group, device, self.config.pipeline_dtype or self.config.params_dtype)
-        """Activations and their gradients to and from the neighbours (the project's executor)."""
-        self.p2p = _TimedP2P(pp_group=self.pp_group, config=self.config)
-        """megatron's communicator, for its interleaved schedule only (virtual stages)."""
-        self.p2p.device = device
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        self.groups = ProcessGroupCollection()
-        """The process groups megatron's schedules take with a custom p2p communicator."""
-        self.groups.tp = parallel_state.get_tensor_model_parallel_group()
-        self.groups.cp = parallel_state.get_context_parallel_group()
-        self.groups.pp = self.pp_group
-        self.groups.embd = parallel_state.get_embedding_group(check_initialized=False)
-        self.groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-        self.groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        """Activations and their gradients to and from the neighbours."""
         # micro-batch -> per chunk (its input, its output)
         self._io: Dict[int, List[Tuple[Optional[Tensor], Tensor]]] = {}
+        self._chunk_runs = _ChunkRuns()
+        """The step's tensors between one-chunk runs and transfers (virtual stages, interleaved)."""
         self.last_bubble: float = 0.0
         """Measured bubble fraction of the last step (mean over stages of p2p wait / step time)."""
         self.last_schedule: str = ""
-        """Order of the last step: ``1f1b`` (this executor, mechanism-1 steps), ``plan-order``
-        (this executor, the plan's order) or ``interleaved-1f1b`` (megatron's schedule)."""
+        """Order of the last step: ``1f1b`` or ``interleaved`` (independent micro-batches, one
+        chunk or several per rank), or ``plan-order``."""
 
     def _receives(self, v: int) -> bool:
         return not (self.first and v == 0)
@@ -170,19 +159,22 @@ class PipelineStepRunner(StepRunner):
         tp = self.config.tensor_model_parallel_size
         return padded_rows(tokens, tp) // tp
 
-    def _stage_forward(self, i: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata, grad: bool) -> Optional[Tensor]:
+    def _stage_forward(self, i: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata, grad: bool,
+                       chunk: Optional[int] = None) -> Optional[Tensor]:
+        if chunk is not None:
+            return self._chunk_forward(i, chunk, ids, pos, meta, grad)
         io = []
         out = None
-        for v, chunk in enumerate(self.chunks):
+        for v, module in enumerate(self.chunks):
             x = None
             if self._receives(v):  # [t, 1, h] (a sequence-parallel share), with the outbox's sends
                 x = self.links.recv_forward((self._activation_rows(len(ids)), 1, self.config.hidden_size))
                 if grad:
                     x.requires_grad_(True)
-                chunk.set_input_tensor(x)
+                module.set_input_tensor(x)
             else:
                 self.links.flush()  # a run that receives nothing: what waits goes first
-            out = chunk(ids, pos, meta)  # [t, 1, h]
+            out = module(ids, pos, meta)  # [t, 1, h]
             if self._sends(v):
                 self.links.send_forward(out)
             io.append((x, out))
@@ -221,17 +213,104 @@ class PipelineStepRunner(StepRunner):
             if self._receives(v):
                 self.links.send_backward(x.grad if x.grad is not None else torch.zeros_like(x))
 
+    # ------------------------------------------------------------------ one chunk per run (virtual stages)
+    def run_forward_keep(self, x: ForwardKeep, step) -> None:
+        """A kept forward of every chunk, or (``x.chunk``) of one: the micro-batch packed at its
+        first chunk's forward, its loss (last stage) kept at its last chunk's for its backward."""
+        if x.chunk is None:
+            return super().run_forward_keep(x, step)
+        runs, i = self._chunk_runs, x.micro_batch
+        last = x.chunk == len(self.chunks) - 1
+        if i not in runs.packs:  # (packed, its tokens counted, once per micro-batch)
+            runs.packs[i] = self._pack(step, i)
+        pack = runs.packs.pop(i) if last else runs.packs[i]
+        loss, metrics, _, _ = self._forward(step, i, pack, self._rows(step, pack, x.forward_pass), x.forward_pass,
+                                            chunk=x.chunk)
+        step.account(loss, metrics)
+        if last:
+            step.pending[i] = (loss, [], None)
+
+    def run_backward(self, x: Backward, step) -> None:
+        """A backward of every chunk, or (``x.chunk``) of one, the first of which (the last
+        chunk's) starts from the loss the forward kept."""
+        if x.chunk is None:
+            return super().run_backward(x, step)
+        loss = step.pending.pop(x.micro_batch)[0] if x.chunk == len(self.chunks) - 1 else None
+        for participant in step.participants:  # (routes and router-loss weights of a recomputation)
+            participant.before_graph_backward(x, step)
+        self._chunk_backward(step, x.micro_batch, x.chunk, step.scaled(loss))
+
+    def run_transfer(self, x: Transfer, step) -> None:
+        """The transfer's sends (what earlier runs made) and receives (buffers of the shapes the
+        plan gives, for later runs) as one batch, waited for (:meth:`StageLinks.transfer`)."""
+        runs, links, stages = self._chunk_runs, self.links, self.pp_size
+        peer = {False: links.next_rank, True: links.prev_rank}  # activations go on, gradients back
+        sends = [(runs.made.pop((m.micro_batch, m.sender_chunk(stages), m.gradient)), peer[m.gradient])
+                 for m in x.sends]
+        rows = [self._activation_rows(step.rank_plan.micro_batches[m.micro_batch].num_tokens) for m in x.receives]
+        received = links.transfer(sends, [((t, 1, self.config.hidden_size), peer[not m.gradient])
+                                          for t, m in zip(rows, x.receives)])
+        for m, tensor in zip(x.receives, received):  # [t, 1, h] (a sequence-parallel share)
+            runs.received[(m.micro_batch, m.receiver_chunk(stages), m.gradient)] = tensor
+
+    def _chunk_forward(self, i: int, v: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata,
+                       grad: bool) -> Optional[Tensor]:
+        """Chunk ``v`` of micro-batch ``i`` on the input a transfer received for it; its output
+        kept for its backward and, unless it is the model's last part, for the next transfer."""
+        runs = self._chunk_runs
+        x = None
+        if self._receives(v):
+            x = runs.received.pop((i, v, False)).requires_grad_(grad)
+            self.chunks[v].set_input_tensor(x)
+        out = self.chunks[v](ids, pos, meta)  # [t, 1, h]
+        runs.io[(i, v)] = (x, out)
+        if self._sends(v):
+            runs.made[(i, v, False)] = out.detach()
+            return None
+        return out.squeeze(1)
+
+    def _chunk_backward(self, step, i: int, v: int, loss: Optional[Tensor]) -> None:
+        """Chunk ``v``'s backward of micro-batch ``i`` from its output's gradient a transfer
+        received (the model's last part: from the loss), its input's gradient kept for the next
+        transfer (zeros when nothing reached it)."""
+        runs = self._chunk_runs
+        x, out = runs.io.pop((i, v))
+        roots: List[Tensor] = []
+        grads: List[Tensor] = []
+        if self._sends(v):
+            roots, grads = [out], [runs.received.pop((i, v, True))]
+        elif loss is not None:
+            roots, grads = [loss], [torch.ones_like(loss)]
+        self._arm_backward(step, roots)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        if self._receives(v):
+            runs.made[(i, v, True)] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    # ------------------------------------------------------------------ the step's order
     def _participants(self, step, instructions: List[Instruction], training: bool) -> List[StepParticipant]:
         """The step's participants, the stage's links first (their ``end`` posts the last sends
         before any other participant's closing communication)."""
         return [_LinksFlush(self.links, self.expert_group is not None)] + super()._participants(
             step, instructions, training)
 
+    def _schedule(self, rank_plan: RankPlan) -> str:
+        """The order of a training step (:attr:`last_schedule`): ``1f1b`` or ``interleaved``
+        for independent micro-batches (one model chunk per rank or several), else ``plan-order``."""
+        if not self._independent(rank_plan):
+            return "plan-order"
+        return "1f1b" if len(self.chunks) == 1 else "interleaved"
+
     def _training_stream(self, rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> List[Instruction]:
-        """The plan's order, or 1F1B (:func:`one_f_one_b`) for a step of independent micro-batches."""
-        if not self._runs_1f1b(rank_plan):
+        """The plan's order, or for a step of independent micro-batches 1F1B (:func:`one_f_one_b`)
+        or with virtual stages the interleaved order and its transfers (:func:`interleaved_1f1b`)."""
+        schedule = self._schedule(rank_plan)
+        if schedule == "plan-order":
             return super()._training_stream(rank_plan, memory)
-        return flatten(one_f_one_b(lower_training(rank_plan, {}, {}), self.stage, self.pp_size))
+        steps = lower_training(rank_plan, {}, {})
+        if schedule == "1f1b":
+            return flatten(one_f_one_b(steps, self.stage, self.pp_size))
+        return interleaved_1f1b(steps, self.stage, self.pp_size, len(self.chunks))
 
     def _independent(self, rank_plan: RankPlan) -> bool:
         """Micro-batches that may run in a 1F1B order: independent (mechanism 1, every step
@@ -240,11 +319,6 @@ class PipelineStepRunner(StepRunner):
         micro-batch counts differ: the expert lockstep follows the plan's order)."""
         return (self.expert_group is None and not rank_plan.sources and not rank_plan.cross_rank
                 and all(op == "forward_backward" for op, _ in rank_plan.schedule))
-
-    def _runs_1f1b(self, rank_plan: RankPlan) -> bool:
-        """A step this executor runs in 1F1B order: independent micro-batches and one model chunk
-        (virtual stages: megatron's interleaved schedule or the plan's order)."""
-        return len(self.chunks) == 1 and self._independent(rank_plan)
 
     # ------------------------------------------------------------------ results on every stage
     def _from_loss_stage(self, value):
@@ -264,15 +338,13 @@ class PipelineStepRunner(StepRunner):
 
     def _measure(self, run):
         """Run one step's executor and set :attr:`last_bubble` from its transfers' waits."""
-        self.p2p.wait_s = 0.0
         self.links.reset()
         _settle(self.device)  # the step's time is its device time, from drained to drained
         t0 = _clock()
         out = run()
         _settle(self.device)
         wall = _clock() - t0
-        waited = self.p2p.wait_s + self.links.blocked.seconds
-        t = torch.tensor([waited / max(wall, 1e-9)], dtype=torch.float64)
+        t = torch.tensor([self.links.blocked.seconds / max(wall, 1e-9)], dtype=torch.float64)
         dist.all_reduce(t, group=self.pp_group)
         self.last_bubble = float(t) / self.pp_size
         return out
@@ -280,29 +352,10 @@ class PipelineStepRunner(StepRunner):
     # ------------------------------------------------------------------ a training step
     def train(self, plan: StepPlan, rank: int, loss_cfg: ClaimLoss, memory: Optional[MemoryPlan] = None,
               loss_scale: float = 1.0, last_of_step: bool = False) -> StepOutput:
-        rank_plan = plan.ranks[rank]
-        if self._runs_megatron_interleaved(plan, rank_plan):
-            self.last_schedule = "interleaved-1f1b"
-            return self._measure(lambda: self._train_megatron_schedule(plan, rank, loss_cfg, loss_scale))
-        # this executor: the plan's instructions, in 1F1B order when the micro-batches are independent
-        self.last_schedule = "1f1b" if self._runs_1f1b(rank_plan) else "plan-order"
+        self.last_schedule = self._schedule(plan.ranks[rank])
+        self._chunk_runs = _ChunkRuns()  # (nothing left over from a step that failed)
         return self._measure(lambda: super(PipelineStepRunner, self).train(plan, rank, loss_cfg, memory, loss_scale,
                                                                            last_of_step))
-
-    def _runs_megatron_interleaved(self, plan: StepPlan, rank_plan: RankPlan) -> bool:
-        """Virtual stages with independent micro-batches: megatron's interleaved 1F1B schedule.
-
-        It needs at least PP micro-batches, and PP > 2 (with two stages both neighbours are one
-        rank, and its batched sends and receives in both directions, shapes first with
-        ``variable_seq_lengths``, are not matched in order over gloo): other steps run in the
-        plan's order here (still interleaved over the chunks, one micro-batch at a time). With
-        activation recomputation a backward routes (and weighs) its MoE tokens again, with what
-        the last forward set, after later forwards in megatron's order: those steps too."""
-        if len(self.chunks) == 1 or not self._independent(rank_plan):
-            return False
-        per_pack_routers = plan.tree.batch.routed_experts is not None or self.router_losses is not None
-        num = len(rank_plan.micro_batches)
-        return self.pp_size > 2 and num >= self.pp_size and not (self.inject_kv_grads and per_pack_routers)
 
     def _forward_only(self, plan, rank, memory, claims_loss=None, coefficients=None,
                       with_entropy: bool = False) -> StepOutput:
@@ -312,83 +365,6 @@ class PipelineStepRunner(StepRunner):
         self.last_schedule = "plan-order"
         return self._measure(lambda: super(PipelineStepRunner, self)._forward_only(
             plan, rank, memory, claims_loss=claims_loss, coefficients=coefficients))
-
-    def _group_size(self, num_microbatches: int) -> int:
-        """Contiguous micro-batches per virtual stage in megatron's interleaved schedule: the
-        smallest group size it accepts (PP if that divides the count; fewer groups otherwise)."""
-        for g in range(self.pp_size, num_microbatches + 1):
-            rest = num_microbatches % g
-            if rest == 0 or rest >= self.pp_size:
-                return g
-        return num_microbatches
-
-    def _train_megatron_schedule(self, plan: StepPlan, rank: int, loss_cfg: ClaimLoss,
-                                 loss_scale: float) -> StepOutput:
-        """Mechanism-1 micro-batches through megatron-core's 1F1B (or interleaved 1F1B) schedule."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        rank_plan = plan.ranks[rank]
-        coefficients = claim_coefficients(plan.tree, getattr(loss_cfg, "loss_agg", None) or "token-mean")
-        step = StepState(plan, rank, None, loss_cfg, coefficients, loss_scale,
-                         StepOutput(num_micro_batches=len(rank_plan.micro_batches), logprobs=ComputedLogprobs()))
-        # the plan-order executor's participants that concern these steps: the KV pool (none is
-        # held: mechanism 1 only), router replay and router losses (begun and summed alike)
-        step.participants = [KVCacheLifecycle(self.kv_cache, training=True), RouterState(self, training=True)]
-        order = [i for _, i in rank_plan.schedule]
-        packs = {}
-
-        def forward_step(data_iterator, model):
-            i = next(data_iterator)
-            if i not in packs:  # every chunk of this rank runs micro-batch i: pack it once
-                pack = packs[i] = rank_plan.pack(plan.index, i)
-                step.out.tokens_computed += pack.num_tokens
-                step.out.key_pairs += pack.key_pairs()
-            pack = packs[i]
-            meta = TreeAttentionMetadata(plan=pack.plan, backend=self.attention_backend, kv_hook=None)
-            ids = host_to_device(pack.input_ids, self.device)
-            pos = host_to_device(pack.position_ids, self.device)
-            # MoE: this pack's routes and router-loss weights (every row: no output_rows here);
-            # the backward consults neither (no recomputation on this path, see train)
-            self._replay_routes(plan, i, pack, None)
-            if self.router_losses is not None:
-                self.router_losses.set_pack(i, pack)
-            hidden = model(ids, pos, meta)  # [t, 1, h]; megatron set the chunk's input
-
-            def loss_func(output: Tensor):
-                rows = self._claimed_rows(plan, pack)
-                loss, metrics = output.sum() * 0.0, {}
-                unclaimed = self._unclaimed_rows(step, pack, rows)
-                if len(unclaimed):
-                    self._record_rows(plan, pack, output[:, 0], unclaimed, step.out.logprobs)
-                if len(rows):
-                    claim_loss, metrics, _ = self._loss_head(plan, pack, output[:, 0], rows, loss_cfg, coefficients,
-                                                             step.out.logprobs)
-                    loss = loss + claim_loss
-                step.account(loss, metrics)
-                # (loss, num_tokens, reduced): calculate_per_token_loss, so megatron does not rescale
-                return loss, torch.tensor(1, dtype=torch.int), {}
-
-            return hidden, loss_func
-
-        config = self.config
-        config.grad_scale_func = (lambda t: t * loss_scale) if loss_scale != 1.0 else None
-        for participant in step.participants:
-            participant.begin(step)
-        vpp = len(self.chunks)
-        if vpp > 1:
-            config.microbatch_group_size_per_vp_stage = self._group_size(len(order))
-        try:
-            get_forward_backward_func(self.pp_size, vpp if vpp > 1 else None)(
-                forward_step_func=forward_step, data_iterator=[iter(order) for _ in self.chunks],
-                model=list(self.chunks), num_microbatches=len(order),
-                seq_length=max(mb.num_tokens for mb in rank_plan.micro_batches), micro_batch_size=1,
-                forward_only=False, p2p_communicator=self.p2p, pg_collection=self.groups,
-            )
-        finally:
-            config.grad_scale_func = None
-            for participant in step.participants:
-                participant.end(step)
-        return self.close(step)
 
 
 class _LinksFlush(StepParticipant):

@@ -19,6 +19,11 @@ backward): the two neighbours each wait for both of their messages at once, whic
 receive runs: a stage sending its forward output while its neighbour sends a gradient back would
 hang if each posted its send alone first; ``PSRL_EMULATE_NCCL`` reproduces that on gloo).
 
+**Virtual stages** (several model chunks per rank) take no outbox: their order receives one
+iteration ahead, so a send held until the next receive would deadlock. Their stream says what
+goes together (:class:`~megatron_psrl.schedule.instructions.Transfer`, lowered by
+:mod:`megatron_psrl.schedule.interleaved`), and :meth:`StageLinks.transfer` posts it as one batch.
+
 **What a wait costs.** :attr:`StageLinks.blocked` adds up the time the stage stood waiting on its
 transfers (the pipeline bubble's numerator): on the host clock on CPU, where ``wait()`` blocks;
 on CUDA, where ``wait()`` only orders the compute stream after the transfer and returns, as the
@@ -27,7 +32,7 @@ time the stream stood still (CUDA events, read once after the step).
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,6 +85,17 @@ class StageLinks:
         """Post whatever waits in the outbox, alone, and wait for it."""
         if self._outbox:
             self._post([])
+
+    def transfer(self, sends: Sequence[Tuple[Tensor, int]],
+                 receives: Sequence[Tuple[Sequence[int], int]]) -> List[Tensor]:
+        """One batch: each ``(tensor, peer)`` of ``sends`` sent, each ``(shape, peer)`` of
+        ``receives`` received into a new buffer (``peer``: a global rank, the previous or the
+        next stage), in the order given, posted together and waited for; the buffers."""
+        buffers = [torch.empty(tuple(shape), dtype=self.dtype, device=self.device) for shape, _ in receives]
+        ops = [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b, (_, peer) in zip(buffers, receives)]
+        self._post(ops)
+        return buffers
 
     def _receive(self, shape: Sequence[int], peer: int) -> Tensor:
         buffer = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)

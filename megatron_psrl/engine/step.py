@@ -68,6 +68,7 @@ from megatron_psrl.schedule.instructions import (
     ReturnHeadGrads,
     ReturnReplicaGrads,
     SendHeads,
+    Transfer,
     forward_instructions,
     training_instructions,
 )
@@ -258,9 +259,11 @@ class StepRunner:
         the step."""
 
     # ------------------------------------------------------------------ one forward
-    def _forward(self, step: "StepState", i: int, pack: PackedMicroBatch, rows: np.ndarray, run: ForwardPass):
+    def _forward(self, step: "StepState", i: int, pack: PackedMicroBatch, rows: np.ndarray, run: ForwardPass,
+                 chunk: Optional[int] = None):
         """One forward of micro-batch ``i`` as ``run`` says (:class:`ForwardPass`, from the
-        instruction): ``(loss, metrics, logp, hook)``, the loss of the claimed ``rows``."""
+        instruction): ``(loss, metrics, logp, hook)``, the loss of the claimed ``rows``
+        (``chunk``: of one model chunk only, a pipeline stage's virtual stage)."""
         rank_plan = step.rank_plan
         mb = rank_plan.micro_batches[i]
         grad = run.graph
@@ -286,7 +289,7 @@ class StepRunner:
         if self.router_losses is not None:  # the weights of the rows the routers see
             self.router_losses.set_pack(i, pack)
         with torch.set_grad_enabled(grad):
-            hidden = self._stage_forward(i, ids, pos, meta, grad)  # [t, h]; None before the last stage
+            hidden = self._stage_forward(i, ids, pos, meta, grad, chunk)  # [t, h]; None before the last stage
             if hidden is None:
                 return None, {}, None, hook
             if hidden.shape[0] == pack.num_tokens:  # the last layer ran in full (see PsrlTransformerLayer)
@@ -394,8 +397,10 @@ class StepRunner:
 
     # ------------------------------------------------------------------ stage hooks
     # One pipeline stage runs the whole model here; PipelineStepRunner overrides these three.
-    def _stage_forward(self, i: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata, grad: bool) -> Optional[Tensor]:
-        """Hidden states ``[t, h]`` of micro-batch ``i`` (``None`` on a stage without the loss)."""
+    def _stage_forward(self, i: int, ids: Tensor, pos: Tensor, meta: TreeAttentionMetadata, grad: bool,
+                       chunk: Optional[int] = None) -> Optional[Tensor]:
+        """Hidden states ``[t, h]`` of micro-batch ``i`` (``None`` on a stage without the loss;
+        ``chunk``: only that model chunk runs, pipeline stages only)."""
         return self.model(ids, pos, meta).squeeze(1)  # a view: its backward allocates nothing
 
     def _stage_backward(self, step: "StepState", i: int, loss: Optional[Tensor],
@@ -634,6 +639,10 @@ class StepRunner:
     def run_return_head_grads(self, x: ReturnHeadGrads, step: "StepState") -> None:
         step.head_sends.return_grads(x.micro_batch)
 
+    def run_transfer(self, x: Transfer, step: "StepState") -> None:
+        """Sends and receives between pipeline stages (a pipeline stage's runner runs them)."""
+        raise RuntimeError("a Transfer between pipeline stages needs a pipeline stage's runner")
+
     def run_return_replica_grads(self, x: ReturnReplicaGrads, step: "StepState") -> None:
         """Cross-rank, before the deferred backward of step ``i``: every rank sends the dK/dV
         its replicas of step ``i``'s prefixes accumulated to their owners, who add them to
@@ -670,5 +679,6 @@ EXECUTE: Dict[type, str] = {
     CollectHeadGrads: "run_collect_head_grads",
     ReturnHeadGrads: "run_return_head_grads",
     ReturnReplicaGrads: "run_return_replica_grads",
+    Transfer: "run_transfer",
 }
 """The :class:`StepRunner` method that executes each instruction kind."""

@@ -113,6 +113,11 @@ class PsrlEngineConfig(EngineConfig):
     kv_cache_budget: int = 1 << 30
     """Bytes for cached prefix K/V, their gradients and retained prefix graphs (mechanism 2)."""
 
+    memory_budget: Optional[int] = None
+    """Bytes the step may hold on the device, everything counted (``ActorConfig.memory_budget``:
+    the planner fills it for speed each step); None: on CUDA the free memory at start-up less
+    10% of the device's total, none on CPU; 0: none."""
+
     prefix_sharing: str = "tree"
     """``tree`` (mechanisms 1 + 2), ``tree-dup`` or ``none`` (the per-sample baseline)."""
 
@@ -198,7 +203,8 @@ def actor_config(engine_config: PsrlEngineConfig, optimizer_config: Any = None) 
     return ActorConfig(
         tensor_model_parallel_size=e.tensor_model_parallel_size, pipeline_model_parallel_size=e.pipeline_model_parallel_size,
         context_parallel_size=e.context_parallel_size, micro_batch_tokens=e.micro_batch_tokens,
-        kv_cache_budget=e.kv_cache_budget, prefix_sharing=e.prefix_sharing, attention_backend=e.attention_backend,
+        kv_cache_budget=e.kv_cache_budget, memory_budget=e.memory_budget, prefix_sharing=e.prefix_sharing,
+        attention_backend=e.attention_backend,
         transformer_impl=e.transformer_impl, device=e.device, dtype=dtype, seed=e.seed,
         recompute_granularity=e.recompute_granularity, recompute_method=e.recompute_method,
         recompute_num_layers=e.recompute_num_layers, check_sharing_every=e.check_sharing_every,

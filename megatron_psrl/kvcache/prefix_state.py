@@ -249,7 +249,8 @@ class PrefixState:
         picked = [t if rows is None else t.index_select(0, rows) for t in tensors]
         if self.stacked:
             return torch.stack(picked, dim=1)
-        return torch.cat([t.reshape(t.shape[0], -1) for t in picked], dim=1)
+        # (the field's width, not -1: a rank may send no rows)
+        return torch.cat([t.reshape(t.shape[0], f.elems) for t, f in zip(picked, self.fields)], dim=1)
 
     def unpack_rows(self, rows: Tensor) -> Tuple[Tensor, ...]:
         """Views ``[..., *shape]`` of every field of rows ``[..., *row_shape]`` (leading

@@ -4,8 +4,10 @@ Supported: the families registered in :mod:`megatron_psrl.model.families`, one b
 Llama, Mistral, Qwen2/Qwen2.5 and Qwen3 (dense decoder-only, GQA, RoPE, RMSNorm, SwiGLU, tied
 or untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k RMSNorm), and the mixture-of-experts
 families Qwen3-MoE (Qwen3 attention, every layer a top-k mixture of SwiGLU experts), Qwen2-MoE
-(Qwen2 attention, routed experts plus a sigmoid-gated shared expert) and Mixtral (Mistral
-attention, top-k of softmax renormalised; docs/moe.md). Anything else (other MoE families,
+(Qwen2 attention, routed experts plus a sigmoid-gated shared expert), Mixtral (Mistral
+attention, top-k of softmax renormalised) and GLM-4.5 (dense first layers, then grouped sigmoid
+routing with an expert bias and a shared expert; docs/moe.md), and the hybrid linear-attention
+families. Anything else (other MoE families,
 LayerNorm models, unknown RoPE scaling, sliding-window layers) is refused with a message naming
 what is unsupported, before any weight is read. This module holds what every family shares
 (the fields, RoPE, the checks); the family's bundle parses its own keys.
@@ -217,7 +219,8 @@ class ModelArchitecture:
 
     model_type: str
     """Hugging Face ``model_type`` of a registered family (:mod:`megatron_psrl.model.families`):
-    ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe`` or ``mixtral``."""
+    ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
+    ``glm4_moe``, the hybrid ``qwen3_next`` / ``qwen3_5*``."""
 
     vocab_size: int
     """Vocabulary size (unpadded)."""
@@ -293,6 +296,32 @@ class ModelArchitecture:
     """The shared expert's output is scaled by ``sigmoid(x . w)``, ``w`` a ``[1, h]`` weight
     (Qwen2-MoE ``mlp.shared_expert_gate``; megatron ``moe_shared_expert_gate``)."""
 
+    moe_router_score_function: str = "softmax"
+    """How the router scores experts: ``softmax`` (Qwen-MoE, Mixtral) or ``sigmoid`` (each
+    expert's ``sigmoid(logit)``, the top k renormalised: DeepSeek-V3, GLM-4.5; megatron
+    ``moe_router_score_function``)."""
+
+    moe_router_num_groups: Optional[int] = None
+    """Grouped routing (``n_group``): the experts split into this many equal groups, and a token
+    picks its top k among the experts of its ``moe_router_group_topk`` best groups (a group's
+    score: the sum of its two best experts' scores). None: no group limit."""
+
+    moe_router_group_topk: Optional[int] = None
+    """Groups a token's experts are picked from (``topk_group``); None: no group limit."""
+
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """The routing weights are multiplied by this (``routed_scaling_factor``); None: by 1."""
+
+    moe_router_expert_bias: bool = False
+    """The router adds a per-expert bias (``e_score_correction_bias``, fp32) to the scores it
+    selects experts by, not to the routing weights (aux-loss-free balancing; megatron
+    ``moe_router_enable_expert_bias``, its ``expert_bias`` buffer)."""
+
+    dense_mlp_layers: List[int] = field(default_factory=list)
+    """0-based indices of the layers of an MoE model whose MLP is a dense SwiGLU of
+    ``ffn_hidden_size`` (``first_k_dense_replace``: the first k; megatron ``moe_layer_freq``);
+    every other layer's MLP is the mixture of experts."""
+
     layer_types: Optional[List[str]] = None
     """Each layer's token mixer, ``full_attention``, ``sliding_attention`` or ``linear_attention``
     (Qwen3-Next / Qwen3.5 / gpt-oss ``layer_types``); None: every layer is softmax attention."""
@@ -333,6 +362,24 @@ class ModelArchitecture:
     tensors: a draft head for speculative decoding). Not built or trained: their tensors are
     carried through conversions unchanged (:mod:`megatron_psrl.checkpoint.passthrough`)."""
 
+    q_lora_rank: Optional[int] = None
+    """Latent attention (MLA): rank of the query's compression (``q_a_proj``, its RMSNorm, then
+    ``q_b_proj``); None: the query is projected directly (``q_proj``)."""
+
+    kv_lora_rank: int = 0
+    """Latent attention (MLA, DeepSeek-V3): rank of the compressed key/value latent every head's
+    key (its position-free part) and value are projected up from; 0: not latent attention."""
+
+    qk_nope_head_dim: int = 0
+    """Latent attention: per-head width of the key and query part without RoPE (from the latent)."""
+
+    qk_rope_head_dim: int = 0
+    """Latent attention: width of the rotated part of every query head and of the one RoPE key all
+    heads share (projected from the hidden state beside the latent)."""
+
+    v_head_dim: int = 0
+    """Latent attention: per-head value width (the query/key width is ``head_dim``, nope + rope)."""
+
     hf_config: Dict[str, Any] = field(default_factory=dict)
     """The original config.json content, written back unchanged by mcore-to-hf."""
 
@@ -350,19 +397,62 @@ class ModelArchitecture:
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_layer_types()
-        if (self.num_experts is not None) != self.family.is_moe:
+        self._check_latent_attention()
+        family = self.family
+        if self.num_experts is not None and not family.is_moe or (
+                self.num_experts is None and family.is_moe and not family.moe_layers_optional):
             raise UnsupportedModelError(f"model type {self.model_type!r} with num_experts={self.num_experts}")
         if self.is_moe:
-            if not self.moe_ffn_hidden_size or self.moe_ffn_hidden_size <= 0:
-                raise UnsupportedModelError(f"moe_intermediate_size must be positive, got {self.moe_ffn_hidden_size}")
-            if not 1 <= self.moe_router_topk <= self.num_experts:
-                raise UnsupportedModelError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                                            f"got {self.moe_router_topk}")
-            shared = self.moe_shared_expert_ffn_hidden_size
-            if shared is not None and shared <= 0:
-                raise UnsupportedModelError(f"shared_expert_intermediate_size must be positive, got {shared}")
-            if self.moe_shared_expert_gate and shared is None:
-                raise UnsupportedModelError("a shared-expert gate without a shared expert (shared_expert_intermediate_size)")
+            self._check_moe()
+        elif self.dense_mlp_layers:
+            raise UnsupportedModelError("dense_mlp_layers of a model without mixture-of-experts layers")
+
+    def _check_moe(self) -> None:
+        if not self.moe_ffn_hidden_size or self.moe_ffn_hidden_size <= 0:
+            raise UnsupportedModelError(f"moe_intermediate_size must be positive, got {self.moe_ffn_hidden_size}")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise UnsupportedModelError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                        f"got {self.moe_router_topk}")
+        shared = self.moe_shared_expert_ffn_hidden_size
+        if shared is not None and shared <= 0:
+            raise UnsupportedModelError(f"shared_expert_intermediate_size must be positive, got {shared}")
+        if self.moe_shared_expert_gate and shared is None:
+            raise UnsupportedModelError("a shared-expert gate without a shared expert (shared_expert_intermediate_size)")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"router score function {self.moe_router_score_function!r}: softmax or "
+                                        "sigmoid")
+        if self.moe_router_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise UnsupportedModelError("a router expert bias (e_score_correction_bias) needs the sigmoid score "
+                                        "function")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise UnsupportedModelError("grouped routing needs both n_group and topk_group")
+        if groups is not None:
+            if groups < 1 or self.num_experts % groups:
+                raise UnsupportedModelError(f"n_group {groups} must divide n_routed_experts {self.num_experts}")
+            if not 1 <= group_topk <= groups:
+                raise UnsupportedModelError(f"topk_group must be in [1, n_group={groups}], got {group_topk}")
+            if self.moe_router_topk > group_topk * (self.num_experts // groups):
+                raise UnsupportedModelError(f"num_experts_per_tok {self.moe_router_topk} exceeds the experts of "
+                                            f"topk_group {group_topk} groups of {self.num_experts // groups}")
+        dense = self.dense_mlp_layers
+        if len(set(dense)) != len(dense) or any(not 0 <= i < self.num_layers for i in dense):
+            raise UnsupportedModelError(f"dense MLP layers {dense} must be distinct layers of the model's "
+                                        f"{self.num_layers}")
+
+    def _check_latent_attention(self) -> None:
+        if not self.kv_lora_rank:
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise UnsupportedModelError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise UnsupportedModelError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise UnsupportedModelError(f"latent attention: head_dim {self.head_dim} is not qk_nope_head_dim "
+                                        f"{self.qk_nope_head_dim} + qk_rope_head_dim {self.qk_rope_head_dim}")
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -399,7 +489,8 @@ class ModelArchitecture:
 
         text = get_family(model_type).hf_text_config(hf) if model_type in supported else hf
         moe = [k for k in _MOE_KEYS if text.get(k)]
-        if model_type not in moe_types and (moe or "moe" in str(model_type)):
+        reads_moe = model_type in supported and get_family(model_type).reads_moe_fields
+        if model_type not in moe_types and not reads_moe and (moe or "moe" in str(model_type)):
             raise UnsupportedModelError(
                 f"mixture-of-experts models other than {', '.join(moe_types)} are not supported "
                 f"(model_type {model_type!r}" + (f", config keys {moe}" if moe else "") + ")"
@@ -437,7 +528,7 @@ class ModelArchitecture:
             num_layers=number("num_hidden_layers"),
             num_attention_heads=heads,
             num_kv_heads=number("num_key_value_heads", default=None) or heads,
-            head_dim=number("head_dim", default=None) or hidden // heads,
+            head_dim=family.hf_head_dim(text, number),
             ffn_hidden_size=number("intermediate_size"),
             rms_norm_eps=number("rms_norm_eps", float, 1e-6),
             max_position_embeddings=number("max_position_embeddings", default=4096),
@@ -479,6 +570,7 @@ class ModelArchitecture:
         d["rope"] = RopeConfig(**d["rope"])
         if d.get("layer_types") is not None:
             d["layer_types"] = list(d["layer_types"])
+        d["dense_mlp_layers"] = list(d.get("dense_mlp_layers") or [])
         return cls(**d)
 
     # ------------------------------------------------------------------ derived
@@ -493,14 +585,42 @@ class ModelArchitecture:
         """
         return int(math.ceil(self.vocab_size / tensor_parallel_size) * tensor_parallel_size)
 
+    @property
+    def multi_latent_attention(self) -> bool:
+        """The attention is latent attention (MLA, ``kv_lora_rank`` > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The head width RoPE's frequencies are computed for: ``head_dim`` (of which
+        ``partial_rotary_factor`` is rotated); latent attention's ``qk_rope_head_dim``."""
+        return self.qk_rope_head_dim if self.multi_latent_attention else self.head_dim
+
     def softmax_scale(self) -> float:
-        """1/sqrt(head_dim), times yarn's cos/sin scaling squared (it scales both q and k)."""
+        """1/sqrt(head_dim), times yarn's cos/sin scaling squared (it scales both q and k).
+        Latent attention: 1/sqrt(head_dim) times DeepSeek's YaRN correction squared,
+        ``(0.1 mscale_all_dim ln(factor) + 1)^2`` (Hugging Face's ``DeepseekV3Attention.scaling``;
+        the cos/sin scaling rotates only the RoPE part of each head, it is not folded in here)."""
+        if self.multi_latent_attention:
+            rope, scale = self.rope, 1.0 / math.sqrt(self.head_dim)
+            if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor > 1:
+                scale *= (0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0) ** 2
+            return scale
         return self.rope.attention_scaling() ** 2 / math.sqrt(self.head_dim)
 
     @property
     def is_moe(self) -> bool:
-        """Every layer's MLP is a mixture of experts."""
+        """The model's MLPs are mixtures of experts (all but ``dense_mlp_layers``)."""
         return self.num_experts is not None
+
+    @property
+    def moe_layers(self) -> Tuple[int, ...]:
+        """0-based indices of the layers whose MLP is a mixture of experts, in layer order (the
+        routes of router replay are per such layer)."""
+        if not self.is_moe:
+            return ()
+        dense = set(self.dense_mlp_layers)
+        return tuple(i for i in range(self.num_layers) if i not in dense)
 
     @property
     def family(self):
@@ -519,11 +639,23 @@ class ModelArchitecture:
         router and the shared expert), which its FLOPs are proportional to."""
         return self.family.active_mlp_parameters(self)
 
+    def dense_mlp_parameters(self) -> int:
+        """Parameters of a dense SwiGLU MLP of ``ffn_hidden_size`` (a dense layer of an MoE model)."""
+        return 3 * self.hidden_size * self.ffn_hidden_size
+
+    def all_mlp_parameters(self) -> int:
+        """Parameters of every layer's MLP (an MoE model's dense layers counted as such)."""
+        dense = len(self.dense_mlp_layers)
+        return (self.num_layers - dense) * self.mlp_parameters() + dense * self.dense_mlp_parameters()
+
     def active_ffn_hidden_size(self) -> int:
         """The SwiGLU width of a dense MLP with the FLOPs per token of this model's MLP: the
         intermediate size of a dense model; for MoE, its top-k experts' widths plus the router
-        (the cost model counts the experts a token is routed to, not all of them)."""
-        return max(1, round(self.active_mlp_parameters() / (3 * self.hidden_size)))
+        (the cost model counts the experts a token is routed to, not all of them), averaged
+        over the layers when some are dense (``dense_mlp_layers``)."""
+        dense = len(self.dense_mlp_layers)
+        active = (self.num_layers - dense) * self.active_mlp_parameters() + dense * self.dense_mlp_parameters()
+        return max(1, round(active / (self.num_layers * 3 * self.hidden_size)))
 
     @property
     def layer_kinds(self) -> Tuple[str, ...]:
@@ -548,7 +680,10 @@ class ModelArchitecture:
 
     def attention_parameters(self) -> int:
         """Parameters of one softmax-attention layer's attention (projections, biases, q/k norms;
-        the output gate's half of the query projection)."""
+        the output gate's half of the query projection; latent attention's down- and
+        up-projections and latent norms)."""
+        if self.multi_latent_attention:
+            return self.latent_attention_parameters()
         h, hd = self.hidden_size, self.head_dim
         q_rows = self.num_attention_heads * hd * (2 if self.attention_output_gate else 1)
         attn = h * (q_rows + 2 * self.num_kv_heads * hd) + self.num_attention_heads * hd * h
@@ -561,6 +696,16 @@ class ModelArchitecture:
         if self.attention_sinks:
             attn += self.num_attention_heads
         return attn
+
+    def latent_attention_parameters(self) -> int:
+        """Parameters of one latent-attention layer: the query's down-projection, norm and
+        up-projection (or its direct projection), the K/V down-projection to the latent and the
+        RoPE key, the latent's norm, its up-projection to every head's key and value, and the
+        output projection."""
+        h, n, hd = self.hidden_size, self.num_attention_heads, self.head_dim
+        r, rope, v = self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
+        q = h * n * hd if self.q_lora_rank is None else self.q_lora_rank * (h + 1 + n * hd)
+        return q + h * (r + rope) + r + r * n * (self.qk_nope_head_dim + v) + n * v * h
 
     def linear_attention_parameters(self) -> int:
         """Parameters of one Gated DeltaNet layer's mixer: the input projection to q, k, v, the
@@ -576,4 +721,4 @@ class ModelArchitecture:
         mixers = sum(self.linear_attention_parameters() if kind == LINEAR_ATTENTION else self.attention_parameters()
                      for kind in self.layer_kinds)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return mixers + self.num_layers * (self.mlp_parameters() + 2 * h) + emb + h
+        return mixers + self.all_mlp_parameters() + self.num_layers * 2 * h + emb + h

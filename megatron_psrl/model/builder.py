@@ -7,7 +7,11 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 from megatron.core import parallel_state
 
-from megatron_psrl.compat import install_cpu_sequence_parallel_shims, sync_tied_output_copy
+from megatron_psrl.compat import (
+    install_cpu_latent_attention_shims,
+    install_cpu_sequence_parallel_shims,
+    sync_tied_output_copy,
+)
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.gpt import PsrlGPTModel, PsrlModelChunks, build_transformer_config
 
@@ -75,6 +79,8 @@ def build_model(
                                       virtual_pipeline_size=virtual_pipeline_size, **overrides)
     if config.sequence_parallel:
         install_cpu_sequence_parallel_shims(device)
+    if arch.multi_latent_attention and tp > 1:
+        install_cpu_latent_attention_shims(device)
     chunks = []
     for v in range(virtual_pipeline_size):
         chunk = PsrlGPTModel(
@@ -92,5 +98,9 @@ def build_model(
         sync_tied_output_copy(chunk)
         if arch.is_moe and tp > 1:
             sum_expert_gradients_over_expert_data_parallel(chunk)
+        if arch.moe_router_expert_bias:  # (the trainer counts its update's tokens per sample)
+            from megatron_psrl.model.moe import keep_expert_bias_counts_to_the_trainer
+
+            keep_expert_bias_counts_to_the_trainer(chunk)
         chunks.append(chunk.to(device))
     return chunks[0] if virtual_pipeline_size == 1 else PsrlModelChunks(chunks)

@@ -121,7 +121,7 @@ def build_transformer_config(
         # selective recompute of core attention: megatron warns that TE's fused attention would
         # not need it; ours is not TE's, and the choice is the user's
         warnings.filterwarnings("ignore", message="If you are using transformer_engine as the transformer")
-        return TransformerConfig(**kwargs)
+        return arch.family.transformer_config_class(arch)(**kwargs)  # (latent attention: MLATransformerConfig)
 
 
 def moe_config_fields(arch: ModelArchitecture) -> dict:
@@ -132,16 +132,29 @@ def moe_config_fields(arch: ModelArchitecture) -> dict:
     return arch.family.moe_config_fields(arch)
 
 
+def local_spec_only(arch: ModelArchitecture) -> bool:
+    """The model is built with megatron's local layer spec only (latent attention; the hybrid
+    families' zero-centred norms and Gated DeltaNet layers)."""
+    choices = arch.family.layer_spec_choices(arch)
+    return choices.multi_latent_attention or choices.zero_centered_norms
+
+
 def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", moe_grouped_gemm: bool = False,
-                     attention_backend: Optional[str] = None) -> ModuleSpec:
+                     attention_backend: Optional[str] = None, dense_mlp: bool = False) -> ModuleSpec:
     """megatron's GPT layer spec with PrefixSharingAttention in the core-attention slot, built for
     ``attention_backend`` (None: chosen at run time; ``te`` builds Transformer Engine's attention
-    with the model) (MoE architectures: megatron's MoELayer as the MLP; ``moe_grouped_gemm``: its
-    grouped-GEMM experts, GPU only). What the spec is built with (experts, q/k norms, the norm)
-    is the family's choice (:meth:`megatron_psrl.model.families.ModelFamily.layer_spec_choices`)."""
+    with the model) (MoE architectures: megatron's MoELayer as the MLP, unless ``dense_mlp``: the
+    spec of their dense layers; ``moe_grouped_gemm``: its grouped-GEMM experts, GPU only). What
+    the spec is built with (experts, q/k norms, the norm) is the family's choice
+    (:meth:`megatron_psrl.model.families.ModelFamily.layer_spec_choices`)."""
     choices = arch.family.layer_spec_choices(arch)
-    experts = choices.num_experts
+    experts = None if dense_mlp else choices.num_experts
     grouped = bool(moe_grouped_gemm and experts)
+    if choices.multi_latent_attention and transformer_impl != "local":
+        raise ConfigurationError(f"model type {arch.model_type!r} (latent attention) is built with transformer_impl "
+                                 "'local' only: Transformer Engine's latent-attention spec duplicates the "
+                                 "down-projections the local spec splits, which the checkpoints' tensor-parallel "
+                                 "layout does not cover yet")
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -151,9 +164,15 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
         # (torch norms that also run under sequence parallelism; as megatron's without it)
         spec = with_sequence_parallel_norms(get_gpt_layer_local_spec(
             num_experts=experts, moe_grouped_gemm=grouped, normalization=choices.normalization,
-            qk_layernorm=choices.qk_layernorm))
+            qk_layernorm=choices.qk_layernorm, multi_latent_attention=choices.multi_latent_attention))
     else:
         raise ConfigurationError(f"unknown transformer_impl {transformer_impl!r}; choose from {TRANSFORMER_IMPLS}")
+    if choices.multi_latent_attention:  # megatron's MLA rotating by the pack's position ids
+        from megatron_psrl.model.latent_attention import TreeMLASelfAttention
+
+        attention = spec.submodules.self_attention
+        spec.submodules.self_attention = dataclasses.replace(
+            attention, module=TreeMLASelfAttention, params=dict(attention.params, rope_mscale=arch.rope.attention_scaling()))
     spec.submodules.self_attention.submodules.core_attention = (
         PrefixSharingAttention if attention_backend is None
         else ModuleSpec(module=PrefixSharingAttention, params={"backend": attention_backend}))
@@ -238,7 +257,7 @@ class RotaryFrequencies(torch.nn.Module):
 
     def __init__(self, arch: ModelArchitecture):
         super().__init__()
-        self.register_buffer("inv_freq", arch.rope.inv_freq(arch.head_dim), persistent=False)
+        self.register_buffer("inv_freq", arch.rope.inv_freq(arch.rope_head_dim), persistent=False)
 
     def forward(self, position_ids: Tensor) -> Tensor:
         inv_freq = self.inv_freq.to(position_ids.device)
@@ -310,6 +329,28 @@ class PsrlTransformerLayer(TransformerLayer):
         return self._forward_mlp(hidden_states), None
 
 
+def mixed_mlp_block_spec(arch: ModelArchitecture, config: TransformerConfig, vp_stage: Optional[int] = None,
+                         transformer_impl: str = "local", moe_grouped_gemm: bool = False,
+                         attention_backend: Optional[str] = None) -> TransformerBlockSubmodules:
+    """The block of this rank's (virtual) stage of an MoE model whose ``dense_mlp_layers`` have a
+    dense MLP (GLM-4.5 / DeepSeek-V3 ``first_k_dense_replace``): each layer the spec of
+    :func:`build_layer_spec`, dense or MoE as megatron's ``get_gpt_decoder_block_spec`` picks them
+    from ``moe_layer_freq``, and the final norm as the uniform block's."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dense = set(arch.family.layer_spec_choices(arch).dense_mlp_layers)
+    specs = [_with_row_skip(build_layer_spec(arch, transformer_impl, moe_grouped_gemm, attention_backend,
+                                             dense_mlp=kind)) for kind in (False, True)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage)
+    layers = [specs[i in dense] for i in range(offset, offset + count)]
+    if transformer_impl == "local":
+        return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelTorchNorm)
+    from megatron.core.extensions.transformer_engine import TENorm  # (the TE spec's block norm)
+
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
+
+
 def _with_row_skip(spec):
     """``spec`` with :class:`PsrlTransformerLayer` for megatron's ``TransformerLayer`` (its
     submodules as they are); any other spec as it is (its last layer then runs in full)."""
@@ -338,6 +379,8 @@ class PsrlGPTModel(GPTModel):
             specs = build_hybrid_layer_specs(arch, config, vp_stage, transformer_impl, grouped, attention_backend)
             layer_spec = TransformerBlockSubmodules(layer_specs=[_with_row_skip(s) for s in specs],
                                                     layer_norm=ZeroCenteredRMSNorm)
+        elif arch.family.layer_spec_choices(arch).dense_mlp_layers:  # MoE layers after dense ones
+            layer_spec = mixed_mlp_block_spec(arch, config, vp_stage, transformer_impl, grouped, attention_backend)
         else:
             layer_spec = _with_row_skip(build_layer_spec(arch, transformer_impl, moe_grouped_gemm=grouped,
                                                          attention_backend=attention_backend))

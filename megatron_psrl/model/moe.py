@@ -66,6 +66,21 @@ def check_moe_settings(arch: ModelArchitecture, overrides: Mapping[str, object],
                                  "depends on the other tokens of the batch, so prefix sharing would change them")
 
 
+def keep_expert_bias_counts_to_the_trainer(model: torch.nn.Module) -> None:
+    """Switch off megatron's own token count of its routers' expert-bias update
+    (``TopKRouter._apply_expert_bias``; the bias still selects experts). It counts each computed
+    row once, where the per-sample run counts a shared token once per sample: the trainer
+    counts them weighted when it updates the bias (``--moe-router-enable-expert-bias``,
+    :mod:`megatron_psrl.model.moe_losses`), and otherwise the bias is frozen and nothing needs
+    counting (megatron 0.16's count also fails on sequence parallelism's padding mask, which it
+    applies to the ``[tokens, E]`` map without a trailing dimension)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.enable_expert_bias = False
+
+
 def install_moe_runtime(device: torch.device) -> None:
     """What megatron's MoE layer needs on ``device`` (CPU: :func:`~megatron_psrl.compat.install_cpu_moe_shims`)."""
     install_cpu_moe_shims(torch.device(device))
@@ -108,6 +123,23 @@ def global_experts(shards: Mapping[int, Dict[str, Tensor]], arch: ModelArchitect
             else:
                 out[f"{parts[0]}{parts[1] + ep_rank * per_rank}{parts[2]}"] = tensor
     return out
+
+
+def moe_layer_pattern(config) -> List[int]:
+    """megatron's per-layer pattern of a model's config (``moe_layer_freq``): 1 an MoE layer, 0
+    a dense MLP, for each of its ``num_layers`` layers (all pipeline stages)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)
+
+
+def moe_layer_index(config, layer_number: int) -> int:
+    """The MoE layer index (0-based, over the MoE layers only, in layer order: the second
+    dimension of router-replay routes and of the router losses' counts) of megatron layer
+    ``layer_number`` (1-based, global), an MoE layer. Without dense layers it is
+    ``layer_number - 1``."""
+    return sum(moe_layer_pattern(config)[:layer_number - 1])
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -398,11 +430,12 @@ def expert_load_summary(counts: Tensor) -> List[List[float]]:
 # ---------------------------------------------------------------------- router replay
 def routing_shape(arch: ModelArchitecture) -> RoutingShape:
     """What the samples' ``routed_experts`` must look like for ``arch``: ``[tokens, MoE layers,
-    top-k]`` ids in ``[0, E)``; a dense model takes none. Every layer of a supported MoE model is
-    an MoE layer (dense layers are refused when the config is read)."""
+    top-k]`` ids in ``[0, E)``, one route per MoE layer in layer order (a model with dense
+    first layers, ``dense_mlp_layers``, has none for those); a dense model takes none."""
     if not arch.is_moe:
         return RoutingShape(0, 0, 0, model=f"dense {arch.model_type} model")
-    return RoutingShape(arch.num_layers, arch.moe_router_topk, arch.num_experts, model=f"{arch.model_type} model")
+    return RoutingShape(len(arch.moe_layers), arch.moe_router_topk, arch.num_experts,
+                        model=f"{arch.model_type} model")
 
 
 def tree_token_sources(tree) -> np.ndarray:
@@ -479,10 +512,11 @@ class RouterReplayer:
                     # This model's replays are reached through the model: the process-wide list
                     # would also hold every other model's routers, and keep them alive.
                     RouterReplay.global_router_replay_instances.remove(module.router_replay)
-                # Every layer is an MoE layer (dense layers are refused), so the MoE layer
-                # index is the layer's (layer numbers count from 1, over all pipeline stages).
+                # The routes are per MoE layer: a model with dense layers has none for those
+                # (layer numbers count from 1, over all pipeline stages).
                 last = module.layer_number == module.config.num_layers
-                self.replays.append((module.layer_number - 1, last, module.router_replay))
+                self.replays.append((moe_layer_index(module.config, module.layer_number), last,
+                                     module.router_replay))
                 self.sequence_parallel = sequence_parallel_group(module.config) is not None
         self._tree = None
         self._sources: Optional[np.ndarray] = None
@@ -544,4 +578,5 @@ def native_routing(layers: Sequence[torch.nn.Module]):
 
 __all__ = ["TOKEN_DISPATCHERS", "ExpertLoad", "ExpertLockstep", "expert_load_summary", "RouterReplayer", "native_routing", "routing_shape",
            "tree_token_sources", "Pass", "Unit", "lockstep_ticks", "moe_layers", "recompute_units", "check_moe_settings", "expert_index", "global_experts", "install_moe_runtime",
-           "is_expert_parameter", "local_experts"]
+           "is_expert_parameter", "keep_expert_bias_counts_to_the_trainer", "local_experts", "moe_layer_index",
+           "moe_layer_pattern"]

@@ -31,6 +31,20 @@ they are summed over the tensor-parallel group too.
 megatron's own computation (unweighted, per micro-batch, its aux loss's routing map the
 router's own top-k even under replay) is off (its coefficients are 0): the routers'
 ``routing`` method is wrapped, their routing itself (megatron's ``TopKRouter``) is untouched.
+
+The same per-row weights count the tokens megatron's aux-loss-free balancing updates a sigmoid
+router's expert bias from (``moe_router_enable_expert_bias``; grouped routing, GLM-4.5 /
+DeepSeek-V3): not a loss, no gradient, but a step's update ``bias += rate * sign(mean_e C_e -
+C_e)`` whose counts ``C_{l,e} = sum_t w_t [e in routes_l(t)]`` (the replayed or the router's own
+routes, as the forward routed) must be the per-sample batch's. megatron counts every row of
+every grad-enabled forward once (``TopKRouter._apply_expert_bias``): a shared token once, not
+once per sample. With ``expert_bias_counts`` its counting is switched off and each router's
+``local_tokens_per_expert`` gets the weighted counts instead; megatron's
+``finalize_model_grads`` then sums them over the tensor x data x context parallel ranks and
+updates the bias as it would (every stage its own layers).
+
+Rows are indexed per MoE layer (:func:`~megatron_psrl.model.moe.moe_layer_index`): a model with
+dense layers (``dense_mlp_layers``) has no row for those.
 The terms are attached to the router's logits as megatron does (an identity whose backward
 adds the loss's gradient, scaled like the policy loss), so activation recomputation's graph-less
 first forward adds nothing and its recomputation adds the term once.
@@ -122,23 +136,32 @@ class RouterLosses:
     before every forward of a micro-batch (its rows' weights), :meth:`select` before a backward
     that recomputes a kept forward, and :meth:`end_step` (the sums of this rank's terms)."""
 
-    def __init__(self, model: torch.nn.Module, aux_coeff: float, z_coeff: float):
+    def __init__(self, model: torch.nn.Module, aux_coeff: float, z_coeff: float, expert_bias_counts: bool = False):
         from megatron.core.transformer.moe.router import TopKRouter
 
         from megatron_psrl.model.gpt import model_chunks
+        from megatron_psrl.model.moe import moe_layer_index, moe_layer_pattern
 
         self.aux_coeff, self.z_coeff = float(aux_coeff), float(z_coeff)
+        self.expert_bias_counts = bool(expert_bias_counts)
+        """Count the tokens of megatron's expert-bias update weighted per sample (module doc)."""
         self.routers = [m for chunk in model_chunks(model) for m in chunk.modules() if isinstance(m, TopKRouter)]
         if not self.routers:
             raise ConfigurationError("--moe-aux-loss-coeff / --moe-z-loss-coeff > 0 need a mixture-of-experts model")
         config = self.routers[0].config
-        self.num_layers, self.num_experts, self.topk = config.num_layers, config.num_moe_experts, config.moe_router_topk
+        self.num_layers = sum(moe_layer_pattern(config))  # MoE layers: the rows of the counts
+        self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
         self.score_function = config.moe_router_score_function
         for router in self.routers:
             if router.config.moe_aux_loss_coeff or router.config.moe_z_loss_coeff:
                 raise ConfigurationError("megatron's own router losses must be off (0): megatron_psrl computes them")
-            router.routing = self._routing(router, router.routing)
-            router.register_forward_hook(self._count_hook(router.layer_number - 1))
+            if self.expert_bias_counts and getattr(router, "expert_bias", None) is None:
+                raise ConfigurationError("--moe-router-enable-expert-bias: the model's routers have no expert bias")
+            if self.expert_bias_counts:
+                router.enable_expert_bias = False  # megatron's own (unweighted) count: off; the bias stays in use
+            layer = moe_layer_index(router.config, router.layer_number)
+            router.routing = self._routing(router, router.routing, layer)
+            router.register_forward_hook(self._count_hook(layer))
         self._active = False
         self._counting: Optional[Tensor] = None  # [L, E] float64: a pre-pass's weighted route counts
         self._route_counts: Optional[Tensor] = None  # the pre-pass's global counts, for the next step
@@ -227,6 +250,14 @@ class RouterLosses:
         if self._active and i in self._packs:
             self._weights = self._packs[i]
 
+    def zero_expert_bias_counts(self) -> None:
+        """A new step's gradients start from zero: so do the expert bias's token counts (megatron
+        zeroes them after it updates the bias; a sharing check's passes, which run before the
+        step, must not count)."""
+        if self.expert_bias_counts:
+            for router in self.routers:
+                router.local_tokens_per_expert.zero_()
+
     def end_step(self) -> Dict[str, Tensor]:
         """This rank's sums of the step's terms (``moe_z_loss``, ``moe_aux_loss``, with their
         coefficients, over every MoE layer: with pipeline parallelism, summed over the stages
@@ -275,11 +306,10 @@ class RouterLosses:
         scores = torch.sigmoid(logits.float())
         return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
-    def _routing(self, router, routing):
-        layer = router.layer_number - 1
-
+    def _routing(self, router, routing, layer: int):
         def weighted_routing(logits: Tensor, *args, **kwargs):
-            if self._active and torch.is_grad_enabled() and not self._skipped():
+            counted = self._active and torch.is_grad_enabled() and not self._skipped()
+            if counted:
                 flat = logits.reshape(-1, self.num_experts).float()
                 w = self._rows(flat.shape[0])
                 loss = None
@@ -294,7 +324,12 @@ class RouterLosses:
                     loss = aux if loss is None else loss + aux
                 if loss is not None:
                     logits = _AddLoss.apply(logits, loss, self._scale)
-            return routing(logits, *args, **kwargs)
+            probs, routing_map = routing(logits, *args, **kwargs)
+            if counted and self.expert_bias_counts:  # [t, E] bool: the k experts each row was routed to
+                with torch.no_grad():
+                    w = self._rows(routing_map.shape[0])
+                    router.local_tokens_per_expert += (routing_map.float() * w[:, None]).sum(dim=0)
+            return probs, routing_map
 
         return weighted_routing
 

@@ -15,15 +15,15 @@ from megatron_psrl.model.families import registered_families
 from megatron_psrl.options import TINY_MODEL_NAMES
 
 TINY_CONFIGS: Dict[str, Dict[str, Any]] = {
-    name: config for family in registered_families() if not family.is_moe and not family.has_linear_attention
-    for name, config in family.tiny_configs.items()}
+    name: config for family in registered_families() if not family.has_linear_attention
+    for name, config in family.tiny_configs.items() if not family.hf_has_moe_layers(config)}
 """The dense families' debug configs (``tiny-llama``, the default of pretrain_agent_rl.py and the
 benchmarks; ``debug-llama``, the smallest useful model, for unit tests; one or more per family)."""
 assert tuple(sorted(TINY_CONFIGS)) == TINY_MODEL_NAMES, "megatron_psrl.options.TINY_MODEL_NAMES lists them"
 
 MOE_CONFIGS: Dict[str, Dict[str, Any]] = {
-    name: config for family in registered_families() if family.is_moe and not family.has_linear_attention
-    for name, config in family.tiny_configs.items()}
+    name: config for family in registered_families() if not family.has_linear_attention
+    for name, config in family.tiny_configs.items() if family.hf_has_moe_layers(config)}
 """The MoE families' debug configs: --model choices like :data:`TINY_CONFIGS`
 (``megatron_psrl.training.arguments.MOE_MODEL_NAMES``), kept apart from them because the dense
 tests iterate :data:`TINY_CONFIGS`."""

@@ -20,13 +20,23 @@ CollectHeadGrads      the dK/dV importers returned for a head, added before its 
 Backward              a producer's backward (its readers are done), recomputing if dropped
 ReturnHeadGrads       an import micro-batch's heads' dK/dV go back to their home rank
 ReleaseKV             cached K/V (or every kind, gradients too) of sources nobody needs now
+Transfer              pipeline stages: activations and gradients to and from the neighbouring
+                      stages, posted as one batch and waited for (virtual stages)
 ====================  ==========================================================================
 
-Instructions that run the model carry :attr:`Instruction.pass_kind`, the pass the expert
-lockstep of an MoE model counts (:data:`megatron_psrl.model.moe.Pass`): ``P`` forward +
-backward, ``K`` a kept graph's forward, ``B`` its backward, ``N`` a forward whose graph is
-dropped (or a forward-only pass). Lowering is deterministic and local (no communication), so
-every rank of a group derives its stream from the same plan.
+A pipeline stage runs the same instructions; a model run receives its input from the stage
+before and sends its output on by itself (``engine/stage_links.py``), except with virtual
+stages (several model chunks per rank), whose step of independent micro-batches is lowered by
+:func:`megatron_psrl.schedule.interleaved.interleaved_1f1b` into model runs of one chunk
+(``ForwardKeep`` / ``Backward`` with a ``chunk``) and explicit :class:`Transfer` instructions,
+the stream itself saying which sends and receives go together. Stage 1 of 3 with two chunks
+and four micro-batches, in its steady state (boundary ``b``: between virtual stages ``b`` and
+``b + 1``; this stage's chunk 1 is virtual stage 4)::
+
+    ForwardKeep(2, chunk=1)     # chunk 1 of micro-batch 2, on the activation received for it
+    Backward(0, chunk=1)        # chunk 1 of micro-batch 0, from the output gradient received
+    Transfer(sends=(StageMessage(0, 3, gradient=True), StageMessage(2, 4)),     # what the two made
+             receives=(StageMessage(1, 4, gradient=True), StageMessage(3, 3)))  # what the next two read
 """
 
 from __future__ import annotations
@@ -102,6 +112,10 @@ class ForwardKeep(MicroBatchInstruction):
     pass_kind: ClassVar[Optional[str]] = "K"
     forward_pass: ClassVar[Optional[ForwardPass]] = ForwardPass(graph=True, writes=True, keeps_rows=True)
 
+    chunk: Optional[int] = None
+    """Virtual pipeline stages: the one model chunk of the rank this forward runs, its input
+    received and its output sent by :class:`Transfer` instructions (None: every chunk, in order)."""
+
 
 @dataclass(frozen=True)
 class ForwardDrop(MicroBatchInstruction):
@@ -134,6 +148,11 @@ class Backward(MicroBatchInstruction):
 
     recompute: bool = False
     """The forward dropped its graph: run it again (with a graph) before the backward."""
+
+    chunk: Optional[int] = None
+    """Virtual pipeline stages: the one model chunk of the rank this backward runs (its kept
+    :class:`ForwardKeep` of that chunk), its output's gradient received and its input's sent by
+    :class:`Transfer` instructions (None: every chunk, last to first)."""
 
     @property
     def pass_kind(self) -> str:  # type: ignore[override]
@@ -211,6 +230,52 @@ class ReleaseKV(Instruction):
     """Which of their blocks (``KV_KINDS``: the values only; ``ALL_KINDS``: everything)."""
 
 
+@dataclass(frozen=True, order=True)
+class StageMessage:
+    """One tensor between two neighbouring pipeline stages. With ``V`` chunks per rank on ``P``
+    stages the model is ``V * P`` parts (virtual stages; part ``chunk * P + stage``); boundary
+    ``b`` lies between part ``b`` (on stage ``b % P``) and part ``b + 1`` (on stage
+    ``(b + 1) % P``). Both ends of a :class:`Transfer` post its messages in one order (the
+lowering sorts them alike on both)."""
+
+    micro_batch: int
+    """Index into ``RankPlan.micro_batches``."""
+
+    boundary: int
+    """The parts ``boundary`` and ``boundary + 1`` it goes between."""
+
+    gradient: bool = False
+    """False: part ``boundary``'s forward output, to the next stage (part ``boundary + 1``'s
+    input); True: part ``boundary + 1``'s input gradient, back to the previous stage (part
+    ``boundary``'s output gradient)."""
+
+    def sender_chunk(self, num_stages: int) -> int:
+        """The sending stage's chunk: the part whose output (or input gradient) it is."""
+        return (self.boundary + self.gradient) // num_stages
+
+    def receiver_chunk(self, num_stages: int) -> int:
+        """The receiving stage's chunk: the part whose input (or output gradient) it is."""
+        return (self.boundary + 1 - self.gradient) // num_stages
+
+
+@dataclass(frozen=True)
+class Transfer(Instruction):
+    """Sends and receives of a pipeline stage, posted together as one batch
+    (``batch_isend_irecv``: none waits for another) and waited for before the next instruction.
+
+    Sends: each a tensor this stage produced earlier (a forward's output, a backward's input
+    gradient), handed over and forgotten; receives: each into a buffer of the shape the plan
+    gives (``[t, 1, h]`` of the micro-batch's pack), held until the model run that reads it.
+    Both ends of a message post it in their instructions of the same round, in
+    :class:`StageMessage` order."""
+
+    sends: Tuple[StageMessage, ...]
+    """What goes to the neighbours, in order."""
+
+    receives: Tuple[StageMessage, ...]
+    """What comes from the neighbours, in order."""
+
+
 def lockstep_passes(instructions: List[Instruction]) -> List[Tuple[str, int]]:
     """``(pass, micro-batch)`` of every model run, in order: the expert lockstep's plan."""
     return [(x.pass_kind, x.micro_batch) for x in instructions if x.pass_kind is not None]
@@ -218,6 +283,10 @@ def lockstep_passes(instructions: List[Instruction]) -> List[Tuple[str, int]]:
 
 LOCAL_INSTRUCTIONS = (AllocateKV, ReleaseKV)
 """Instructions that neither run the model nor communicate."""
+
+TRAILING_TRANSFERS = (Transfer,)
+"""Instructions after a stage's last backward that only send on the pipeline group (its input
+gradient to the stage before): they do not hold back the gradient reduce (:func:`last_backward`)."""
 
 
 def last_backward(instructions: List[Instruction],
@@ -229,10 +298,13 @@ def last_backward(instructions: List[Instruction],
     when the stream has no backward, or when an instruction after it communicates (a head's
     dK/dV returned to its home rank): a gradient reduce started during the backward would
     queue ahead of that message on a rank whose peer waits for the message before its own
-    reduce (NCCL runs one communicator's operations in the order they were posted)."""
+    reduce (NCCL runs one communicator's operations in the order they were posted). A pipeline
+    stage's trailing :class:`Transfer` is passed over: its peer, the stage before, reduces
+    over another group (of its own stage), whose ranks all receive theirs (as a 1F1B stage's
+    last send, which goes at the end of its step)."""
     for k in range(len(instructions) - 1, -1, -1):  # from the end: ``empty`` asked of the tail only
         x = instructions[k]
-        if isinstance(x, LOCAL_INSTRUCTIONS) or (isinstance(x, ForwardBackward) and empty(x)):
+        if isinstance(x, LOCAL_INSTRUCTIONS + TRAILING_TRANSFERS) or (isinstance(x, ForwardBackward) and empty(x)):
             continue
         return k if isinstance(x, (ForwardBackward, Backward)) else None
     return None

@@ -38,9 +38,11 @@ import numpy as np
 
 from megatron_psrl.attention.core_attention import saved_bytes_per_token
 from megatron_psrl.kvcache.manager import CacheBudgetError, KVGeometry, choose_block_size
+from megatron_psrl.kvcache.prefix_state import GRADS_ONLY
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.schedule import instructions as ins
 from megatron_psrl.schedule.plan import MemoryPlan, RankPlan
+from megatron_psrl.schedule.step_charge import ActivationCharge, Rows
 from megatron_psrl.tree.index import TreeIndex, chain_structure
 
 # The norms' internals and statistics and the attention's log-sum-exp stay fp32 in any dtype.
@@ -58,6 +60,16 @@ _FP32_BYTES = 4
 # about 15 MB on an Intel Xeon): a per-process constant like the weights, not part of any
 # graph, outside --kv-cache-budget (docs/architecture.md, "Activations of a kept graph").
 ALLOCATOR_MARGIN = 1.1
+
+
+class StepBudgetError(CacheBudgetError):
+    """The step's peak (KV blocks, kept graphs and the running micro-batch's graph, loss head and
+    gradients) cannot fit the step's budget under any keep / drop decision of this plan."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+        """The smallest step peak this plan reaches (bytes)."""
 
 
 MODELLED_BACKENDS = ("torch", "flash", "te")
@@ -204,13 +216,33 @@ def _block_bytes(geometry: KVGeometry, block_size: int) -> np.ndarray:
 
 
 def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_ByteTables",
-              geometry: KVGeometry, rereads: bool = False):
-    """Per schedule step: (blocks held in each pool ``[steps, pools]``, other bytes held); and
-    every source's last read. The step is lowered (:func:`~megatron_psrl.schedule.instructions.lower_training`,
-    what the runner executes) and its instructions counted (:func:`count_stream`)."""
+              geometry: KVGeometry, rereads: bool = False) -> Tuple["_Counts", Dict[int, int]]:
+    """What the step holds at every schedule step (:class:`_Counts`) and every source's last
+    read. The step is lowered (:func:`~megatron_psrl.schedule.instructions.lower_training`, what
+    the runner executes) and its instructions counted (:func:`count_stream`)."""
     last_read = ins.last_reads(plan, keep, rereads or tables.gathers_in_backward)
-    blocks, other = count_stream(plan, ins.lower_training(plan, keep, last_read), block_size, tables, geometry)
-    return blocks, other, last_read
+    return _count(plan, ins.lower_training(plan, keep, last_read), block_size, tables, geometry), last_read
+
+
+@dataclass
+class _Counts:
+    """Per schedule step, what a lowered step stream holds (:func:`count_stream`)."""
+
+    blocks: np.ndarray
+    """int64 ``[steps, pools]``: KV blocks allocated."""
+    other: np.ndarray
+    """int64 ``[steps]``: the KV plan's other bytes: kept graphs (per token) with their copies,
+    the running micro-batch's copies and attention temporaries, ``head_bytes``."""
+    step_other: np.ndarray
+    """int64 ``[steps]``: the step's other bytes on the device: kept graphs (by rows, on the device)
+    with their copies, the running micro-batch's copies, attention temporaries and own bytes
+    (:meth:`_ByteTables.running`)."""
+    device_blocks: np.ndarray
+    """int64 ``[steps, pools]``: KV blocks on the device (all of them unless offloaded)."""
+    moved_blocks: np.ndarray
+    """int64 ``[steps, pools]``: KV blocks copied to or from host memory at the step (offload)."""
+    moved_bytes: np.ndarray
+    """int64 ``[steps]``: kept graphs' bytes copied to or from host memory at the step (offload)."""
 
 
 def count_stream(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", geometry: KVGeometry):
@@ -225,48 +257,105 @@ def count_stream(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", 
     - ``ForwardBackward``, ``ForwardDrop``, ``Forward``, a recomputing ``Backward`` (and every pass when the
       attention gathers again in backward): the gathered copies while it runs;
     - every step: the micro-batch's attention temporaries and the loss head.
-    """
-    graph_bytes, held_reads, running_reads = tables.graph, tables.held_reads, tables.running_reads
-    zero = np.zeros(len(geometry.pools), dtype=np.int64)
-    held: Dict[int, Dict[str, np.ndarray]] = {}  # source -> role -> its blocks in each pool
-    blocks, graphs = zero, 0
-    blocks_held, other_held = [], []
-    for step in steps:
+
+    The step's own view (by rows, with the running micro-batch's graph, loss head and gradients,
+    and what host offload moves) is :func:`_count`'s."""
+    counts = _count(plan, steps, block_size, tables, geometry)
+    return counts.blocks, counts.other
+
+
+class _Stream:
+    """:func:`_count`'s state: blocks and graphs alive, and what the step timeline records."""
+
+    def __init__(self, plan: RankPlan, tables: "_ByteTables", geometry: KVGeometry, block_size: int, order):
+        self.plan, self.tables, self.geometry, self.block_size = plan, tables, geometry, block_size
+        self.order = order  # the micro-batch of every schedule step
+        self.zero = np.zeros(len(geometry.pools), dtype=np.int64)
+        self.held: Dict[int, Dict[str, np.ndarray]] = {}  # source -> role -> its blocks in each pool
+        self.blocks, self.graphs, self.grads = self.zero, 0, False
+        self.kept: Dict[int, int] = {}  # producer -> its kept graph's bytes (by rows) with its copies
+        self.on_device: Tuple[set, set] = (set(), set())  # (graphs, sources) on the device at the last step
+        self.rows: Dict[str, list] = {k: [] for k in ("blocks", "other", "step", "device", "moved_blocks", "moved")}
+
+    def allocate(self, s: int, roles) -> None:
+        src = self.plan.sources[s]
+        for role in (roles or src.kinds):
+            self.held.setdefault(s, {})[role] = _source_blocks(self.geometry, src.length, (role,), self.block_size)
+            self.blocks = self.blocks + self.held[s][role]
+
+    def release(self, s: int, roles) -> None:
+        for role in roles:
+            self.blocks = self.blocks - self.held.get(s, {}).pop(role, self.zero)
+
+    def _touched(self, t: int) -> Tuple[set, set]:
+        """Graphs and sources the steps ``t`` and ``t + 1`` use (offload keeps those on the device:
+        the next step's are copied back during this one)."""
+        mbs = [self.order[u] for u in (t, t + 1) if u < len(self.order)]
+        sources = {s for i in mbs for s in self.plan.micro_batches[i].reads + self.plan.micro_batches[i].produces}
+        return set(mbs), sources
+
+    def record(self, t: int, i: int, kind: Optional[str], runs: bool) -> None:
+        tables = self.tables
+        copies = (tables.running_reads[i] if runs else 0) + tables.attention.get(i, 0)
+        self.rows["blocks"].append(self.blocks)
+        self.rows["other"].append(self.graphs + copies + tables.head_bytes)
+        own = copies + tables.running(i, kind, self.grads)
+        if not tables.offload:  # everything alive is on the device
+            self.rows["device"].append(self.blocks)
+            self.rows["step"].append(sum(self.kept.values()) + own)
+            return
+        graphs, sources = self._touched(t)
+        device = sum((self.held[s][r] for s in sources & set(self.held) for r in self.held[s]), self.zero)
+        moved = (self.on_device[1] ^ sources) & set(self.held)  # (left, or back for the next step)
+        self.rows["moved_blocks"].append(sum((self.held[s][r] for s in moved for r in self.held[s]), self.zero))
+        self.rows["moved"].append(sum(self.kept[g] for g in (self.on_device[0] ^ graphs) & set(self.kept)))
+        self.on_device = (graphs, sources)
+        self.rows["device"].append(device)
+        self.rows["step"].append(sum(b for g, b in self.kept.items() if g in graphs) + own)
+
+
+def _count(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", geometry: KVGeometry) -> _Counts:
+    """:func:`count_stream`, and the step's own view of every schedule step (:class:`_Counts`)."""
+    steps = list(steps)
+    state = _Stream(plan, tables, geometry, block_size, [step.micro_batch for step in steps])
+    for t, step in enumerate(steps):
         i = step.micro_batch
-        runs, frees_graph, recorded = tables.gathers_in_backward, False, False
-
-        def record():  # what the step holds after its allocations and model run
-            blocks_held.append(blocks)
-            other_held.append(graphs + (running_reads[i] if runs else 0) + tables.attention.get(i, 0)
-                              + tables.head_bytes)
-
+        runs, frees_graph, recorded, kind = tables.gathers_in_backward, False, False, None
         for x in step.instructions:
             if isinstance(x, ins.ReleaseKV) and not recorded:  # releases come after the step's reading
-                record()
+                state.record(t, i, kind, runs)
                 recorded = True
             if isinstance(x, ins.AllocateKV):
                 for s in x.sources:
-                    src = plan.sources[s]
-                    for role in (x.kinds or src.kinds):
-                        held.setdefault(s, {})[role] = _source_blocks(geometry, src.length, (role,), block_size)
-                        blocks = blocks + held[s][role]
+                    state.allocate(s, x.kinds)
             elif isinstance(x, ins.ReleaseKV):
                 for s in x.sources:
-                    for role in x.kinds:
-                        blocks = blocks - held.get(s, {}).pop(role, zero)
+                    state.release(s, x.kinds)
             elif isinstance(x, ins.ForwardKeep):
-                graphs += graph_bytes[i] + held_reads[i]
+                state.graphs += tables.graph[i] + tables.held_reads[i]
+                own = tables.step_graph.get(i, 0) if tables.charge is not None else tables.graph[i]
+                state.kept[i] = own + tables.held_reads[i]
+                kind = "keep"
             elif isinstance(x, (ins.ForwardBackward, ins.ForwardDrop, ins.Forward)):
                 runs = True
+                kind = "forward_backward" if isinstance(x, ins.ForwardBackward) else "forward"
             elif isinstance(x, ins.Backward):
                 runs = runs or x.recompute
                 frees_graph = not x.recompute
+                kind = "recompute" if x.recompute else "backward"
         if not recorded:
-            record()
+            state.record(t, i, kind, runs)
         if frees_graph:
-            graphs -= graph_bytes[i] + held_reads[i]
-    out = np.asarray(blocks_held, dtype=np.int64).reshape(len(blocks_held), len(geometry.pools))
-    return out, np.asarray(other_held, dtype=np.int64)
+            state.graphs -= tables.graph[i] + tables.held_reads[i]
+            state.kept.pop(i, None)
+        state.grads = state.grads or kind in ("forward_backward", "backward", "recompute")
+    pools = len(geometry.pools)
+    as_blocks = lambda rows: np.asarray(rows, dtype=np.int64).reshape(len(rows), pools)  # noqa: E731
+    r = state.rows
+    if not tables.offload:  # (nothing moves)
+        r["moved_blocks"], r["moved"] = [state.zero] * len(steps), [0] * len(steps)
+    return _Counts(as_blocks(r["blocks"]), np.asarray(r["other"], dtype=np.int64), np.asarray(r["step"], dtype=np.int64),
+                   as_blocks(r["device"]), as_blocks(r["moved_blocks"]), np.asarray(r["moved"], dtype=np.int64))
 
 
 @dataclass
@@ -274,7 +363,8 @@ class _ByteTables:
     """Per micro-batch bytes the simulation charges."""
 
     graph: Dict[int, int]
-    """Its graph's activations (kept from its forward to its backward, or transient)."""
+    """Its graph's activations per token (kept from its forward to its backward, or transient):
+    the KV plan's charge (``--kv-cache-budget``)."""
 
     held_reads: Dict[int, int]
     """Prefix K/V copies a kept graph holds until its backward."""
@@ -290,16 +380,87 @@ class _ByteTables:
     attention: Dict[int, int] = field(default_factory=dict)
     """A varlen backend's transient while the micro-batch runs (:class:`VarlenCharge`)."""
 
+    charge: Optional[ActivationCharge] = None
+    """The step's charge by rows (None: the step's timeline charges ``graph`` and ``head_bytes``)."""
+
+    step_graph: Dict[int, int] = field(default_factory=dict)
+    """Its graph by rows (``charge``; a varlen kernel's padded statistics and the rows a producer
+    captures included): the step timeline's charge."""
+
+    rows: Dict[int, Rows] = field(default_factory=dict)
+    """Its ``(tokens, output rows, claimed rows)`` (with a ``charge``)."""
+
+    produced_grads: Dict[int, int] = field(default_factory=dict)
+    """What its backward reads for the sources it produces (with a ``charge``): their fp32 dK/dV
+    from the cache, and the captured rows' gradients scattered into its K and V."""
+
+    offload: bool = False
+    """Kept graphs and K/V blocks that the running and the next step do not use live in host memory."""
+
+    def running(self, i: int, kind: Optional[str], grads: bool) -> int:
+        """What micro-batch ``i`` holds while step ``kind`` of it runs beyond the kept graphs
+        (``grads``: a backward ran before, the parameters' gradients exist): its own graph
+        unless kept, its loss head, the gradients; per token: its graph while it runs and the
+        loss head's ``head_bytes``."""
+        charge = self.charge
+        if charge is None:
+            return self.head_bytes + (self.graph.get(i, 0) if kind in ("forward_backward", "recompute") else 0)
+        before = charge.grad_bytes if grads else 0
+        rows = self.rows.get(i)
+        if rows is None or kind is None:
+            return before
+        if kind in ("keep", "forward"):
+            return charge.forward_transient(rows) + before
+        held = self.step_graph[i] - charge.graph(rows)  # (padded statistics, captured K/V rows)
+        peak = charge.backward_peak(rows, before) + self.produced_grads.get(i, 0)
+        return peak - charge.graph(rows) if kind == "backward" else peak + held
+
+
+def _produced(plan: RankPlan, geometry: KVGeometry, captures: bool) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """Per producer micro-batch: the values of the sources it computes (its graph keeps them as
+    differentiable rows for the dK/dV its readers inject: ``engine/prefix_kv.py``'s capture; not
+    with activation recomputation, which injects them inside the graph), and what its backward
+    reads for them (their fp32 gradients from the cache; captured, the rows' gradients
+    scattered into its every row's K and V)."""
+    values: Dict[int, int] = {}
+    grads: Dict[int, int] = {}
+    for src in plan.sources.values():
+        if src.replica_of is not None or src.imported is not None:
+            continue
+        i = src.producer
+        values[i] = values.get(i, 0) + (geometry.read_bytes(src.length) if captures else 0)
+        grads[i] = grads.get(i, 0) + sum(len(p.layers) * p.state.nbytes(src.length, GRADS_ONLY) for p in geometry.pools)
+    for i in grads:
+        grads[i] += geometry.read_bytes(plan.micro_batches[i].num_tokens) if captures else 0
+    return values, grads
+
+
+def _step_tables(plan: RankPlan, geometry: KVGeometry, charge: ActivationCharge, varlen: Optional[VarlenCharge],
+                 captures: bool) -> dict:
+    """The step timeline's fields of :class:`_ByteTables` (charged by rows)."""
+    if plan.row_counts is None:
+        raise ValueError("a step charged by rows needs the micro-batches' row counts (schedule.step_charge.add_row_counts)")
+    values, grads = _produced(plan, geometry, captures)
+    graph = {}
+    for i, rows in plan.row_counts.items():
+        shape = plan.segment_shapes.get(i) if varlen is not None and plan.segment_shapes else None
+        padded = varlen.held(shape, plan.micro_batches[i].num_tokens) if shape is not None else 0
+        graph[i] = charge.graph(rows) + padded + values.get(i, 0)
+    return dict(charge=charge, step_graph=graph, rows=dict(plan.row_counts), produced_grads=grads)
+
 
 def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
                  gathers_in_backward: bool = False, head_bytes: int = 0,
-                 varlen: Optional[VarlenCharge] = None) -> _ByteTables:
+                 varlen: Optional[VarlenCharge] = None, charge: Optional[ActivationCharge] = None,
+                 captures: bool = True, offload: bool = False) -> _ByteTables:
     """Per micro-batch: its graph's activations, and the prefix K/V it holds while it runs (or,
     kept, until its backward): copies gathered from the cache and K/V received from other
     ranks in the same step (cross-rank peers, always kept as copies). Gathered again in
     backward, cached prefixes cost one layer's K/V copies and their fp32 gradients at a time
-    (and every linear layer's state, always kept as a copy)."""
+    (and every linear layer's state, always kept as a copy). With a ``charge``, the step's
+    timeline charges by rows (:func:`_step_tables`; ``captures``: see :func:`_produced`)."""
     graph = {i: len(mb.computed_tokens) * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
+    by_rows = _step_tables(plan, geometry, charge, varlen, captures) if charge is not None else {}
     attention = {}
     if varlen is not None:
         if plan.segment_shapes is None:
@@ -313,12 +474,13 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
     peers = {i: sum(read(p.length) for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
     if not gathers_in_backward:
         reads = {i: cached[i] + peers[i] for i in cached}
-        return _ByteTables(graph, reads, reads, False, head_bytes, attention)
+        return _ByteTables(graph, reads, reads, False, head_bytes, attention, offload=offload, **by_rows)
     one_layer = {i: sum(geometry.layer_read_bytes(plan.sources[s].length) for s in mb.reads)
                  for i, mb in enumerate(plan.micro_batches)}
     # (a linear layer's fixed-size state is read as a copy its graph keeps, whatever this choice)
     held = {i: peers[i] + len(mb.reads) * geometry.fixed_bytes_per_source for i, mb in enumerate(plan.micro_batches)}
-    return _ByteTables(graph, held, {i: one_layer[i] + held[i] for i in cached}, True, head_bytes, attention)
+    return _ByteTables(graph, held, {i: one_layer[i] + held[i] for i in cached}, True, head_bytes, attention,
+                       offload=offload, **by_rows)
 
 
 def simulated_peak_bytes(
@@ -329,22 +491,106 @@ def simulated_peak_bytes(
     """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
     block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
     tables = _byte_tables(plan, geometry, act_bytes_per_token, gathers_in_backward, head_bytes, varlen)
-    blocks, other, _ = _simulate(plan, keep_graph, block_size, tables, geometry)
-    return int((blocks @ _block_bytes(geometry, block_size) + other).max(initial=0))
+    counts, _ = _simulate(plan, keep_graph, block_size, tables, geometry)
+    return int((counts.blocks @ _block_bytes(geometry, block_size) + counts.other).max(initial=0))
+
+
+@dataclass(frozen=True)
+class StepCharge:
+    """What a memory plan needs to predict the step's own peak beside the KV plan's (and to fit
+    it to a budget): :func:`plan_memory_group`'s ``step``."""
+
+    charge: ActivationCharge
+    """A micro-batch's graph, loss head and the step's gradients by rows (the plans' ``row_counts`` set)."""
+    budget_bytes: Optional[int] = None
+    """The step's timeline must fit this (None: no limit)."""
+    offload: bool = False
+    """Kept graphs and K/V blocks live in host memory while the running and the next step do not use them."""
 
 
 def plan_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int, act_bytes_per_token: int,
                 rereads: bool = False, gathers_in_backward: bool = False, head_bytes: int = 0,
-                varlen: Optional[VarlenCharge] = None) -> MemoryPlan:
+                varlen: Optional[VarlenCharge] = None, step: Optional[StepCharge] = None) -> MemoryPlan:
     """Decide block size, pool size and keep/recompute for every producer of ``plan``."""
     return plan_memory_group([plan], geometry, budget_bytes, act_bytes_per_token, rereads, gathers_in_backward,
-                             head_bytes, varlen)[0]
+                             head_bytes, varlen, step)[0]
+
+
+class _Timelines:
+    """The group's simulated timelines under keep/drop decisions: per rank, the KV plan's bytes
+    (blocks, kept graphs, copies; against ``--kv-cache-budget``) and the step's (on the device,
+    the running micro-batch's own bytes added; against the step's budget)."""
+
+    def __init__(self, plans, geometry, tables, block_size, rereads, budget, step_budget):
+        self.plans, self.geometry, self.tables, self.block_size = plans, geometry, tables, block_size
+        self.rereads, self.budget, self.step_budget = rereads, budget, step_budget
+        self.block_bytes = _block_bytes(geometry, block_size)
+
+    def counts(self, keep) -> List[Tuple[_Counts, Dict[int, int]]]:
+        return [_simulate(p, keep, self.block_size, t, self.geometry, self.rereads) for p, t in zip(self.plans, self.tables)]
+
+    def __call__(self, keep) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """Per rank: (the KV plan's timeline, the step's timeline)."""
+        return [(c.blocks @ self.block_bytes + c.other, c.device_blocks @ self.block_bytes + c.step_other)
+                for c, _ in self.counts(keep)]
+
+    def over(self, held) -> List[np.ndarray]:
+        """Per rank and step: over a budget."""
+        step = self.step_budget if self.step_budget is not None else np.iinfo(np.int64).max
+        return [(kv > self.budget) | (total > step) for kv, total in held]
+
+    def fits(self, held) -> bool:
+        return not any(o.any() for o in self.over(held))
+
+
+def _drop_until_fits(timelines: _Timelines, producers, keep, forward_at, backward_at) -> dict:
+    """Drop graphs greedily (see :func:`plan_memory_group`) until the timelines fit or no graph
+    alive at the first step over a budget is left to drop."""
+    held = timelines(keep)
+    while not timelines.fits(held):
+        over = timelines.over(held)
+        t = min(int(np.argmax(o)) for o in over if o.any())
+        rank = max(range(len(timelines.plans)), key=lambda r: held[r][1][t] if len(held[r][1]) > t else 0)
+        table = timelines.tables[rank]
+        alive = [p for p in producers if keep[p] and forward_at[p] <= t < backward_at[p]]
+        if not alive:
+            break  # only blocks and running micro-batches at that step: no graph to drop
+        victim = max(alive, key=lambda p: (table.graph[p] + table.held_reads[p],
+                                           -timelines.plans[rank].micro_batches[p].num_tokens, -p))
+        keep[victim] = False
+        held = timelines(keep)
+    if timelines.step_budget is not None and not timelines.fits(held):
+        # (greedy drops are not always the least: a recomputing reader re-reads its prefixes later)
+        dropped = {p: False for p in producers}
+        if timelines.fits(timelines(dropped)):
+            return dropped
+    return keep
+
+
+def _budget_error(timelines: _Timelines, producers, keep) -> CacheBudgetError:
+    """The smallest peaks this schedule reaches (the planner's decisions, or every producer
+    recomputing: dropping is not always a saving, recomputing readers re-read later)."""
+    def peaks(decisions, which):
+        return max(int(h[which].max(initial=0)) for h in timelines(decisions))
+
+    dropped = {p: False for p in producers}
+    kv = min(peaks(keep, 0), peaks(dropped, 0))
+    if kv > timelines.budget:
+        return CacheBudgetError(
+            f"the cached prefixes of this step need at least {kv} bytes at their peak (KV blocks of the "
+            f"prefixes alive at once plus the graphs, gathered K/V copies and loss head in use; "
+            f"{peaks({p: True for p in producers}, 0)} with every graph kept) but --kv-cache-budget is "
+            f"{timelines.budget} bytes")
+    step = min(peaks(keep, 1), peaks(dropped, 1))
+    return StepBudgetError(f"this step needs at least {step} bytes at its peak (KV blocks, kept graphs, the "
+                           f"running micro-batch's graph, loss head and gradients) but the step's budget is "
+                           f"{timelines.step_budget} bytes", needed=step)
 
 
 def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes: int,
                       act_bytes_per_token: int, rereads: bool = False,
                       gathers_in_backward: bool = False, head_bytes: int = 0,
-                      varlen: Optional[VarlenCharge] = None) -> List[MemoryPlan]:
+                      varlen: Optional[VarlenCharge] = None, step: Optional[StepCharge] = None) -> List[MemoryPlan]:
     """:func:`plan_memory` for ranks that run one schedule in lockstep (a cross-rank group;
     or a single rank): a producer step keeps or drops its graph on all of them alike, because
     a recomputation re-runs the step's exchange, in which every rank takes part.
@@ -360,83 +606,60 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     keeping copies in the graph; every backward then re-reads too. ``head_bytes``: the loss
     head's transient peak, charged at every step. ``varlen``: the ``flash`` / ``te`` backends'
     gathered K/V and padded statistics (:class:`VarlenCharge`; the plans' ``segment_shapes``).
+    ``step``: the step's own timeline by rows (:class:`StepCharge`; ``MemoryPlan.step_timeline_bytes``),
+    which must fit its budget too (:class:`StepBudgetError` when no decision does).
     """
     schedule = plans[0].schedule
     block_size = choose_block_size([s.length for p in plans for s in p.sources.values()])
-    block_bytes = _block_bytes(geometry, block_size)
     forward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "forward"}
     backward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "backward"}
     # (an import holds no graph: it receives K/V; an idle step holds nothing)
     producers = sorted(i for i in forward_at if all(p.micro_batches[i].computes for p in plans))
-    keep = {p: True for p in producers}
-    tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward, head_bytes, varlen) for p in plans]
-
-    def timelines(decisions) -> List[np.ndarray]:
-        out = []
-        for plan, table in zip(plans, tables):
-            blocks, other, _ = _simulate(plan, decisions, block_size, table, geometry, rereads)
-            out.append(blocks @ block_bytes + other)
-        return out
-
-    held = timelines(keep)
-    while max(h.max(initial=0) for h in held) > budget_bytes:
-        t = min(int(np.argmax(h > budget_bytes)) for h in held if h.max(initial=0) > budget_bytes)
-        rank = max(range(len(plans)), key=lambda r: held[r][t] if len(held[r]) > t else 0)
-        table = tables[rank]
-        alive = [p for p in producers if keep[p] and forward_at[p] <= t < backward_at[p]]
-        if not alive:
-            break  # only blocks and running micro-batches at that step: no graph to drop
-        victim = max(alive, key=lambda p: (table.graph[p] + table.held_reads[p],
-                                           -plans[rank].micro_batches[p].num_tokens, -p))
-        keep[victim] = False
-        held = timelines(keep)
-    current = max(int(h.max(initial=0)) for h in held)
-    if current > budget_bytes:
-        # The smallest peak this schedule reaches: the planner's decisions, or every producer
-        # recomputing (dropping is not always a saving: recomputing readers re-read later).
-        all_dropped = max(int(h.max(initial=0)) for h in timelines({p: False for p in producers}))
-        keep_all = max(int(h.max(initial=0)) for h in timelines({p: True for p in producers}))
-        minimum = min(current, all_dropped)
-        raise CacheBudgetError(
-            f"the cached prefixes of this step need at least {minimum} bytes at their peak (KV blocks of the "
-            f"prefixes alive at once plus the graphs, gathered K/V copies and loss head in use; {keep_all} with "
-            f"every graph kept) but --kv-cache-budget is {budget_bytes} bytes"
-        )
+    charge, offload = (step.charge, step.offload) if step is not None else (None, False)
+    tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward, head_bytes, varlen, charge,
+                           not rereads, offload) for p in plans]
+    timelines = _Timelines(plans, geometry, tables, block_size, rereads, budget_bytes,
+                           step.budget_bytes if step is not None else None)
+    keep = _drop_until_fits(timelines, producers, {p: True for p in producers}, forward_at, backward_at)
+    if not timelines.fits(timelines(keep)):
+        raise _budget_error(timelines, producers, keep)
     memories = []
-    for plan, table in zip(plans, tables):
-        blocks, other, last_read = _simulate(plan, keep, block_size, table, geometry, rereads)
-        held_r = blocks @ block_bytes + other
-        pool_sizes = tuple(int(n) for n in blocks.max(axis=0, initial=0))
+    for plan, (counts, last_read), (kv, total) in zip(plans, timelines.counts(keep), timelines(keep)):
+        pool_sizes = tuple(int(n) for n in counts.blocks.max(axis=0, initial=0))
         recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
         memories.append(MemoryPlan(
-            block_size=block_size,
-            pool_blocks=sum(pool_sizes),
-            keep_graph=dict(keep),
-            kv_release_step=dict(last_read),
-            peak_bytes=int(held_r.max(initial=0)),
-            recompute_tokens=recompute,
-            timeline_bytes=held_r.tolist(),
-            gathers_in_backward=gathers_in_backward,
-            pool_sizes=pool_sizes,
-            pool_states=tuple(p.state for p in geometry.pools),
+            block_size=block_size, pool_blocks=sum(pool_sizes), keep_graph=dict(keep), kv_release_step=dict(last_read),
+            peak_bytes=int(kv.max(initial=0)), recompute_tokens=recompute, timeline_bytes=kv.tolist(),
+            gathers_in_backward=gathers_in_backward, pool_sizes=pool_sizes,
+            pool_states=tuple(p.state for p in geometry.pools), step_timeline_bytes=total.tolist(),
+            offloaded_bytes=(counts.moved_blocks @ timelines.block_bytes + counts.moved_bytes).tolist()
+            if offload else [],
         ))
     return memories
 
 
 def step_peak_bytes(plan: RankPlan, memory: Optional[MemoryPlan], act_bytes_per_token: int,
-                    head_bytes: int = 0, varlen: Optional[VarlenCharge] = None) -> int:
-    """Predicted peak of one training step above the weights and their gradients: the memory
-    plan's timeline (KV blocks, kept graphs, gathered K/V copies, the loss head, a varlen
-    backend's gathered copies) plus, at every schedule step, the graph of the micro-batch
-    running then when the plan does not hold it already (a forward+backward, or the recomputed
-    forward of a producer that dropped its graph). ``memory`` None: a step without cached
-    prefixes (every step a forward+backward; ``varlen``'s charges added here, the plans'
-    ``segment_shapes`` set)."""
-    keep = memory.keep_graph if memory is not None else {}
-    timeline = memory.timeline_bytes if memory is not None else [head_bytes] * len(plan.schedule)
+                    head_bytes: int = 0, varlen: Optional[VarlenCharge] = None, in_flight: int = 1,
+                    charge: Optional[ActivationCharge] = None) -> int:
+    """Predicted peak of one training step above the weights (and above gradients allocated
+    before it): the memory plan's step timeline (KV blocks, kept graphs, gathered K/V copies, a
+    varlen backend's gathered copies, and at every schedule step what the running micro-batch
+    holds: its graph when the plan does not hold it already, its loss head, and by rows the
+    parameters' gradients once a backward ran; :meth:`_ByteTables.running`). ``memory`` None: a
+    step without cached prefixes (every step a forward+backward; ``varlen``'s charges added
+    here, the plans' ``segment_shapes`` set); by rows with ``charge`` (the ``row_counts`` set;
+    a memory plan charges as it was planned). ``in_flight``: graphs a pipeline stage holds at
+    once in a step without cached prefixes (megatron's 1F1B: up to the pipeline's stages, on
+    its first stage; with cached prefixes every stage runs the plan's order)."""
+    if memory is not None and memory.step_timeline_bytes:
+        return int(max(memory.step_timeline_bytes))
     shapes = plan.segment_shapes if varlen is not None else None
     if varlen is not None and shapes is None:
         raise ValueError("a varlen backend's step peak needs the micro-batches' segment shapes (add_segment_shapes)")
+    if memory is None and charge is not None:
+        return _independent_step_peak(plan, charge, varlen, in_flight)
+    keep = memory.keep_graph if memory is not None else {}
+    timeline = memory.timeline_bytes if memory is not None else [head_bytes] * len(plan.schedule)
     peak = 0
     for t, (op, i) in enumerate(plan.schedule):
         mb = plan.micro_batches[i]
@@ -446,6 +669,32 @@ def step_peak_bytes(plan: RankPlan, memory: Optional[MemoryPlan], act_bytes_per_
             extra += varlen.held(shapes[i], mb.num_tokens) if running else 0
             extra += varlen.transient(shapes[i]) if memory is None else 0  # (a plan's timeline has it)
         peak = max(peak, timeline[t] + extra)
+    return int(peak)
+
+
+def _independent_step_peak(plan: RankPlan, charge: ActivationCharge, varlen: Optional[VarlenCharge],
+                           in_flight: int) -> int:
+    """:func:`step_peak_bytes` of a step of independent micro-batches, charged by rows: at every
+    backward, the micro-batch's own peak and the graphs of the ``in_flight - 1`` next ones."""
+    if plan.row_counts is None:
+        raise ValueError("a step peak charged by rows needs the micro-batches' row counts (add_row_counts)")
+    order = [i for _, i in plan.schedule]
+    shapes = plan.segment_shapes or {}
+
+    def padded(i: int) -> int:
+        return varlen.held(shapes[i], plan.micro_batches[i].num_tokens) if varlen is not None and i in shapes else 0
+
+    def graph(i: int) -> int:
+        rows = plan.row_counts.get(i)
+        return (charge.graph(rows) if rows is not None else 0) + padded(i)
+
+    peak = 0
+    for t, i in enumerate(order):
+        rows = plan.row_counts.get(i)
+        own = charge.backward_peak(rows, charge.grad_bytes if t else 0) if rows is not None else charge.grad_bytes
+        own += padded(i) + (varlen.transient(shapes[i]) if varlen is not None and i in shapes else 0)
+        ahead = sum(graph(j) for j in order[t + 1:t + max(1, in_flight)])
+        peak = max(peak, own + ahead)
     return int(peak)
 
 
@@ -473,6 +722,8 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
 
 __all__ = [
     "MemoryPlan",
+    "StepBudgetError",
+    "StepCharge",
     "ALLOCATOR_MARGIN",
     "MODELLED_BACKENDS",
     "VarlenCharge",
@@ -501,7 +752,7 @@ class MemorySettings:
     budget_bytes: int
     """``--kv-cache-budget``."""
     act_bytes_per_token: int = 0
-    """Bytes a kept graph holds per token (:func:`activation_bytes_per_token`)."""
+    """Bytes a kept graph holds per token (:func:`activation_bytes_per_token`): the KV plan's charge."""
     rereads: bool = False
     """Activation recomputation: every backward reads its cached prefixes again."""
     gathers_in_backward: bool = False
@@ -510,10 +761,14 @@ class MemorySettings:
     """The loss head's transient peak, charged at every step."""
     varlen: Optional[VarlenCharge] = None
     """The ``flash`` / ``te`` backends' gathered K/V and padded statistics (None: ``torch``)."""
+    step: Optional[StepCharge] = None
+    """The step's own timeline by rows, and its budget (``--memory-budget`` less the weights,
+    gradients and optimizer state): :class:`StepCharge` (None: the KV plan only). The plans
+    need their ``row_counts`` then (:func:`~megatron_psrl.schedule.step_charge.add_row_counts`)."""
 
     def __call__(self, plans: List[RankPlan]) -> List[MemoryPlan]:
         return plan_memory_group(plans, self.geometry, self.budget_bytes, self.act_bytes_per_token, self.rereads,
-                                 self.gathers_in_backward, self.head_bytes, self.varlen)
+                                 self.gathers_in_backward, self.head_bytes, self.varlen, self.step)
 
     def forward(self, plans: List[RankPlan]) -> List[MemoryPlan]:
         return [plan_forward_memory(plan, self.geometry, self.budget_bytes) for plan in plans]

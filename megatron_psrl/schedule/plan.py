@@ -70,6 +70,15 @@ class MemoryPlan:
     """The prefix state of each of those pools (the planning geometry's: a pipeline stage's
     cache may hold fewer of them; it sizes its own pools by state)."""
 
+    step_timeline_bytes: List[int] = field(default_factory=list)
+    """:attr:`timeline_bytes` plus what the running micro-batch holds beyond it at every step (its
+    own graph, its loss head, the parameters' gradients): the step's predicted memory above
+    the weights (:func:`megatron_psrl.schedule.memory.step_peak_bytes`)."""
+
+    offloaded_bytes: List[int] = field(default_factory=list)
+    """With host offload: bytes copied to or from host memory at every step (kept graphs and K/V
+    blocks that the running and the next step do not use); empty without."""
+
 
 @dataclass
 class CachedSource:
@@ -335,6 +344,11 @@ class RankPlan:
     """Per micro-batch that runs the model: ``(segments, longest segment, gathered keys)``, what
     the memory plan of a varlen attention backend needs (set by
     :func:`megatron_psrl.schedule.memory.add_segment_shapes`; None: not computed)."""
+
+    row_counts: Optional[Dict[int, Tuple[int, int, int]]] = None
+    """Per micro-batch that runs the model: ``(tokens, output rows, claimed rows)``, what its
+    autograd graph and loss head hold (set by :func:`megatron_psrl.schedule.step_charge.add_row_counts`;
+    None: not computed)."""
 
     def pack(self, index: TreeIndex, i: int) -> PackedMicroBatch:
         """The packed micro-batch i (built on demand: packing is cheap next to the model).

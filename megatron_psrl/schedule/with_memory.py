@@ -10,6 +10,7 @@ from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.memory import MemoryPlan, add_segment_shapes
 from megatron_psrl.schedule.plan import PlanningError, RankPlan, StepPlan
 from megatron_psrl.schedule.planner import assign_groups, plan_step
+from megatron_psrl.schedule.step_charge import add_row_counts
 from megatron_psrl.tree.prefix_tree import PrefixTree
 
 GroupMemory = Callable[[List[RankPlan]], List[MemoryPlan]]
@@ -62,6 +63,9 @@ def memory_plans(plan: StepPlan, group_memory: GroupMemory) -> List[Optional[Mem
         if getattr(group_memory, "varlen", None) is not None:  # (a varlen backend's charges follow the segments)
             for rank in ranks:
                 add_segment_shapes(plan.index, rank)
+        if getattr(group_memory, "step", None) is not None:  # (the step charged by its rows)
+            for rank in ranks:
+                add_row_counts(plan.index, rank)
         lockstep = len(group) > 1
         if lockstep or ranks[0].sources:
             for r, memory in zip(group, group_memory(ranks)):

@@ -45,6 +45,14 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_memory_budget(text: str) -> Optional[int]:
+    """``--memory-budget``: ``auto`` (None: the CUDA default, none on CPU), ``off`` (0) or a byte size."""
+    word = str(text).strip().lower()
+    if word == "auto":
+        return None
+    return 0 if word == "off" else parse_bytes(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_agent_rl.py",
@@ -70,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention (megatron's sequence parallelism: less activation memory; mixture-of-experts "
                         "models need it under TP). Turns the last-layer row skip off")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="pipeline stages (megatron's 1F1B schedule; with cached prefixes the plan's order on every "
-                        "stage); a pipeline is one rank for tree placement (--placement cross-rank spreads a tree "
+                   help="pipeline stages (1F1B order, interleaved with virtual stages; with cached prefixes the "
+                        "plan's order on every stage); a pipeline is one rank for tree placement (--placement cross-rank spreads a tree "
                         "over pipelines, each stage exchanging prefix K/V with the same stage of the others)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="layers of the first pipeline stage (the rest split evenly): fewer to balance the embedding "
@@ -106,8 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(aux_loss takes effect with --moe-aux-loss-coeff > 0; seq_aux_loss / global_aux_loss with it "
                         "and sinkhorn are refused)")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
-                   help="mixture-of-experts models: megatron's aux-loss-free expert bias (refused: it needs a sigmoid "
-                        "router; the supported families route by softmax)")
+                   help="mixture-of-experts models whose sigmoid router has an expert bias (glm4_moe): update it "
+                        "every step by megatron's aux-loss-free balancing rule, tokens counted once per sample "
+                        "(without the flag the bias stays as loaded; refused for softmax routers)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="the expert bias's step with --moe-router-enable-expert-bias (Megatron-LM's default)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="mixture-of-experts models: megatron's grouped-GEMM experts (CUDA only)")
 
@@ -127,6 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="claimed rows become fp32 logits / log-probs / entropies in chunks of at most this many MiB "
                         "(2^20 bytes) of logits, recomputed in backward: the loss head peaks at about six times "
                         "this whatever the batch, and the --kv-cache-budget memory plan counts those six chunks")
+    g.add_argument("--memory-budget", type=parse_memory_budget, default=None, metavar="BYTES|auto|off",
+                   help="bytes the step may hold on the device, everything counted (weights, gradients, optimizer "
+                        "state, kept graphs, cached K/V and their gradients, the loss head, attention temporaries); "
+                        "each step the planner picks the fastest plan under it (micro-batch budget up to "
+                        "--micro-batch-tokens, keep or recompute per prefix, full recomputation per layer, "
+                        "--memory-offload) and logs its choice and predicted peak; a budget no plan fits is "
+                        "refused naming the smallest that would; replaces --kv-cache-budget (default: auto, the "
+                        "device's free memory at start-up less 10%% of its total on CUDA, off on CPU)")
+    g.add_argument("--memory-offload", action="store_true",
+                   help="with --memory-budget: host offload of kept graphs and cached K/V is one of the planner's "
+                        "choices, priced as the bytes moved over the host link less the compute they overlap (a "
+                        "priced no-op on CPU; refused on CUDA: not implemented yet)")
     g.add_argument("--no-last-layer-row-skip", dest="last_layer_row_skip", action="store_false",
                    help="run the last layer in full for every row (by default it computes queries, attention "
                         "output and MLP only for the rows whose log-prob is trained or asked for; exact either way)")

@@ -138,16 +138,18 @@ def random_forest(rng: np.random.Generator, max_segments=7, max_len=6, max_sourc
     return Forest(lengths, parents, ext_lengths, root_sources)
 
 
-def make_qkv(forest: Forest, np_: int, ng: int, hn: int, dtype, seed: int = 0):
-    """Random q [t, np, hn], k/v [t, ng, hn] and external (k, v) pairs, requiring grad."""
+def make_qkv(forest: Forest, np_: int, ng: int, hn: int, dtype, seed: int = 0, hv: int = None):
+    """Random q [t, np, hn], k [t, ng, hn], v [t, ng, hv] (``hv`` defaults to ``hn``; latent
+    attention's values are narrower) and external (k, v) pairs, requiring grad."""
     g = torch.Generator().manual_seed(seed)
     t = forest.num_tokens
+    hv = hn if hv is None else hv
 
     def r(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
 
-    q, k, v = r(t, np_, hn), r(t, ng, hn), r(t, ng, hn)
-    external = [(r(n, ng, hn), r(n, ng, hn)) for n in forest.ext_lengths]
+    q, k, v = r(t, np_, hn), r(t, ng, hn), r(t, ng, hv)
+    external = [(r(n, ng, hn), r(n, ng, hv)) for n in forest.ext_lengths]
     return q, k, v, external
 
 

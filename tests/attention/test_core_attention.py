@@ -109,24 +109,30 @@ class RecordingHook:
 FOREST = Forest(lengths=[4, 3, 2, 5], parents=[-1, 0, 1, 0], ext_lengths=[3, 2], root_sources={0: [0, 1]})
 
 
+@pytest.mark.parametrize("hv", [HN, 10], ids=["values-as-wide", "narrower-values"])
 @pytest.mark.parametrize("meta_backend", [None, "torch", "dense"])
-def test_tree_metadata_runs_the_plan(meta_backend):
-    q, k, v, external = make_qkv(FOREST, NP, NG, HN, torch.float64, seed=3)
+def test_tree_metadata_runs_the_plan(meta_backend, hv):
+    """Also with values narrower than the keys (latent attention: megatron's MLA builds its core
+    attention with ``k_channels`` / ``v_channels``)."""
+    q, k, v, external = make_qkv(FOREST, NP, NG, HN, torch.float64, seed=3, hv=hv)
     hook = RecordingHook(external)
     meta = TreeAttentionMetadata(plan=FOREST.plan(), backend=meta_backend, kv_hook=hook)
+    widths = {} if hv == HN else dict(k_channels=HN, v_channels=hv)
     attn = PrefixSharingAttention(
-        _config(), layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=0.2
+        _config(), layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=0.2,
+        **widths,
     )
+    assert (attn.head_dim, attn.value_dim) == (HN, hv)
     out = attn(q[:, None], k[:, None], v[:, None], None, packed_seq_params=meta)
     t = FOREST.num_tokens
-    assert out.shape == (t, 1, NP * HN)
+    assert out.shape == (t, 1, NP * hv)
     ref = per_query_attention(q, k, v, FOREST.key_sets(), external, scale=0.2)
-    torch.testing.assert_close(out.reshape(t, NP, HN), ref, atol=1e-10, rtol=1e-10)
-    # the hook saw this pack's K/V (as [t, ng, hn]) for this layer
+    torch.testing.assert_close(out.reshape(t, NP, hv), ref, atol=1e-10, rtol=1e-10)
+    # the hook saw this pack's K/V (as [t, ng, hn] and [t, ng, hv]) for this layer
     (layer, seen_k, seen_v), = hook.seen
     assert layer == 3 and torch.equal(seen_k, k) and torch.equal(seen_v, v)
     leaves = [q, k, v, *external[0], *external[1]]
-    dout = torch.randn(t, 1, NP * HN, dtype=torch.float64)
+    dout = torch.randn(t, 1, NP * hv, dtype=torch.float64)
     got = torch.autograd.grad((out * dout).sum(), leaves)
     want = torch.autograd.grad((ref.reshape(t, 1, -1) * dout).sum(), leaves)
     for a, w in zip(got, want):

@@ -24,22 +24,27 @@ IMPLS = ("aten", "math")
 DTYPES = (torch.float32, torch.float64)
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-11, rtol=1e-10)}
 SHAPES = [
-    # (nq, nk, np, ng, hn, causal)
-    pytest.param(9, 9, 4, 2, 16, True, id="causal-square-gqa"),
-    pytest.param(1, 1, 2, 2, 8, True, id="causal-single-token"),
-    pytest.param(33, 33, 6, 3, 8, True, id="causal-square-longer"),
-    pytest.param(5, 11, 4, 2, 16, False, id="rect-more-keys-gqa"),
-    pytest.param(12, 3, 4, 4, 8, False, id="rect-fewer-keys-mha"),
-    pytest.param(7, 7, 4, 1, 32, False, id="square-unmasked-mqa"),
+    # (nq, nk, np, ng, hn, hv, causal)
+    pytest.param(9, 9, 4, 2, 16, 16, True, id="causal-square-gqa"),
+    pytest.param(1, 1, 2, 2, 8, 8, True, id="causal-single-token"),
+    pytest.param(33, 33, 6, 3, 8, 8, True, id="causal-square-longer"),
+    pytest.param(5, 11, 4, 2, 16, 16, False, id="rect-more-keys-gqa"),
+    pytest.param(12, 3, 4, 4, 8, 8, False, id="rect-fewer-keys-mha"),
+    pytest.param(7, 7, 4, 1, 32, 32, False, id="square-unmasked-mqa"),
+    # latent attention: values narrower than queries and keys (DeepSeek-V3: 192 and 128)
+    pytest.param(9, 9, 4, 4, 24, 16, True, id="causal-narrow-values"),
+    pytest.param(5, 11, 4, 4, 24, 16, False, id="rect-narrow-values"),
+    pytest.param(6, 6, 2, 1, 8, 12, True, id="causal-wide-values"),
 ]
 
 
-def _inputs(nq, nk, np_, ng, hn, dtype, seed=0):
+def _inputs(nq, nk, np_, ng, hn, dtype, seed=0, hv=None):
+    hv = hn if hv is None else hv
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(nq, np_, hn, generator=g, dtype=torch.float64).to(dtype)
     k = torch.randn(nk, ng, hn, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(nk, ng, hn, generator=g, dtype=torch.float64).to(dtype)
-    do = torch.randn(nq, np_, hn, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(nk, ng, hv, generator=g, dtype=torch.float64).to(dtype)
+    do = torch.randn(nq, np_, hv, generator=g, dtype=torch.float64).to(dtype)
     return q, k, v, do
 
 
@@ -57,15 +62,15 @@ def _reference(q, k, v, causal, scale):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("nq,nk,np_,ng,hn,causal", SHAPES)
-def test_forward_matches_reference(nq, nk, np_, ng, hn, causal, dtype):
-    q, k, v, _ = _inputs(nq, nk, np_, ng, hn, dtype)
+@pytest.mark.parametrize("nq,nk,np_,ng,hn,hv,causal", SHAPES)
+def test_forward_matches_reference(nq, nk, np_, ng, hn, hv, causal, dtype):
+    q, k, v, _ = _inputs(nq, nk, np_, ng, hn, dtype, hv=hv)
     scale = 0.7 / math.sqrt(hn)
     ref_o, ref_lse = _reference(q, k, v, causal, scale)
     results = {}
     for impl in IMPLS:
         o, lse = partial_attention_forward(q, k, v, causal, scale, impl)
-        assert o.shape == (nq, np_, hn) and o.dtype == dtype
+        assert o.shape == (nq, np_, hv) and o.dtype == dtype
         assert lse.shape == (nq, np_) and lse.dtype == lse_dtype(q)
         torch.testing.assert_close(o.double(), ref_o, **TOL[dtype])
         torch.testing.assert_close(lse.double(), ref_lse, **TOL[dtype])
@@ -89,10 +94,10 @@ def test_forward_accepts_strided_views(impl, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("nq,nk,np_,ng,hn,causal", SHAPES)
-def test_backward_of_a_single_block(nq, nk, np_, ng, hn, causal, dtype):
+@pytest.mark.parametrize("nq,nk,np_,ng,hn,hv,causal", SHAPES)
+def test_backward_of_a_single_block(nq, nk, np_, ng, hn, hv, causal, dtype):
     """One block holding all keys: its backward equals autograd through the reference."""
-    q, k, v, do = _inputs(nq, nk, np_, ng, hn, dtype, seed=3)
+    q, k, v, do = _inputs(nq, nk, np_, ng, hn, dtype, seed=3, hv=hv)
     scale = 1.0 / math.sqrt(hn)
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
     ref_o, _ = _reference(*leaves, causal, scale)

@@ -52,12 +52,13 @@ def gathered_varlen_attention(q, k, v, plan: AttentionPlan, external=(), scale=N
     return torch.cat(outs, 0)
 
 
-def _check_all_backends(forest: Forest, dtype, np_=4, ng=2, hn=8, seed=0, backends=None):
+def _check_all_backends(forest: Forest, dtype, np_=4, ng=2, hn=8, seed=0, backends=None, hv=None):
     plan = forest.plan()
     scale = 0.9 / np.sqrt(hn)
-    q, k, v, external = make_qkv(forest, np_, ng, hn, dtype, seed)
+    q, k, v, external = make_qkv(forest, np_, ng, hn, dtype, seed, hv)
     leaves = [q, k, v] + [x for pair in external for x in pair]
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(dtype)
+    out_shape = (q.shape[0], np_, v.shape[-1])
+    dout = torch.randn(out_shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(dtype)
 
     ref = per_query_attention(q, k, v, forest.key_sets(), external, scale)
     ref_grads = torch.autograd.grad((ref * dout.double()).sum(), leaves)
@@ -67,7 +68,7 @@ def _check_all_backends(forest: Forest, dtype, np_=4, ng=2, hn=8, seed=0, backen
             out = gathered_varlen_attention(q, k, v, plan, external, scale)
         else:
             out = _run(backend, q, k, v, plan, external, scale)
-        assert out.shape == q.shape and out.dtype == dtype
+        assert out.shape == out_shape and out.dtype == dtype
         torch.testing.assert_close(out.double(), ref.detach(), **TOL[dtype], msg=lambda m: f"{backend} out: {m}")
         grads = torch.autograd.grad((out * dout).sum(), leaves)
         for name, got, want in zip(names, grads, ref_grads):
@@ -98,6 +99,52 @@ def test_backends_match_reference_float32(seed):
 def test_head_layouts(np_, ng):
     forest = random_forest(np.random.default_rng(42), max_segments=6)
     _check_all_backends(forest, torch.float64, np_=np_, ng=ng, hn=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_values_narrower_than_keys(dtype):
+    """Latent attention (DeepSeek-V3): keys of 24 (nope + rope), values of 12 per head, with a
+    cached prefix; the CPU kernels take one width (values padded for them)."""
+    forest = Forest(lengths=[5, 3, 2, 4, 1, 3], parents=[-1, 0, 1, 0, 0, 0], ext_lengths=[7, 2],
+                    root_sources={0: [0, 1]})
+    _check_all_backends(forest, dtype, np_=4, ng=4, hn=24, hv=12)
+
+
+def test_flash_pads_narrow_values_for_its_one_width_kernel(monkeypatch, caplog):
+    """flash-attn 2's varlen kernel takes one head width for q, k and v: narrower values are
+    padded with zeros for it and the output cut back, exactly (values and every gradient equal
+    the torch backend's), with one logged line. On CPU, with flash-attn's contract emulated by
+    the reference varlen kernel (which refuses two widths, as flash-attn 2 does)."""
+    import logging
+    import sys
+    import types
+
+    from helpers.varlen_reference import ReferenceVarlen
+
+    from megatron_psrl.attention.backends import varlen
+
+    def flash_attn_varlen_func(q, kg, vg, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal,
+                               deterministic):
+        assert q.shape[-1] == kg.shape[-1] == vg.shape[-1], "flash-attn 2: one head width"
+        return ReferenceVarlen.apply(q, kg, vg, cu_q, cu_k, softmax_scale)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    monkeypatch.setattr(varlen, "require_cuda", lambda name, q: None)
+    monkeypatch.setattr(varlen, "_PADDED_LOGGED", set())
+    forest = Forest(lengths=[5, 3, 2, 4], parents=[-1, 0, 1, 0], ext_lengths=[6], root_sources={0: [0]})
+    q, k, v, external = make_qkv(forest, 4, 4, 24, torch.float64, seed=2, hv=12)
+    leaves = [q, k, v, *external[0]]
+    dout = torch.randn(forest.num_tokens, 4, 12, dtype=torch.float64)
+    with caplog.at_level(logging.INFO, logger=varlen.__name__):
+        got = [varlen.flash_tree_attention(q, k, v, forest.plan(), external, 0.3) for _ in range(2)][0]
+    want = blockwise_tree_attention(q, k, v, forest.plan(), external, 0.3, impl="math")
+    assert got.shape == want.shape == (forest.num_tokens, 4, 12)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    # (the reference kernel keeps its log-sum-exp in fp32, as flash-attn does: the backward's tolerance)
+    for a, b in zip(torch.autograd.grad((got * dout).sum(), leaves), torch.autograd.grad((want * dout).sum(), leaves)):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+    padded = [r for r in caplog.records if "padded" in r.getMessage()]
+    assert len(padded) == 1 and "12" in padded[0].getMessage() and "24" in padded[0].getMessage()
 
 
 def test_prefix_with_many_children_and_a_cached_prefix():

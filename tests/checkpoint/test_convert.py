@@ -24,7 +24,7 @@ from megatron_psrl.model.architecture import UnsupportedModelError
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "convert_hf_checkpoint.py"
-ROUND_TRIP_FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral")
+ROUND_TRIP_FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "deepseek-v3")
 
 
 def _load_tool():
@@ -190,13 +190,13 @@ def _write_config(tmp_path, name, cfg):
 @pytest.mark.parametrize(
     "override,words",
     [
-        (dict(model_type="deepseek_v3", n_routed_experts=8, moe_intermediate_size=32),
-         ["mixture-of-experts", "deepseek_v3"]),
+        (dict(model_type="deepseek_v2", n_routed_experts=8, moe_intermediate_size=32),
+         ["mixture-of-experts", "deepseek_v2"]),
         (dict(model_type="gpt2"), ["gpt2"]),
         (dict(hidden_act="gelu"), ["activation", "gelu"]),
         (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), ["RoPE", "dynamic"]),
     ],
-    ids=["deepseek_v3", "gpt2", "gelu", "dynamic-rope"],
+    ids=["deepseek_v2", "gpt2", "gelu", "dynamic-rope"],
 )
 def test_cli_refuses_unsupported_models_without_output(override, words, tmp_path, capsys):
     src = _write_config(tmp_path, "src", dict(family_config("mistral"), **override))
@@ -212,12 +212,12 @@ def test_cli_refuses_unsupported_models_without_output(override, words, tmp_path
 @pytest.mark.slow  # a subprocess
 def test_cli_process_exit_code_for_unsupported_model(tmp_path):
     """The real command line (a separate process): exit status 2, message on stderr, no output."""
-    src = _write_config(tmp_path, "src", dict(family_config("mistral"), model_type="deepseek_v3", n_routed_experts=8))
+    src = _write_config(tmp_path, "src", dict(family_config("mistral"), model_type="deepseek_v2", n_routed_experts=8))
     out = tmp_path / "out"
     proc = run_python(str(TOOL), ["hf-to-mcore", "--hf-dir", str(src), "--out-dir", str(out)], cwd=tmp_path,
                       timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "deepseek_v3" in proc.stderr and "mixture-of-experts" in proc.stderr
+    assert "deepseek_v2" in proc.stderr and "mixture-of-experts" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists() and _leftovers(tmp_path, "out") == []
 
@@ -312,8 +312,8 @@ def test_library_refusals_raise_typed_errors(sharded_hf, tmp_path):
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(OutputExistsError, match="--force"):
         hf_to_mcore(sharded_hf("mistral", "fp32"), str(tmp_path / "full"), progress=False)
-    src = _write_config(tmp_path, "moe", dict(family_config("mistral"), model_type="deepseek_v3", n_routed_experts=4))
-    with pytest.raises(UnsupportedModelError, match="deepseek_v3"):
+    src = _write_config(tmp_path, "moe", dict(family_config("mistral"), model_type="deepseek_v2", n_routed_experts=4))
+    with pytest.raises(UnsupportedModelError, match="deepseek_v2"):
         hf_to_mcore(str(src), str(tmp_path / "o"), progress=False)
     with pytest.raises(ValueError, match="--tp 4"):
         hf_to_mcore(sharded_hf("mistral", "fp32"), str(tmp_path / "o"), tp=4, progress=False)

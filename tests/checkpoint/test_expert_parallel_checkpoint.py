@@ -42,6 +42,8 @@ EP2_TESTS = ("test_ep2_checkpoint_resumes_at_ep1_on_one_rank", "test_ep2_checkpo
 OTHER_FAMILIES = {  # id: (family, dtype, distributed optimizer, EP size of the save)
     "qwen2-moe-bf16-ep2-to-ep1": ("debug-qwen2-moe", "bfloat16", False, 2),  # shared expert (dense); bf16: fp32 masters
     "mixtral-distributed-optimizer-ep1-to-ep2": ("debug-mixtral", "float32", True, 1),  # fully reshardable
+    # a dense first layer (megatron's per-layer moe_layer_freq: non-homogeneous layers), the fp32 expert bias
+    "glm4-moe-bf16-ep2-to-ep1": ("debug-glm4-moe", "bfloat16", False, 2),
 }
 
 
@@ -221,8 +223,9 @@ def test_ep1_checkpoint_resumes_at_ep2(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("family,dtype,distributed,saved_ep", list(OTHER_FAMILIES.values()), ids=list(OTHER_FAMILIES))
 def test_other_families_and_optimizers_reshard(family, dtype, distributed, saved_ep, runs, request):
-    """Qwen2-MoE in bf16 saved at EP = 2 loads at EP = 1; Mixtral with the distributed optimizer
-    saved at EP = 1 loads at EP = 2: every expert's weights and optimizer state bit for bit."""
+    """Qwen2-MoE and GLM-4.5 in bf16 saved at EP = 2 load at EP = 1; Mixtral with the distributed
+    optimizer saved at EP = 1 loads at EP = 2: every expert's weights and optimizer state bit for
+    bit."""
     # EP = 2 saves under torchrun; EP = 1 saved here first, then checked at EP = 2 under torchrun
     tmp_path, _ = runs(f"{request.node.callspec.id}/run")
     ckpt, out = str(tmp_path / "ckpt"), tmp_path / "report.json"

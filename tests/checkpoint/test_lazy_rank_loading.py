@@ -50,3 +50,73 @@ def test_a_rank_loads_near_its_shard_size(tmp_path):
     # the shard plus at most one slice being assembled (fc1's gate and up halves)
     assert rank_peak < 1.3 * shard_bytes, (rank_peak, shard_bytes, model_bytes)
     assert full_mem.peak_bytes - full_mem.start_bytes >= 0.9 * model_bytes
+
+
+HYBRID_LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, (1, 3), 2), (1, 4, 2)]  # (TP, PP or each stage's layers, EP)
+
+
+@pytest.fixture(scope="module")
+def whole_tensor_checkpoints(tmp_path_factory):
+    from helpers.hybrid import make_hybrid_checkpoint
+
+    from megatron_psrl.model.tiny import tiny_config
+
+    return {name: make_hybrid_checkpoint(tiny_config(name), str(tmp_path_factory.mktemp(name)))
+            for name in ("debug-qwen3-next", "debug-qwen3.5", "debug-deepseek-v3")}
+
+
+class _CountingReader:
+    """Records which tensors a rank's load reads (whole or sliced)."""
+
+    def __init__(self, monkeypatch):
+        from megatron_psrl.checkpoint import hf_io
+
+        self.names = []
+        get, get_slice = hf_io.HFCheckpointReader.get, hf_io.HFCheckpointReader.get_slice
+
+        def counted_get(reader, name, *a, **k):
+            self.names.append(name)
+            return get(reader, name, *a, **k)
+
+        def counted_slice(reader, name, *a, **k):
+            self.names.append(name)
+            return get_slice(reader, name, *a, **k)
+
+        monkeypatch.setattr(hf_io.HFCheckpointReader, "get", counted_get)
+        monkeypatch.setattr(hf_io.HFCheckpointReader, "get_slice", counted_slice)
+
+
+@pytest.mark.parametrize("name", ["debug-qwen3-next", "debug-qwen3.5", "debug-deepseek-v3"])
+def test_whole_tensor_rank_reads_its_stage_and_experts_only(name, whole_tensor_checkpoints, monkeypatch):
+    """A family whose layouts are not per-group slices (gated queries, Gated DeltaNet's fused
+    projections, latent attention's replicated down-projections) reads its stage's layers and its expert-parallel rank's experts whole, cuts each
+    converted tensor: the shard of the full path bit for bit, and nothing of other stages' layers
+    or other ranks' experts is read."""
+    import re
+
+    from megatron_psrl.model.moe import local_experts
+    from megatron_psrl.model.stages import stage_counts
+
+    hf_dir = whole_tensor_checkpoints[name]
+    arch = ModelArchitecture.from_hf_dir(hf_dir)
+    full = hf_full_state_dict(hf_dir, arch)
+    reads = _CountingReader(monkeypatch)
+    for tp, split, ep in HYBRID_LAYOUTS:
+        if ep > 1 and not arch.is_moe:
+            continue
+        counts = stage_counts(arch, split)
+        for (r, p), shard in shard_state_dict(full, arch, tp, split).items():
+            layers = range(sum(counts[:p]), sum(counts[:p + 1]))
+            for ep_rank in range(ep):
+                expected = local_experts(shard, arch, ep_rank, ep) if arch.is_moe else shard
+                reads.names.clear()
+                got = hf_rank_state_dict(hf_dir, arch, r, tp, p, split, ep_rank, ep)
+                assert set(got) == set(expected), (tp, split, r, p, sorted(set(got) ^ set(expected)))
+                for key, t in expected.items():
+                    assert torch.equal(got[key], t), (tp, split, r, p, key)
+                for read in reads.names:
+                    m = re.match(r"^.*?layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?", read)
+                    if m:
+                        assert int(m.group(1)) in layers, (read, p)
+                        if m.group(2) is not None:
+                            assert int(m.group(2)) // (arch.num_experts // ep) == ep_rank, (read, ep_rank)

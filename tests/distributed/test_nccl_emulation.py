@@ -2,8 +2,8 @@
 megatron_psrl/distributed/nccl_emulation.py): the emulation catches a program that hangs on
 NCCL and passes on gloo; head sends are safe under it, both ways between two ranks; and a
 representative case of each multi-rank family that sends point to point or exchanges K/V (head
-sends, cross-rank exchange, a hybrid model's linear states across ranks, pipeline PP=2, expert
-parallelism EP=2) passes with it on, in one
+sends, cross-rank exchange, a hybrid model's linear states across ranks, pipeline PP=2 (and with
+two virtual stages per rank: the interleaved order's transfers), expert parallelism EP=2) passes with it on, in one
 torchrun launch (their own scripts; the full files run the same way by hand: docs/architecture.md,
 "NCCL semantics in CI")."""
 
@@ -27,6 +27,7 @@ SCRIPTS = {
     "cross-rank": os.path.join(REPO_ROOT, "tests", "training", "scripts", "cross_rank_step.py"),
     "cross-rank-hybrid": os.path.join(REPO_ROOT, "tests", "training", "scripts", "cross_rank_step.py"),
     "pipeline": os.path.join(REPO_ROOT, "tests", "training", "scripts", "pipeline_step.py"),
+    "pipeline-vpp": os.path.join(REPO_ROOT, "tests", "training", "scripts", "pipeline_step.py"),
     "expert-parallel": os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_parallel.py"),
 }
 
@@ -60,12 +61,12 @@ def test_head_sends_both_ways(distributed_launches):
             assert out.count(f"OK {case} {kind}") == 2, out[-3000:]
 
 
-CASES = ("head-sends", "cross-rank", "cross-rank-hybrid", "pipeline", "expert-parallel")
+CASES = ("head-sends", "cross-rank", "cross-rank-hybrid", "pipeline", "pipeline-vpp", "expert-parallel")
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory, request):
-    """The five cases in one 2-rank launch with ``PSRL_EMULATE_NCCL=1`` (a hang reported after
+    """The six cases in one 2-rank launch with ``PSRL_EMULATE_NCCL=1`` (a hang reported after
     120 s: a loaded machine's waits are long, a hang is forever); each case's output folder."""
     names = selected_test_names(request)
     shared = SharedLaunches({c for c in CASES if f"test_families_pass_under_nccl_emulation[{c}]" in names})
@@ -86,12 +87,18 @@ def emulated(tmp_path_factory, request):
         return ["--records", str(roots["pipeline"] / "records.json"), "--tp", "1", "--pp", "2", "--out",
                 str(roots["pipeline"] / "out.pt"), "--hf-dir", f"llama={ref['hf_dir']}", "--modes", "llama:m1,llama:m2"]
 
+    def pipeline_vpp_args():  # (the same 4-layer model: one layer per virtual stage)
+        ref = _pipeline_reference(roots["pipeline"])
+        return ["--records", str(roots["pipeline"] / "records.json"), "--tp", "1", "--pp", "2", "--vpp-layers", "1",
+                "--out", str(roots["pipeline-vpp"] / "out.pt"), "--hf-dir", f"llama={ref['hf_dir']}", "--modes",
+                "llama:m1"]
+
     def expert_args():
         return [make_family_checkpoint(tiny_config("debug-qwen3-moe"), str(roots["expert-parallel"] / "hf")), "16",
                 "tree", "3"]
 
     makers = {"head-sends": lambda: [], "cross-rank": cross_rank_args, "cross-rank-hybrid": hybrid_args,
-              "pipeline": pipeline_args, "expert-parallel": expert_args}
+              "pipeline": pipeline_args, "pipeline-vpp": pipeline_vpp_args, "expert-parallel": expert_args}
     for case in CASES:
         shared.add(case, 2, SCRIPTS[case], makers[case], group="emulated", env=env)
 
@@ -140,6 +147,11 @@ def test_families_pass_under_nccl_emulation(emulated, case, tmp_path_factory):
         batch = _PIPELINE_REFS["data"][1]
         _check(results[("llama", "m1")], _PIPELINE_REFS["ref"], batch, "m1", "1f1b")  # 1F1B: sends batched with the next receive
         _check(results[("llama", "m2")], _PIPELINE_REFS["ref"], batch, "m2", "plan-order")
+    elif case == "pipeline-vpp":
+        from training.test_pipeline_exactness import _check
+
+        results = torch.load(root / "out.pt", weights_only=False)
+        _check(results[("llama", "m1")], _PIPELINE_REFS["ref"], _PIPELINE_REFS["data"][1], "m1", "interleaved")
     else:  # every rank matches the per-sample reference (asserted in the script)
         reports = re.findall(r"rank (\d) ep_rank \d: ", out)
         assert sorted(reports) == ["0", "1"], out[-3000:]

@@ -38,9 +38,9 @@ def test_the_load_balancing_type_reaches_megatron():
     (dict(moe_router_load_balancing_type="sinkhorn"), ["sinkhorn", "change every route"]),
     (dict(moe_router_load_balancing_type="balanced"), ["must be one of", "balanced"]),
     (dict(expert_tensor_parallel_size=2), ["--expert-tensor-parallel-size 2", "not supported"]),
-    (dict(moe_router_enable_expert_bias=True), ["--moe-router-enable-expert-bias", "sigmoid", "softmax"]),
+    (dict(moe_router_bias_update_rate=-1e-3), ["moe_router_bias_update_rate must be >= 0"]),
 ], ids=["negative-z-loss", "negative-aux-loss", "seq-aux-loss", "global-aux-loss", "router-losses-vpp",
-        "router-losses-cp", "sinkhorn", "unknown-type", "expert-tp", "expert-bias"])
+        "router-losses-cp", "sinkhorn", "unknown-type", "expert-tp", "negative-bias-rate"])
 def test_what_cannot_run_is_refused(fields, words):
     with pytest.raises(ConfigurationError) as err:
         ActorConfig(**fields)
@@ -72,5 +72,34 @@ def test_sequence_parallel_and_expert_bias_flags_reach_the_config():
     config = actor_config_from_args(parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                                     "float32")
     assert config.sequence_parallel and config.parallel_overrides() == dict(sequence_parallel=True)
-    with pytest.raises(ConfigurationError, match="sigmoid"):
-        actor_config_from_args(parse_args(base + ["--moe-router-enable-expert-bias"]), "float32")
+    config = actor_config_from_args(parse_args(base + ["--moe-router-enable-expert-bias"]), "float32")
+    assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 1e-3
+
+
+def test_the_expert_bias_update_is_refused_for_routers_without_a_bias():
+    """Qwen-MoE and Mixtral route by softmax, without an expert bias: refused in one line when
+    the model is known; a dense model too."""
+    from megatron_psrl.engine.builder import moe_overrides
+
+    config = ActorConfig(moe_router_enable_expert_bias=True)
+    for name, words in (("debug-qwen3-moe", ["--moe-router-enable-expert-bias", "qwen3_moe", "no expert bias",
+                                             "softmax"]),
+                        ("debug-llama", ["--moe-router-enable-expert-bias", "dense llama model"])):
+        with pytest.raises(ConfigurationError) as err:
+            moe_overrides(config, ModelArchitecture.from_hf_config(tiny_config(name)))
+        assert all(word in str(err.value) for word in words) and "\n" not in str(err.value)
+
+
+def test_the_expert_bias_update_reaches_megatron_for_a_biased_router():
+    """glm4_moe: the bias is megatron's expert_bias, frozen (rate 0) unless the flag turns the
+    update on at --moe-router-bias-update-rate."""
+    from megatron_psrl.engine.builder import moe_overrides
+
+    arch = ModelArchitecture.from_hf_config(tiny_config("debug-glm4-moe"))
+    frozen = build_transformer_config(arch, **dict(moe_config_fields(arch), **moe_overrides(ActorConfig(), arch)))
+    assert frozen.moe_router_enable_expert_bias and frozen.moe_router_bias_update_rate == 0.0
+    args = parse_args(["--model", "debug-glm4-moe", "--data", "stepwise", "--moe-router-enable-expert-bias",
+                       "--moe-router-bias-update-rate", "0.01"])
+    config = actor_config_from_args(args, "float32")
+    updated = build_transformer_config(arch, **dict(moe_config_fields(arch), **moe_overrides(config, arch)))
+    assert updated.moe_router_enable_expert_bias and updated.moe_router_bias_update_rate == 0.01

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Dict
 
 import torch
@@ -35,7 +36,7 @@ def check_rank_against_checkpoint(actor, it_dir: str, plain: Dict[str, torch.Ten
     # the optimizer's keys as the checkpoint stores them (one per parameter, whatever the EP size)
     state = {"model": model_sd, "optimizer": strip_chained_prefixes(actor.optimizer.sharded_state_dict(model_sd))}
     apply_factories(state)
-    counts = {"model": 0, "optimizer": 0, "experts": set()}
+    counts = {"model": 0, "optimizer": 0, "buffers": 0, "experts": set()}
     for part, sub in state.items():
         for sh in nested_values(sub):
             if not isinstance(sh, ShardedTensor) or sh.key.endswith("_extra_state"):
@@ -48,8 +49,11 @@ def check_rank_against_checkpoint(actor, it_dir: str, plain: Dict[str, torch.Ten
                 rows = min(saved.shape[0], local.shape[0])
                 saved, local = saved[:rows], local[:rows]
             assert saved.dtype == local.dtype and torch.equal(saved, local.detach().cpu()), (sh.key, sh.global_offset)
-            counts[part] += 1
-            if ".experts." in sh.key:  # [layers, experts, ...]: the expert axis is the second
-                counts["experts"].add(sh.global_offset[1])
+            # a router's expert bias is model state without optimizer state (a buffer)
+            counts["buffers" if sh.key.endswith("router.expert_bias") else part] += 1
+            if ".experts." in sh.key:  # [layers, experts, ...]: the expert axis is the second, unless
+                # megatron keys each layer on its own (dense and MoE layers mixed: [experts, ...])
+                per_layer = re.search(r"\.layers\.\d+\.", sh.key) is not None
+                counts["experts"].add(sh.global_offset[0 if per_layer else 1])
     counts["experts"] = sorted(counts["experts"])
     return counts

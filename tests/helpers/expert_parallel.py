@@ -11,9 +11,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from helpers.hf_reference import per_sample_logprobs
+from helpers.hf_reference import hf_grads_to_mcore, per_sample_logprobs
 from megatron_psrl.checkpoint.sharding import tp_shard
-from megatron_psrl.model.adapters import get_adapter, unfuse_experts
 from megatron_psrl.model.moe import expert_index
 
 LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)(\..*)$")
@@ -23,7 +22,7 @@ def rank_reference(actor, ref_grads: Dict[str, torch.Tensor], ep_rank: int,
                    ep_size: int) -> Callable[[str], torch.Tensor]:
     """Parameter name of this rank's model -> the reference tensor (``ref_grads``: HF names,
     fused or per-expert experts)."""
-    full = dict(get_adapter(actor.arch).hf_to_mcore(lambda n: unfuse_experts(ref_grads)[n]))
+    full = hf_grads_to_mcore(ref_grads, actor.arch)
     per_rank = (actor.arch.num_experts or 0) // ep_size
     # a pipeline stage numbers its layers from 0: its first layer is global layer `offset`
     offset = min(m.layer_number for m in actor.model.modules() if isinstance(m, TransformerLayer)) - 1

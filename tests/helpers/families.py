@@ -34,6 +34,16 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
         cfg.update(rope_theta=50000.0, rope_scaling=dict(rope_type="linear", factor=2.0))
     elif name == "gpt-oss":  # an 8-token window (first layer), sinks, biases, clamped experts, YaRN
         cfg = dict(tiny_config("debug-gpt-oss"), vocab_size=301)
+    elif name == "deepseek-v3":  # latent attention, values narrower than keys, YaRN with DeepSeek's mscale
+        cfg = tiny_config("debug-deepseek-v3")
+    elif name == "deepseek-v3-q-proj":  # no query latent (q_proj), plain RoPE, tied embeddings, odd vocabulary
+        cfg = dict(tiny_config("debug-deepseek-v3"), q_lora_rank=None, v_head_dim=20, vocab_size=301,
+                   tie_word_embeddings=True)
+        del cfg["rope_scaling"]
+    elif name == "deepseek-v3-moe":  # latent attention, a dense first layer, then grouped routing (2 of 8 experts)
+        cfg = tiny_config("debug-deepseek-v3-moe")
+    elif name == "glm4-moe-qk-norm":  # GLM-4.5 with use_qk_norm: a dense first layer, then grouped routing
+        cfg = dict(tiny_config("debug-glm4-moe"), **dict(_SMALL, vocab_size=256), use_qk_norm=True)
     else:
         raise ValueError(name)
     cfg.update(overrides)
@@ -42,7 +52,9 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
     return cfg
 
 
-FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear", "gpt-oss")
+FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear", "gpt-oss", "glm4-moe-qk-norm")
+LATENT_FAMILIES = ("deepseek-v3", "deepseek-v3-q-proj", "deepseek-v3-moe")
+"""DeepSeek-V3's latent attention (MLA), with and without the query's latent; with its MoE layers."""
 
 
 def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0, dtype=None,
@@ -65,7 +77,10 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
     cfg = AutoConfig.for_model(**config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    qk_norm = cfg.model_type == "qwen3"
+    qk_norm = cfg.model_type == "qwen3" or bool(getattr(cfg, "use_qk_norm", False))
+    # latent attention: the query's projection, the keys' up-projection (and values) and the RoPE key
+    queries_and_keys = ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_b_proj.weight",
+                        "kv_a_proj_with_mqa.weight")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias") or name.endswith("_bias"):
@@ -76,8 +91,11 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
                 p.mul_(4.0)  # some gates and ups past the clamp
             if qk_norm and (name.endswith("q_norm.weight") or name.endswith("k_norm.weight")):
                 p.mul_(qk_gain ** 0.5)
-            elif not qk_norm and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            elif not qk_norm and name.endswith(queries_and_keys):
                 p.mul_(qk_gain ** 0.5)
+        for name, b in model.named_buffers():  # a router's expert bias (GLM-4.5, DeepSeek-V3): selection only
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     if dtype is not None:
         model = model.to(dtype)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
@@ -90,7 +108,10 @@ PARALLEL_CONFIGS: Dict[str, Dict[str, Any]] = {
     "qwen3": dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=251,
                   tie_word_embeddings=True),
     "gpt_oss": dict(tiny_config("debug-gpt-oss"), vocab_size=251),
+    "deepseek": dict(tiny_config("debug-deepseek-v3"), vocab_size=251, tie_word_embeddings=True),
 }
 """The multi-rank tests' models: an odd vocabulary (TP pads it), GQA (4 heads over 2 groups),
 tied embeddings; Qwen3 adds per-head q/k norms, whose gradients are TP-partial until the
-optimizer sums them; gpt-oss (untied) adds windows, sinks split by heads, biases and experts."""
+optimizer sums them; gpt-oss (untied) adds windows, sinks split by heads, biases and experts;
+DeepSeek-V3's latent attention (4 heads, keys of 24 and values of 12 per head, the latents and
+the RoPE key whole on every tensor-parallel rank)."""

@@ -141,10 +141,26 @@ def _per_sample_loss_and_grads(
 
 
 def hf_grads_to_mcore(hf_grads: Dict[str, torch.Tensor], arch) -> Dict[str, torch.Tensor]:
-    """Map HF gradients to megatron parameter names with the (linear) state-dict adapter."""
-    from megatron_psrl.model.adapters import get_adapter
+    """Map HF gradients to megatron parameter names with the (linear) state-dict adapter; an MoE
+    model's experts may be fused as transformers keeps them. Tensors without a gradient (buffers:
+    a router's expert bias, ``e_score_correction_bias``) have no megatron parameter either: left
+    out."""
+    from megatron_psrl.model.adapters import get_adapter, unfuse_experts
 
-    return dict(get_adapter(arch).hf_to_mcore(lambda name: hf_grads[name]))
+    if arch.is_moe:
+        hf_grads = unfuse_experts(hf_grads, arch.model_type)
+    adapter = get_adapter(arch)
+    shapes = adapter.hf_shapes()
+    missing = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name in hf_grads:
+            return hf_grads[name]
+        return missing.setdefault(name, torch.zeros(shapes[name]))
+
+    out = dict(adapter.hf_to_mcore(get))
+    none = {id(t) for t in missing.values()}
+    return {name: t for name, t in out.items() if id(t) not in none}
 
 
 def assert_grads_close(ours: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], rtol: float = 1e-5, atol: float = 1e-7):

@@ -7,7 +7,11 @@
   expert ids instead of its top-k (``norm_topk_prob`` as HF applies it; Qwen3.5-MoE's router,
   without the field, always renormalises), one sample per forward, in batch order (as the
   reference helpers run the samples). gpt-oss's router (``mlp.router``: a bias, the softmax over
-  the chosen experts' logits) takes them alike.
+  the chosen experts' logits) takes them alike. A DeepSeek-V3-style MoE (GLM-4.5: sigmoid
+  scores, the expert bias and groups for selection only) takes the given ids in place of its
+  grouped selection and weighs them as it weighs its own (the unbiased sigmoid scores,
+  renormalised, times ``routed_scaling_factor``); its dense layers have no router, so the
+  routes' layers are its MoE layers.
 """
 
 from __future__ import annotations
@@ -69,17 +73,38 @@ def hf_replayed(model, batch, routes: torch.Tensor):
             return router_logits, scores, indices
         return forward
 
-    if hasattr(model.model.layers[0].mlp, "router"):
-        gate_forward = router_forward
-        gates = [layer.mlp.router for layer in model.model.layers]
-    else:
-        gates = [layer.mlp.gate for layer in model.model.layers]
+    def grouped_routing(moe, layer):
+        own_routing = moe.route_tokens_to_experts
+
+        def route(router_logits):  # [n, E] fp32
+            own, _ = own_routing(router_logits)
+            given = state["routes"]
+            indices = torch.where((given[:, 0, 0] < 0)[:, None], own, given[:, layer])  # [n, k]
+            weights = router_logits.sigmoid().gather(1, indices)
+            if moe.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return indices, weights * moe.routed_scaling_factor
+        return route
+
+    def router_of(mlp):  # gpt-oss's is mlp.router, the others' mlp.gate
+        return mlp.router if hasattr(mlp, "router") else mlp.gate
+
+    # (no dense MLP: it has neither)
+    moe_mlps = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router")]
     handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    for layer, gate in enumerate(gates):
-        gate.forward = gate_forward(gate, layer)
+    for layer, mlp in enumerate(moe_mlps):
+        if hasattr(mlp, "route_tokens_to_experts"):
+            mlp.route_tokens_to_experts = grouped_routing(mlp, layer)
+        elif hasattr(mlp, "router"):
+            mlp.router.forward = router_forward(mlp.router, layer)
+        else:
+            mlp.gate.forward = gate_forward(mlp.gate, layer)
     try:
         yield
     finally:
         handle.remove()
-        for gate in gates:
-            del gate.forward  # back to the class's
+        for mlp in moe_mlps:  # back to the class's
+            if "route_tokens_to_experts" in vars(mlp):
+                del mlp.route_tokens_to_experts
+            else:
+                del router_of(mlp).forward

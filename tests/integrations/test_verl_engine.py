@@ -138,6 +138,11 @@ def test_verl_optimizer_config_maps_to_megatron_names():
     assert actor_config(PsrlEngineConfig(), McoreOptimizerConfig(lr=1e-6)).optimizer.lr_decay_style == "constant"
 
 
+def test_verl_engine_config_carries_the_memory_budget():
+    assert actor_config(PsrlEngineConfig(memory_budget=8 << 30)).memory_budget == 8 << 30
+    assert actor_config(PsrlEngineConfig()).memory_budget is None  # the CUDA default, none on CPU
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 def test_two_ranks_match_the_per_sample_reference(hf_dir, tmp_path, tp):

@@ -9,6 +9,7 @@ fresh process per config (tests/kvcache/scripts/measure_moe_activations.py; slow
 import copy
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -47,21 +48,27 @@ def _pack():
 
 
 def _saved_bytes(model, ids, positions, metadata) -> int:
-    """Bytes of the storages autograd saves (parameters excluded; a storage once however many
-    views of it are saved: the experts' inputs are slices of one permuted copy)."""
+    """Bytes of the storages autograd saves and the kept graph holds (parameters excluded; a
+    storage once however many views of it are saved: the experts' inputs are slices of one
+    permuted copy)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+    seen = {}  # storage address -> (bytes, a saved tensor of it)
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        held = seen.get(storage.data_ptr())
+        if storage.data_ptr() not in params and (held is None or held[1]() is None):
+            seen[storage.data_ptr()] = (storage.nbytes(), weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         hidden = model(ids, positions, metadata)
+    # what the graph holds: a tensor saved by a node that the forward dropped again (a discarded
+    # branch, e.g. the sigmoid router's selection on biased scores) is freed, and its address
+    # may be another storage's since
+    total = sum(nbytes for nbytes, ref in seen.values() if ref() is not None)
     del hidden
-    return sum(seen.values())
+    return total
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])

@@ -73,7 +73,7 @@ def test_tiny_configs_match_the_hf_model(name):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**copy.deepcopy(cfg)))
     unique = {id(p): p.numel() for p in model.parameters()}
     assert arch.num_parameters() == sum(unique.values())
-    assert arch.head_dim == model.config.head_dim
+    assert arch.rope_head_dim == model.config.head_dim  # (latent attention: transformers' head_dim is the RoPE part)
     assert arch.tie_word_embeddings == (model.lm_head.weight is model.model.embed_tokens.weight)
 
 
@@ -111,7 +111,7 @@ MOE = [
     ("mixtral-no-key", dict(model_type="mixtral"), ["mixtral", "missing field 'num_local_experts'"]),
     ("dbrx", dict(model_type="dbrx", num_experts=16), ["dbrx", "mixture-of-experts"]),
     ("llama-with-experts", dict(model_type="llama", num_experts=4), ["num_experts"]),
-    ("deepseek", dict(model_type="deepseek_v3", n_routed_experts=256), ["n_routed_experts"]),
+    ("deepseek-v2", dict(model_type="deepseek_v2", n_routed_experts=256), ["n_routed_experts"]),
 ]
 
 

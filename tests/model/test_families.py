@@ -36,14 +36,18 @@ HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5
 """Qwen3-Next and Qwen3.5 (tests/model/test_hybrid_families.py)."""
 LATER = ("gpt_oss",)
 """Registered after the hybrids (tests/model/test_moe_families.py)."""
+LATENT = ("deepseek_v3",)
+"""DeepSeek-V3's latent attention (tests/model/test_deepseek.py); Kimi K2's ``kimi_k2`` is its alias."""
+GROUPED = ("glm4_moe",)
+"""Grouped sigmoid routing (tests/model/test_glm4_moe.py)."""
 DEBUG_CONFIGS = [(f.model_type, name) for f in registered_families() for name in f.tiny_configs]
 
 
 def test_registry_lists_the_families_in_order():
-    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS + LATER
-    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS + LATER
+    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS + LATER + LATENT + GROUPED
+    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS + LATER + LATENT + ("kimi_k2",) + GROUPED
     assert architecture.MOE_MODEL_TYPES == ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe_text",
-                                            "qwen3_5_moe", "gpt_oss")
+                                            "qwen3_5_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "glm4_moe")
     for family in registered_families():
         assert isinstance(family, ModelFamily)
         assert get_family(family.model_type) is family
@@ -52,10 +56,15 @@ def test_registry_lists_the_families_in_order():
 
 def test_tiny_module_is_a_view_of_the_bundles():
     plain = [f for f in registered_families() if not f.has_linear_attention]
-    dense = {n: c for f in plain if not f.is_moe for n, c in f.tiny_configs.items()}
-    moe = {n: c for f in plain if f.is_moe for n, c in f.tiny_configs.items()}
+    dense = {n: c for f in plain for n, c in f.tiny_configs.items() if not f.hf_has_moe_layers(c)}
+    moe = {n: c for f in plain for n, c in f.tiny_configs.items() if f.hf_has_moe_layers(c)}
     assert TINY_CONFIGS == dense and MOE_CONFIGS == moe
-    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "gpt-oss-120b-class"}
+    # DeepSeek-V3's configs may have no MoE layer (first_k_dense_replace >= num_hidden_layers)
+    assert "debug-deepseek-v3" in TINY_CONFIGS and "debug-deepseek-v3-moe" in MOE_CONFIGS
+    assert all(f.hf_has_moe_layers(c) == f.is_moe for f in plain if not f.moe_layers_optional
+               for c in f.tiny_configs.values())
+    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "gpt-oss-120b-class",
+                                  "deepseek-v3-class", "glm-4.5-air-class", "qwen3-30b-a3b-class"}
     assert set(get_family("qwen2").shape_configs) == {"qwen2.5-1.5b-shape"}
 
 
@@ -66,7 +75,7 @@ def test_debug_config_parses_and_round_trips(model_type, name):
     assert config == family.tiny_configs[name] and config is not family.tiny_configs[name]  # a copy
     arch = ModelArchitecture.from_hf_config(config)
     assert arch.model_type == model_type and arch.family is family
-    assert arch.is_moe == family.is_moe
+    assert arch.is_moe == family.hf_has_moe_layers(config)
     assert ModelArchitecture.from_dict(json.loads(json.dumps(arch.to_dict()))) == arch
     # the bundle's adapter converts the family's state dict both ways, bit for bit
     adapter = get_adapter(arch)
@@ -85,7 +94,8 @@ def test_prefix_states_one_softmax_state_per_layer(model_type, name, tp, dtype):
     arch = ModelArchitecture.from_hf_config(tiny_config(name))
     states = arch.family.prefix_states(arch, tp, dtype)
     assert len(states) == arch.num_layers
-    expected = PrefixState.softmax(arch.num_kv_heads // tp, arch.head_dim, dtype=dtype)
+    # (latent attention's per-head values are narrower than its keys)
+    expected = PrefixState.softmax(arch.num_kv_heads // tp, arch.head_dim, arch.v_head_dim or arch.head_dim, dtype=dtype)
     assert all(state == expected for state in states)
 
 

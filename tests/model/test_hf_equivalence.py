@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from helpers.families import FAMILIES, family_config
+from helpers.families import FAMILIES, LATENT_FAMILIES, family_config
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, load_hf_model
 from helpers.tolerance import assert_equal_up_to_rounding
 
@@ -62,7 +62,7 @@ def models(hf_checkpoints):
     return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LATENT_FAMILIES)
 def test_logprobs_and_entropy_match_hf(family, models):
     arch, model, hf = models(family)
     cfg = family_config(family)
@@ -80,9 +80,10 @@ def test_logprobs_and_entropy_match_hf(family, models):
 
 def test_the_comparison_sees_rope_scaling(hf_checkpoints, tmp_path):
     """The families' log-probs depend on the RoPE variant by far more than ATOL, so a model that
-    ignored llama3 / yarn / linear scaling would fail test_logprobs_and_entropy_match_hf."""
-    tokens = _tokens(40, 301, seed=2)
-    for family in ("llama-llama3", "qwen2-yarn", "mistral-linear"):
+    ignored llama3 / yarn / linear scaling (DeepSeek-V3: YaRN's cos/sin scale and the softmax
+    correction of mscale_all_dim) would fail test_logprobs_and_entropy_match_hf."""
+    tokens = _tokens(40, 256, seed=2)
+    for family in ("llama-llama3", "qwen2-yarn", "mistral-linear", "deepseek-v3"):
         d = hf_checkpoints(family)
         ref, _ = _hf(load_hf_model(d), tokens)
         cfg = json.load(open(os.path.join(d, "config.json")))
@@ -97,7 +98,7 @@ def test_the_comparison_sees_rope_scaling(hf_checkpoints, tmp_path):
         assert (unscaled - ref).abs().max().item() > 100 * ATOL, family
 
 
-@pytest.mark.parametrize("family", ["llama-llama3", "qwen3-tied"])
+@pytest.mark.parametrize("family", ["llama-llama3", "qwen3-tied", "deepseek-v3"])
 def test_position_ids_matter(family, models):
     """Per-token positions reach RoPE: a gap in the positions changes the log-probs, and ours
     equal HF's with the same position_ids. (A uniform shift changes nothing: RoPE is relative.)"""
@@ -152,7 +153,7 @@ def _tree_pack(vocab):
     return pack, positions, plan, rows
 
 
-@pytest.mark.parametrize("family", ["llama-llama3", "qwen3-tied", "gpt-oss"])
+@pytest.mark.parametrize("family", ["llama-llama3", "qwen3-tied", "gpt-oss", *LATENT_FAMILIES])
 def test_tree_pack_logprobs_and_gradients_equal_per_sample_hf(family, models):
     """M1 exactness at the model level: one tree-packed forward gives every sample's HF
     log-probs, and the gradient of the summed per-sample log-likelihood equals HF's, summed

@@ -84,8 +84,8 @@ def test_the_debug_config_matches_the_hf_model():
     (dict(decoder_sparse_step=2), ["dense MLP layers", "[0]"]),
     (dict(shared_expert_intermediate_size=64), ["shared experts"]),
     (dict(num_experts_per_tok=9), ["num_experts_per_tok"]),
-    (dict(model_type="deepseek_v3", n_routed_experts=8), ["mixture-of-experts", "deepseek_v3"]),
-], ids=["mlp-only-layers", "sparse-step", "shared-expert", "topk", "deepseek-v3"])
+    (dict(model_type="deepseek_v2", n_routed_experts=8), ["mixture-of-experts", "deepseek_v2"]),
+], ids=["mlp-only-layers", "sparse-step", "shared-expert", "topk", "deepseek-v2"])
 def test_unsupported_moe_variants_are_refused(override, words):
     with pytest.raises(UnsupportedModelError) as err:
         ModelArchitecture.from_hf_config(dict(tiny_config("debug-qwen3-moe"), **override))

@@ -3,7 +3,8 @@ losses"): the loss and every gradient (the routers' included) of a step with sha
 per-sample Hugging Face computation of the policy loss plus the router losses of the whole batch
 (every sample's tokens, a shared token once per sample), with and without router replay
 (without: the route-count pre-pass), with one tree-packed micro-batch (mechanism 1) and with
-cached prefixes (mechanism 2). Qwen3-MoE, fp32, EP = 1."""
+cached prefixes (mechanism 2). Qwen3-MoE, fp32, EP = 1; GLM-4.5's grouped sigmoid router with
+cached prefixes."""
 
 import contextlib
 import os
@@ -14,7 +15,7 @@ import pytest
 import torch
 from helpers.batches import random_tree_records
 from helpers.families import make_family_checkpoint
-from helpers.hf_reference import assert_grads_close, load_hf_model, per_sample_loss_and_grads
+from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, load_hf_model, per_sample_loss_and_grads
 from helpers.moe_routes import hf_replayed
 from helpers.moe_routes import prefix_routes as shared_prefix_routes
 from helpers.torchrun import REPO_ROOT, run_torchrun
@@ -145,6 +146,73 @@ def test_router_losses_equal_the_per_sample_reference(hf_dir, hf_model, replay, 
     assert_grads_close(grads, ref, rtol=1e-5)
     # the router losses matter: they move the routers' gradients well beyond the tolerance
     policy = dict(to_mcore(lambda n: unfuse_experts(policy_grads)[n]))
+    router = [n for n in ref if ".mlp.router." in n]
+    assert router and all((ref[n] - policy[n]).abs().max() > 1e-3 * ref[n].abs().max() for n in router)
+
+
+# ------------------------------------------------------------------------------- grouped routing
+def reference_grouped_router_losses(model, batch, z_coeff: float, aux_coeff: float):
+    """:func:`reference_router_losses` of a GLM-4.5 model (DeepSeek-V3's MoE): per MoE layer
+    (its dense first layer has no router), megatron's aux-loss scores of a sigmoid router
+    (``sigmoid(logits)`` normalised over all experts) and the experts transformers' grouped,
+    biased selection routed each token to."""
+    moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "route_tokens_to_experts")]
+    logits, chosen = [[] for _ in moe], [[] for _ in moe]
+    hooks = [mlp.gate.register_forward_hook(lambda m, a, out, row=row: logits[row].append(out.float()))
+             for row, mlp in enumerate(moe)]
+    for row, mlp in enumerate(moe):
+        def route(lg, own=mlp.route_tokens_to_experts, row=row):
+            indices, weights = own(lg)
+            chosen[row].append(indices)
+            return indices, weights
+        mlp.route_tokens_to_experts = route
+    try:
+        for s in range(batch.num_samples):
+            model(torch.from_numpy(batch.sample_tokens(s).astype(np.int64))[None])
+    finally:
+        for hook, mlp in zip(hooks, moe):
+            hook.remove()
+            del mlp.route_tokens_to_experts
+    n, experts, k = batch.num_tokens, moe[0].n_routed_experts, moe[0].top_k
+    z_total, aux_total = torch.zeros(()), torch.zeros(())
+    for row in range(len(moe)):
+        lg = torch.cat(logits[row])  # [N, E]
+        z_total = z_total + z_coeff * torch.logsumexp(lg, dim=-1).square().sum() / n
+        scores = torch.sigmoid(lg)
+        p = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        ids = torch.cat(chosen[row]).reshape(-1)
+        counts = torch.zeros(experts).index_add_(0, ids, torch.ones(ids.numel()))
+        aux_total = aux_total + aux_coeff * experts / (k * n * n) * (p.sum(dim=0) * counts).sum()
+    (z_total + aux_total).backward()
+    return float(z_total.detach()), float(aux_total.detach())
+
+
+def test_grouped_sigmoid_router_losses_equal_the_per_sample_reference(tmp_path):
+    """GLM-4.5 (a dense first layer, then grouped sigmoid routing with the expert bias), cached
+    prefixes, the route-count pre-pass (the model's own routes): the z-loss and megatron's aux
+    loss over sigmoid scores, counted per MoE layer, a shared token once per sample, and every
+    gradient equal the per-sample reference's; with the expert bias's update on, which the same
+    per-row weights count for (tests/model/test_glm4_moe.py checks the bias)."""
+    hf_dir = make_family_checkpoint(tiny_config("debug-glm4-moe"), str(tmp_path / "hf"), seed=3)
+    hf = load_hf_model(hf_dir)
+    records = random_tree_records(seed=5, num_roots=3)
+    batch = samples_from_dicts(records, source="records")
+    actor = _actor(hf_dir, 32, moe_z_loss_coeff=Z_COEFF, moe_aux_loss_coeff=AUX_COEFF,
+                   moe_router_enable_expert_bias=True)
+    result = actor.forward_backward(records)
+    actor.engine.optimizer.reduce_gradients()
+    grads = {n: p.main_grad.detach().clone() for n, p in actor.model.named_parameters()}
+    actor.close()
+    ref_loss, policy_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+    z, aux = reference_grouped_router_losses(hf, batch, Z_COEFF, AUX_COEFF)
+    ref_grads = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                 for n, p in hf.named_parameters() if n in policy_grads}
+    assert result.metrics["tokens_computed"] < batch.num_tokens and result.metrics["micro_batches"] > 1
+    assert result.metrics["moe_z_loss"] == pytest.approx(z, rel=1e-5)
+    assert result.metrics["moe_aux_loss"] == pytest.approx(aux, rel=1e-5)
+    assert result.loss == pytest.approx(ref_loss + z + aux, rel=1e-5)
+    ref, policy = hf_grads_to_mcore(ref_grads, actor.arch), hf_grads_to_mcore(policy_grads, actor.arch)
+    assert_grads_close(grads, ref, rtol=1e-5)
     router = [n for n in ref if ".mlp.router." in n]
     assert router and all((ref[n] - policy[n]).abs().max() > 1e-3 * ref[n].abs().max() for n in router)
 

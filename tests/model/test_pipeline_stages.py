@@ -1,12 +1,10 @@
-"""How pipeline stages split the layers (Megatron-LM's rule), the shards of an uneven split,
-and the CPU shims that let megatron's pipeline schedules run over gloo."""
+"""How pipeline stages split the layers (Megatron-LM's rule) and the shards of an uneven split."""
 
 import pytest
 import torch
 from helpers.families import family_config
 
 from megatron_psrl.checkpoint.sharding import merge_state_dicts, shard_state_dict, stage_layers
-from megatron_psrl.compat import _CpuTorch, install_cpu_pipeline_shims
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.kvcache import KVGeometry
 from megatron_psrl.model import ModelArchitecture
@@ -59,19 +57,3 @@ def test_kv_geometry_numbers_a_stage_layers_as_megatron_does():
     assert (g.num_layers, g.layer_offset) == (3, 2)
     g = KVGeometry.for_model(arch, 1, 2, torch.float32, torch.device("cpu"), pipeline_rank=1)
     assert (g.num_layers, g.layer_offset) == (2, 3)
-
-
-def test_cpu_pipeline_shim_answers_cuda_queries_with_the_cpu():
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
-
-    install_cpu_pipeline_shims(torch.device("cpu"))
-    shim = schedules.torch
-    for module in (schedules, p2p_communication):
-        assert isinstance(module.torch, _CpuTorch)
-        t = module.torch.zeros([], dtype=torch.int, device="cuda")
-        assert t.device.type == "cpu"
-        assert module.torch.empty((3,), device=module.torch.cuda.current_device()).device.type == "cpu"
-        assert module.torch.cuda.synchronize() is None
-        assert module.torch.float32 is torch.float32  # everything else is torch itself
-    install_cpu_pipeline_shims(torch.device("cpu"))  # idempotent
-    assert schedules.torch is shim

@@ -1,9 +1,11 @@
-"""Router replay for Qwen3-MoE (docs/moe.md "Router replay"): samples carry the routes their
-rollout chose (``routed_experts``, ``[tokens, MoE layers, top-k]``), every MoE layer takes them
-instead of its own top-k, the prefix tree shares a prefix only where tokens and routes agree,
-and log-probs, the loss and every gradient (the router's included) equal the per-sample Hugging
-Face computation with the same routes replayed; plus the data contract's errors for malformed
-routes. EP = 2 under torchrun in the last (slow) test."""
+"""Router replay for Qwen3-MoE and GLM-4.5 (docs/moe.md "Router replay"): samples carry the
+routes their rollout chose (``routed_experts``, ``[tokens, MoE layers, top-k]``), every MoE layer
+takes them instead of its own top-k, the prefix tree shares a prefix only where tokens and
+routes agree, and log-probs, the loss and every gradient (the router's included) equal the
+per-sample Hugging Face computation with the same routes replayed (GLM-4.5: sigmoid weights of
+the replayed experts without the expert bias, renormalised and scaled; routes for its MoE layers
+only, the dense first layer has none); plus the data contract's errors for malformed routes.
+EP = 2 under torchrun in the last (slow) test."""
 
 import os
 import re
@@ -13,7 +15,13 @@ import pytest
 import torch
 from helpers.batches import random_tree_records
 from helpers.families import make_family_checkpoint
-from helpers.hf_reference import assert_grads_close, load_hf_model, per_sample_logprobs, per_sample_loss_and_grads
+from helpers.hf_reference import (
+    assert_grads_close,
+    hf_grads_to_mcore,
+    load_hf_model,
+    per_sample_logprobs,
+    per_sample_loss_and_grads,
+)
 from helpers.moe_routes import hf_replayed
 from helpers.moe_routes import prefix_routes as shared_prefix_routes
 from helpers.torchrun import REPO_ROOT, run_torchrun
@@ -21,7 +29,6 @@ from helpers.torchrun import REPO_ROOT, run_torchrun
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
 from megatron_psrl.data.loader import load_samples, samples_from_dicts, write_samples
 from megatron_psrl.data.validation import RoutingShape, SampleAccumulator, SampleValidationError
-from megatron_psrl.model.adapters import get_adapter, unfuse_experts
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.moe import routing_shape
 from megatron_psrl.model.tiny import tiny_config
@@ -31,6 +38,8 @@ LOSS = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-m
 SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_router_replay.py")
 CFG = tiny_config("debug-qwen3-moe")
 LAYERS, TOPK, EXPERTS = CFG["num_hidden_layers"], CFG["num_experts_per_tok"], CFG["num_experts"]
+GLM = "debug-glm4-moe"  # its 2 MoE layers (after a dense one) take routes of the same shape
+DEEPSEEK = "debug-deepseek-v3-moe"  # latent attention; as GLM-4.5's, 2 MoE layers after a dense one
 
 
 # ------------------------------------------------------------------------------- routes
@@ -72,6 +81,26 @@ def hf_model(hf_dir):
 
 
 @pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    return make_family_checkpoint(tiny_config(GLM), str(tmp_path_factory.mktemp("hf-glm4-moe-replay")), seed=3)
+
+
+@pytest.fixture(scope="module")
+def models(hf_dir, hf_model, glm_dir, tmp_path_factory):
+    """``model -> (HF folder, HF model)``: Qwen3-MoE's, GLM-4.5's or DeepSeek-V3's (built when asked)."""
+    cache = {"qwen3_moe": (hf_dir, hf_model)}
+
+    def get(model):
+        if model not in cache:
+            directory = glm_dir if model == "glm4_moe" else make_family_checkpoint(
+                tiny_config(DEEPSEEK), str(tmp_path_factory.mktemp("hf-deepseek-v3-moe-replay")), seed=3)
+            cache[model] = directory, load_hf_model(directory)
+        return cache[model]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def records():
     return routed_records()
 
@@ -86,16 +115,21 @@ def _actor(hf_dir, micro_batch, **overrides):
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
-@pytest.mark.parametrize("micro_batch,overrides", [
-    (4096, {}), (32, {}),
-    pytest.param(32, RECOMPUTE, marks=pytest.mark.slow),  # recomputation on CPU: ~20 s a step here
-], ids=["tree-packing", "cached-prefixes", "cached-prefixes-recompute"])
-def test_replayed_routes_equal_the_per_sample_reference(hf_dir, hf_model, records, micro_batch, overrides):
+@pytest.mark.parametrize("model,micro_batch,overrides", [
+    ("qwen3_moe", 4096, {}), ("qwen3_moe", 32, {}),
+    pytest.param("qwen3_moe", 32, RECOMPUTE, marks=pytest.mark.slow),  # recomputation on CPU: ~20 s a step here
+    ("glm4_moe", 32, {}), ("deepseek_v3", 32, {}),
+], ids=["tree-packing", "cached-prefixes", "cached-prefixes-recompute", "glm4-moe-cached-prefixes",
+        "deepseek-v3-moe-cached-prefixes"])
+def test_replayed_routes_equal_the_per_sample_reference(models, records, model, micro_batch, overrides):
     """Mechanism 1 (one tree-packed micro-batch) and mechanisms 1 + 2 (micro-batches of 32
     tokens: cached prefixes; also with activation recomputation, whose backward passes route
     again), EP = 1, fp32: log-probs, the loss and every gradient, the router's and every
     expert's included, equal the per-sample HF computation with the same routes replayed; and
-    the routes matter (the model's own routing gives other log-probs)."""
+    the routes matter (the model's own routing gives other log-probs). GLM-4.5: the replayed
+    experts' sigmoid weights (no expert bias), renormalised and scaled, per MoE layer; DeepSeek-V3
+    the same routing behind latent attention."""
+    hf_dir, hf_model = models(model)
     batch = samples_from_dicts(records, source="records")
     actor = _actor(hf_dir, micro_batch, **overrides)
     ours = actor.compute_logprobs(records)
@@ -117,7 +151,7 @@ def test_replayed_routes_equal_the_per_sample_reference(hf_dir, hf_model, record
         assert result.metrics["micro_batches"] > 1
     else:
         assert result.metrics["micro_batches"] == 1
-    ref = dict(get_adapter(actor.arch).hf_to_mcore(lambda n: unfuse_experts(ref_grads)[n]))
+    ref = hf_grads_to_mcore(ref_grads, actor.arch)
     assert any(".mlp.router." in n for n in ref)
     assert_grads_close(grads, ref, rtol=1e-5)
     # the routers route on their own again for a batch without routes
@@ -222,6 +256,9 @@ def test_routes_for_a_dense_model_and_partial_routes_are_refused(hf_dir):
     with pytest.raises(SampleValidationError, match="dense llama model has no mixture-of-experts layer"):
         _add(_good(), routing=dense)
     assert routing_shape(ModelArchitecture.from_hf_dir(hf_dir)) == SHAPE
+    # GLM-4.5: a route per MoE layer (its first layer is dense)
+    assert routing_shape(ModelArchitecture.from_hf_config(tiny_config(GLM))) == RoutingShape(
+        2, TOPK, EXPERTS, model="glm4_moe model")
     acc = _add(_good())
     with pytest.raises(SampleValidationError, match=r"line 5 \(sample id 't'\): field 'routed_experts': missing, "
                                                     r"but the first sample \(line 4\) carries them"):
@@ -248,15 +285,17 @@ def test_a_batch_with_routes_that_do_not_fit_the_model_is_refused(hf_dir, record
 
 # ------------------------------------------------------------------------------- EP = 2
 @pytest.mark.slow  # two processes
-@pytest.mark.parametrize("model", ["debug-qwen3-moe", "debug-gpt-oss"])
-def test_router_replay_with_expert_parallelism_under_torchrun(hf_dir, tmp_path, model):
+@pytest.mark.parametrize("model", ["qwen3_moe", "glm4_moe", "gpt_oss"])
+def test_router_replay_with_expert_parallelism_under_torchrun(hf_dir, glm_dir, tmp_path, model):
     """EP = DP = 2 over gloo, alltoall dispatcher, cached prefixes, routes replayed: every rank
     matches the per-sample reference with the same routes (asserted inside the script), while
-    the lockstep's empty passes route on their own. gpt-oss (the same layers, top-k and experts:
-    the same routes fit) adds its biased router, sliding windows and sinks."""
-    if model != "debug-qwen3-moe":
-        hf_dir = make_family_checkpoint(tiny_config(model), str(tmp_path / model))
-    out = run_torchrun(SCRIPT, [hf_dir, "16"], nproc=2, timeout=600)
+    the lockstep's empty passes route on their own; GLM-4.5's dense first layer has no router
+    (the routes' layers are its MoE layers). gpt-oss (the same layers, top-k and experts as
+    Qwen3-MoE's: the same routes fit) adds its biased router, sliding windows and sinks."""
+    directory = {"qwen3_moe": hf_dir, "glm4_moe": glm_dir}.get(model)
+    if directory is None:
+        directory = make_family_checkpoint(tiny_config("debug-gpt-oss"), str(tmp_path / model))
+    out = run_torchrun(SCRIPT, [directory, "16"], nproc=2, timeout=600)
     reports = re.findall(r"rank (\d) replay ok: .*?empty passes (\d+)", out)
     assert sorted(rank for rank, _ in reports) == ["0", "1"], out[-3000:]
     assert sum(int(empty) for _, empty in reports) > 0, reports

@@ -1,7 +1,8 @@
 """Sequence parallelism (``--sequence-parallel``): the row split and its padding, the norms that
 run under it, the core attention's handling of padding rows, and exactness against the
 per-sample Hugging Face reference under torchrun (dense TP = 2 and TP = 2 x CP = 2; MoE TP = 2
-with EP = 1, 2 and 4, a shared expert included, and TP = 2 x PP = 2 x EP = 2)."""
+with EP = 1, 2 and 4, a shared expert included, GLM-4.5's dense first layer and grouped routing,
+and TP = 2 x PP = 2 x EP = 2)."""
 
 import os
 import re
@@ -116,6 +117,10 @@ CASES = {  # name: (family, processes, EP, dispatcher, PP, CP[, placement, TP])
     "qwen3-moe-tp2": ("debug-qwen3-moe", 2, 1, "allgather", 1, 1),  # whole experts on both TP ranks
     "qwen3-moe-tp2xep4": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 1),  # EP over TP x DP: the lockstep's empty passes
     "qwen2-moe-tp2xep2": ("debug-qwen2-moe", 2, 2, "alltoall", 1, 1),  # its shared expert split over TP
+    # GLM-4.5: a dense first layer split over TP, then grouped sigmoid routing with the expert bias
+    "glm4-moe-tp2xep2": ("debug-glm4-moe", 2, 2, "alltoall", 1, 1),
+    # (4 layers: stage 0 holds the dense layer and an MoE one, stage 1 two MoE layers)
+    "glm4-moe-tp2xpp2xep2": ("glm4-moe-4-layers", 4, 2, "alltoall", 2, 1),
     "qwen3-moe-tp2xpp2xep2": ("debug-qwen3-moe", 4, 2, "alltoall", 2, 1),  # stages pass their shares of the rows
     # EP x CP, trees split over the CP ranks (K/V exchanged inside passes that also exchange tokens):
     # one exchange group, one participant of the expert lockstep (no empty pass) ...
@@ -127,6 +132,13 @@ CASES = {  # name: (family, processes, EP, dispatcher, PP, CP[, placement, TP])
     # one participant, the start-up calibration run under EP)
     "qwen3-moe-dp4xep4-cross-rank": ("debug-qwen3-moe", 4, 4, "alltoall", 1, 1, "cross-rank", 1),
 }
+
+
+CHECKPOINTS = {"glm4-moe-4-layers": ("debug-glm4-moe", dict(num_hidden_layers=4), 1)}
+"""Cases' checkpoints that are a debug config with other fields, and their seed (the rest: the
+config itself, seed 0). (Seed 0's 4-layer GLM model gives this batch a near-cancelled loss, 9e-5,
+whose rounding the script's relative check of 1e-5 sees, even at EP = 1 on one rank; seeds 1 and
+2 give 0.06 and 0.07.)"""
 
 
 def _case(case):
@@ -145,7 +157,9 @@ def launches(tmp_path_factory, request):
     def args(case):
         family, _, ep, dispatcher, pp, cp, placement, tp = _case(case)
         if family not in checkpoints:
-            checkpoints[family] = make_family_checkpoint(tiny_config(family), str(tmp_path_factory.mktemp(f"hf-{family}")))
+            name, fields, seed = CHECKPOINTS.get(family, (family, {}, 0))
+            checkpoints[family] = make_family_checkpoint(dict(tiny_config(name), **fields),
+                                                         str(tmp_path_factory.mktemp(f"hf-{family}")), seed=seed)
         return [checkpoints[family], str(ep), dispatcher, "16", str(pp), str(cp), placement, str(tp)]
 
     for case in CASES:

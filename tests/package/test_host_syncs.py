@@ -41,8 +41,7 @@ ALLOWED = {
     ("engine/optimizer.py", "TrainingOptimizer.loss_scale"):
         "once per step, before its first kernel (fp16's dynamic loss scale is a device tensor)",
     ("engine/pipeline.py", "_settle"):
-        "a pipeline step's device time, drained at its start and end; and before megatron's p2p calls "
-        "(its interleaved schedule), which synchronise the device themselves (see its docstring)",
+        "a pipeline step's device time (its bubble's denominator), drained at its start and end",
     ("engine/step.py", "ComputedLogprobs.arrays"): "the step's log-probs, read once at its end",
     ("engine/step.py", "ComputedLogprobs.entropy_array"): "the step's entropies, read once at its end",
     ("engine/step.py", "StepRunner.sequence_sums"): "a sequence loss's per-sample sums, read once after the pass",

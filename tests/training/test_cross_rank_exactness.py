@@ -2,7 +2,7 @@
 (loss, every parameter gradient, log-probs; fp32, rel 1e-5): one tree several times larger than
 a micro-batch spread over the ranks, a single long chain, step-wise trajectories and the mixed
 workload, with data parallelism (world 2 and 4), context parallelism (CP=2, CP=2 x DP=2,
-CP=2 x TP=2), and a tight KV budget (recomputation); a hybrid model (Gated DeltaNet linear
+CP=2 x TP=2), and a tight KV budget (recomputation); GLM-4.5 (MoE with a dense layer) on DP=2; a hybrid model (Gated DeltaNet linear
 layers, whose fragments import one state per chain) on DP=2 in one step and in several, and
 with its imported states zeroed (then wrong); gpt-oss (sliding windows and sinks) on DP=2."""
 
@@ -34,7 +34,13 @@ CASES = [(f"{name}-{kind}", *layout[:1], kind, *layout[1:], 1 << 30)
 # replicas), and the second with every imported state zeroed, which must miss the reference.
 HYBRID = {"dp2-hybrid-one-step": 160, "dp2-hybrid-steps": 48, "dp2-hybrid-states-ignored": 48}
 CASES += [(name, "qwen3.5", "one-tree", 2, 1, 1, 1 << 30) for name in HYBRID]
+# DeepSeek-V3's latent attention: K and V of different widths cross ranks as flat rows
+CASES += [("dp2-latent-one-tree", "deepseek", "one-tree", 2, 1, 1, 1 << 30),
+          ("dp2-latent-chain-tight-kv", "deepseek", "chain", 2, 1, 1, 640 * 1024)]
 CASES += [
+    # GLM-4.5 (a dense layer, then grouped sigmoid routing; experts whole on each rank): the mixed
+    # workload (GRPO groups, a step-wise trajectory, a tree) split over DP = 2
+    ("dp2-glm4-moe-mixed", "glm4-moe", "mixed", 2, 1, 1, 1 << 30),
     ("cp2-chain", "llama", "chain", 2, 1, 2, 1 << 30),
     ("cp4-chain", "llama", "chain", 4, 1, 4, 1 << 30),
     ("cp2-one-tree-tight-kv", "llama", "one-tree", 2, 1, 2, 256 * 1024),

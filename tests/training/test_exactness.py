@@ -7,7 +7,9 @@ with kept or recomputed prefix graphs, the duplication stopgap, and the no-shari
 equal a plain per-sample forward/backward of the HF model (fp32, rel. err <= 1e-5). gpt-oss
 (sliding windows shorter than the branches, attention sinks, biases, clamped experts) too, on
 GRPO groups, a step-wise chain and a branching tree, with mechanism 1 and mechanism 2 at a
-tight budget.
+tight budget. DeepSeek-V3's latent attention (its prefixes cached as per-head K and V of
+different widths) on a GRPO group, a step-wise chain and a branching tree, mechanism 1 and
+mechanism 2 at a tight KV budget.
 """
 
 import numpy as np
@@ -37,8 +39,8 @@ CASES = [
 
 
 def _geometry(arch):
-    return KVGeometry(num_layers=arch.num_layers, num_groups=arch.num_kv_heads, head_dim=arch.head_dim,
-                      dtype=torch.float32, device=torch.device("cpu"))
+    """What the family's layers keep (latent attention: keys and values of different widths)."""
+    return KVGeometry.for_model(arch, 1, 1, torch.float32, torch.device("cpu"))
 
 
 def run_ours(arch, model, batch, loss_cfg, mode, budget, kv_budget, dp=1):
@@ -180,4 +182,48 @@ def test_gpt_oss_windows_and_sinks_equal_the_per_sample_reference(gpt_oss_model,
     assert bool(plan.ranks[0].sources) == (budget < 100) and (recomputed > 0) == (kv_budget == "tight")
     ours = compute_logprobs(model, arch, batch, micro_batch_tokens=budget)
     for a, b in zip(ours, per_sample_logprobs(hf, batch)):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def _latent_batch(kind: str):
+    """Small batches of the three shapes (24-token micro-batches hold a fraction of each)."""
+    from megatron_psrl.data.synthetic import make_grpo, make_stepwise, make_tree_rollouts
+
+    common = dict(vocab_size=256, seed=3, with_logprobs=True)
+    if kind == "grpo-group":  # one prompt, four responses
+        return make_grpo(num_prompts=1, group_size=4, prompt_len=(24, 30), response_len=(6, 12), **common)
+    if kind == "stepwise-chain":  # one trajectory: every sample a prefix of the next
+        return make_stepwise(num_trajectories=1, turns=4, obs_len=(6, 10), action_len=(3, 6), system_len=10,
+                             task_len=(6, 10), **common)
+    return make_tree_rollouts(num_roots=1, branching=2, depth=2, segment_len=(4, 8), prompt_len=(16, 20),
+                              obs_len=(3, 6), **common)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("kind", ["grpo-group", "stepwise-chain", "branching-tree"])
+@pytest.mark.parametrize("mode,budget,kv_budget", [CASES[0], CASES[4]], ids=["m1", "m2-tight"])
+def test_latent_attention_gradients_equal_per_sample_reference(request, moe, kind, mode, budget, kv_budget):
+    """DeepSeek-V3's latent attention with dense MLPs (``debug-deepseek-v3``) and with its MoE
+    layers (``debug-deepseek-v3-moe``: grouped sigmoid routing, an expert bias, a shared expert)."""
+    prefix = "latent_moe" if moe else "latent"
+    arch, model = request.getfixturevalue(f"{prefix}_model")
+    latent_hf_model = request.getfixturevalue(f"{prefix}_hf_model")
+    assert arch.multi_latent_attention and arch.is_moe == moe
+    batch = _latent_batch(kind)
+    cfg = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
+    ref_loss, ref_hf = per_sample_loss_and_grads(latent_hf_model, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+    loss, grads, plan, recomputed, kept = run_ours(arch, model, batch, cfg, mode, budget, kv_budget)
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    assert_grads_close(grads, hf_grads_to_mcore(ref_hf, arch), rtol=1e-5)
+    if kv_budget == "tight":  # prefixes cached, every producer's graph dropped and recomputed
+        assert plan.ranks[0].sources and recomputed > 0 and not any(kept)
+    else:
+        assert not plan.ranks[0].sources
+
+
+def test_latent_attention_logprobs_with_cached_prefixes(latent_model, latent_hf_model):
+    arch, model = latent_model
+    batch = _latent_batch("stepwise-chain")
+    ref = per_sample_logprobs(latent_hf_model, batch)
+    for a, b in zip(compute_logprobs(model, arch, batch, prefix_sharing=True, micro_batch_tokens=16), ref):
         np.testing.assert_allclose(a, b, atol=1e-4)

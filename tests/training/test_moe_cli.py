@@ -57,3 +57,21 @@ def test_log_json_carries_the_expert_load(tmp_path):
         for busiest, mean in load:
             assert mean <= busiest <= mean * experts / k  # no expert sees a token twice
         assert "expert load max/mean" in format_record(rec, 2)
+
+
+def test_glm4_moe_trains_with_the_expert_bias_update(tmp_path):
+    """``--model debug-glm4-moe`` (a dense first layer, then grouped sigmoid routing) with
+    ``--moe-router-enable-expert-bias``: the expert load is logged per MoE layer (two of its
+    three layers), each routing every computed token once (the bias update needs every row,
+    so the last layer computes them all too)."""
+    config = tiny_config("debug-glm4-moe")
+    experts, k = config["n_routed_experts"], config["num_experts_per_tok"]
+    path = tmp_path / "log.jsonl"
+    main(["--model", "debug-glm4-moe", "--train-iters", "1", "--log-json", str(path), "--moe-router-enable-expert-bias"]
+         + DATA + ["--synthetic-tokens", "1500"])
+    (logged,) = _records(path)
+    load = logged["moe_expert_load"]
+    assert len(load) == 2
+    for _, mean in load:
+        assert mean * experts / k == logged["tokens_computed"] - logged["tokens_recomputed"]
+    assert logged["loss"] == logged["loss"] and logged["kv_hit_rate"] > 0  # (finite; mechanism 2 used)

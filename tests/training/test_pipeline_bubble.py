@@ -1,16 +1,13 @@
 """A pipeline stage's transfers: the project's links post a send with the next receive, in one
-batch, and never synchronise the device; the bubble on CUDA counts waits, not compute.
-
-megatron's p2p calls (its interleaved schedule's) synchronise the device, so a timer around a
-transfer also ran while the stage's own queued kernels finished. Simulated here with a fake clock
-and a fake device queue (``torch.cuda.synchronize`` advances the clock by the queued compute),
-so it runs on CPU, deterministically."""
+batch, and never synchronise the device; the bubble on CUDA is the time the stage's stream
+stood waiting over the step's device time (drained at both ends). Simulated with a fake clock
+and a fake device queue (``torch.cuda.synchronize`` advances the clock by the queued work), so
+it runs on CPU, deterministically."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_psrl.distributed.kv_exchange import BlockedTime
 from megatron_psrl.engine import pipeline
 from megatron_psrl.engine.stage_links import StageLinks
 
@@ -25,43 +22,38 @@ def fake_cuda(monkeypatch):
         state["now"] += state["queued"]
         state["queued"] = 0.0
 
-    def communicate(self, *args, **kwargs):  # megatron's: synchronise, then wait for the neighbour
-        torch.cuda.synchronize()
-        state["now"] += WAIT
-
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(pipeline, "_clock", lambda: state["now"])
-    monkeypatch.setattr(pipeline.P2PCommunicator, "_communicate", communicate)
-    p2p = object.__new__(pipeline._TimedP2P)
-    p2p.device, p2p.wait_s = torch.device("cuda"), 0.0
-    return state, p2p
+    return state
 
 
-def test_transfer_time_excludes_the_stage_queued_compute(fake_cuda):
-    state, p2p = fake_cuda
-    for _ in range(4):
-        state["queued"] += COMPUTE  # a micro-batch's kernels, launched
-        p2p._communicate()
-    assert p2p.wait_s == pytest.approx(4 * WAIT)
-    assert state["now"] == pytest.approx(4 * (COMPUTE + WAIT))  # the compute did happen
+class _StreamWaits:
+    """A stage's links whose transfers made its stream stand still ``WAIT`` seconds in all (what
+    their CUDA events measure); the host never waited."""
+
+    class blocked:
+        seconds = WAIT
+
+    def reset(self):
+        pass
 
 
 def test_bubble_fraction_over_the_step_device_time(fake_cuda, monkeypatch):
-    state, p2p = fake_cuda
+    state = fake_cuda
     runner = object.__new__(pipeline.PipelineStepRunner)
-    runner.p2p, runner.device, runner.pp_group, runner.pp_size = p2p, torch.device("cuda"), None, 1
-    runner.links = object.__new__(StageLinks)
-    runner.links.device, runner.links.blocked = torch.device("cpu"), BlockedTime(torch.device("cpu"))
+    runner.device, runner.pp_group, runner.pp_size = torch.device("cuda"), None, 1
+    runner.links = _StreamWaits()
     monkeypatch.setattr(pipeline.dist, "all_reduce", lambda t, group=None: t)
 
     def step():
-        state["queued"] += COMPUTE
-        p2p._communicate()
-        state["queued"] += TAIL  # the last kernels, still queued when the executor returns
+        # queued on the stream: compute, the wait for a neighbour, the last kernels (still queued
+        # when the executor returns: the host ran ahead)
+        state["queued"] += COMPUTE + WAIT + TAIL
         return "out"
 
     assert runner._measure(step) == "out"
     # the step's time runs until its kernels finished; only the neighbour wait is bubble
+    assert state["now"] == pytest.approx(COMPUTE + WAIT + TAIL)
     assert runner.last_bubble == pytest.approx(WAIT / (COMPUTE + WAIT + TAIL))
 
 
@@ -140,3 +132,13 @@ def test_the_links_flush_before_other_communication_and_at_the_end(links):
     links.send_forward(torch.ones(2, 1, 8))
     lockstep.before(ins.ForwardKeep(2), None)
     assert len(batches) == 3
+
+
+def test_a_transfer_posts_its_sends_and_receives_as_one_batch(links):
+    """Virtual stages: a Transfer instruction's operations, in its order, one batch, buffers of
+    the shapes given (no shape message, no device synchronisation)."""
+    links, batches = links
+    received = links.transfer([(torch.ones(5, 1, 8), 2), (torch.ones(4, 1, 8), 0)], [((3, 1, 8), 0), ((6, 1, 8), 2)])
+    assert [tuple(t.shape) for t in received] == [(3, 1, 8), (6, 1, 8)]
+    assert batches == [[("send", 2, (5, 1, 8)), ("send", 0, (4, 1, 8)), ("recv", 0, (3, 1, 8)), ("recv", 2, (6, 1, 8))]]
+    assert links.messages == 4

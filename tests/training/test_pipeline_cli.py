@@ -126,13 +126,14 @@ def test_compute_logprobs_with_two_stages_equals_the_reference(hf_dir, runs):
 
 @pytest.mark.slow
 def test_virtual_pipeline_checkpoint_resumes_and_reshards(runs):
-    """Virtual stages save the files of a PP x V layout (4 here: one per layer), resume with
-    their optimizer state, and load under PP=1 with the same weights."""
+    """Virtual stages train their steps of whole trees in the interleaved order (the project's
+    executor), save the files of a PP x V layout (4 here: one per layer), resume with their
+    optimizer state, and load under PP=1 with the same weights."""
     from megatron_psrl import ActorConfig, PolicyActor
 
     out, tmp_path = runs("vpp/saved")
     ckpt = tmp_path / "ckpt"
-    assert "PP 2 (2 virtual stages of layers 1/1/1/1)" in out
+    assert "PP 2 (2 virtual stages of layers 1/1/1/1)" in out and "pipeline interleaved bubble" in out
     runs("vpp/resumed")
     assert [json.loads(x)["iter"] for x in open(tmp_path / "log.jsonl")] == [3]
     _, info = read_checkpoint_info(str(ckpt))

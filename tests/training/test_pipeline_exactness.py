@@ -3,7 +3,7 @@ per-sample Hugging Face reference (fp32, rel 1e-5: loss, every parameter, log-pr
 PP=2 (even, 1 + 3 layers, and with full activation recomputation), PP=4, PP=2 x TP=2, PP=2 x DP=2, virtual PP=2 x PP=2 and virtual
 PP=2 x PP=4, on Llama
 and Qwen3 (tied embeddings: the first and last stages hold one parameter), each with
-mechanism 1 only (1F1B, or megatron's interleaved schedule with virtual stages), with mechanism 2 (micro-batches far
+mechanism 1 only (1F1B, or the interleaved 1F1B order with virtual stages), with mechanism 2 (micro-batches far
 smaller than the trees, graphs kept) and with mechanism 2 where the KV budget makes producers
 recompute their forward (every pair on PP=2, each mode once on the other layouts, the two
 families taking turns); and one tree spread over two pipelines (PP=2 x DP=2, also with virtual
@@ -32,7 +32,7 @@ MODES = ("m1", "m2", "m2-recompute")
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
-    # 8 trees: with 72-token micro-batches, 8 micro-batches of whole trees (PP=4 interleaved needs >= 4)
+    # 8 trees: with 72-token micro-batches, 8 micro-batches of whole trees (PP=4 interleaved: two groups of 4)
     records = random_tree_records(seed=5, num_roots=8, vocab_size=251)
     (root / "records.json").write_text(json.dumps(records))
     return root, samples_from_dicts(records, source="records"), {}
@@ -80,9 +80,9 @@ LAYOUTS = {  # id: (TP, PP, ranks, layers per virtual stage, model layers, mecha
     "pp4": (1, 4, 4, None, 4, "1f1b"),
     "pp2xtp2": (2, 2, 4, None, 4, "1f1b"),
     "pp2xdp2": (1, 2, 4, None, 4, "1f1b"),
-    # two stages: megatron's interleaved schedule is not used (see training/pipeline.py)
-    "vpp2xpp2": (1, 2, 2, 1, 4, "plan-order"),
-    "vpp2xpp4": (1, 4, 4, 1, 8, "interleaved-1f1b"),
+    # virtual stages: the interleaved order, its transfers instructions of the stream
+    "vpp2xpp2": (1, 2, 2, 1, 4, "interleaved"),
+    "vpp2xpp4": (1, 4, 4, 1, 8, "interleaved"),
 }
 
 

@@ -50,13 +50,15 @@ def test_train_log_save_resume_convert(tmp_path):
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
 
 
-def test_sharing_and_baseline_agree(tmp_path):
+@pytest.mark.parametrize("model", ["debug-llama", "debug-deepseek-v3"])
+def test_sharing_and_baseline_agree(tmp_path, model):
+    """Also DeepSeek-V3's latent attention (its prefixes cached as per-head K and V)."""
     logs = {}
     # mechanism 2 within 512-token micro-batches; the others need a budget >= the longest sample
     for mode in (["--prefix-sharing", "tree"], ["--no-prefix-sharing", "--micro-batch-tokens", "4096"],
                  ["--prefix-sharing", "tree-dup", "--micro-batch-tokens", "4096"]):
         path = tmp_path / f"{mode[0]}{len(mode)}.jsonl"
-        main(BASE + ["--train-iters", "2", "--log-json", str(path)] + mode)
+        main(["--model", model] + DATA + ["--train-iters", "2", "--log-json", str(path)] + mode)
         logs[" ".join(mode)] = _records(path)
     base = logs["--no-prefix-sharing --micro-batch-tokens 4096"]
     for name, recs in logs.items():
@@ -64,6 +66,7 @@ def test_sharing_and_baseline_agree(tmp_path):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), name
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), name
     assert logs["--prefix-sharing tree"][0]["tokens_computed"] < base[0]["tokens_computed"]
+    assert logs["--prefix-sharing tree"][0]["kv_hit_rate"] > 0  # mechanism 2 is used
 
 
 def _run_cli(args, tmp_path):

@@ -96,11 +96,11 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         pairs, buffers = tensors[:n_pairs], tensors[n_pairs:len(tensors) - int(has_sink)]
         ext_k, ext_v = _external(readers, pairs, again=False)
         arriving = [j for j, r in enumerate(readers) if isinstance(r, _Arriving)]
-        t, np_, hn = q.shape
+        t, np_, hv = q.shape[0], q.shape[1], v.shape[-1]  # (values may be narrower than keys: MLA)
         # Merged in fp32 (fp64 for fp64 inputs) and rounded once at the end: a bf16 running
         # output would round at every merge, an error growing with the number of ancestors.
         acc = lse_dtype(q)
-        out = torch.empty(t, np_, hn, dtype=acc, device=q.device)
+        out = torch.empty(t, np_, hv, dtype=acc, device=q.device)
         lse = torch.empty(t, np_, dtype=acc, device=q.device)
         for a, b, c in _segments(plan):
             o_s, lse_s = partial_attention_forward(q[a:b], k[c:c + b - a], v[c:c + b - a], True, scale, impl)
@@ -258,11 +258,12 @@ def blockwise_tree_attention(
     external: Sequence[Union[Tuple[Tensor, Tensor], CachedPrefixKV, ArrivingPrefixKV]] = (), scale: float = None,
     impl: str = "auto", sink: Optional[Tensor] = None,
 ) -> Tensor:
-    """Tree attention ``[t, np, hn] -> [t, np, hn]`` for ``plan`` (a windowed one too); external
-    = cached prefix K/V, as ``(k, v)`` pairs or :class:`CachedPrefixKV` readers (read here,
-    again in backward), or K/V in flight from another rank (:class:`ArrivingPrefixKV`: attended
-    to last, see :class:`BlockwiseTreeAttention`); ``sink`` ``[np]``: a learnable sink logit
-    per head, joined once (see the module docstring)."""
+    """Tree attention ``[t, np, hn] -> [t, np, hv]`` for ``plan`` (a windowed one too; ``hv``:
+    the values' width); external = cached prefix K/V, as ``(k, v)`` pairs or
+    :class:`CachedPrefixKV` readers (read here, again in backward), or K/V in flight from
+    another rank (:class:`ArrivingPrefixKV`: attended to last, see
+    :class:`BlockwiseTreeAttention`); ``sink`` ``[np]``: a learnable sink logit per head,
+    joined once (see the module docstring)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     readers, pairs, buffers = [], [], []

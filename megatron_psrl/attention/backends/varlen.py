@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -141,6 +141,32 @@ def varlen_tree_attention(
         return kernel(q, kg, vg, cu_q, cu_k, max_q, max_k)
 
 
+_PADDED_LOGGED: set = set()
+
+
+def _log_padding_once(backend: str, hn: int, hv: int, why: str) -> None:
+    """One logged line per backend and widths: this run pads the values for that kernel."""
+    if (backend, hn, hv) in _PADDED_LOGGED:
+        return
+    _PADDED_LOGGED.add((backend, hn, hv))
+    import logging
+
+    logging.getLogger(__name__).info(
+        "attention backend %r: %s, so values of width %d are padded with zeros to the query/key width %d for the "
+        "kernel (exact; %.0f%% more value bytes while a layer's attention runs)", backend, why, hv, hn,
+        100.0 * (hn - hv) / hv)
+
+
+def pad_values(v: Tensor, external: Sequence[Tuple[Tensor, Tensor]], width: int):
+    """``v`` and every external source's V padded with zero columns to ``width`` (the query/key
+    head width), for kernels that take one head width: a zero value column gives a zero output
+    column (cut off again) and no gradient to anything else (latent attention: K 192, V 128)."""
+    def pad(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+    return pad(v), [(ek, pad(ev)) for ek, ev in external]
+
+
 def require_cuda(name: str, q: Tensor) -> None:
     """Refuse non-CUDA tensors for the CUDA-only attention backend ``name``."""
     if q.device.type != "cuda":
@@ -173,6 +199,11 @@ def flash_tree_attention(
         return flash_attn_varlen_func(q, kg, vg, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
                                       causal=True, deterministic=deterministic, **window)
 
+    hn, hv = q.shape[-1], v.shape[-1]
+    if hv < hn:  # flash-attn 2 takes one head width for q, k and v (its varlen API has no value width)
+        _log_padding_once("flash", hn, hv, "flash-attn 2 needs values as wide as queries and keys")
+        v, external = pad_values(v, external, hn)
+        return varlen_tree_attention(q, k, v, plan, external, kernel)[..., :hv]
     return varlen_tree_attention(q, k, v, plan, external, kernel)
 
 
@@ -183,9 +214,14 @@ def te_deterministic() -> None:
 
 
 class TETreeAttention(torch.nn.Module):
-    """Transformer Engine's DotProductAttention (thd, padding_causal_bottom_right)."""
+    """Transformer Engine's DotProductAttention (thd, padding_causal_bottom_right).
 
-    def __init__(self, num_heads: int, num_groups: int, head_dim: int, scale: float, layer_number: int):
+    ``value_dim`` narrower than ``head_dim`` (latent attention): TE is given both widths
+    (``kv_channels=(head_dim, value_dim)``, which its releases with MLA support take); a release
+    that refuses the pair gets values padded to ``head_dim`` instead (one logged line)."""
+
+    def __init__(self, num_heads: int, num_groups: int, head_dim: int, scale: float, layer_number: int,
+                 value_dim: Optional[int] = None):
         super().__init__()
         try:
             import transformer_engine.pytorch as te
@@ -193,17 +229,23 @@ class TETreeAttention(torch.nn.Module):
             raise MissingRequirementError(
                 "attention backend 'te' needs transformer-engine: pip install 'megatron_psrl[gpu]'"
             ) from exc
+        value_dim = head_dim if value_dim is None else value_dim
+        self.widths = (head_dim, value_dim)
+        self.pads_values = False
+        """TE took one head width only: values are padded to ``head_dim`` for it."""
         # Heads here are already this tensor-parallel rank's heads: no TP inside TE.
-        self.attention = te.DotProductAttention(
-            num_attention_heads=num_heads,
-            kv_channels=head_dim,
-            num_gqa_groups=num_groups,
-            attention_dropout=0.0,
-            qkv_format="thd",
-            attn_mask_type="padding_causal_bottom_right",
-            softmax_scale=scale,
-            layer_number=layer_number,
-        )
+        kwargs = dict(num_attention_heads=num_heads, num_gqa_groups=num_groups, attention_dropout=0.0,
+                      qkv_format="thd", attn_mask_type="padding_causal_bottom_right", softmax_scale=scale,
+                      layer_number=layer_number)
+        if value_dim == head_dim:
+            self.attention = te.DotProductAttention(kv_channels=head_dim, **kwargs)
+            return
+        try:
+            self.attention = te.DotProductAttention(kv_channels=(head_dim, value_dim), **kwargs)
+        except (TypeError, AssertionError, ValueError) as exc:  # pragma: no cover - older TE releases
+            _log_padding_once("te", head_dim, value_dim, f"this Transformer Engine takes one head width ({exc})")
+            self.pads_values = True
+            self.attention = te.DotProductAttention(kv_channels=head_dim, **kwargs)
 
     def forward(self, q, k, v, plan: AttentionPlan, external=(), scale: float = None) -> Tensor:
         require_cuda("te", q)
@@ -214,4 +256,8 @@ class TETreeAttention(torch.nn.Module):
                 attn_mask_type="padding_causal_bottom_right",
             )
 
-        return varlen_tree_attention(q, k, v, plan, external, kernel).view(q.shape)
+        hv = v.shape[-1]
+        if self.pads_values and hv < q.shape[-1]:
+            v, external = pad_values(v, external, q.shape[-1])
+        out = varlen_tree_attention(q, k, v, plan, external, kernel).view(q.shape[0], q.shape[1], -1)
+        return out[..., :hv]  # [t, np, hv] (a view of the padded output when the values were padded)

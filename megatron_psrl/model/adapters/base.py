@@ -64,10 +64,14 @@ class LlamaStyleAdapter:
         shapes = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size), "model.norm.weight": (a.hidden_size,)}
         if not a.tie_word_embeddings:
             shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
-        layer = self.hf_layer_shapes()
         for i in range(a.num_layers):
-            shapes.update({f"model.layers.{i}.{suffix}": shape for suffix, shape in layer.items()})
+            shapes.update({f"model.layers.{i}.{suffix}": shape for suffix, shape in self.hf_layer_shapes_of(i).items()})
         return shapes
+
+    def hf_layer_shapes_of(self, layer: int) -> Dict[str, Tuple[int, ...]]:
+        """:meth:`hf_layer_shapes` of layer ``layer`` (0-based; families whose layers differ
+        override it)."""
+        return self.hf_layer_shapes()
 
     def hf_keys(self) -> List[str]:
         """Every tensor name the HF checkpoint must contain."""
@@ -110,6 +114,13 @@ class LlamaStyleAdapter:
         yield hf + "mlp.up_proj.weight", up.clone()
         yield hf + "mlp.down_proj.weight", mcore[mc + "mlp.linear_fc2.weight"]
 
+    def _layer_mlp_to_mcore(self, layer: int, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        """The MLP of layer ``layer`` (families whose layers' MLPs differ override it)."""
+        return self._mlp_to_mcore(get, hf, mc)
+
+    def _layer_mlp_to_hf(self, layer: int, mcore: Dict[str, Tensor], hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        return self._mlp_to_hf(mcore, hf, mc)
+
     # ------------------------------------------------------------------ conversion
     def hf_to_mcore(self, get: GetTensor) -> Iterator[Tuple[str, Tensor]]:
         """Yield full megatron tensors, reading HF tensors lazily through ``get(name)``."""
@@ -123,7 +134,7 @@ class LlamaStyleAdapter:
             yield from self._attention_extras_to_mcore(get, hf, mc)
             yield mc + "self_attention.linear_proj.weight", get(hf + "self_attn.o_proj.weight")
             yield mc + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
-            yield from self._mlp_to_mcore(get, hf, mc)
+            yield from self._layer_mlp_to_mcore(i, get, hf, mc)
         yield "decoder.final_layernorm.weight", get("model.norm.weight")
         if not self.arch.tie_word_embeddings:
             yield "output_layer.weight", get("lm_head.weight")
@@ -141,7 +152,7 @@ class LlamaStyleAdapter:
             yield from self._attention_extras_to_hf(mcore, hf, mc)
             yield hf + "self_attn.o_proj.weight", mcore[mc + "self_attention.linear_proj.weight"]
             yield hf + "post_attention_layernorm.weight", mcore[mc + "pre_mlp_layernorm.weight"]
-            yield from self._mlp_to_hf(mcore, hf, mc)
+            yield from self._layer_mlp_to_hf(i, mcore, hf, mc)
         yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
         if not self.arch.tie_word_embeddings:
             yield "lm_head.weight", mcore["output_layer.weight"]

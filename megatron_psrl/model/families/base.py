@@ -82,6 +82,14 @@ class LayerSpecChoices:
     zero_centered_norms: bool = False
     """The decoder's RMSNorms compute ``x * (1 + w)`` (megatron ``layernorm_zero_centered_gamma``)."""
 
+    multi_latent_attention: bool = False
+    """The token mixer is latent attention (megatron's ``MLASelfAttention``, built as the project's
+    :class:`~megatron_psrl.model.latent_attention.TreeMLASelfAttention`); with ``qk_layernorm``
+    its latents' RMSNorms."""
+    dense_mlp_layers: Tuple[int, ...] = ()
+    """0-based indices of the layers of an MoE model built with a dense MLP (megatron's
+    ``moe_layer_freq`` 0); the others get ``num_experts``' MoE layer."""
+
 
 @dataclass(frozen=True)
 class ModelFamily(abc.ABC):
@@ -103,12 +111,28 @@ class ModelFamily(abc.ABC):
     """Full-size architectures by name, randomly initialised (GPU benchmarks; too large for CPU tests)."""
 
     is_moe: ClassVar[bool] = False
-    """Every layer's MLP is a mixture of experts (``ModelArchitecture.num_experts`` is set)."""
+    """The MLPs are mixtures of experts (``ModelArchitecture.num_experts`` is set), all but
+    those of ``ModelArchitecture.dense_mlp_layers``."""
+
+    moe_layers_optional: ClassVar[bool] = False
+    """An MoE family some of whose configs have no MoE layer (DeepSeek-V3 with
+    ``first_k_dense_replace >= num_hidden_layers``): those parse as dense models
+    (``ModelArchitecture.num_experts`` None) of the family."""
 
     has_linear_attention: ClassVar[bool] = False
     """Some layers' token mixer is linear attention (``ModelArchitecture.layer_types``)."""
 
+    reads_moe_fields: ClassVar[bool] = False
+    """The family reads a config's mixture-of-experts fields itself, MoE or not (DeepSeek-V3's
+    configs carry them whatever layers are dense); otherwise a family that is not MoE is refused
+    any of them before parsing."""
+
     # ------------------------------------------------------------------ Hugging Face config
+    def hf_has_moe_layers(self, hf: Mapping[str, Any]) -> bool:
+        """Whether the config.json dict ``hf`` has mixture-of-experts layers (every config of an
+        MoE family, unless :attr:`moe_layers_optional`)."""
+        return self.is_moe
+
     @abc.abstractmethod
     def hf_attention_fields(self, hf: Dict[str, Any]) -> Dict[str, Any]:
         """``qkv_bias``, ``qk_norm`` and ``sliding_window`` of a config.json; raises
@@ -118,6 +142,11 @@ class ModelFamily(abc.ABC):
         """The part of a config.json that describes the language model (a multimodal wrapper's
         ``text_config``; the whole dict otherwise)."""
         return hf
+
+    def hf_head_dim(self, hf: Dict[str, Any], number: NumberReader) -> int:
+        """The query/key head width ``ModelArchitecture.head_dim``: ``head_dim``, else hidden
+        size / heads."""
+        return number("head_dim", default=None) or number("hidden_size") // number("num_attention_heads")
 
     def hf_tie_word_embeddings(self, hf: Dict[str, Any]) -> bool:
         """Whether the output layer shares the input embedding (``tie_word_embeddings``)."""
@@ -137,6 +166,13 @@ class ModelFamily(abc.ABC):
         routing, shared expert); a missing required field raises ``KeyError(key)``."""
 
     # ------------------------------------------------------------------ megatron model
+    def transformer_config_class(self, arch: "ModelArchitecture") -> type:
+        """megatron's config class the model is built with (``TransformerConfig``; latent
+        attention: ``MLATransformerConfig``)."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig
+
     @abc.abstractmethod
     def transformer_config_fields(self, arch: "ModelArchitecture") -> Dict[str, Any]:
         """``TransformerConfig`` fields of the layer's structure (norm, MLP, biases, q/k norms)."""
@@ -250,7 +286,8 @@ class LlamaLikeFamily(ModelFamily):
           a kept graph does not hold that whole buffer); with Qwen3's q/k norms the key norm's
           input is a view of it, which keeps the fused QKV output, (np + 2 ng) hd / tp, instead;
         - the query after RoPE and the attention output: 2 np hd / tp; the key after RoPE: ng hd / tp;
-        - RoPE's cos and sin for queries and keys: 4 hd;
+        - RoPE's cos and sin for queries and keys: 4 r, ``r`` the rotated width (``hd``; partial
+          RoPE: ``partial_rotary_factor * hd``);
         - Qwen3's per-head q/k norms: the query's input and normalised input in fp32 (2 np hd / tp);
           the key's normalised input, and its input where the cast to fp32 copies it (a view of
           the fused QKV output in fp32): (1 or 2) ng hd / tp;
@@ -265,7 +302,8 @@ class LlamaLikeFamily(ModelFamily):
         fp32 = FP32_BYTES
         norms = 2 * (2 * h * fp32 + h * b)
         value = (q + 2 * kv if arch.qk_norm else kv) * b
-        attention = value + 4 * hd * b + self.attention_saved_bytes_per_token(arch, tp, b)
+        rotated = 2 * ((int(hd * arch.rope.partial_rotary_factor) + 1) // 2)  # (RopeConfig.inv_freq's width x 2)
+        attention = value + 4 * rotated * b + self.attention_saved_bytes_per_token(arch, tp, b)
         qk_norms = 2 * q * fp32 + (1 if b == fp32 else 2) * kv * fp32 if arch.qk_norm else 0
         mlp = self.mlp_saved_bytes_per_token(arch, tp, b)
         stats = fp32 * (2 + ((q + kv) // hd if arch.qk_norm else 0))

@@ -1,5 +1,7 @@
-"""The mixture-of-experts MLP of a family: every layer a top-k softmax router over SwiGLU
-experts, optionally with a gated shared expert (docs/moe.md).
+"""The mixture-of-experts MLP of a family: a top-k softmax router over SwiGLU experts,
+optionally with a gated shared expert, in every layer (docs/moe.md); or, for the families of
+:mod:`.grouped_routing`, a grouped sigmoid router with an expert bias and an ungated shared
+expert, after dense first layers (``ModelArchitecture.dense_mlp_layers``).
 
 :class:`MoEFamily` goes before the family's attention bundle in the bases
 (``class Qwen3MoeFamily(MoEFamily, Qwen3Family)``) and replaces its dense MLP: the MoE
@@ -9,7 +11,7 @@ router's, dispatcher's and experts' saved bytes, and the parameter counts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, ClassVar, Dict
 
 from megatron_psrl.errors import UnsupportedModelError
 from megatron_psrl.model.families.base import FP32_BYTES, LayerSpecChoices, LlamaLikeFamily, NumberReader
@@ -19,10 +21,15 @@ if TYPE_CHECKING:
 
 
 class MoEFamily(LlamaLikeFamily):
-    """A Llama-like decoder whose every MLP is megatron's ``MoELayer``. Subclasses parse their
-    config's MoE fields (:meth:`hf_mlp_fields`)."""
+    """A Llama-like decoder whose MLPs are megatron's ``MoELayer`` (but those of
+    ``dense_mlp_layers``). Subclasses parse their config's MoE fields (:meth:`hf_mlp_fields`)."""
 
     is_moe = True
+
+    router_logits_fp32: ClassVar[bool] = False
+    """The router computes its logits, scores and routing weights in fp32 whatever the model
+    dtype (megatron ``moe_router_dtype="fp32"``; Hugging Face's GLM-4.5 / DeepSeek-V3 routers
+    do); else in the model dtype (Qwen-MoE, Mixtral)."""
 
     def hf_mlp_fields(self, hf: Dict[str, Any], number: NumberReader) -> Dict[str, Any]:
         """``num_experts``, ``moe_ffn_hidden_size``, ``moe_router_topk``, ``moe_norm_topk_prob``
@@ -38,7 +45,7 @@ class MoEFamily(LlamaLikeFamily):
         width ``moe_shared_expert_intermediate_size``, its sigmoid gate ``moe_shared_expert_gate``
         (no overlap with the dispatcher: that needs CUDA streams). Routing is dropless (no
         capacity factor); the load-balancing loss is off unless ``moe_aux_loss_coeff`` overrides it."""
-        return dict(
+        fields = dict(
             num_moe_experts=arch.num_experts,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             moe_router_topk=arch.moe_router_topk,
@@ -52,13 +59,57 @@ class MoEFamily(LlamaLikeFamily):
             moe_shared_expert_overlap=False,
             expert_tensor_parallel_size=1,  # whole experts on every rank that holds them (EP splits them)
         )
+        if arch.moe_router_score_function == "sigmoid":
+            fields.update(self.sigmoid_router_fields(arch))
+        if self.router_logits_fp32:
+            fields["moe_router_dtype"] = "fp32"
+        if arch.dense_mlp_layers:  # megatron's per-layer pattern: 1 an MoE layer, 0 a dense MLP
+            dense = set(arch.dense_mlp_layers)
+            fields["moe_layer_freq"] = [0 if i in dense else 1 for i in range(arch.num_layers)]
+        return fields
+
+    @staticmethod
+    def sigmoid_router_fields(arch: "ModelArchitecture") -> Dict[str, Any]:
+        """A sigmoid router (grouped routing, :mod:`.grouped_routing`): each expert's score
+        ``sigmoid(logit)``, the top k renormalised when k > 1 (megatron always does), times
+        ``moe_router_topk_scaling_factor``; group-limited top-k; the expert bias as megatron's
+        ``expert_bias`` buffer, selection only. Its update (``moe_router_bias_update_rate``) is
+        off here: the trainer turns it on (``--moe-router-enable-expert-bias``) with per-sample
+        token counts (:mod:`megatron_psrl.model.moe_losses`)."""
+        return dict(
+            moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=False,
+            moe_router_num_groups=arch.moe_router_num_groups,
+            moe_router_group_topk=arch.moe_router_group_topk,
+            moe_router_topk_scaling_factor=arch.moe_router_topk_scaling_factor,
+            moe_router_enable_expert_bias=arch.moe_router_expert_bias,
+            moe_router_bias_update_rate=0.0,
+        )
 
     def layer_spec_choices(self, arch: "ModelArchitecture") -> LayerSpecChoices:
         # megatron's MoE spec always carries a SharedExpertMLP submodule; the MoELayer builds it
         # only when the config sets moe_shared_expert_intermediate_size
-        return LayerSpecChoices(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm)
+        return LayerSpecChoices(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm,
+                                dense_mlp_layers=tuple(arch.dense_mlp_layers))
 
     # ------------------------------------------------------------------ memory plan
+    def saved_activation_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
+                                         dtype_bytes: int) -> int:
+        """The decoder's count with an MoE MLP in every layer, less the difference of a dense
+        layer's SwiGLU (``dense_mlp_layers``: ``5 f / tp``) and an MoE layer's."""
+        every_layer_moe = super().saved_activation_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+        return every_layer_moe - self.dense_layers_saved_bytes_difference(arch, tensor_parallel_size, dtype_bytes)
+
+    def dense_layers_saved_bytes_difference(self, arch: "ModelArchitecture", tensor_parallel_size: int,
+                                            dtype_bytes: int) -> int:
+        """What the dense layers (``dense_mlp_layers``) save less than MoE layers would, per token:
+        each an MoE layer's MLP bytes less a dense SwiGLU's (``5 f / tp``)."""
+        if not arch.dense_mlp_layers:
+            return 0
+        moe = self.mlp_saved_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
+        dense = LlamaLikeFamily.mlp_saved_bytes_per_token(self, arch, tensor_parallel_size, dtype_bytes)
+        return len(arch.dense_mlp_layers) * (moe - dense)
+
     def mlp_saved_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
                                   dtype_bytes: int) -> int:
         # experts are whole on every rank (expert_tensor_parallel_size 1): no division by TP
@@ -76,23 +127,43 @@ class MoEFamily(LlamaLikeFamily):
         - the router: its top-k ids (int64, ``8k``) and fp32 scores: the softmax over the top-k
           logits (``4k``; renormalised routing, ``norm_topk_prob``) or over all experts (``4E``);
         - the dispatcher: the permutation's source rows (int64, ``8k``) and the routing map and
-          weights as ``[E, tokens]`` (bool ``E``, model dtype ``E b``);
+          weights as ``[E, tokens]`` (bool ``E``, model dtype ``E b``; fp32 ``4E`` with
+          :attr:`router_logits_fp32`, as every routing weight below);
         - the experts, per routed copy of the token (``k`` of them, dropless: exactly ``k`` per
           token however they spread): the permuted hidden state (``h``, the first fc1's input),
           its routing weight (``1``), SwiGLU as in a dense MLP (``5f``) and the weighted activation
           (``f``; megatron scales each expert's activation by the routing weight before fc2);
-        - a shared expert of width ``S`` (Qwen2-MoE): a dense SwiGLU (``5S``), its output (``h``,
-          kept for the gate's product) and the sigmoid gate (``1``).
+        - a shared expert of width ``S``: a dense SwiGLU (``5S``); with a gate (Qwen2-MoE) its
+          output (``h``, kept for the gate's product) and the sigmoid gate (``1``);
+        - a sigmoid router instead (grouped routing): :meth:`sigmoid_router_saved_bytes`.
 
         Expert parallelism: these are the bytes of this rank's tokens; the experts' part lives on
         the ranks their experts are on (balanced routing: as many as this rank's experts receive)."""
         b, h, k, e = dtype_bytes, arch.hidden_size, arch.moe_router_topk, arch.num_experts
-        router = 8 * k + FP32_BYTES * (k if arch.moe_norm_topk_prob else e)
-        dispatcher = 8 * k + e + e * b
-        experts = k * (h + 1 + 6 * arch.moe_ffn_hidden_size) * b
+        if arch.moe_router_score_function == "sigmoid":
+            router = self.sigmoid_router_saved_bytes(arch)
+        else:
+            router = 8 * k + FP32_BYTES * (k if arch.moe_norm_topk_prob else e)
+        weight = FP32_BYTES if self.router_logits_fp32 else b  # a routing weight's bytes
+        dispatcher = 8 * k + e + e * weight
+        experts = k * ((h + 6 * arch.moe_ffn_hidden_size) * b + weight)
         shared = arch.moe_shared_expert_ffn_hidden_size
-        shared_bytes = (5 * shared + h + (1 if arch.moe_shared_expert_gate else 0)) * b if shared else 0
+        gate = (h + 1) if arch.moe_shared_expert_gate else 0
+        shared_bytes = (5 * shared + gate) * b if shared else 0
         return router + dispatcher + experts + shared_bytes
+
+    @staticmethod
+    def sigmoid_router_saved_bytes(arch: "ModelArchitecture") -> int:
+        """What megatron's sigmoid router keeps per token (fp32 scores, whatever the model dtype:
+        the grouped-routing families compute router logits in fp32): the top-k ids (``8k``, the
+        scatter's and the gather's index), the sigmoid's output (``4E``) and, when k > 1, the
+        top-k scores and their sum that renormalise them (``4k + 4``); without an expert bias
+        also the group mask of group-limited routing (bool ``E``; with a bias the selection runs
+        on the biased scores, whose graph is dropped)."""
+        k, e = arch.moe_router_topk, arch.num_experts
+        renormalise = FP32_BYTES * (k + 1) if k > 1 else 0
+        group_mask = e if arch.moe_router_num_groups and not arch.moe_router_expert_bias else 0
+        return 8 * k + FP32_BYTES * e + renormalise + group_mask
 
     # ------------------------------------------------------------------ parameters
     def mlp_parameters(self, arch: "ModelArchitecture") -> int:

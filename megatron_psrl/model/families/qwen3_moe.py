@@ -40,4 +40,17 @@ QWEN3_MOE = register_family(Qwen3MoeFamily(
                                 mlp_only_layers=[], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 router_aux_loss_coef=0.0),
     },
+    shape_configs={
+        # Qwen3-30B-A3B's architecture (its published config.json; 131,072 positions for the
+        # 128k-token workloads), randomly initialised: the memory arithmetic's MoE shape
+        # (benchmarks/memory_gpu_arithmetic.py).
+        "qwen3-30b-a3b-class": dict(TINY_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                                    vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                    head_dim=128, rope_theta=1000000.0, max_position_embeddings=131072,
+                                    tie_word_embeddings=False, router_aux_loss_coef=0.001,
+                                    torch_dtype="bfloat16"),
+    },
 ))

@@ -18,6 +18,9 @@ from megatron_psrl.errors import UnsupportedModelError
 ModelFamily = Any
 
 _FAMILIES: Dict[str, ModelFamily] = {}
+_ALIASES: Dict[str, str] = {}
+"""Another ``model_type`` a family's bundle serves -> the bundle's own ``model_type`` (Kimi K2's
+``kimi_k2`` is DeepSeek-V3's architecture)."""
 
 
 def _builtins() -> Dict[str, "ModelFamily"]:
@@ -26,16 +29,24 @@ def _builtins() -> Dict[str, "ModelFamily"]:
     return _FAMILIES
 
 
-def register_family(family: "ModelFamily", replace: bool = False) -> "ModelFamily":
-    """Add ``family`` under its ``model_type`` (``replace``: over an existing one) and return it."""
-    if family.model_type in _FAMILIES and not replace:
-        raise ValueError(f"model family {family.model_type!r} is already registered")
+def register_family(family: "ModelFamily", replace: bool = False, aliases: Tuple[str, ...] = ()) -> "ModelFamily":
+    """Add ``family`` under its ``model_type`` and every one of ``aliases`` (other ``model_type``
+    values of the same architecture; ``replace``: over existing ones) and return it."""
+    for model_type in (family.model_type, *aliases):
+        if model_type in _FAMILIES and not replace:
+            raise ValueError(f"model family {model_type!r} is already registered")
     _FAMILIES[family.model_type] = family
+    for alias in aliases:
+        _FAMILIES[alias] = family
+        _ALIASES[alias] = family.model_type
     return family
 
 
 def unregister_family(model_type: str) -> "ModelFamily":
-    """Remove and return the family of ``model_type`` (tests registering a toy family)."""
+    """Remove and return the family of ``model_type`` with its aliases (tests registering a toy family)."""
+    for alias in [a for a, owner in _ALIASES.items() if owner == model_type]:
+        _FAMILIES.pop(alias)
+        _ALIASES.pop(alias)
     return _FAMILIES.pop(model_type)
 
 
@@ -54,12 +65,12 @@ def family_of(arch) -> "ModelFamily":
 
 
 def registered_families() -> Tuple["ModelFamily", ...]:
-    """Every registered family, in registration order."""
-    return tuple(_builtins().values())
+    """Every registered family, in registration order (once: not again for its aliases)."""
+    return tuple(f for t, f in _builtins().items() if t not in _ALIASES)
 
 
 def supported_model_types() -> Tuple[str, ...]:
-    """The ``model_type`` of every registered family, in registration order."""
+    """Every ``model_type`` a registered family serves (its own and its aliases), in registration order."""
     return tuple(_builtins())
 
 

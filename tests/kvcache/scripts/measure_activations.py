@@ -17,6 +17,7 @@ behind in the process (or freed during the measurement) would move it.
 import gc
 import json
 import sys
+import weakref
 
 import torch
 
@@ -41,18 +42,23 @@ def _metadata(mode: str):
 
 def _saved_bytes(model, ids, positions, metadata) -> int:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+    seen = {}  # storage address -> (bytes, a saved tensor of it)
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        held = seen.get(storage.data_ptr())
+        if storage.data_ptr() not in params and (held is None or held[1]() is None):
+            seen[storage.data_ptr()] = (storage.nbytes(), weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         hidden = model(ids, positions, metadata)
+    # what the graph holds: a tensor saved by a node that the forward dropped again (a discarded
+    # branch, e.g. the sigmoid router's selection on biased scores) is freed, and its address
+    # may be another storage's since
+    total = sum(nbytes for nbytes, ref in seen.values() if ref() is not None)
     del hidden
-    return sum(seen.values())
+    return total
 
 
 def _held_bytes(model, ids, positions, metadata) -> int:

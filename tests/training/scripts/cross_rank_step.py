@@ -65,10 +65,8 @@ group, group_size = exchange_group_of(layout)
 config = PlannerConfig(micro_batch_tokens=args.budget, sharing="tree",
                        data_parallel_size=layout.data_parallel_size * layout.context_parallel_size,
                        exchange_group_size=group_size, placement="cross-rank", cost_model=CostModel.named("tiny"))
-if arch.linear_attention_layers:  # (a hybrid model: its family's states, a fixed one per linear layer)
-    geom = KVGeometry.for_model(arch, args.tp, 1, torch.float32, torch.device("cpu"))
-else:
-    geom = KVGeometry(arch.num_layers, arch.num_kv_heads // args.tp, arch.head_dim, torch.float32, torch.device("cpu"))
+# the family's states: softmax K/V (latent attention's values narrower), a hybrid's fixed one per linear layer
+geom = KVGeometry.for_model(arch, args.tp, 1, torch.float32, torch.device("cpu"))
 act = activation_bytes_per_token(arch, args.tp, 4)
 plan, memories, mode = plan_with_memory(build_prefix_tree(batch), config,
                                         lambda ranks: plan_memory_group(ranks, geom, args.kv_budget, act))

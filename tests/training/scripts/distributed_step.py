@@ -38,7 +38,7 @@ cfg = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-me
 plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=args.budget, sharing="tree",
                                                         data_parallel_size=layout.data_parallel_size))
 rank = plan.ranks[layout.dp_rank]
-geom = KVGeometry(arch.num_layers, arch.num_kv_heads // args.tp, arch.head_dim, torch.float32, torch.device("cpu"))
+geom = KVGeometry.for_model(arch, args.tp, 1, torch.float32, torch.device("cpu"))
 memory = plan_memory(rank, geom, 1 << 30, activation_bytes_per_token(arch, args.tp, 4)) if rank.sources else None
 # megatron's DDP before the backward: its hooks accumulate the gradients in main_grad
 optimizer = TrainingOptimizer(model, OptimizerSettings(lr=0.0))

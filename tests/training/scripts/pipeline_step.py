@@ -6,7 +6,7 @@ the gradient); rank 0 saves what every rank got.
         --records FILE.json --tp 1 --pp 2 --out FILE [--vpp 2] [--placement cross-rank] \\
         [--sequence-parallel] [--ep 2]
 
-Modes: ``m1`` (every tree fits a micro-batch: megatron's 1F1B schedule), ``m2`` (micro-batches
+Modes: ``m1`` (every tree fits a micro-batch: 1F1B, interleaved with virtual stages), ``m2`` (micro-batches
 a tenth of the largest tree: cached prefixes, graphs kept), ``m2-recompute`` (a KV budget so
 small that producers drop their graph and recompute it).
 """

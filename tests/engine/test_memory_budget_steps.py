@@ -1,0 +1,145 @@
+"""``--memory-budget`` on real steps (issue 46, items 2 and 3): the step refused before it runs
+when no plan fits (naming the smallest budget that does, which then plans), one log line per
+step, the measured peak under the budget on small versions of the bench workloads, and a plan
+chosen by the budget (activation recomputation, dropped graphs) exactly the per-sample
+computation."""
+
+import pytest
+import torch
+from helpers.batches import random_tree_records
+from helpers.families import PARALLEL_CONFIGS
+from helpers.hf_reference import load_hf_model, make_hf_checkpoint, per_sample_loss_and_grads
+from helpers.step_memory import measured_step, peer_actor, small_workloads
+from helpers.tolerance import rounding_tolerance
+
+from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
+from megatron_psrl.data import make_grpo
+from megatron_psrl.data.loader import samples_from_dicts
+from megatron_psrl.engine.budget import evaluate_lever
+from megatron_psrl.engine.memory import heap_bytes_in_use
+from megatron_psrl.schedule.budget import Lever, MemoryBudgetError, budget_for
+from megatron_psrl.tree import build_prefix_tree
+
+UNLIMITED = 1 << 40
+
+
+def _smallest_budget(actor, batch) -> int:
+    """The budget a refusal names for ``batch`` (the actor's budget set too small to fit)."""
+    budget = actor.engine.memory_budget
+    budget.budget_bytes = budget.static.total + 1
+    with pytest.raises(MemoryBudgetError, match="smallest budget that fits is") as refused:
+        actor.engine.plan(batch)
+    return int(str(refused.value).split("smallest budget that fits is ")[1].split(" ")[0])
+
+
+@pytest.fixture(scope="module")
+def peer():
+    """One actor on the bench_peers model for the tests below (each sets its budget)."""
+    return peer_actor(memory_budget=UNLIMITED)
+
+
+def test_a_budget_no_plan_fits_is_refused_before_the_step_and_the_named_one_plans(peer):
+    actor = peer
+    actor.zero_grad()
+    batch = small_workloads()["grpo-256x4x256"]
+    smallest = _smallest_budget(actor, batch)
+    actor.engine.memory_budget.budget_bytes = smallest - 1
+    with pytest.raises(MemoryBudgetError):
+        actor.forward_backward(batch, return_logprobs=False)
+    assert all(p.grad is None for p in actor.model.parameters())  # nothing ran
+    actor.engine.memory_budget.budget_bytes = smallest
+    _, plan, _, _ = actor.engine.plan(batch)
+    chosen = actor.engine.memory_budget.last
+    assert chosen.fits and chosen.lever.micro_batch_tokens == 256  # the leanest: the smallest micro-batches
+
+
+def test_weights_alone_over_the_budget_are_refused_at_start_up():
+    with pytest.raises(MemoryBudgetError, match="cannot hold the weights, gradients and optimizer state"):
+        peer_actor(memory_budget=1 << 20)
+
+
+def test_one_log_line_per_step_says_what_was_chosen(peer):
+    lines = []
+    actor = peer
+    actor.engine.memory_budget.budget_bytes = UNLIMITED
+    actor.engine.log = lines.append
+    batch = make_grpo(num_prompts=1, group_size=4, prompt_len=(64, 64), response_len=(32, 32), vocab_size=2048)
+    for _ in range(2):
+        metrics = actor.forward_backward(batch, return_logprobs=False).metrics
+    chosen = [line for line in lines if line.startswith("memory budget")]
+    assert len(chosen) == 2, lines
+    assert "micro-batches of 4096 tokens" in chosen[0] and "predicted peak" in chosen[0]
+    plan = metrics["memory_plan"]
+    assert plan["micro_batch_tokens"] == 4096 and plan["recompute_layers"] == 0
+    assert plan["predicted_peak_bytes"] > plan["static_bytes"] > 0
+
+
+@pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
+@pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
+def test_measured_peak_stays_under_the_budget():
+    torch.set_num_threads(1)  # (no thread-pool spinning on a loaded machine)
+    actor = peer_actor(memory_budget=UNLIMITED)
+    budget = actor.engine.memory_budget
+    static = budget.static.total
+    for name, batch in small_workloads().items():
+        budget.budget_bytes = UNLIMITED
+        default = measured_step(actor, batch)  # (also the warm-up: the largest GEMMs)
+        smallest = _smallest_budget(actor, batch)
+        for limit in sorted({max(smallest, int(0.6 * (static + default))), smallest}):
+            budget.budget_bytes = limit
+            measured = measured_step(actor, batch)
+            chosen = budget.last
+            total = static + measured
+            print(f"{name:16} budget {limit / 2**20:6.1f} MiB: measured {total / 2**20:6.1f} MiB, predicted "
+                  f"{(static + chosen.peak_bytes) / 2**20:6.1f} MiB, lever {chosen.lever}")
+            assert total <= limit, (name, limit, total, chosen.lever)
+            assert abs(chosen.peak_bytes / measured - 1) <= 0.10, (name, chosen.peak_bytes, measured)
+
+
+# ---------------------------------------------------------------------- exactness of a chosen plan
+MODEL = dict(PARALLEL_CONFIGS["qwen3"], num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    records = random_tree_records(seed=5, num_roots=3, vocab_size=251)
+    batch = samples_from_dicts(records, source="records")
+    hf_dir = make_hf_checkpoint(MODEL, seed=1, directory=str(tmp_path_factory.mktemp("hf")))
+    loss, grads = per_sample_loss_and_grads(load_hf_model(hf_dir), batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+    return hf_dir, records, batch, loss, grads
+
+
+def _actor(hf_dir, offload=False):
+    return PolicyActor(hf_dir, ActorConfig(
+        device="cpu", micro_batch_tokens=16, memory_budget=UNLIMITED, memory_offload=offload,
+        optimizer=OptimizerSettings(optimizer="sgd", lr=1.0, clip_grad=0.0),
+        loss=LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")))
+
+
+@pytest.mark.parametrize("squeeze", ["one-layer", "leanest", "offload"])
+def test_a_plan_chosen_by_the_budget_equals_the_per_sample_reference(reference, squeeze):
+    """A budget that the default plan (every graph kept, nothing recomputed) does not fit: the
+    chosen plan recomputes layers or producer graphs (or, priced on CPU where it moves nothing,
+    offloads them), and one SGD step still equals the per-sample Hugging Face reference (as
+    ``test_recompute.py`` checks for the flags)."""
+    hf_dir, records, batch, ref_loss, ref_grads = reference
+    actor = _actor(hf_dir, offload=squeeze == "offload")
+    engine, tree = actor.engine, build_prefix_tree(batch)
+    peak = {k: evaluate_lever(engine, tree, "tree", Lever(16, k), UNLIMITED, True).peak_bytes for k in (0, 1, 3)}
+    assert peak[0] > peak[1] > peak[3]
+    peak["offload"] = evaluate_lever(engine, tree, "tree", Lever(16, 0, True), UNLIMITED, True).peak_bytes
+    assert peak["offload"] < peak[0]
+    budget = engine.memory_budget
+    budget.budget_bytes = budget_for({"one-layer": peak[1], "leanest": peak[3]}.get(squeeze, peak["offload"]),
+                                     budget.static)
+    before = actor.state_dict_hf()
+    metrics = actor.train_step(records)
+    after = actor.state_dict_hf()
+    chosen = metrics["memory_plan"]
+    assert chosen["recompute_layers"] > 0 or chosen["dropped_graphs"] > 0 or chosen["host_offload"], chosen
+    assert chosen["host_offload"] == (squeeze == "offload"), chosen
+    assert chosen["predicted_peak_bytes"] <= budget.budget_bytes
+    assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, grad in ref_grads.items():
+        atol = 1e-5 * float(grad.abs().max()) + rounding_tolerance(torch.float32, float(before[name].abs().max()))
+        torch.testing.assert_close(after[name], before[name] - grad, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
