@@ -6,7 +6,9 @@ are, why, and what dropping each one would take:
 1. ``transformer_config_overrides``: on CPU, megatron's fused kernels (bias-GELU/SwiGLU,
    bias-dropout-add, masked softmax, RoPE fusion, persistent layer norm, gradient
    accumulation fusion) do not exist; they are switched off and weights are initialised on
-   the CPU (``use_cpu_initialization``). Dropping it needs CPU builds of those fusions.
+   the CPU (``use_cpu_initialization``); megatron's ``torch.compile``d activations
+   (``quick_gelu``, gpt-oss) run as their eager originals (``eager_activation``: dynamo's CPU
+   compiles cost seconds per kind of shape). Dropping it needs CPU builds of those fusions.
 2. ``seed_model_parallel_rng``: ``tensor_parallel.model_parallel_cuda_manual_seed`` saves and
    restores CUDA RNG states. On CPU we install megatron's inference RNG tracker (its
    ``fork()`` is a no-op) and seed torch's CPU generator; dropout is disallowed anyway
@@ -158,6 +160,16 @@ def transformer_config_overrides(device: torch.device) -> Dict[str, Any]:
         apply_rope_fusion=False,
         persist_layer_norm=False,
     )
+
+
+def eager_activation(func, device: torch.device):
+    """``func`` where it runs: megatron's activations are ``torch.compile``d (``jit_fuser``), and
+    on CPU dynamo compiles one for seconds per kind of shape and gains nothing over the same
+    eager math (gpt-oss's ``quick_gelu``); there the original function is returned. On CUDA
+    ``func`` as it is (megatron's fused bias-GLU kernels recognise it by identity)."""
+    if on_cuda(device):
+        return func
+    return getattr(func, "_torchdynamo_orig_callable", func)
 
 
 def training_fusions(device: torch.device) -> Dict[str, Any]:

@@ -32,7 +32,8 @@ WORKLOAD_NAMES = ("grpo", "stepwise", "tree", "mixed")
 
 TINY_MODEL_NAMES = ("debug-deepseek-v3", "debug-llama", "tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
 """Debug-size model configs with random weights (``megatron_psrl.model.tiny``)."""
-MOE_MODEL_NAMES = ("debug-deepseek-v3-moe", "debug-glm4-moe", "debug-mixtral", "debug-qwen2-moe", "debug-qwen3-moe")
+MOE_MODEL_NAMES = ("debug-deepseek-v3-moe", "debug-glm4-moe", "debug-gpt-oss", "debug-mixtral", "debug-qwen2-moe",
+                   "debug-qwen3-moe")
 """Debug-size mixture-of-experts configs that ``--model`` takes besides the dense tiny ones
 (``megatron_psrl.model.tiny.MOE_CONFIGS``; named here so that parsing imports no model code)."""
 HYBRID_MODEL_NAMES = ("debug-qwen3-next", "debug-qwen3.5", "debug-qwen3.5-moe", "debug-qwen3.5-moe-text",

@@ -8,7 +8,7 @@
 --ckpt-format torch_dist (the default, megatron-core's sharded format: one checkpoint that
 loads under any TP/PP layout, so --tp/--pp are not needed) or legacy (per-rank files of a
 TP x PP layout). The format of --load is detected (either is read, any layout).
-Supported: every registered family (Llama, Mistral, Qwen2/Qwen2.5, Qwen3, the MoE families,
+Supported: every registered family (Llama, Mistral, Qwen2/Qwen2.5, Qwen3, the MoE families, gpt-oss,
 Qwen3-Next and Qwen3.5; safetensors, sharded or not). A round trip reproduces every tensor bit
 for bit; a Qwen3.5 wrapper's vision tower is carried through (mcore-to-hf of a checkpoint saved
 by training takes it from --hf-template). hf-to-mcore refuses a weight holding NaN or inf (one

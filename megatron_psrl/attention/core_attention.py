@@ -10,6 +10,12 @@ in the ``core_attention`` slot of any GPT layer spec, local or Transformer Engin
   ``[t, np, hn]``, causal within every ``cu_seqlens`` segment;
 - ``packed_seq_params=None``: plain causal attention over ``[s, b, np, hn]``.
 
+A layer with a sliding window (megatron's ``window_size`` / ``window_attn_skip_freq``) runs the
+plan's windowed form (``AttentionPlan.windowed``), reading only the cached prefix rows some
+query's window reaches; with ``softmax_type`` ``learnable`` (``off-by-one``: fixed at zero) the
+module holds megatron's ``softmax_offset``, one sink logit per head that the backend joins to
+every softmax's denominator once (:mod:`megatron_psrl.attention.window`).
+
 Values may be narrower than queries and keys (latent attention, DeepSeek-V3: ``hn`` 192 =
 128 without RoPE + 64 with it, ``hv`` 128; megatron's ``k_channels`` / ``v_channels``): the
 output is ``np * hv`` wide, and every backend takes the two widths (the CPU kernels and
@@ -39,6 +45,7 @@ from megatron_psrl.attention.backends import (
 from megatron_psrl.attention.backends.varlen import require_cuda, te_deterministic
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.attention.plan import AttentionPlan, causal_plan
+from megatron_psrl.attention.window import layer_window, rows_in_window, runnable_backend
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
 
 Tensor = torch.Tensor
@@ -115,12 +122,57 @@ class PrefixSharingAttention(MegatronModule):
         self.copies_value = not config.qk_layernorm
         """Save a copy of V, not V itself, in a graph (see :meth:`_own_value`). With q/k norms the
         key norm's input, a view of the same projection output, keeps that buffer alive anyway."""
+        self.window = layer_window(config, layer_number)
+        """Keys a query sees, itself included (a sliding window; None: every ancestor)."""
+        self.softmax_offset = self._sink_parameter(config)
+        """``[np / tp]``: this rank's heads' sink logits (megatron's name and layout), or None."""
         if backend == "te" and te_builds_with_model():
             # Built now, not at the first forward: its ``_extra_state`` is then in the (sharded)
             # state dict from the start, so a checkpoint saved before any step loads after one.
             tp = config.tensor_model_parallel_size
             self._te = self._build_te(config.num_attention_heads // tp, config.num_query_groups // tp, self.head_dim,
                                       layer_number, self.value_dim)
+
+    def _sink_parameter(self, config: TransformerConfig) -> Optional[Tensor]:
+        """megatron's ``softmax_offset`` for ``softmax_type`` ``learnable`` (a parameter, split
+        over the tensor-parallel ranks by heads) or ``off-by-one`` (zeros); None for ``vanilla``."""
+        kind = getattr(config, "softmax_type", "vanilla")
+        if kind == "vanilla":
+            return None
+        if kind not in ("learnable", "off-by-one"):
+            raise ConfigurationError(f"softmax_type {kind!r}: choose vanilla, off-by-one or learnable")
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        if kind == "off-by-one":
+            return torch.zeros(heads, dtype=config.params_dtype, device=device)
+        # Every head's sink drawn, this rank's heads kept: the same model under any TP layout
+        # (as megatron's CPU initialisation of the split weights), and the same draws after it.
+        every = torch.zeros(config.num_attention_heads, dtype=config.params_dtype, device=device)
+        if config.perform_initialization:
+            config.init_method(every)
+        first = parallel_state.get_tensor_model_parallel_rank() * heads
+        offset = torch.nn.Parameter(every[first:first + heads].clone())
+        set_tensor_model_parallel_attributes(offset, is_parallel=True, dim=0, stride=1)
+        return offset
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """megatron's, with the learnable sink split over the tensor-parallel ranks by heads."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if isinstance(self.softmax_offset, torch.nn.Parameter):
+            from megatron.core import parallel_state
+            from megatron.core.transformer.utils import (
+                ensure_metadata_has_dp_cp_group,
+                make_sharded_tensors_for_checkpoint,
+            )
+
+            state.update(make_sharded_tensors_for_checkpoint(
+                {"softmax_offset": self.softmax_offset}, prefix, {"softmax_offset": 0}, sharded_offsets,
+                tp_group=parallel_state.get_tensor_model_parallel_group(),
+                dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
+        return state
 
     def _build_te(self, num_heads: int, num_groups: int, head_dim: int, layer_number: int,
                   value_dim: Optional[int] = None) -> TETreeAttention:
@@ -144,11 +196,16 @@ class PrefixSharingAttention(MegatronModule):
 
     # ------------------------------------------------------------------ dispatch
     def _run(self, backend: str, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external) -> Tensor:
+        if self.window is not None:  # its window's keys only (older cached rows are not read)
+            plan = plan.windowed(self.window)
+        external = rows_in_window(external, plan.external_starts)
+        sink = self.softmax_offset
+        backend = runnable_backend(backend, self.window, sink is not None)
         if backend == "torch":  # reads CachedPrefixKV sources itself (no copy kept for backward)
-            return blockwise_tree_attention(q, k, v, plan, external, self.softmax_scale)
+            return blockwise_tree_attention(q, k, v, plan, external, self.softmax_scale, sink=sink)
         external = [e if isinstance(e, tuple) else e.materialize() for e in external]
         if backend == "dense":
-            return dense_tree_attention(q, k, v, plan, external, self.softmax_scale)
+            return dense_tree_attention(q, k, v, plan, external, self.softmax_scale, sink=sink)
         if backend == "flash":
             return flash_tree_attention(q, k, v, plan, external, self.softmax_scale, deterministic=self.deterministic)
         if backend == "te":

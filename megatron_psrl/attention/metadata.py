@@ -32,14 +32,34 @@ class CachedPrefixKV(Protocol):
     hands the gradients back with :meth:`add_grad`; other backends call :meth:`materialize`.
     """
 
-    def read(self, again: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v)`` ``[n, ng, hn]`` copies (``again``: the backward pass's re-read)."""
+    def read(self, again: bool = False, start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` ``[n, ng, hn]`` copies (``again``: the backward pass's re-read; ``start``:
+        of the rows from there on, a sliding window's, ``[n - start, ng, hn]``)."""
 
-    def add_grad(self, grad_key: torch.Tensor, grad_value: torch.Tensor) -> None:
-        """Add the gradients of ``(k, v)`` (fp32 or the model dtype) to the source's dK/dV."""
+    def add_grad(self, grad_key: torch.Tensor, grad_value: torch.Tensor, start: int = 0) -> None:
+        """Add the gradients of ``(k, v)`` (fp32 or the model dtype; of the rows from ``start``
+        on) to the source's dK/dV."""
 
-    def materialize(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v)`` tensors whose autograd gradients reach the source (kernels that take tensors)."""
+    def materialize(self, start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` tensors (of the rows from ``start`` on) whose autograd gradients reach the
+        source (kernels that take tensors)."""
+
+
+@dataclass(frozen=True)
+class PrefixCopies:
+    """A cached prefix a hook hands over to be copied (tensors in the graph), gathered once the
+    attention knows which of its rows it reads (a sliding window reads only the last ones)."""
+
+    source: CachedPrefixKV
+    """The cached prefix."""
+
+    grads: bool
+    """Copies whose gradients reach the source (:meth:`CachedPrefixKV.materialize`), or plain
+    copies (:meth:`CachedPrefixKV.read`: a forward without gradients)."""
+
+    def take(self, start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of the rows from ``start`` on."""
+        return self.source.materialize(start=start) if self.grads else self.source.read(start=start)
 
 
 @runtime_checkable
@@ -76,8 +96,8 @@ class PrefixKVHook(Protocol):
     def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[torch.Tensor, torch.Tensor], CachedPrefixKV,
                                                                 ArrivingPrefixKV]]:
         """K/V of every external source of the plan, in ``plan.external_lengths`` order: a
-        ``(k, v)`` pair, a :class:`CachedPrefixKV` the attention reads itself, or an
-        :class:`ArrivingPrefixKV` still in flight."""
+        ``(k, v)`` pair, :class:`PrefixCopies` to gather, a :class:`CachedPrefixKV` the
+        attention reads itself, or an :class:`ArrivingPrefixKV` still in flight."""
 
     def on_kv(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """Called with this pack's K/V, e.g. to store a prefix for later micro-batches. May

@@ -25,7 +25,10 @@ not expanded; latent attention's values are narrower than its queries and keys, 
 o ``[nq, np, hv]``, lse ``[nq, np]`` (float32; float64 for float64 inputs). The CPU kernels
 take one head width for all three: there the narrower side is padded with zeros for the call
 (:func:`_one_width`), which changes no score, no output column and no gradient. ``causal`` is only used with nq == nk (a
-segment attending to itself).
+segment attending to itself). ``mask`` (bool ``[nq, nk]``, True where the query sees the key; a
+sliding window's block) restricts an unmasked block: a query that sees none of the block's keys
+gets ``o = 0``, ``lse = -inf`` (nothing to merge). The CUDA kernel takes no mask here: masked
+blocks run on the math path (a window's masked blocks are at most ``window - 1`` keys wide).
 """
 
 from __future__ import annotations
@@ -147,6 +150,13 @@ def _cuda_kernel_agrees(dtype: torch.dtype, head_dim: int, device, value_dim: Op
     return True
 
 
+def _additive(mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+    """A bool mask as the aten kernel's additive one, ``[1, 1, nq, nk]`` (0 or -inf, q's dtype)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[None, None]
+
+
 def _one_width(x: Tensor, width: int) -> Tensor:
     """``x`` padded with zero columns to ``width`` (itself when it has that width): a kernel that
     takes one head width for q, k and v then computes the same scores (the zeros add nothing to
@@ -156,38 +166,41 @@ def _one_width(x: Tensor, width: int) -> Tensor:
 
 
 def partial_attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, impl: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, impl: str = "auto", mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention of q over (k, v); returns ``(o [nq, np, hv], lse [nq, np])``."""
-    if impl == "cuda" or (impl == "auto" and _use_cuda(q, v)):
+    if mask is None and (impl == "cuda" or (impl == "auto" and _use_cuda(q, v))):
         return _cuda_forward(q, k, v, causal, scale)
     if impl == "aten" or (impl == "auto" and _use_aten(q)):
         width = max(q.shape[-1], v.shape[-1])
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _bhld(_one_width(q, width)), _bhld(_one_width(k, width)), _bhld(_one_width(v, width)), 0.0, causal,
-            scale=scale,
+            attn_mask=_additive(mask, q), scale=scale,
         )[:2]
-        return o[0, ..., :v.shape[-1]].transpose(0, 1), lse[0].transpose(0, 1)
-    return _math_forward(q, k, v, causal, scale)
+        o, lse = o[0, ..., :v.shape[-1]].transpose(0, 1), lse[0].transpose(0, 1)
+        if mask is not None:  # the kernel answers a query that sees no key with lse 0
+            lse = lse.masked_fill(~mask.any(1)[:, None], float("-inf"))
+        return o, lse
+    return _math_forward(q, k, v, causal, scale, mask=mask)
 
 
 def partial_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
-    impl: str = "auto",
+    impl: str = "auto", mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the merged output ``o`` and log-sum-exp ``lse``."""
-    if impl == "cuda" or (impl == "auto" and _use_cuda(q, v)):
+    if mask is None and (impl == "cuda" or (impl == "auto" and _use_cuda(q, v))):
         return _cuda_backward(do, q, k, v, o, lse, causal, scale)
     if impl == "aten" or (impl == "auto" and _use_aten(q)):
         hn, hv = q.shape[-1], v.shape[-1]
         width = max(hn, hv)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *(_bhld(_one_width(x, width)) for x in (do, q, k, v, o)),
-            lse.to(lse_dtype(q)).transpose(0, 1).unsqueeze(0), 0.0, causal, scale=scale,
+            lse.to(lse_dtype(q)).transpose(0, 1).unsqueeze(0), 0.0, causal, attn_mask=_additive(mask, q), scale=scale,
         )
         return (dq[0, ..., :hn].transpose(0, 1), dk[0, ..., :hn].transpose(0, 1),
                 dv[0, ..., :hv].transpose(0, 1))
-    return _math_backward(do, q, k, v, o, lse, causal, scale)
+    return _math_backward(do, q, k, v, o, lse, causal, scale, mask=mask)
 
 
 # ---------------------------------------------------------------------- reference math
@@ -201,9 +214,10 @@ def _query_chunks(nq: int, np_: int, nk: int, max_elements: int):
     return [(a, min(nq, a + step)) for a in range(0, nq, step)]
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int, nq_total: int) -> Tensor:
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int, nq_total: int,
+            mask: Optional[Tensor] = None) -> Tensor:
     """``[ng, rep, nq, nk]`` scores of queries ``q_offset:q_offset+nq`` of ``nq_total``, grouped
-    by their K/V head (float32; float64 for float64 inputs)."""
+    by their K/V head (float32; float64 for float64 inputs); ``mask`` is the whole block's."""
     nq, np_, hn = q.shape
     ng = k.shape[1]
     qg = q.to(lse_dtype(q)).reshape(nq, ng, np_ // ng, hn)
@@ -213,23 +227,26 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int, nq_
         rows = torch.arange(q_offset, q_offset + nq, device=q.device)[:, None]
         keep = torch.arange(nk, device=q.device)[None, :] <= rows + (nk - nq_total)
         s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[q_offset:q_offset + nq], float("-inf"))
     return s
 
 
-def _math_forward(q, k, v, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS):
+def _math_forward(q, k, v, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS, mask=None):
     nq, np_, _ = q.shape
     hv = v.shape[-1]
     outs, lses = [], []
     for a, b in _query_chunks(nq, np_, k.shape[0], max_elements):
-        s = _scores(q[a:b], k, causal, scale, a, nq)
+        s = _scores(q[a:b], k, causal, scale, a, nq, mask)
         lse = torch.logsumexp(s, dim=-1)  # [ng, rep, n]
-        p = torch.exp(s - lse.unsqueeze(-1))
+        # (a query that sees no key: lse -inf, and nothing to weigh)
+        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
         outs.append(torch.einsum("grqk,kgd->qgrd", p, v.to(p.dtype)).reshape(b - a, np_, hv).to(q.dtype))
         lses.append(lse.reshape(np_, b - a).transpose(0, 1))
     return torch.cat(outs), torch.cat(lses).contiguous()
 
 
-def _math_backward(do, q, k, v, o, lse, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS):
+def _math_backward(do, q, k, v, o, lse, causal, scale, max_elements: int = MATH_SCORE_ELEMENTS, mask=None):
     nq, np_, hn = q.shape
     ng = k.shape[1]
     rep = np_ // ng
@@ -239,7 +256,7 @@ def _math_backward(do, q, k, v, o, lse, causal, scale, max_elements: int = MATH_
     dv = torch.zeros(v.shape, dtype=f, device=v.device)
     for a, b in _query_chunks(nq, np_, k.shape[0], max_elements):
         n = b - a
-        s = _scores(q[a:b], k, causal, scale, a, nq)
+        s = _scores(q[a:b], k, causal, scale, a, nq, mask)
         lse_g = lse[a:b].to(f).transpose(0, 1).reshape(ng, rep, n)
         p = torch.exp(s - lse_g.unsqueeze(-1))  # [ng, rep, n, nk]
         do_g = do[a:b].to(f).reshape(n, ng, rep, v.shape[-1])

@@ -8,7 +8,8 @@ Rules follow megatron's parallel layers (names of the local layer spec):
 | ``linear_qkv.weight/bias`` | by key/value group (each rank: its groups' q, k, v rows) |
 | ``linear_fc1.weight`` | gate and up halves split separately, then stacked per rank |
 | ``linear_proj.weight``, ``linear_fc2.weight`` | input columns |
-| norms, q/k norms, MoE router, shared-expert gate | replicated |
+| ``core_attention.softmax_offset`` (attention sinks, gpt-oss) | by query heads |
+| norms, q/k norms, MoE router, shared-expert gate, ``linear_proj.bias`` | replicated |
 | routed experts (``mlp.experts.``) | replicated: whole on every TP rank (expert TP = 1; expert
   parallelism splits them instead, ``megatron_psrl.model.moe.local_experts``) |
 
@@ -70,8 +71,9 @@ def shard_kind(name: str) -> str:
         return "fc1"
     if name.endswith(("self_attention.in_proj.weight", "self_attention.conv1d.weight")):
         return "parts"
-    if name.endswith(("self_attention.dt_bias", "self_attention.A_log") + _LATENT_PROJECTIONS):
-        return "rows"
+    if name.endswith(("self_attention.dt_bias", "self_attention.A_log", "core_attention.softmax_offset")
+                     + _LATENT_PROJECTIONS):
+        return "rows"  # (per head: a Gated DeltaNet's value heads, attention sinks' query heads)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")):
         return "row"
     return "replicated"

@@ -64,9 +64,9 @@ def compute_logprobs(
     exchange groups recompute or receive their shared prefix (``PlannerConfig``).
     """
     device = device or next(model.parameters()).device
-    if arch.sliding_window is not None:
-        # Sliding-window attention is not implemented: longer samples would be silently wrong.
-        check_max_sample_length(batch, arch.sliding_window, "the model's sliding window")
+    if arch.sample_length_limit is not None:
+        # A window the model reads and no layer applies: longer samples would be silently wrong.
+        check_max_sample_length(batch, arch.sample_length_limit, "the model's sliding window")
     if not allow_rope_extrapolation:
         check_max_sample_length(batch, arch.max_position_embeddings, "the model's max_position_embeddings",
                                 "--allow-rope-extrapolation scores it anyway")

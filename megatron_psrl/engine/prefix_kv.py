@@ -18,6 +18,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from megatron_psrl.attention.metadata import PrefixCopies
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start
 from megatron_psrl.distributed.state_exchange import StateLink, received_leaf, send_states
 from megatron_psrl.host_copy import host_to_device
@@ -349,18 +350,15 @@ class PrefixKV:
             anchor = anchor + InjectCachedGrad.apply(states.conv_tail, self.cache, layer_number, 1, sources).sum() * 0.0
         return anchor if sent is None else anchor + sent
 
-    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], "CachedRead", ReceivedKV]]:
-        out: List[Union[Tuple[Tensor, Tensor], CachedRead, ReceivedKV]] = []
+    def external_kv(self, layer_number: int) -> Sequence[Union[Tuple[Tensor, Tensor], PrefixCopies, "CachedRead",
+                                                                ReceivedKV]]:
+        out: List[Union[Tuple[Tensor, Tensor], PrefixCopies, CachedRead, ReceivedKV]] = []
         count = layer_number not in self._counted  # a recomputation reads again: count once
         self._counted.add(layer_number)
         for s in self.reads:
             reader = CachedRead(self.cache, s, layer_number, count)
-            if not self.track_grads:
-                out.append(reader.read())
-            elif self.gather_in_backward:
-                out.append(reader)
-            else:
-                out.append(reader.materialize())
+            # copies are gathered by the attention: a sliding window's layer gathers only its rows
+            out.append(reader if self.track_grads and self.gather_in_backward else PrefixCopies(reader, self.track_grads))
         out += self.peers.pop(layer_number, [])
         return out
 
@@ -377,11 +375,14 @@ class CachedRead:
     def __init__(self, cache: BlockKVCache, source: int, layer: int, count: bool):
         self.cache, self.source, self.layer, self.count = cache, source, layer, count
 
-    def read(self, again: bool = False) -> Tuple[Tensor, Tensor]:
-        return self.cache.read(self.source, self.layer, count=self.count and not again)
+    def read(self, again: bool = False, start: int = 0) -> Tuple[Tensor, Tensor]:
+        # (``start`` only when a sliding window skips rows: the cache's plain call otherwise)
+        rows = {"start": start} if start else {}
+        return self.cache.read(self.source, self.layer, count=self.count and not again, **rows)
 
-    def add_grad(self, grad_key: Tensor, grad_value: Tensor) -> None:
-        self.cache.accumulate_grad(self.source, self.layer, grad_key, grad_value)
+    def add_grad(self, grad_key: Tensor, grad_value: Tensor, start: int = 0) -> None:
+        rows = {"start": start} if start else {}
+        self.cache.accumulate_grad(self.source, self.layer, grad_key, grad_value, **rows)
 
     def leaves(self, track_grads: bool) -> Tuple[Tensor, ...]:
         """Every field (a fixed state's too) as read; with ``track_grads``, leaves whose
@@ -395,14 +396,16 @@ class CachedRead:
             f.register_hook(lambda g, i=i: cache.accumulate_grad(s, layer, *(g if j == i else None for j in range(n))))
         return fields
 
-    def materialize(self) -> Tuple[Tensor, Tensor]:
-        """Leaf copies whose gradients hooks add to the source's dK/dV (kernels that take tensors)."""
+    def materialize(self, start: int = 0) -> Tuple[Tensor, Tensor]:
+        """Leaf copies (of the rows from ``start`` on) whose gradients hooks add to the source's
+        dK/dV (kernels that take tensors)."""
         cache, s, layer = self.cache, self.source, self.layer
-        k, v = self.read()
+        k, v = self.read(start=start)
         k.requires_grad_(True)
         v.requires_grad_(True)
-        k.register_hook(lambda g: cache.accumulate_grad(s, layer, g, None))
-        v.register_hook(lambda g: cache.accumulate_grad(s, layer, None, g))
+        rows = {"start": start} if start else {}
+        k.register_hook(lambda g: cache.accumulate_grad(s, layer, g, None, **rows))
+        v.register_hook(lambda g: cache.accumulate_grad(s, layer, None, g, **rows))
         return k, v
 
 

@@ -422,13 +422,19 @@ class BlockKVCache:
         for kind, tensor in zip(self.pools[j].state.kinds(VALUES), fields):
             view.index_copy_(0, self._slots[(source_id, j, kind)], tensor.detach().to(view.dtype).reshape(-1, view.shape[1]))
 
-    def read(self, source_id: int, layer: int, count: bool = True) -> Tuple[Tensor, ...]:
+    def _slots_from(self, source_id: int, j: int, kind: str, start: int) -> Tensor:
+        """Slots of a source's field in pool ``j`` from its token ``start`` on."""
+        slots = self._slots[(source_id, j, kind)]
+        return slots[self.pools[j].slots(kind, start):] if start else slots
+
+    def read(self, source_id: int, layer: int, count: bool = True, start: int = 0) -> Tuple[Tensor, ...]:
         """Gather a source's values of one layer through its block tables: a copy of every
         field, ``[n, *shape]`` (``[*shape]`` for a fixed state); ``count``: in the hit metrics
-        (a recomputation's second read is not)."""
+        (a recomputation's second read is not); ``start``: its rows from there on only (those a
+        sliding window reaches)."""
         j, view = self._slot_view(layer, grads=False)
         state = self.pools[j].state
-        out = tuple(view.index_select(0, self._slots[(source_id, j, f.name)]).view(
+        out = tuple(view.index_select(0, self._slots_from(source_id, j, f.name, start)).view(
             (-1,) + f.shape if state.per_token else f.shape) for f in state.fields)
         if count:
             self.metrics.reads += 1
@@ -436,13 +442,13 @@ class BlockKVCache:
                 self.metrics.tokens_read += out[0].shape[0]
         return out
 
-    def accumulate_grad(self, source_id: int, layer: int, *grads: Optional[Tensor]) -> None:
+    def accumulate_grad(self, source_id: int, layer: int, *grads: Optional[Tensor], start: int = 0) -> None:
         """Add gradients (``None``: none for that field) to a source's gradient blocks of one
-        layer, in fp32."""
+        layer, in fp32 (``start``: of its rows from there on, as :meth:`read` gave them)."""
         j, view = self._slot_view(layer, grads=True)
         for kind, grad in zip(self.pools[j].state.kinds(GRADS), grads):
             if grad is not None:
-                view.index_add_(0, self._slots[(source_id, j, kind)], grad.float().reshape(-1, view.shape[1]))
+                view.index_add_(0, self._slots_from(source_id, j, kind, start), grad.float().reshape(-1, view.shape[1]))
 
     def read_grad(self, source_id: int, layer: int) -> Tuple[Tensor, ...]:
         """A source's accumulated gradients of one layer: fp32 copies, one per field with a

@@ -31,6 +31,10 @@ FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 """A layer type: linear attention (Gated DeltaNet)."""
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+SLIDING_ATTENTION = "sliding_attention"
+"""A layer type: softmax attention within ``sliding_window`` tokens of the query's path (gpt-oss;
+a family that has such layers accepts it, :meth:`ModelFamily.hf_layer_fields`)."""
+ALL_LAYER_TYPES = LAYER_TYPES + (SLIDING_ATTENTION,)
 _MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size", "n_routed_experts")
 _REQUIRED = object()
 
@@ -261,7 +265,9 @@ class ModelArchitecture:
     """Std of the random initialisation (random models only)."""
 
     sliding_window: Optional[int] = None
-    """Sliding-window size if the model uses one (sequences must not exceed it)."""
+    """Sliding-window size: the ``sliding_attention`` layers (``layer_types``) attend to the last
+    ``sliding_window`` tokens of a query's path, itself included (gpt-oss). A model with a window
+    and no such layer (Mistral) does not apply it: its samples must not exceed it."""
 
     torch_dtype: str = "float32"
     """Parameter dtype of the HF checkpoint (``bfloat16``, ``float16``, ``float32``)."""
@@ -317,8 +323,8 @@ class ModelArchitecture:
     every other layer's MLP is the mixture of experts."""
 
     layer_types: Optional[List[str]] = None
-    """Each layer's token mixer, ``full_attention`` or ``linear_attention`` (Qwen3-Next /
-    Qwen3.5 ``layer_types``); None: every layer is softmax attention."""
+    """Each layer's token mixer, ``full_attention``, ``sliding_attention`` or ``linear_attention``
+    (Qwen3-Next / Qwen3.5 / gpt-oss ``layer_types``); None: every layer is softmax attention."""
 
     linear_num_key_heads: int = 0
     """Linear-attention (Gated DeltaNet) layers: query/key heads (``linear_num_key_heads``)."""
@@ -342,6 +348,14 @@ class ModelArchitecture:
     zero_centered_norms: bool = False
     """RMSNorm weights are stored around zero: ``x * (1 + w)`` (megatron
     ``layernorm_zero_centered_gamma``)."""
+
+    attention_sinks: bool = False
+    """Every softmax of a softmax-attention layer has one more logit per head in its denominator,
+    a learnable sink (gpt-oss ``self_attn.sinks``; megatron ``softmax_type='learnable'``)."""
+
+    linear_bias: bool = False
+    """Every linear layer carries a bias: the attention's q/k/v and output projections, the
+    experts and the router (gpt-oss; megatron ``add_bias_linear``)."""
 
     mtp_layers: int = 0
     """Multi-token-prediction layers of the checkpoint (``mtp_num_hidden_layers``, the ``mtp.*``
@@ -446,9 +460,12 @@ class ModelArchitecture:
         if len(self.layer_types) != self.num_layers:
             raise UnsupportedModelError(f"layer_types names {len(self.layer_types)} layers, the model has "
                                         f"num_hidden_layers {self.num_layers}")
-        unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES}, key=str)
+        unknown = sorted({t for t in self.layer_types if t not in ALL_LAYER_TYPES}, key=str)
         if unknown:
-            raise UnsupportedModelError(f"layer_types {unknown} not supported; supported: {', '.join(LAYER_TYPES)}")
+            raise UnsupportedModelError(f"layer_types {unknown} not supported; supported: {', '.join(ALL_LAYER_TYPES)}")
+        if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise UnsupportedModelError(f"field 'sliding_window': sliding_attention layers need a window of at least "
+                                        f"one token, got {self.sliding_window}")
         if LINEAR_ATTENTION not in self.layer_types:
             return
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
@@ -646,6 +663,17 @@ class ModelArchitecture:
         return tuple(self.layer_types) if self.layer_types else (FULL_ATTENTION,) * self.num_layers
 
     @property
+    def sliding_window_layers(self) -> Tuple[int, ...]:
+        """0-based indices of the layers that attend within ``sliding_window``."""
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == SLIDING_ATTENTION)
+
+    @property
+    def sample_length_limit(self) -> Optional[int]:
+        """The longest sample the model runs as its family does: the sliding window it reads and
+        no layer applies (Mistral's; refused past it), else None."""
+        return self.sliding_window if self.sliding_window is not None and not self.sliding_window_layers else None
+
+    @property
     def linear_attention_layers(self) -> Tuple[int, ...]:
         """0-based indices of the linear-attention (Gated DeltaNet) layers."""
         return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == LINEAR_ATTENTION)
@@ -663,6 +691,10 @@ class ModelArchitecture:
             attn += hd * (self.num_attention_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * hd
+        if self.linear_bias:  # the output projection's (q/k/v: qkv_bias)
+            attn += h
+        if self.attention_sinks:
+            attn += self.num_attention_heads
         return attn
 
     def latent_attention_parameters(self) -> int:

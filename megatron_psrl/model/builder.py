@@ -39,12 +39,16 @@ def sum_expert_gradients_over_expert_data_parallel(chunk: torch.nn.Module) -> No
     each tensor-parallel rank's experts see only its share of the rows, so their gradients must
     also be summed over the tensor-parallel ranks: the expert-data-parallel group holds both
     (it is also the group megatron's optimizer computes the experts' share of the gradient norm
-    over, without counting the TP copies twice)."""
+    over, without counting the TP copies twice). For the same reason an expert's parameter is
+    not summed over the tensor-parallel ranks again as a sequence-parallel one: megatron marks
+    an expert's fc2 bias ``sequence_parallel`` (gpt-oss's experts have biases)."""
     from megatron_psrl.model.moe import is_expert_parameter
 
     for name, param in chunk.named_parameters():
         if is_expert_parameter(name):
             param.allreduce = False
+            if getattr(param, "sequence_parallel", False):
+                param.sequence_parallel = False
 
 
 def build_model(

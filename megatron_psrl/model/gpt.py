@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -35,7 +36,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_psrl.attention import PrefixSharingAttention, TreeAttentionMetadata
-from megatron_psrl.compat import keeps_cuda_embedding_sync, quiet_expected_import_warnings, transformer_config_overrides
+from megatron_psrl.compat import (
+    eager_activation,
+    keeps_cuda_embedding_sync,
+    quiet_expected_import_warnings,
+    transformer_config_overrides,
+)
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.sequence_parallel import (
@@ -108,6 +114,7 @@ def build_transformer_config(
         calculate_per_token_loss=True,
     )
     kwargs.update(transformer_config_overrides(device))
+    kwargs["activation_func"] = eager_activation(kwargs["activation_func"], device)
     kwargs.update(moe_config_fields(arch))
     kwargs.update(overrides)
     with warnings.catch_warnings():
@@ -169,7 +176,22 @@ def build_layer_spec(arch: ModelArchitecture, transformer_impl: str = "local", m
     spec.submodules.self_attention.submodules.core_attention = (
         PrefixSharingAttention if attention_backend is None
         else ModuleSpec(module=PrefixSharingAttention, params={"backend": attention_backend}))
+    experts = getattr(getattr(spec.submodules.mlp, "submodules", None), "experts", None)
+    if arch.linear_bias and getattr(getattr(experts, "submodules", None), "linear_fc2", None) is RowParallelLinear:
+        experts.submodules.linear_fc2 = BiasedExpertOutput
     return spec
+
+
+class BiasedExpertOutput(RowParallelLinear):
+    """megatron's ``RowParallelLinear`` as an expert's fc2 when the experts have biases (gpt-oss).
+    megatron's ``MLP`` adds the routing-weighted bias to this layer's output in place
+    (``output += bias * probs``); without tensor or expert parallelism that output is the input
+    a reduce over one rank hands back as is, an autograd view that may not be modified in
+    place. Here such an output is returned as a tensor of its own (a copy of the expert's rows)."""
+
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)
+        return (output.clone() if output._is_view() else output), bias
 
 
 def _with_norm(spec, norm):

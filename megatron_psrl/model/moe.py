@@ -58,6 +58,9 @@ def check_moe_settings(arch: ModelArchitecture, overrides: Mapping[str, object],
     if overrides.get("moe_grouped_gemm") and torch.device(device).type != "cuda":
         raise ConfigurationError("--moe-grouped-gemm needs CUDA (its kernels are GPU-only); on CPU the experts run "
                                  "one by one (megatron's SequentialMLP)")
+    if overrides.get("moe_grouped_gemm") and arch.linear_bias:
+        raise ConfigurationError(f"--moe-grouped-gemm with {arch.model_type}'s expert biases is not supported (the "
+                                 "grouped layouts' conversions carry weights only); its experts run one by one")
     if overrides.get("moe_expert_capacity_factor") is not None:
         raise ConfigurationError("capacity-factor token dropping is not supported: which tokens an expert drops "
                                  "depends on the other tokens of the batch, so prefix sharing would change them")

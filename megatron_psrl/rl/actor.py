@@ -166,8 +166,8 @@ class PolicyActor:
         if batch.routed_experts is not None and (self.virtual_pipeline_size or 1) > 1:
             raise UnsupportedFeatureError("router replay (routed_experts) with virtual pipeline stages is not "
                                           "supported yet (untested; pipeline parallelism without them is exact)")
-        if self.arch.sliding_window is not None:
-            check_max_sample_length(batch, self.arch.sliding_window, "the model's sliding window")
+        if self.arch.sample_length_limit is not None:
+            check_max_sample_length(batch, self.arch.sample_length_limit, "the model's sliding window")
         if not self.config.allow_rope_extrapolation:
             check_max_sample_length(batch, self.arch.max_position_embeddings, "the model's max_position_embeddings",
                                     "--allow-rope-extrapolation trains it anyway")

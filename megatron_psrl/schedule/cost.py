@@ -70,6 +70,12 @@ class ModelDims:
     """Output vocabulary (the LM head is hidden_size x vocab_size)."""
     gated: bool = True
     """SwiGLU-style MLP (gate + up + down projections) instead of two projections."""
+    attention_layers: Optional[int] = None
+    """Layers whose attention cost follows the key pairs (None: every layer). The others are
+    sliding-window layers (gpt-oss), charged ``window_keys`` keys per token."""
+    window_keys: int = 0
+    """Keys per token a sliding-window layer is charged: its window (what a token deeper than
+    the window sees; shallower tokens see fewer, so this is an upper bound)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -78,6 +84,8 @@ class ModelDims:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.attention_layers is not None and not 0 <= self.attention_layers <= self.num_layers:
+            raise ValueError(f"attention_layers must be in [0, num_layers], got {self.attention_layers}")
 
 
 TINY_MODEL_DIMS = ModelDims(
@@ -180,8 +188,10 @@ class CostModel:
         # A multiply-add per weight and token; QK^T and PV are head_dim multiply-adds per head.
         linear = FORWARD_BACKWARD_FACTOR * 2.0 * dims.num_layers * weights_per_layer
         head = FORWARD_BACKWARD_FACTOR * 2.0 * dims.hidden_size * dims.vocab_size
-        attention = FORWARD_BACKWARD_FACTOR * dims.num_layers * 2.0 * 2.0 * q_width
-        return cls(float(linear), float(attention), float(head), name=name)
+        per_key = FORWARD_BACKWARD_FACTOR * 2.0 * 2.0 * q_width  # one layer's
+        full = dims.num_layers if dims.attention_layers is None else dims.attention_layers
+        linear += (dims.num_layers - full) * per_key * dims.window_keys  # sliding-window layers: per token
+        return cls(float(linear), float(full * per_key), float(head), name=name)
 
     @classmethod
     def for_architecture(cls, arch: "ModelArchitecture") -> "CostModel":

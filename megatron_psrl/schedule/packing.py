@@ -117,7 +117,9 @@ def pack_tokens(
     seg_parent = np.where(start_pred >= 0, seg_of_token[np.maximum(start_pred, 0)], -1)
 
     ext_blocks = _external_blocks(index, tok, seg_start[(seg_parent < 0) & (pred_tree[seg_start] >= 0)], external)
-    plan = tree_plan(seg_start, seg_end, seg_parent, ext_blocks, [s.length for s in external])
+    plan = tree_plan(seg_start, seg_end, seg_parent, ext_blocks, [s.length for s in external],
+                     positions=index.position[tok],
+                     external_positions=[int(index.position[s.last_token]) - s.length + 1 for s in external])
 
     logit_rows, logit_targets = _logit_rows(index, tok, pred_pack, owned & present, remote_targets)
     return PackedMicroBatch(

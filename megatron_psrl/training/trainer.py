@@ -177,7 +177,7 @@ class Trainer:
         self.data = BatchSource(
             args.data, arch.vocab_size, args.seed, args.global_batch_size, args.synthetic_tokens,
             kl_required=args.kl_coef != 0.0, progress=self.layout.is_logging_rank and not args.quiet,
-            max_sequence_length=arch.sliding_window,
+            max_sequence_length=arch.sample_length_limit,
             max_positions=None if args.allow_rope_extrapolation else arch.max_position_embeddings,
             allow_unknown_fields=args.allow_unknown_fields,
         )

@@ -171,3 +171,65 @@ def per_query_attention(
         s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * scale
         outs.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv))
     return torch.stack(outs)
+
+
+# ---------------------------------------------------------------------- sliding windows and sinks
+def chain_forest(rng: np.random.Generator, max_segments=7, max_len=9, max_sources=3) -> Forest:
+    """A random forest whose external sources are one chain of cached prefixes (source ``j``
+    continues source ``j - 1``, as mechanism 2's nested prefixes): every root reads the first
+    few sources of the chain, so every key has one depth."""
+    forest = random_forest(rng, max_segments, max_len, 0)
+    n_src = int(rng.integers(0, max_sources + 1))
+    forest.ext_lengths = [int(x) for x in rng.integers(1, max_len + 1, n_src)]
+    forest.root_sources = {r: list(range(int(rng.integers(0, n_src + 1))))
+                           for r in range(len(forest.lengths)) if forest.parents[r] < 0}
+    return forest
+
+
+def depths(forest: Forest) -> Tuple[np.ndarray, np.ndarray]:
+    """``(depth of every query, depth of every key in [pack, external 0, 1, ...])`` of a
+    :func:`chain_forest`: a token's depth is the number of tokens before it on its path."""
+    ext_first = np.concatenate([[0], np.cumsum(forest.ext_lengths)]).astype(np.int64)
+    start = {}
+    for s in range(len(forest.lengths)):
+        p = forest.parents[s]
+        start[s] = start[p] + forest.lengths[p] if p >= 0 else int(ext_first[len(forest.root_sources.get(s, []))])
+    queries = np.concatenate([start[s] + np.arange(n) for s, n in enumerate(forest.lengths)]).astype(np.int64)
+    ext = [ext_first[j] + np.arange(n) for j, n in enumerate(forest.ext_lengths)]
+    return queries, np.concatenate([queries] + ext).astype(np.int64)
+
+
+def windowed_key_sets(forest: Forest, window: int) -> List[List[int]]:
+    """Every query's keys (its ancestors and itself) fewer than ``window`` tokens before it on its path."""
+    queries, keys = depths(forest)
+    return [[j for j in ks if queries[i] - keys[j] < window] for i, ks in enumerate(forest.key_sets())]
+
+
+def plan_with_depths(forest: Forest) -> AttentionPlan:
+    """The forest's plan with its tokens' and external sources' depths (what a pack has)."""
+    queries, _ = depths(forest)
+    first = np.concatenate([[0], np.cumsum(forest.ext_lengths)[:-1]]).astype(np.int64)
+    return tree_plan(forest.starts, forest.ends, forest.parents, external_blocks=forest.external_blocks(),
+                     external_lengths=forest.ext_lengths, positions=queries,
+                     external_positions=[int(x) for x in first[:len(forest.ext_lengths)]])
+
+
+def per_query_attention_with_sink(q, k, v, key_sets, external=(), scale=None, sink=None):
+    """:func:`per_query_attention` with a sink logit per head as one more softmax column
+    (Hugging Face's gpt-oss eager attention), float64."""
+    keys = torch.cat([k] + [e[0] for e in external], 0).double()
+    values = torch.cat([v] + [e[1] for e in external], 0).double()
+    t, np_, hn = q.shape
+    rep = np_ // k.shape[1]
+    scale = hn**-0.5 if scale is None else scale
+    outs = []
+    for i, ks in enumerate(key_sets):
+        idx = torch.as_tensor(list(ks), dtype=torch.long)
+        kk = keys[idx].repeat_interleave(rep, dim=1)
+        vv = values[idx].repeat_interleave(rep, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * scale
+        if sink is not None:
+            s = torch.cat([s, sink.double()[:, None]], dim=1)
+        p = torch.softmax(s, -1)[:, :len(ks)]
+        outs.append(torch.einsum("hn,nhd->hd", p, vv))
+    return torch.stack(outs)

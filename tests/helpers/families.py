@@ -32,6 +32,8 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
     elif name == "mistral-linear":  # linear RoPE scaling, theta != 10000
         cfg = dict(tiny_config("tiny-mistral"), **_SMALL)
         cfg.update(rope_theta=50000.0, rope_scaling=dict(rope_type="linear", factor=2.0))
+    elif name == "gpt-oss":  # an 8-token window (first layer), sinks, biases, clamped experts, YaRN
+        cfg = dict(tiny_config("debug-gpt-oss"), vocab_size=301)
     elif name == "deepseek-v3":  # latent attention, values narrower than keys, YaRN with DeepSeek's mscale
         cfg = tiny_config("debug-deepseek-v3")
     elif name == "deepseek-v3-q-proj":  # no query latent (q_proj), plain RoPE, tied embeddings, odd vocabulary
@@ -45,10 +47,12 @@ def family_config(name: str, **overrides: Any) -> Dict[str, Any]:
     else:
         raise ValueError(name)
     cfg.update(overrides)
+    if name == "gpt-oss" and "layer_types" not in overrides:  # sliding and full layers alternate
+        cfg["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(cfg["num_hidden_layers"])]
     return cfg
 
 
-FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear", "glm4-moe-qk-norm")
+FAMILIES = ("llama-llama3", "qwen2-yarn", "qwen3-tied", "mistral", "mistral-linear", "gpt-oss", "glm4-moe-qk-norm")
 LATENT_FAMILIES = ("deepseek-v3", "deepseek-v3-q-proj", "deepseek-v3-moe")
 """DeepSeek-V3's latent attention (MLA), with and without the query's latent; with its MoE layers."""
 
@@ -79,8 +83,12 @@ def make_family_checkpoint(config: Dict[str, Any], directory: str, seed: int = 0
                         "kv_a_proj_with_mqa.weight")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith("norm.weight") or name.endswith(".bias") or name.endswith("_bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a visible share
+                p.copy_(torch.randn_like(p))
+            if cfg.model_type == "gpt_oss" and name.endswith("mlp.experts.gate_up_proj"):
+                p.mul_(4.0)  # some gates and ups past the clamp
             if qk_norm and (name.endswith("q_norm.weight") or name.endswith("k_norm.weight")):
                 p.mul_(qk_gain ** 0.5)
             elif not qk_norm and name.endswith(queries_and_keys):
@@ -99,9 +107,11 @@ PARALLEL_CONFIGS: Dict[str, Dict[str, Any]] = {
     "llama": dict(tiny_config("debug-llama"), vocab_size=251, tie_word_embeddings=True),
     "qwen3": dict(tiny_config("debug-llama"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=251,
                   tie_word_embeddings=True),
+    "gpt_oss": dict(tiny_config("debug-gpt-oss"), vocab_size=251),
     "deepseek": dict(tiny_config("debug-deepseek-v3"), vocab_size=251, tie_word_embeddings=True),
 }
 """The multi-rank tests' models: an odd vocabulary (TP pads it), GQA (4 heads over 2 groups),
 tied embeddings; Qwen3 adds per-head q/k norms, whose gradients are TP-partial until the
-optimizer sums them; DeepSeek-V3's latent attention (4 heads, keys of 24 and values of 12 per
-head, the latents and the RoPE key whole on every tensor-parallel rank)."""
+optimizer sums them; gpt-oss (untied) adds windows, sinks split by heads, biases and experts;
+DeepSeek-V3's latent attention (4 heads, keys of 24 and values of 12 per head, the latents and
+the RoPE key whole on every tensor-parallel rank)."""

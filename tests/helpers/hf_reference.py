@@ -25,11 +25,14 @@ def make_hf_checkpoint(config: dict, seed: int = 0, dtype=torch.float32, directo
     cfg = AutoConfig.for_model(**config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).to(dtype)
-    # Random init of HF leaves norms at 1 and biases at 0; perturb them so the test sees them.
+    # Random init of HF leaves norms at 1 and biases at 0; perturb them so the test sees them
+    # (gpt-oss: the experts' biases too, and sinks that take a visible share of the softmax).
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith("norm.weight") or name.endswith(".bias") or name.endswith("_bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("self_attn.sinks"):
+                p.copy_(torch.randn_like(p))
     directory = directory or tempfile.mkdtemp(prefix="hf-")
     model.save_pretrained(directory, safe_serialization=True)
     return directory

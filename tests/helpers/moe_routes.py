@@ -6,11 +6,12 @@
   router of a Hugging Face MoE model computes its own logits and softmax but takes the given
   expert ids instead of its top-k (``norm_topk_prob`` as HF applies it; Qwen3.5-MoE's router,
   without the field, always renormalises), one sample per forward, in batch order (as the
-  reference helpers run the samples). A DeepSeek-V3-style MoE (GLM-4.5: sigmoid scores, the
-  expert bias and groups for selection only) takes the given ids in place of its grouped
-  selection and weighs them as it weighs its own (the unbiased sigmoid scores, renormalised,
-  times ``routed_scaling_factor``); its dense layers have no router, so the routes' layers are
-  its MoE layers.
+  reference helpers run the samples). gpt-oss's router (``mlp.router``: a bias, the softmax over
+  the chosen experts' logits) takes them alike. A DeepSeek-V3-style MoE (GLM-4.5: sigmoid
+  scores, the expert bias and groups for selection only) takes the given ids in place of its
+  grouped selection and weighs them as it weighs its own (the unbiased sigmoid scores,
+  renormalised, times ``routed_scaling_factor``); its dense layers have no router, so the
+  routes' layers are its MoE layers.
 """
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ def hf_replayed(model, batch, routes: torch.Tensor):
             return router_logits, top.to(router_logits.dtype), indices
         return forward
 
+    def router_forward(router, layer):  # gpt-oss: softmax over the chosen experts' logits
+        def forward(hidden_states):
+            router_logits = F.linear(hidden_states, router.weight, router.bias)  # [n, E]
+            given = state["routes"]
+            own = torch.topk(router_logits, router.top_k, dim=-1).indices
+            indices = torch.where((given[:, 0, 0] < 0)[:, None], own, given[:, layer])  # [n, k]
+            scores = torch.softmax(router_logits.gather(1, indices), dim=1, dtype=router_logits.dtype)
+            return router_logits, scores, indices
+        return forward
+
     def grouped_routing(moe, layer):
         own_routing = moe.route_tokens_to_experts
 
@@ -75,11 +86,17 @@ def hf_replayed(model, batch, routes: torch.Tensor):
             return indices, weights * moe.routed_scaling_factor
         return route
 
-    moe_mlps = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]  # (no dense MLP)
+    def router_of(mlp):  # gpt-oss's is mlp.router, the others' mlp.gate
+        return mlp.router if hasattr(mlp, "router") else mlp.gate
+
+    # (no dense MLP: it has neither)
+    moe_mlps = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router")]
     handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
     for layer, mlp in enumerate(moe_mlps):
         if hasattr(mlp, "route_tokens_to_experts"):
             mlp.route_tokens_to_experts = grouped_routing(mlp, layer)
+        elif hasattr(mlp, "router"):
+            mlp.router.forward = router_forward(mlp.router, layer)
         else:
             mlp.gate.forward = gate_forward(mlp.gate, layer)
     try:
@@ -90,4 +107,4 @@ def hf_replayed(model, batch, routes: torch.Tensor):
             if "route_tokens_to_experts" in vars(mlp):
                 del mlp.route_tokens_to_experts
             else:
-                del mlp.gate.forward
+                del router_of(mlp).forward

@@ -34,6 +34,8 @@ from megatron_psrl.schedule.memory import (
 SEVEN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 """Qwen3-Next and Qwen3.5 (tests/model/test_hybrid_families.py)."""
+LATER = ("gpt_oss",)
+"""Registered after the hybrids (tests/model/test_moe_families.py)."""
 LATENT = ("deepseek_v3",)
 """DeepSeek-V3's latent attention (tests/model/test_deepseek.py); Kimi K2's ``kimi_k2`` is its alias."""
 GROUPED = ("glm4_moe",)
@@ -42,10 +44,10 @@ DEBUG_CONFIGS = [(f.model_type, name) for f in registered_families() for name in
 
 
 def test_registry_lists_the_families_in_order():
-    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS + LATENT + GROUPED
-    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS + LATENT + ("kimi_k2",) + GROUPED
+    assert tuple(f.model_type for f in registered_families()) == SEVEN + HYBRIDS + LATER + LATENT + GROUPED
+    assert architecture.SUPPORTED_MODEL_TYPES == SEVEN + HYBRIDS + LATER + LATENT + ("kimi_k2",) + GROUPED
     assert architecture.MOE_MODEL_TYPES == ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe_text",
-                                            "qwen3_5_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
+                                            "qwen3_5_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "glm4_moe")
     for family in registered_families():
         assert isinstance(family, ModelFamily)
         assert get_family(family.model_type) is family
@@ -61,8 +63,8 @@ def test_tiny_module_is_a_view_of_the_bundles():
     assert "debug-deepseek-v3" in TINY_CONFIGS and "debug-deepseek-v3-moe" in MOE_CONFIGS
     assert all(f.hf_has_moe_layers(c) == f.is_moe for f in plain if not f.moe_layers_optional
                for c in f.tiny_configs.values())
-    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "deepseek-v3-class",
-                                  "glm-4.5-air-class", "qwen3-30b-a3b-class"}
+    assert set(SHAPE_CONFIGS) == {"qwen2.5-1.5b-shape", "qwen3-next-80b-a3b", "qwen3.5-27b-class", "gpt-oss-120b-class",
+                                  "deepseek-v3-class", "glm-4.5-air-class", "qwen3-30b-a3b-class"}
     assert set(get_family("qwen2").shape_configs) == {"qwen2.5-1.5b-shape"}
 
 

@@ -1,4 +1,5 @@
-"""Qwen2-MoE (routed experts + a sigmoid-gated shared expert), Mixtral and GLM-4.5 (grouped
+"""Qwen2-MoE (routed experts + a sigmoid-gated shared expert), Mixtral, gpt-oss (sliding-window
+and full layers with attention sinks, biases, clamped-SwiGLU experts) and GLM-4.5 (grouped
 sigmoid routing with an expert bias, an ungated shared expert, a dense first layer) on
 megatron-core's MoELayer: config parsing and refusals, the bit-exact HF <-> megatron conversion
 (in memory, and through the converter's torch_dist checkpoint), and exactness with prefix
@@ -31,8 +32,8 @@ from megatron_psrl.model.architecture import ModelArchitecture, UnsupportedModel
 from megatron_psrl.model.gpt import moe_config_fields
 from megatron_psrl.model.tiny import tiny_config
 
-FAMILIES = {"qwen2_moe": "debug-qwen2-moe", "mixtral": "debug-mixtral", "glm4_moe": "debug-glm4-moe",
-            "deepseek_v3": "debug-deepseek-v3-moe"}
+FAMILIES = {"qwen2_moe": "debug-qwen2-moe", "mixtral": "debug-mixtral", "gpt_oss": "debug-gpt-oss",
+            "glm4_moe": "debug-glm4-moe", "deepseek_v3": "debug-deepseek-v3-moe"}
 MICRO_BATCH = 32  # below the longest trees: cached prefixes (mechanism 2) in every step (as test_moe.py)
 LOSS = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
 SCRIPT = os.path.join(REPO_ROOT, "tests", "model", "scripts", "moe_expert_parallel.py")
@@ -51,6 +52,15 @@ MIXTRAL_8X7B = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], 
                     num_local_experts=8, num_experts_per_tok=2, hidden_act="silu", max_position_embeddings=32768,
                     rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None, tie_word_embeddings=False,
                     torch_dtype="bfloat16", router_aux_loss_coef=0.02, output_router_logits=False)
+GPT_OSS_120B = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+                    intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
+                    head_dim=64, num_local_experts=128, num_experts_per_tok=4, experts_per_token=4,
+                    sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18,
+                    attention_bias=True, hidden_act="silu", swiglu_limit=7.0, rms_norm_eps=1e-5,
+                    max_position_embeddings=131072, initial_context_length=4096, rope_theta=150000,
+                    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                      original_max_position_embeddings=4096),
+                    tie_word_embeddings=False, torch_dtype="bfloat16", router_aux_loss_coef=0.9)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -94,7 +104,16 @@ def test_published_configs_parse():
     assert 46.6e9 < mixtral.num_parameters() < 46.8e9  # 46.7B total
     active = mixtral.num_parameters() - mixtral.num_layers * (mixtral.mlp_parameters() - mixtral.active_mlp_parameters())
     assert 12.8e9 < active < 13.0e9  # 12.9B active per token
-    for arch in (qwen, mixtral):  # as psrl_model.json stores it (GLM-4.5-Air: test_glm4_moe.py)
+    oss = ModelArchitecture.from_hf_config(copy.deepcopy(GPT_OSS_120B))
+    assert (oss.num_experts, oss.moe_ffn_hidden_size, oss.moe_router_topk, oss.moe_norm_topk_prob) == (
+        128, 2880, 4, True)
+    assert oss.sliding_window == 128 and oss.sliding_window_layers == tuple(range(0, 36, 2))
+    assert oss.attention_sinks and oss.linear_bias and oss.qkv_bias and oss.sample_length_limit is None
+    assert (oss.rope.rope_type, oss.rope.factor, oss.rope.truncate, oss.rope.theta) == ("yarn", 32.0, False, 150000.0)
+    assert 116.7e9 < oss.num_parameters() < 116.9e9  # the published size (116.8B total)
+    active = oss.num_parameters() - oss.num_layers * (oss.mlp_parameters() - oss.active_mlp_parameters())
+    assert 5.1e9 < active - oss.vocab_size * oss.hidden_size < 5.2e9  # 5.13B active (the input embedding not counted)
+    for arch in (qwen, mixtral, oss):  # as psrl_model.json stores it (GLM-4.5-Air: test_glm4_moe.py)
         assert ModelArchitecture.from_dict(json.loads(json.dumps(arch.to_dict()))) == arch
 
 
@@ -151,6 +170,12 @@ REFUSED = [
     ("mixtral", dict(attention_bias=True), ["attention_bias"]),
     ("mixtral", dict(num_local_experts=None), ["mixtral", "mixture-of-experts", "num_local_experts"]),
     ("mixtral", dict(num_experts_per_tok=0), ["num_experts_per_tok"]),
+    ("gpt_oss", dict(quantization_config=dict(quant_method="mxfp4")), ["quantization_config", "mxfp4"]),
+    ("gpt_oss", dict(attention_bias=False), ["attention_bias"]),
+    ("gpt_oss", dict(swiglu_limit=5.0), ["swiglu_limit"]),
+    ("gpt_oss", dict(layer_types=["sliding_attention", "chunked_attention"]), ["layer_types", "chunked_attention"]),
+    ("gpt_oss", dict(sliding_window=0), ["sliding_window"]),
+    ("gpt_oss", dict(layer_types=["sliding_attention"]), ["layer_types", "num_hidden_layers"]),
     # GLM-4.5 (grouped routing): DeepSeek-V2's routers, a group score megatron computes otherwise
     # (its best k / topk_group experts, HF's best 2), megatron's sigmoid renormalisation rule
     ("glm4_moe", dict(topk_method="greedy"), ["topk_method 'greedy'", "noaux_tc"]),
@@ -192,7 +217,8 @@ def test_hf_megatron_round_trip_is_bit_exact(family, hf_dirs):
     arch = ModelArchitecture.from_hf_dir(hf_dir)
     on_disk = load_file(os.path.join(hf_dir, "model.safetensors"))
     expert = {"qwen2_moe": "mlp.experts.7.down_proj.weight", "mixtral": "block_sparse_moe.experts.7.w2.weight",
-              "glm4_moe": "mlp.experts.7.down_proj.weight", "deepseek_v3": "mlp.experts.7.down_proj.weight"}[family]
+              "gpt_oss": "mlp.experts.down_proj_bias", "glm4_moe": "mlp.experts.7.down_proj.weight",
+              "deepseek_v3": "mlp.experts.7.down_proj.weight"}[family]
     assert f"model.layers.1.{expert}" in on_disk
     assert set(on_disk) == set(get_adapter(arch).hf_keys())
     mcore = hf_full_state_dict(hf_dir, arch, strict=True)
@@ -210,8 +236,13 @@ def test_hf_megatron_round_trip_is_bit_exact(family, hf_dirs):
     assert set(back) == set(on_disk)
     for name, tensor in on_disk.items():
         assert torch.equal(back[name], tensor), name
+    if family == "gpt_oss":  # sinks, biases, the router's bias; experts fused on disk too
+        assert mcore["decoder.layers.1.self_attention.core_attention.softmax_offset"].shape == (4,)
+        assert mcore["decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.bias"].shape == (2 * 32,)
+        assert "decoder.layers.1.mlp.router.bias" in mcore and "decoder.layers.1.self_attention.linear_proj.bias" in mcore
     memory = load_hf_model(hf_dir).state_dict()
-    assert "model.layers.1.mlp.experts.gate_up_proj" in memory and "model.layers.1.mlp.gate.weight" in memory
+    router = "router" if family == "gpt_oss" else "gate"
+    assert "model.layers.1.mlp.experts.gate_up_proj" in memory and f"model.layers.1.mlp.{router}.weight" in memory
     for model_type in (family, None):
         in_memory = unfuse_experts(memory, model_type)
         for name, tensor in on_disk.items():
@@ -241,6 +272,31 @@ def test_converter_round_trip_is_bit_exact(family, hf_dirs, tmp_path):
         assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.load(f)
 
 
+def test_gpt_oss_legacy_tensor_parallel_round_trip_is_bit_exact(hf_dirs, tmp_path):
+    """A legacy checkpoint of two tensor-parallel shards: each holds its heads' sinks and q/k/v
+    biases, the output bias whole (added after the reduce), the experts whole; merged back, every
+    tensor is the original."""
+    from safetensors.torch import load_file
+
+    from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+    from megatron_psrl.checkpoint.sharding import shard_state_dict
+
+    src = hf_dirs("gpt_oss")
+    hf_to_mcore(src, str(tmp_path / "ckpt"), tp=2, ckpt_format="legacy", progress=False)
+    mcore_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), progress=False)
+    a, b = load_file(os.path.join(src, "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    arch = ModelArchitecture.from_hf_dir(src)
+    from megatron_psrl.checkpoint.loading import hf_full_state_dict
+
+    full = hf_full_state_dict(src, arch)
+    shards = shard_state_dict(full, arch, 2, 1)
+    name = "decoder.layers.0.self_attention.core_attention.softmax_offset"
+    assert torch.equal(torch.cat([shards[(0, 0)][name], shards[(1, 0)][name]]), full[name])
+    bias = "decoder.layers.0.self_attention.linear_proj.bias"
+    assert torch.equal(shards[(1, 0)][bias], full[bias])
+
+
 # ------------------------------------------------------------------------------- exactness
 def _actor(hf_dir, **overrides):
     return PolicyActor(hf_dir, ActorConfig(device="cpu", micro_batch_tokens=MICRO_BATCH, loss=LOSS,
@@ -248,7 +304,8 @@ def _actor(hf_dir, **overrides):
                                            **overrides))
 
 
-@pytest.mark.parametrize("model_type,dispatcher", [("qwen2_moe", "allgather"), ("mixtral", "alltoall")])
+@pytest.mark.parametrize("model_type,dispatcher", [("qwen2_moe", "allgather"), ("mixtral", "alltoall"),
+                                                   ("gpt_oss", "alltoall")])
 def test_logprobs_loss_and_gradients_equal_the_per_sample_reference(model_type, dispatcher, hf_dirs, records):
     """Prefix sharing (mechanisms 1 and 2: micro-batches of 32 tokens, cached prefixes) with
     dropless top-k routing at EP = 1: log-probs, the loss and every gradient (router, every

@@ -285,13 +285,17 @@ def test_a_batch_with_routes_that_do_not_fit_the_model_is_refused(hf_dir, record
 
 # ------------------------------------------------------------------------------- EP = 2
 @pytest.mark.slow  # two processes
-@pytest.mark.parametrize("model", ["qwen3_moe", "glm4_moe"])
-def test_router_replay_with_expert_parallelism_under_torchrun(hf_dir, glm_dir, model):
+@pytest.mark.parametrize("model", ["qwen3_moe", "glm4_moe", "gpt_oss"])
+def test_router_replay_with_expert_parallelism_under_torchrun(hf_dir, glm_dir, tmp_path, model):
     """EP = DP = 2 over gloo, alltoall dispatcher, cached prefixes, routes replayed: every rank
     matches the per-sample reference with the same routes (asserted inside the script), while
     the lockstep's empty passes route on their own; GLM-4.5's dense first layer has no router
-    (the routes' layers are its MoE layers)."""
-    out = run_torchrun(SCRIPT, [hf_dir if model == "qwen3_moe" else glm_dir, "16"], nproc=2, timeout=600)
+    (the routes' layers are its MoE layers). gpt-oss (the same layers, top-k and experts as
+    Qwen3-MoE's: the same routes fit) adds its biased router, sliding windows and sinks."""
+    directory = {"qwen3_moe": hf_dir, "glm4_moe": glm_dir}.get(model)
+    if directory is None:
+        directory = make_family_checkpoint(tiny_config("debug-gpt-oss"), str(tmp_path / model))
+    out = run_torchrun(SCRIPT, [directory, "16"], nproc=2, timeout=600)
     reports = re.findall(r"rank (\d) replay ok: .*?empty passes (\d+)", out)
     assert sorted(rank for rank, _ in reports) == ["0", "1"], out[-3000:]
     assert sum(int(empty) for _, empty in reports) > 0, reports

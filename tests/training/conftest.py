@@ -1,8 +1,10 @@
 """Fixtures: one tiny HF checkpoint, the HF reference model and our megatron model (TP=1); the same
+for the debug gpt-oss model (sliding windows, sinks, clamped-SwiGLU experts: ``gpt_oss_model``),
 for DeepSeek-V3's latent attention (``latent_*``) and with its MoE layers (``latent_moe_*``)."""
 
 import pytest
 import torch
+from helpers.families import make_family_checkpoint
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint
 from megatron.core import parallel_state
 
@@ -85,3 +87,17 @@ def latent_moe_hf_model(latent_moe_hf_dir):
 def latent_moe_model(latent_moe_hf_dir, _psrl_model_cache):
     """(arch, model) of the latent-attention MoE checkpoint (:func:`_loaded`)."""
     return _loaded(_psrl_model_cache, "latent-moe", latent_moe_hf_dir)
+
+
+@pytest.fixture(scope="session")
+def _gpt_oss_checkpoint(tmp_path_factory):
+    hf_dir = make_family_checkpoint(tiny_config("debug-gpt-oss"), str(tmp_path_factory.mktemp("hf-gpt-oss")), seed=2)
+    return hf_dir, load_hf_model(hf_dir)
+
+
+@pytest.fixture
+def gpt_oss_model(_gpt_oss_checkpoint, _psrl_model_cache):
+    """(arch, model, HF model) of the debug gpt-oss model (a window of 8 tokens on its first layer;
+    :func:`_loaded`)."""
+    hf_dir, hf = _gpt_oss_checkpoint
+    return (*_loaded(_psrl_model_cache, "gpt-oss", hf_dir), hf)

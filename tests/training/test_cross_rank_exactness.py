@@ -4,7 +4,7 @@ a micro-batch spread over the ranks, a single long chain, step-wise trajectories
 workload, with data parallelism (world 2 and 4), context parallelism (CP=2, CP=2 x DP=2,
 CP=2 x TP=2), and a tight KV budget (recomputation); GLM-4.5 (MoE with a dense layer) on DP=2; a hybrid model (Gated DeltaNet linear
 layers, whose fragments import one state per chain) on DP=2 in one step and in several, and
-with its imported states zeroed (then wrong)."""
+with its imported states zeroed (then wrong); gpt-oss (sliding windows and sinks) on DP=2."""
 
 import os
 
@@ -45,6 +45,9 @@ CASES += [
     ("cp4-chain", "llama", "chain", 4, 1, 4, 1 << 30),
     ("cp2-one-tree-tight-kv", "llama", "one-tree", 2, 1, 2, 256 * 1024),
     ("dp2-chain-tight-kv", "llama", "chain", 2, 1, 1, 256 * 1024),
+    # gpt-oss: an 8-token window (the fragments' peer reads older than it are not attended),
+    # sinks joined once over the peers', the cache's and the fragment's own keys
+    ("dp2-gpt-oss-one-tree", "gpt_oss", "one-tree", 2, 1, 1, 1 << 30),
 ]
 
 

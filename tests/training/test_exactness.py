@@ -4,9 +4,12 @@ For random trees with duplicates, samples that are prefixes of others, loss clai
 tokens with different advantages, per-token advantages, weights, old/ref log-probs: the loss,
 the per-token log-probs and every parameter gradient of megatron_psrl (mechanism 1, mechanism 2
 with kept or recomputed prefix graphs, the duplication stopgap, and the no-sharing baseline)
-equal a plain per-sample forward/backward of the HF model (fp32, rel. err <= 1e-5). DeepSeek-V3's
-latent attention (its prefixes cached as per-head K and V of different widths) on a GRPO group,
-a step-wise chain and a branching tree, mechanism 1 and mechanism 2 at a tight KV budget.
+equal a plain per-sample forward/backward of the HF model (fp32, rel. err <= 1e-5). gpt-oss
+(sliding windows shorter than the branches, attention sinks, biases, clamped experts) too, on
+GRPO groups, a step-wise chain and a branching tree, with mechanism 1 and mechanism 2 at a
+tight budget. DeepSeek-V3's latent attention (its prefixes cached as per-head K and V of
+different widths) on a GRPO group, a step-wise chain and a branching tree, mechanism 1 and
+mechanism 2 at a tight KV budget.
 """
 
 import numpy as np
@@ -15,6 +18,7 @@ import torch
 from helpers.batches import random_tree_batch
 from helpers.hf_reference import assert_grads_close, hf_grads_to_mcore, per_sample_logprobs, per_sample_loss_and_grads
 
+from megatron_psrl.data.synthetic import make_mixed
 from megatron_psrl.engine.logprobs import compute_logprobs
 from megatron_psrl.engine.step import StepRunner
 from megatron_psrl.kvcache import BlockKVCache, KVGeometry
@@ -151,6 +155,34 @@ def test_logprobs_under_a_tiny_kv_budget_duplicate_prefixes_instead(psrl_model, 
         np.testing.assert_allclose(a, b, atol=1e-4)
     with pytest.raises(CacheBudgetError, match="without caching"):
         compute_logprobs(model, arch, batch, micro_batch_tokens=16, kv_cache_budget=one_block)
+
+
+@pytest.mark.parametrize("budget,kv_budget", [(4096, 1 << 30), (24, "tight")], ids=["m1", "m2-tight"])
+def test_gpt_oss_windows_and_sinks_equal_the_per_sample_reference(gpt_oss_model, budget, kv_budget):
+    """GRPO groups, a step-wise chain and a branching tree (the mixed workload) on the debug
+    gpt-oss model, whose 8-token window is shorter than the tree's branches and prefixes: the
+    loss, every gradient (sinks, biases, router, experts) and the log-probs equal the per-sample
+    HF computation; at the tight budget cached prefixes are recomputed and their rows older than
+    every reader's window are not read."""
+    arch, model, hf = gpt_oss_model
+    batch = make_mixed(grpo=dict(num_prompts=1, group_size=3, prompt_len=(12, 16), response_len=(9, 12)),
+                       stepwise=dict(num_trajectories=1, turns=3, obs_len=(6, 9), action_len=(4, 6), task_len=(4, 6)),
+                       tree=dict(num_roots=1, branching=2, depth=2, segment_len=(9, 12), prompt_len=(10, 12),
+                                 obs_len=(3, 5)),
+                       vocab_size=arch.vocab_size, seed=5, with_logprobs=True)  # 10 samples, 280 tokens
+    tree = build_prefix_tree(batch)
+    assert arch.sliding_window == 8 and tree.node_len.min() > arch.sliding_window  # every branch longer
+    cfg = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
+    ref_loss, ref_hf = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+    loss, grads, plan, recomputed, _ = run_ours(arch, model, batch, cfg, "tree", budget, kv_budget)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    ref = hf_grads_to_mcore(ref_hf, arch)
+    assert ref["decoder.layers.0.self_attention.core_attention.softmax_offset"].abs().min() > 0
+    assert_grads_close(grads, ref, rtol=1e-5)
+    assert bool(plan.ranks[0].sources) == (budget < 100) and (recomputed > 0) == (kv_budget == "tight")
+    ours = compute_logprobs(model, arch, batch, micro_batch_tokens=budget)
+    for a, b in zip(ours, per_sample_logprobs(hf, batch)):
+        np.testing.assert_allclose(a, b, atol=1e-4)
 
 
 def _latent_batch(kind: str):

@@ -16,6 +16,9 @@ update, the log-probs) for
   sequence parallelism and EP = 2 over the same two ranks (its fused per-key-head projections
   regrouped and split);
 
+* TP = 2 with sequence parallelism on gpt-oss (not hybrid: sliding windows and sinks split by
+  heads, biased experts whole on both ranks; MoE under TP needs sequence parallelism);
+
 with mechanism 1 only (every tree in a micro-batch), with mechanism 2 (16-token micro-batches,
 far smaller than the trees: the prefixes' recurrent states and conv tails cached and read by
 later micro-batches, graphs kept) and with mechanism 2 where the KV budget makes producers drop
@@ -34,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.batches import random_tree_records
+from helpers.families import make_family_checkpoint
 from helpers.hf_reference import load_hf_model, per_sample_logprobs, per_sample_loss_and_grads
 from helpers.hybrid import make_hybrid_checkpoint
 from helpers.moe_routes import hf_replayed, prefix_routes
@@ -53,6 +57,7 @@ MODELS = {  # name: (config, routed: the samples carry routes, replayed by the r
     "qwen3.5-6": (dict(tiny_config("debug-qwen3.5-text"), num_hidden_layers=6, layer_types=STAGE_KINDS * 2), False),
     "qwen3.5-moe": (tiny_config("debug-qwen3.5-moe-text"), True),
     "qwen3-next": (tiny_config("debug-qwen3-next"), True),
+    "gpt-oss": (tiny_config("debug-gpt-oss"), False),
 }
 LAYOUTS = {  # id: (model, arguments of the script, mechanism-1 executor, modes)
     "tp2": ("qwen3.5", ["--tp", "2", "--pp", "1"], None, MODES),
@@ -71,6 +76,7 @@ LAYOUTS = {  # id: (model, arguments of the script, mechanism-1 executor, modes)
     # the costliest: mechanism 2 with recomputed producers only (m1 and m2: the other layouts)
     "tp2-sp-ep2": ("qwen3-next", ["--tp", "2", "--pp", "1", "--sequence-parallel", "--ep", "2"], None,
                    ("m2-recompute",)),
+    "tp2-sp-gpt-oss": ("gpt-oss", ["--tp", "2", "--pp", "1", "--sequence-parallel"], None, ("m1", "m2-recompute")),
 }
 
 
@@ -92,7 +98,8 @@ def references(tmp_path_factory):
     def reference(model):
         if model not in cache:
             config, routed = MODELS[model]
-            hf_dir = make_hybrid_checkpoint(config, str(root / model), seed=1)
+            make = make_family_checkpoint if model == "gpt-oss" else make_hybrid_checkpoint  # (sinks, clamps)
+            hf_dir = make(config, str(root / model), seed=1)
             recs = _routed(records, config) if routed else records
             path = root / f"{model}.json"
             path.write_text(json.dumps(recs))

@@ -206,3 +206,27 @@ def test_micro_batches_cut_at_branch_switches_are_exact_and_chosen_before_duplic
     chosen, memories, mode = plan_with_memory(
         tree, config, lambda ranks: plan_memory_group(ranks, geom, peaks[True], act, gathers_in_backward=True))
     assert mode == "tree" and chosen.ranks[0].sources and memories[0].peak_bytes <= peaks[True]
+
+
+@pytest.mark.parametrize("gathers", [False, True], ids=["copies", "regather"])
+def test_gpt_oss_under_a_tight_budget_reads_only_its_windows_rows(gpt_oss_model, gathers):
+    """The search tree on gpt-oss (an 8-token window on its first layer, shorter than every turn
+    and branch) with a budget that holds only the K/V blocks: producers recompute their graphs,
+    the windowed layer reads at most the 7 rows of a cached prefix before its readers (the full
+    layer all of them), and the loss and every gradient equal the per-sample reference."""
+    arch, model, hf = gpt_oss_model
+    batch = search_tree_batch(vocab=arch.vocab_size, branches=3)
+    tight, act = _tight_budget(arch, batch, gathers)
+    tree, plan, memory, cache, out = _run(arch, model, batch, tight, act, gathers)
+    rank = plan.ranks[0]
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    ref_loss, ref = per_sample_loss_and_grads(hf, batch, 0.2, 0.0, 0.0, "seq-mean-token-mean")
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_close(grads, hf_grads_to_mcore(ref, arch), rtol=1e-5)
+    assert out.tokens_recomputed > 0 and not any(memory.keep_graph.values())
+    # the first layer (windowed) counts the rows read: at most window - 1 per source read (every
+    # layer counts its reads), while the sources read are longer
+    reads = cache.metrics.reads // arch.num_layers
+    assert 0 < cache.metrics.tokens_read <= (arch.sliding_window - 1) * reads
+    lengths = [rank.sources[s].length for mb in rank.micro_batches for s in mb.reads]
+    assert np.mean(lengths) > 1.5 * (arch.sliding_window - 1)  # (13 rows on average)

@@ -22,7 +22,7 @@ def test_every_moe_config_is_a_model_choice():
     assert parse_args(["--model", "debug-qwen3-moe"]).model == "debug-qwen3-moe"
 
 
-@pytest.mark.parametrize("model", ["debug-qwen3-moe", "debug-qwen2-moe", "debug-mixtral"])
+@pytest.mark.parametrize("model", ["debug-qwen3-moe", "debug-qwen2-moe", "debug-mixtral", "debug-gpt-oss"])
 def test_sharing_and_baseline_agree(tmp_path, model):
     """Two iterations with tree packing and cached prefixes (512-token micro-batches) against
     --no-prefix-sharing: the same loss and gradient norm, fewer tokens computed."""

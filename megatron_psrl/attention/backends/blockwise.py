@@ -9,6 +9,13 @@ the merged output and lse (see ``partial.py``) and accumulates dQ, dK, dV, inclu
 gradients of external (cached) prefix K/V, which mechanism 2 collects. Cached prefixes given
 as :class:`CachedPrefixKV` are gathered from the cache in the forward pass and again in the
 backward pass rather than saved, so a graph kept between the two holds no copy of them.
+
+A windowed plan (``AttentionPlan.windowed``: a sliding window) has segments of at most the
+window and masked blocks whose queries see per-query suffixes of their keys; a learnable sink
+per head (``sink``, gpt-oss) joins every query's softmax denominator once, after the last
+merge: ``lse' = logaddexp(lse, sink)``, ``o' = exp(lse - lse') o``. The blocks' backward with
+the final ``o'`` and ``lse'`` is then exact as it is, and ``dsink = -sum_q exp(sink - lse'_q)
+rowsum(dO_q * o'_q)``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 from megatron_psrl.attention.metadata import ArrivingPrefixKV, CachedPrefixKV
 from megatron_psrl.attention.partial import lse_dtype, partial_attention_backward, partial_attention_forward
 from megatron_psrl.attention.plan import AttentionPlan
+from megatron_psrl.host_copy import host_to_device
 
 Tensor = torch.Tensor
 
@@ -44,9 +52,27 @@ class _Arriving:
         self.exchange, self.buffer, self.offset, self.length = exchange, buffer, offset, length
 
 
-_LEADING_INPUTS = 8
+_LEADING_INPUTS = 9
 """Arguments of :meth:`BlockwiseTreeAttention.forward` before ``*tensors`` (plan, scale, impl,
-readers, n_pairs, q, k, v): where ``ctx.needs_input_grad`` starts counting the tensors."""
+readers, n_pairs, has_sink, q, k, v): where ``ctx.needs_input_grad`` starts counting the tensors."""
+
+
+def _add_sink_(out: Tensor, lse: Tensor, sink: Tensor) -> None:
+    """In place: the sink logit of every head joins the merged softmax's denominator, once."""
+    with_sink = torch.logaddexp(lse, sink.to(lse.dtype)[None, :])
+    out.mul_(torch.exp(lse - with_sink).unsqueeze(-1).to(out.dtype))
+    lse.copy_(with_sink)
+
+
+def _block_masks(plan: AttentionPlan, device: torch.device) -> List[Optional[Tensor]]:
+    """Every block's window mask on ``device`` (None for a block seen whole), once per plan."""
+    if plan.window is None:
+        return [None] * plan.num_blocks
+    cache = plan.__dict__.setdefault("_mask_cache", {})
+    if device not in cache:
+        cache[device] = [host_to_device(plan.block_mask(b), device) if plan.block_masked[b] else None
+                         for b in range(plan.num_blocks)]
+    return cache[device]
 
 
 class BlockwiseTreeAttention(torch.autograd.Function):
@@ -65,8 +91,9 @@ class BlockwiseTreeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: AttentionPlan, scale: float, impl: str, readers: Tuple[object, ...], n_pairs: int,
-                q: Tensor, k: Tensor, v: Tensor, *tensors: Tensor):
-        pairs, buffers = tensors[:n_pairs], tensors[n_pairs:]
+                has_sink: bool, q: Tensor, k: Tensor, v: Tensor, *tensors: Tensor):
+        sink = tensors[-1] if has_sink else None
+        pairs, buffers = tensors[:n_pairs], tensors[n_pairs:len(tensors) - int(has_sink)]
         ext_k, ext_v = _external(readers, pairs, again=False)
         arriving = [j for j, r in enumerate(readers) if isinstance(r, _Arriving)]
         t, np_, hv = q.shape[0], q.shape[1], v.shape[-1]  # (values may be narrower than keys: MLA)
@@ -79,18 +106,18 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             o_s, lse_s = partial_attention_forward(q[a:b], k[c:c + b - a], v[c:c + b - a], True, scale, impl)
             out[a:b] = o_s
             lse[a:b] = lse_s
-        blocks = _blocks(plan)
+        blocks, masks = _blocks(plan), _block_masks(plan, q.device)
 
-        def run(blk):
+        def run(n, blk):
             qa, qb, ka, kb, src = blk
             kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
-            o_b, lse_b = partial_attention_forward(q[qa:qb], kk[ka:kb], vv[ka:kb], False, scale, impl)
+            o_b, lse_b = partial_attention_forward(q[qa:qb], kk[ka:kb], vv[ka:kb], False, scale, impl, mask=masks[n])
             _merge_(out[qa:qb], lse[qa:qb], o_b, lse_b)
 
         late = set(arriving)
-        for blk in blocks:  # while the arriving rows travel: every key this rank has
+        for n, blk in enumerate(blocks):  # while the arriving rows travel: every key this rank has
             if blk[4] not in late:
-                run(blk)
+                run(n, blk)
         arrived = []
         for j in arriving:
             r = readers[j]
@@ -99,19 +126,23 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             # Copies: saved for backward, where a view would keep the whole buffer alive.
             ext_k[j], ext_v[j] = rows_k.clone(), rows_v.clone()
             arrived += [ext_k[j], ext_v[j]]
-        for blk in blocks:
+        for n, blk in enumerate(blocks):
             if blk[4] in late:
-                run(blk)
+                run(n, blk)
+        if sink is not None:  # once, after every block (the cached prefixes' included) merged
+            _add_sink_(out, lse, sink)
         out = out.to(q.dtype)
         ctx.plan, ctx.scale, ctx.impl, ctx.readers, ctx.n_pairs = plan, scale, impl, readers, n_pairs
+        ctx.has_sink = sink is not None
         ctx.buffer_like = [(tuple(x.shape), x.dtype, x.device) for x in buffers]
-        ctx.save_for_backward(q, k, v, out, lse, *pairs, *arrived)
+        ctx.save_for_backward(q, k, v, out, lse, *pairs, *arrived, *([sink] if sink is not None else []))
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         readers, n_pairs = ctx.readers, ctx.n_pairs
+        sink = rest.pop() if ctx.has_sink else None
         pairs, arrived = rest[:n_pairs], rest[n_pairs:]
         ext_k, ext_v = _external(readers, pairs, again=True)
         arriving = [j for j, r in enumerate(readers) if isinstance(r, _Arriving)]
@@ -130,13 +161,13 @@ class BlockwiseTreeAttention(torch.autograd.Function):
         dv = keys_new(v.shape, dtype=acc, device=v.device)
         d_ext_k = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_k]
         d_ext_v = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in ext_v]
-        blocks = _blocks(plan)
+        blocks, masks = _blocks(plan), _block_masks(plan, q.device)
 
-        def block_grads(blk):
+        def block_grads(n, blk):
             qa, qb, ka, kb, src = blk
             kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
             g = partial_attention_backward(
-                dout[qa:qb], q[qa:qb], kk[ka:kb], vv[ka:kb], out[qa:qb], lse[qa:qb], False, scale, impl
+                dout[qa:qb], q[qa:qb], kk[ka:kb], vv[ka:kb], out[qa:qb], lse[qa:qb], False, scale, impl, mask=masks[n]
             )
             gk, gv = (dk, dv) if src < 0 else (d_ext_k[src], d_ext_v[src])
             gk[ka:kb] += g[1]
@@ -145,7 +176,7 @@ class BlockwiseTreeAttention(torch.autograd.Function):
 
         # The arriving rows' gradients first: they start their way back before the rest runs.
         late = set(arriving)
-        early_dq = {n: block_grads(blk) for n, blk in enumerate(blocks) if blk[4] in late}
+        early_dq = {n: block_grads(n, blk) for n, blk in enumerate(blocks) if blk[4] in late}
         d_buffers: List[Optional[Tensor]] = [None] * len(ctx.buffer_like)
         for b, (shape, dtype, device) in enumerate(ctx.buffer_like):
             if not ctx.needs_input_grad[_LEADING_INPUTS + n_pairs + b]:
@@ -170,14 +201,23 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             dv[c:e] = g[2]
         for n, blk in enumerate(blocks):  # dQ in the plan's order, whichever block ran first
             qa, qb = blk[0], blk[1]
-            dq[qa:qb] += early_dq.pop(n) if n in early_dq else block_grads(blk)
+            dq[qa:qb] += early_dq.pop(n) if n in early_dq else block_grads(n, blk)
         d_pairs = []
         for j, reader in enumerate(readers):
             if reader is None:
                 d_pairs += [d_ext_k[j].to(ext_k[j].dtype), d_ext_v[j].to(ext_v[j].dtype)]
             elif not isinstance(reader, _Arriving):  # straight into the source's fp32 dK/dV: no rounding
                 reader.add_grad(d_ext_k[j], d_ext_v[j])
-        return (None, None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_pairs, *d_buffers)
+        d_sink = [] if sink is None else [_sink_grad(dout, out, lse, sink)]
+        return (None,) * 6 + (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_pairs, *d_buffers, *d_sink)
+
+
+def _sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+    """``dsink[h] = -sum_q exp(sink[h] - lse[q, h]) rowsum(dO * O)[q, h]`` (``out`` and ``lse``
+    with the sink joined), in the merge's precision."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [t, np]
+    return -(torch.exp(sink.to(acc)[None, :] - lse) * delta).sum(0).to(sink.dtype)
 
 
 def _external(readers: Sequence[object], pairs: Sequence[Tensor], again: bool):
@@ -216,13 +256,14 @@ def _blocks(plan: AttentionPlan) -> List[Tuple[int, int, int, int, int]]:
 def blockwise_tree_attention(
     q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
     external: Sequence[Union[Tuple[Tensor, Tensor], CachedPrefixKV, ArrivingPrefixKV]] = (), scale: float = None,
-    impl: str = "auto",
+    impl: str = "auto", sink: Optional[Tensor] = None,
 ) -> Tensor:
-    """Tree attention ``[t, np, hn] -> [t, np, hv]`` for ``plan`` (``hv``: the values' width);
-    external = cached prefix K/V,
-    as ``(k, v)`` pairs or :class:`CachedPrefixKV` readers (read here, again in backward), or
-    K/V in flight from another rank (:class:`ArrivingPrefixKV`: attended to last, see
-    :class:`BlockwiseTreeAttention`)."""
+    """Tree attention ``[t, np, hn] -> [t, np, hv]`` for ``plan`` (a windowed one too; ``hv``:
+    the values' width); external = cached prefix K/V, as ``(k, v)`` pairs or
+    :class:`CachedPrefixKV` readers (read here, again in backward), or K/V in flight from
+    another rank (:class:`ArrivingPrefixKV`: attended to last, see
+    :class:`BlockwiseTreeAttention`); ``sink`` ``[np]``: a learnable sink logit per head,
+    joined once (see the module docstring)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     readers, pairs, buffers = [], [], []
@@ -237,4 +278,6 @@ def blockwise_tree_attention(
             readers.append(_Arriving(e.exchange, b, e.offset, e.length))
         else:
             readers.append(e)
-    return BlockwiseTreeAttention.apply(plan, scale, impl, tuple(readers), len(pairs), q, k, v, *pairs, *buffers)
+    extra = [] if sink is None else [sink]
+    return BlockwiseTreeAttention.apply(plan, scale, impl, tuple(readers), len(pairs), sink is not None, q, k, v,
+                                        *pairs, *buffers, *extra)

@@ -181,7 +181,10 @@ def flash_tree_attention(
     scale: float = None, deterministic: bool = False,
 ) -> Tensor:
     """flash-attn varlen over per-segment gathered keys, causal aligned bottom right
-    (``deterministic``: its deterministic backward, slower, the same bits every run)."""
+    (``deterministic``: its deterministic backward, slower, the same bits every run). A
+    windowed plan (``AttentionPlan.windowed``) gathers every segment's keys in depth order from
+    the first its first query reaches, so flash-attn's own window, ``window - 1`` keys to the
+    left of the bottom-right diagonal, is the sliding window exactly."""
     require_cuda("flash", q)
     try:
         from flash_attn import flash_attn_varlen_func
@@ -191,8 +194,10 @@ def flash_tree_attention(
     def kernel(q, kg, vg, cu_q, cu_k, max_q, max_k):
         # flash-attn >= 2.1 aligns the causal mask to the bottom right when seqlen_q < seqlen_k
         # (the start-up check, check_attention_backend, refuses older versions).
+        # (window_size: flash-attn >= 2.3; PrefixSharingAttention runs a window elsewhere before)
+        window = {} if plan.window is None else dict(window_size=(plan.window - 1, 0))
         return flash_attn_varlen_func(q, kg, vg, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
-                                      causal=True, deterministic=deterministic)
+                                      causal=True, deterministic=deterministic, **window)
 
     hn, hv = q.shape[-1], v.shape[-1]
     if hv < hn:  # flash-attn 2 takes one head width for q, k and v (its varlen API has no value width)

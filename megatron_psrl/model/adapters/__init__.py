@@ -7,6 +7,7 @@ Which adapter a ``model_type`` uses is its family bundle's business
 from megatron_psrl.model.adapters.base import LlamaStyleAdapter
 from megatron_psrl.model.adapters.experts import RoutedExpertsMixin, unfuse_experts
 from megatron_psrl.model.adapters.glm4_moe import Glm4MoeAdapter
+from megatron_psrl.model.adapters.gpt_oss import GptOssAdapter
 from megatron_psrl.model.adapters.grouped_routing import GroupedRoutingAdapterMixin
 from megatron_psrl.model.adapters.mixtral import MixtralAdapter
 from megatron_psrl.model.adapters.qwen import Qwen2Adapter, Qwen3Adapter
@@ -25,5 +26,6 @@ def get_adapter(arch: ModelArchitecture) -> LlamaStyleAdapter:
     return registry.get_family(arch.model_type).adapter(arch)
 
 
-__all__ = ["Glm4MoeAdapter", "GroupedRoutingAdapterMixin", "LlamaStyleAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen2MoeAdapter", "Qwen3Adapter", "Qwen3MoeAdapter",
+__all__ = ["Glm4MoeAdapter", "GptOssAdapter", "GroupedRoutingAdapterMixin", "LlamaStyleAdapter", "MixtralAdapter",
+           "Qwen2Adapter", "Qwen2MoeAdapter", "Qwen3Adapter", "Qwen3MoeAdapter",
            "RoutedExpertsMixin", "get_adapter", "unfuse_experts"]

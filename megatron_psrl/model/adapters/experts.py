@@ -103,9 +103,12 @@ class RoutedExpertsMixin:
 
 
 def _infer_model_type(state: Dict[str, Tensor]) -> str:
-    """The MoE family of an in-memory transformers state dict, from its attention and MLP: Mixtral
-    is the one without q/k norms (Qwen3-MoE), q/k/v biases or a shared expert (Qwen2-MoE).
-    Qwen2-MoE and Qwen3-MoE name experts alike, so either of them is answered as ``qwen3_moe``."""
+    """The MoE family of an in-memory transformers state dict, from its attention and MLP: gpt-oss
+    has attention sinks; Mixtral is the one without q/k norms (Qwen3-MoE), q/k/v biases or a
+    shared expert (Qwen2-MoE). Qwen2-MoE and Qwen3-MoE name experts alike, so either of them is
+    answered as ``qwen3_moe``."""
+    if any(k.endswith("self_attn.sinks") for k in state):
+        return "gpt_oss"
     attention = any(k.endswith("self_attn.q_proj.weight") for k in state)
     qwen = any(k.endswith(("self_attn.q_norm.weight", "self_attn.q_proj.bias")) or ".mlp.shared_expert" in k
                for k in state)
@@ -125,6 +128,8 @@ def unfuse_experts(state: Dict[str, Tensor], model_type: Optional[str] = None) -
     from megatron_psrl.model.families.registry import get_family
 
     adapter = get_family(model_type or _infer_model_type(state)).adapter  # the family's checkpoint names
+    if getattr(adapter, "hf_experts_fused", False):  # its checkpoints keep them fused too (gpt-oss)
+        return dict(state)
     block, (gate, up, down) = adapter.hf_moe_block, adapter.hf_expert_projections
     out: Dict[str, Tensor] = {}
     for name, tensor in state.items():

@@ -33,6 +33,7 @@ from megatron_psrl.model.families.registry import (
 from megatron_psrl.model.families import llama, mistral, qwen2, qwen3  # noqa: E402,F401  isort: skip
 from megatron_psrl.model.families import qwen3_moe, qwen2_moe, mixtral  # noqa: E402,F401  isort: skip
 from megatron_psrl.model.families import qwen3_next, qwen3_5  # noqa: E402,F401  isort: skip
+from megatron_psrl.model.families import gpt_oss  # noqa: E402,F401  isort: skip
 from megatron_psrl.model.families import deepseek  # noqa: E402,F401  isort: skip
 from megatron_psrl.model.families import glm4_moe  # noqa: E402,F401  isort: skip
 
