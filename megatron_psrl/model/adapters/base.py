@@ -98,6 +98,24 @@ class LlamaStyleAdapter:
         )
 
     # ------------------------------------------------------------------ hooks for families
+    def _attention_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        """One layer's attention tensors (GQA: q/k/v fused per group, the family's extras, the
+        output projection); a family with another token mixer overrides it."""
+        yield mc + "self_attention.linear_qkv.weight", self._interleave_qkv(
+            get(hf + "self_attn.q_proj.weight"), get(hf + "self_attn.k_proj.weight"), get(hf + "self_attn.v_proj.weight")
+        )
+        yield from self._attention_extras_to_mcore(get, hf, mc)
+        yield mc + "self_attention.linear_proj.weight", get(hf + "self_attn.o_proj.weight")
+
+    def _attention_to_hf(self, mcore: Dict[str, Tensor], hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        """Inverse of :meth:`_attention_to_mcore`."""
+        q, k, v = self._split_qkv(mcore[mc + "self_attention.linear_qkv.weight"])
+        yield hf + "self_attn.q_proj.weight", q
+        yield hf + "self_attn.k_proj.weight", k
+        yield hf + "self_attn.v_proj.weight", v
+        yield from self._attention_extras_to_hf(mcore, hf, mc)
+        yield hf + "self_attn.o_proj.weight", mcore[mc + "self_attention.linear_proj.weight"]
+
     def _attention_extras_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
         return iter(())
 
@@ -128,11 +146,7 @@ class LlamaStyleAdapter:
         for i in range(self.arch.num_layers):
             hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
             yield mc + "input_layernorm.weight", get(hf + "input_layernorm.weight")
-            yield mc + "self_attention.linear_qkv.weight", self._interleave_qkv(
-                get(hf + "self_attn.q_proj.weight"), get(hf + "self_attn.k_proj.weight"), get(hf + "self_attn.v_proj.weight")
-            )
-            yield from self._attention_extras_to_mcore(get, hf, mc)
-            yield mc + "self_attention.linear_proj.weight", get(hf + "self_attn.o_proj.weight")
+            yield from self._attention_to_mcore(get, hf, mc)
             yield mc + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
             yield from self._layer_mlp_to_mcore(i, get, hf, mc)
         yield "decoder.final_layernorm.weight", get("model.norm.weight")
@@ -145,12 +159,7 @@ class LlamaStyleAdapter:
         for i in range(self.arch.num_layers):
             hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
             yield hf + "input_layernorm.weight", mcore[mc + "input_layernorm.weight"]
-            q, k, v = self._split_qkv(mcore[mc + "self_attention.linear_qkv.weight"])
-            yield hf + "self_attn.q_proj.weight", q
-            yield hf + "self_attn.k_proj.weight", k
-            yield hf + "self_attn.v_proj.weight", v
-            yield from self._attention_extras_to_hf(mcore, hf, mc)
-            yield hf + "self_attn.o_proj.weight", mcore[mc + "self_attention.linear_proj.weight"]
+            yield from self._attention_to_hf(mcore, hf, mc)
             yield hf + "post_attention_layernorm.weight", mcore[mc + "pre_mlp_layernorm.weight"]
             yield from self._layer_mlp_to_hf(i, mcore, hf, mc)
         yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]

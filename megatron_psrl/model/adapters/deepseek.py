@@ -76,31 +76,13 @@ class LatentAttentionAdapter(LlamaStyleAdapter):
         return {"input_layernorm.weight": (h,), **{_SA + k: s for k, s in attention.items()},
                 "post_attention_layernorm.weight": (h,), **self.hf_mlp_shapes()}
 
-    def hf_to_mcore(self, get: GetTensor) -> Iterator[Tuple[str, Tensor]]:
-        yield "embedding.word_embeddings.weight", get("model.embed_tokens.weight")
-        for i in range(self.arch.num_layers):
-            hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-            yield mc + "input_layernorm.weight", get(hf + "input_layernorm.weight")
-            for hf_name, mc_name in self._pairs():
-                yield mc + _MA + mc_name, get(hf + _SA + hf_name)
-            yield mc + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
-            yield from self._layer_mlp_to_mcore(i, get, hf, mc)
-        yield "decoder.final_layernorm.weight", get("model.norm.weight")
-        if not self.arch.tie_word_embeddings:
-            yield "output_layer.weight", get("lm_head.weight")
+    def _attention_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        for hf_name, mc_name in self._pairs():
+            yield mc + _MA + mc_name, get(hf + _SA + hf_name)
 
-    def mcore_to_hf(self, mcore: Dict[str, Tensor]) -> Iterator[Tuple[str, Tensor]]:
-        yield "model.embed_tokens.weight", mcore["embedding.word_embeddings.weight"]
-        for i in range(self.arch.num_layers):
-            hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-            yield hf + "input_layernorm.weight", mcore[mc + "input_layernorm.weight"]
-            for hf_name, mc_name in self._pairs():
-                yield hf + _SA + hf_name, mcore[mc + _MA + mc_name]
-            yield hf + "post_attention_layernorm.weight", mcore[mc + "pre_mlp_layernorm.weight"]
-            yield from self._layer_mlp_to_hf(i, mcore, hf, mc)
-        yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
-        if not self.arch.tie_word_embeddings:
-            yield "lm_head.weight", mcore["output_layer.weight"]
+    def _attention_to_hf(self, mcore: Dict[str, Tensor], hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        for hf_name, mc_name in self._pairs():
+            yield hf + _SA + hf_name, mcore[mc + _MA + mc_name]
 
 
 class DeepseekV3Adapter(GroupedRoutingAdapterMixin, LatentAttentionAdapter):
