@@ -56,6 +56,17 @@ def test_verl_builds_the_registered_engine(hf_dir):
     assert torch.equal(names["lm_head.weight"], engine.actor.state_dict_hf()["lm_head.weight"])
 
 
+def _infer_and_train(engine, data, config):
+    """``infer_batch`` then one ``train_batch`` through verl's ``ppo_loss``: (inferred, trained,
+    the HF state dict before the step, after it)."""
+    with engine.eval_mode():
+        inferred = engine.infer_batch(data.clone())
+    before = engine.actor.state_dict_hf()
+    with engine.train_mode():
+        trained = engine.train_batch(data.clone(), partial(ppo_loss, config))
+    return inferred, trained, before, engine.actor.state_dict_hf()
+
+
 @pytest.mark.parametrize("loss_agg, entropy_coeff", [("token-mean", 0.01), ("seq-mean-token-mean", 0.0)])
 def test_one_rank_matches_the_per_sample_reference_through_verls_loss(hf_dir, loss_agg, entropy_coeff):
     """infer_batch's log-probs (and entropies), and train_batch's loss and every parameter's
@@ -64,13 +75,7 @@ def test_one_rank_matches_the_per_sample_reference_through_verls_loss(hf_dir, lo
     entropy = entropy_coeff != 0.0
     data = verl_batch(multi_turn_samples(), global_batch_size=6, calculate_entropy=entropy)
     config = verl_loss_config(loss_agg, entropy_coeff)
-    engine = _engine(hf_dir)
-    with engine.eval_mode():
-        inferred = engine.infer_batch(data.clone())
-    before = engine.actor.state_dict_hf()
-    with engine.train_mode():
-        trained = engine.train_batch(data.clone(), partial(ppo_loss, config))
-    after = engine.actor.state_dict_hf()
+    inferred, trained, before, after = _infer_and_train(_engine(hf_dir), data, config)
     ref = reference(load_hf_model(hf_dir), [data], config, entropy)
 
     keep = response_positions(data)
@@ -178,12 +183,7 @@ def test_a_qwen3_5_model_matches_the_per_sample_reference_with_cached_states(hyb
     config = verl_loss_config("token-mean", 0.0)
     engine = _engine(hybrid_hf_dir)
     seen = spy_step_metrics(engine)
-    with engine.eval_mode():
-        inferred = engine.infer_batch(data.clone())
-    before = engine.actor.state_dict_hf()
-    with engine.train_mode():
-        trained = engine.train_batch(data.clone(), partial(ppo_loss, config))
-    after = engine.actor.state_dict_hf()
+    inferred, trained, before, after = _infer_and_train(engine, data, config)
     ref = reference(load_hf_model(hybrid_hf_dir), [data], config, False)
 
     keep = response_positions(data)
