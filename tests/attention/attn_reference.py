@@ -155,9 +155,11 @@ def make_qkv(forest: Forest, np_: int, ng: int, hn: int, dtype, seed: int = 0, h
 
 def per_query_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_sets: Sequence[Sequence[int]],
-    external: Sequence[Tuple[torch.Tensor, torch.Tensor]] = (), scale: float = None,
+    external: Sequence[Tuple[torch.Tensor, torch.Tensor]] = (), scale: float = None, sink: torch.Tensor = None,
 ) -> torch.Tensor:
-    """For every query: softmax over exactly its keys, in float64 (differentiable)."""
+    """For every query: softmax over exactly its keys, in float64 (differentiable); ``sink``
+    ``[np]``: a logit per head as one more softmax column that has no value (Hugging Face's
+    gpt-oss eager attention)."""
     keys = torch.cat([k] + [e[0] for e in external], 0).double()
     values = torch.cat([v] + [e[1] for e in external], 0).double()
     t, np_, hn = q.shape
@@ -169,7 +171,10 @@ def per_query_attention(
         kk = keys[idx].repeat_interleave(rep, dim=1)  # [n, np, hn]: head h uses group h // rep
         vv = values[idx].repeat_interleave(rep, dim=1)
         s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * scale
-        outs.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv))
+        if sink is not None:
+            s = torch.cat([s, sink.double()[:, None]], dim=1)
+        p = torch.softmax(s, -1)[:, :len(ks)]
+        outs.append(torch.einsum("hn,nhd->hd", p, vv))
     return torch.stack(outs)
 
 
@@ -212,24 +217,3 @@ def plan_with_depths(forest: Forest) -> AttentionPlan:
     return tree_plan(forest.starts, forest.ends, forest.parents, external_blocks=forest.external_blocks(),
                      external_lengths=forest.ext_lengths, positions=queries,
                      external_positions=[int(x) for x in first[:len(forest.ext_lengths)]])
-
-
-def per_query_attention_with_sink(q, k, v, key_sets, external=(), scale=None, sink=None):
-    """:func:`per_query_attention` with a sink logit per head as one more softmax column
-    (Hugging Face's gpt-oss eager attention), float64."""
-    keys = torch.cat([k] + [e[0] for e in external], 0).double()
-    values = torch.cat([v] + [e[1] for e in external], 0).double()
-    t, np_, hn = q.shape
-    rep = np_ // k.shape[1]
-    scale = hn**-0.5 if scale is None else scale
-    outs = []
-    for i, ks in enumerate(key_sets):
-        idx = torch.as_tensor(list(ks), dtype=torch.long)
-        kk = keys[idx].repeat_interleave(rep, dim=1)
-        vv = values[idx].repeat_interleave(rep, dim=1)
-        s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * scale
-        if sink is not None:
-            s = torch.cat([s, sink.double()[:, None]], dim=1)
-        p = torch.softmax(s, -1)[:, :len(ks)]
-        outs.append(torch.einsum("hn,nhd->hd", p, vv))
-    return torch.stack(outs)

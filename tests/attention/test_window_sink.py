@@ -16,7 +16,7 @@ import torch
 from attn_reference import (
     chain_forest,
     make_qkv,
-    per_query_attention_with_sink,
+    per_query_attention,
     plan_with_depths,
     windowed_key_sets,
 )
@@ -48,7 +48,7 @@ def _check(forest, window, backends, dtype=torch.float64, with_sink=True, seed=0
             .requires_grad_(True) if with_sink else None)
     leaves = [q, k, v] + [x for pair in external for x in pair] + ([sink] if with_sink else [])
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(dtype)
-    ref = per_query_attention_with_sink(q, k, v, windowed_key_sets(forest, window), external, scale, sink)
+    ref = per_query_attention(q, k, v, windowed_key_sets(forest, window), external, scale, sink)
     want = torch.autograd.grad((ref * dout.double()).sum(), leaves)
     for backend in backends:
         trimmed = [(a[s:], b[s:]) for (a, b), s in zip(external, plan.external_starts)]
@@ -141,10 +141,10 @@ def test_the_sink_joins_the_denominator_once_across_cached_prefix_and_pack():
     plan = tree_plan([0], [6], [-1], external_blocks=[(0, 6, 0)], external_lengths=[5])
     out = blockwise_tree_attention(q, k, v, plan, [(ek, ev)], 0.5, sink=sink)
     keys = [list(range(6, 11)) + list(range(i + 1)) for i in range(6)]
-    ref = per_query_attention_with_sink(q, k, v, keys, [(ek, ev)], 0.5, sink)
+    ref = per_query_attention(q, k, v, keys, [(ek, ev)], 0.5, sink)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     # the sink counted twice (once per partial attention) is another result
-    twice = per_query_attention_with_sink(q, k, v, keys, [(ek, ev)], 0.5, sink + np.log(2.0))
+    twice = per_query_attention(q, k, v, keys, [(ek, ev)], 0.5, sink + np.log(2.0))
     assert (out - twice).abs().max() > 1e-3
 
 
@@ -161,7 +161,7 @@ def test_sink_gradient_is_exact():
         return (blockwise_tree_attention(q, k, v, plan, ext, 0.7, sink=s) * weights).sum()
 
     (grad,) = torch.autograd.grad(loss(sink), [sink])
-    ref = per_query_attention_with_sink(q, k, v, windowed_key_sets(forest, 3), external, 0.7, sink)
+    ref = per_query_attention(q, k, v, windowed_key_sets(forest, 3), external, 0.7, sink)
     (want,) = torch.autograd.grad((ref * weights).sum(), [sink])
     torch.testing.assert_close(grad, want, atol=1e-11, rtol=1e-9)
     eps = 1e-6
@@ -211,7 +211,7 @@ def test_cached_rows_no_window_reaches_are_not_read():
     ek2, ev2 = ek.clone().requires_grad_(True), ev.clone().requires_grad_(True)
     keys = [[j for j in list(range(4, 24)) + list(range(i + 1)) if (20 + i) - (j - 4 if j >= 4 else 20 + j) < 6]
             for i in range(4)]
-    ref = per_query_attention_with_sink(q, k, v, keys, [(ek2, ev2)], 0.5)
+    ref = per_query_attention(q, k, v, keys, [(ek2, ev2)], 0.5)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     ref.sum().backward()
     torch.testing.assert_close(reader.grad_k, ek2.grad, atol=1e-12, rtol=1e-10)
