@@ -990,6 +990,7 @@ def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, ar
     first: Dict[str, Tuple[float, float]] = {}
     for c in contenders:  # hf-per-sample first: the reference
         r = results[c.name] = Result(c.name, clock=args.clock)
+        c.ready = False  # (warmed up and checked: a later contender may measure it, memory_curve's at-peer rows)
         why = getattr(c, "_unavailable", None)
         if why is None:
             try:
@@ -1023,6 +1024,7 @@ def bench_workload(work: Work, contenders: List[Contender], bench: PeerBench, ar
             r.status, r.reason = "FAILED", f"gradient max rel err {rel:.2e} on {worst} (> {args.grad_rtol:g})"
         log(f"  {c.name}: warm-up {first[c.name][0]:.3f}s (CPU {first[c.name][1]:.3f}s), grad rel err {rel:.1e} "
             f"({'ok' if ok else 'FAILED'})")
+        c.ready = ok
         del grads
         c.zero_grad()
     live = [c for c in contenders if results[c.name].status == "ok"]
@@ -1561,8 +1563,9 @@ def run_memory(args, bench: PeerBench, all_c: Dict[str, Contender], hf_config: d
     if args.memory_curve:
         dta = [ArealDtaContender(hf_config, state, args.max_forward_tokens, block, name)
                for name, block in _dta_blocks(memory_curve.CURVE_DTA_BLOCKS).items()]
-        contenders = ([all_c["hf-per-sample"]] + memory_curve.curve_contenders(bench, PsrlContender)
-                      + [all_c[n] for n in memory_curve.CURVE_PEERS[1:]] + dta)
+        peers = [all_c[n] for n in memory_curve.CURVE_PEERS] + dta
+        contenders = ([peers[0]] + memory_curve.curve_contenders(bench, PsrlContender) + peers[1:]
+                      + memory_curve.at_peer_contenders(bench, PsrlContender, peers, _peak))
         if args.contenders:  # a subset (the gradient reference always runs)
             keep = set(args.contenders.split(",")) | {"hf-per-sample"}
             contenders = [c for c in contenders if c.name in keep]
@@ -1583,7 +1586,9 @@ def run_memory(args, bench: PeerBench, all_c: Dict[str, Contender], hf_config: d
         s = summarise(work, results, order)
         for r in s["rows"]:
             c = next(c for c in contenders if c.name == r["contender"])
-            if isinstance(c, PsrlContender) and r["status"] == "ok":
+            if getattr(c, "choice", None) and r["status"] == "ok":  # (an at-peer row: the plan it chose)
+                r.update(c.choice, micro_batches=len(c.memory.last.details["plan"].ranks[0].micro_batches))
+            elif isinstance(c, PsrlContender) and r["status"] == "ok":
                 r["micro_batches"] = bench.micro_batches(work.batch, **c.overrides)
             if r["median_s"] is not None:
                 log(f"  {r['contender']:>16}: {r['median_s']:.3f} s  peak {_f(r['peak_mb'], '.0f')} MB")
@@ -1603,6 +1608,7 @@ def write_memory(out_dir: str, out: dict) -> str:
     for s in out["curves"]:
         png = os.path.basename(s["png"]) if s.get("png") else None
         lines += memory_curve.curve_md(s, png, meta.get("clock", "wall"))
+        lines += memory_curve.at_peer_md(s, meta.get("clock", "wall"))
     md = "\n".join(lines)
     write_results(out_dir, "bench_peers_memory", out, md)
     return md

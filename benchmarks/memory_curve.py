@@ -7,6 +7,12 @@ activation recomputation (every layer), against every peer's settings (AReaL-DTA
 sequences and at 4,096, 2,048 and 512-token blocks), in bench_peers' protocol (warm-up and
 gradient check, one memory run, interleaved timed rounds). A project point is marked when it
 is both faster (median) and leaner (peak) than every peer.
+
+At each peer's memory (issue 46): ``psrl-at-<peer>`` runs the project with ``--memory-budget``
+set to the static memory (weights; the bench keeps no optimizer state) plus that peer's
+measured step peak, so that the planner picks its fastest plan under the peer's memory; the
+table beside the curve says, per peer, whether the project is no slower there and, where no
+plan fits, the project's floor.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import contextlib
 import dataclasses
 from typing import List, Optional
 
+from megatron_psrl.engine.budget import memory_budget_for
+from megatron_psrl.engine.calibration import calibrate_for_planning
 from megatron_psrl.kvcache import CacheBudgetError
+from megatron_psrl.schedule.budget import MemoryBudgetError, size_text
 
 CURVE_BUDGETS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 CURVE_DTA_BLOCKS = "whole,4096,2048,512"
@@ -83,6 +92,77 @@ def curve_contenders(bench, psrl_class) -> list:
     return out
 
 
+AT_PEER_PREFIX = "psrl-at-"
+
+
+def budget_costs(bench):
+    """The costs a ``--memory-budget`` run of the bench's model measures at start-up
+    (``engine.builder.placement_and_costs``), measured once per bench."""
+    if getattr(bench, "_budget_costs", None) is None:
+        e = bench.engine
+        bench._budget_costs, _ = calibrate_for_planning(e.model, e.arch, e.plan_geometry, e.layout.device,
+                                                        e.config.micro_batch_tokens, None)
+    return bench._budget_costs
+
+
+def at_peer_contenders(bench, psrl_class, peers: list, measure_peak) -> list:
+    """``psrl-at-<peer>`` for every peer: the project under ``--memory-budget`` = the static
+    memory + the peer's measured step peak (``measure_peak(peer, work)``: bench_peers' untimed
+    memory run, the same measure as every row's). Run after the peers' warm-ups (listed after
+    them); skipped, with the peer's reason, when the peer did not run."""
+
+    class AtPeer(psrl_class):
+        def __init__(self, peer):
+            super().__init__(bench, AT_PEER_PREFIX + peer.name)
+            self.peer, self.memory, self.target = peer, None, None
+
+        def prepare(self, work):
+            self.memory = None
+            if not getattr(self.peer, "ready", False):
+                return f"{self.peer.name} did not run"
+            self.target = measure_peak(self.peer, work)
+            engine = bench.engine
+            static = memory_budget_for(engine, 1 << 62).static
+            try:
+                self.memory = memory_budget_for(engine, static.total + self.target)
+                with self.budgeted():
+                    engine.plan(work.batch)
+            except MemoryBudgetError as e:
+                self.memory = None
+                return (f"below the project's floor at {self.target / 2**20:.0f} MB (the step allocates the "
+                        f"parameters' gradients, {static.weights / 2**20:.1f} MB, beside its graphs): {e}")
+            o = self.memory.last
+            self.kernels = (f"--memory-budget {size_text(self.memory.budget_bytes)} ({self.peer.name}'s peak "
+                            f"{self.target / 2**20:.1f} MB + static {static.total / 2**20:.1f} MB): micro-batches of "
+                            f"{o.lever.micro_batch_tokens} tokens, {o.lever.recompute_layers} recomputed layers, "
+                            f"{o.details.get('dropped_graphs', 0)} kept graphs recomputed, predicted step peak "
+                            f"{o.peak_bytes / 2**20:.1f} MB")
+            self.choice = {"micro_batch_tokens": o.lever.micro_batch_tokens,
+                           "recompute_layers": o.lever.recompute_layers,
+                           "dropped_graphs": o.details.get("dropped_graphs", 0),
+                           "predicted_mb": o.peak_bytes / 2**20, "target_mb": self.target / 2**20}
+            return None
+
+        @contextlib.contextmanager
+        def budgeted(self):
+            """The engine plans under this row's budget with the costs a ``--memory-budget`` run
+            measures at start-up (and its recomputation choice is undone after)."""
+            engine = bench.engine
+            before, recompute, measured = engine.memory_budget, engine.recompute_setting, engine.measured
+            engine.memory_budget, engine.measured = self.memory, budget_costs(bench)
+            try:
+                yield
+            finally:
+                engine.memory_budget, engine.measured = before, measured
+                engine.set_recompute(*recompute)
+
+        def run(self, work):
+            with self.budgeted():
+                super().run(work)
+
+    return [AtPeer(p) for p in peers]
+
+
 def skip_same_blocks(dta) -> None:
     """An AReaL-DTA contender whose blocks are at least the longest sample runs exactly as
     whole-sequence blocks: skipped as such (one run less per round)."""
@@ -131,6 +211,50 @@ def curve_md(summary: dict, png: Optional[str], clock: str = "wall") -> List[str
                      f"{'**yes**' if r['dominates'] else ''} |")
     if png:
         lines += ["", f"![{summary['workload']}]({png})"]
+    return lines + [""]
+
+
+def at_peer_rows(summary: dict) -> List[dict]:
+    """Per peer that ran: its median and peak beside the project's row at its memory
+    (``psrl-at-<peer>``): the plan chosen, its predicted and measured peak and median, and
+    whether the project is no slower there (``ok``), over the budget, or below its floor."""
+    by_name = {r["contender"]: r for r in summary["rows"]}
+    out = []
+    for name, peer in by_name.items():
+        ours = by_name.get(AT_PEER_PREFIX + name)
+        if ours is None or peer["median_s"] is None or peer["peak_mb"] is None:
+            continue
+        row = {"peer": name, "peer_s": peer["median_s"], "peer_mb": peer["peak_mb"], "psrl_s": ours["median_s"],
+               "psrl_mb": ours["peak_mb"], "status": ours["status"], "reason": ours.get("reason", "")}
+        for key in ("micro_batch_tokens", "recompute_layers", "dropped_graphs", "predicted_mb", "micro_batches"):
+            row[key] = ours.get(key)
+        if ours["median_s"] is not None:
+            row["ratio"] = ours["median_s"] / peer["median_s"]
+            row["within_budget"] = ours["peak_mb"] is not None and ours["peak_mb"] <= peer["peak_mb"]
+            row["no_slower"] = ours["median_s"] <= peer["median_s"]
+        out.append(row)
+    return out
+
+
+def at_peer_md(summary: dict, clock: str = "wall") -> List[str]:
+    rows = at_peer_rows(summary)
+    if not rows:
+        return []
+    lines = [f"**{summary['workload']}** at each peer's memory (`psrl --memory-budget` = static + the peer's peak)", "",
+             f"| peer | peer peak MB | peer median s ({clock}) | psrl plan (micro-batch tokens, recomputed layers, "
+             f"kept graphs recomputed; micro-batches) | psrl predicted MB | psrl peak MB | psrl median s | psrl / peer "
+             f"| no slower, within the peer's memory |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("ratio") is None:
+            lines.append(f"| {r['peer']} | {r['peer_mb']:.0f} | {r['peer_s']:.3f} | {r['status']}: {r['reason']} "
+                         f"| - | - | - | - | no |")
+            continue
+        plan = (f"{r['micro_batch_tokens']}, {r['recompute_layers']}, {r['dropped_graphs']}; {r['micro_batches']}")
+        verdict = "**yes**" if r["no_slower"] and r["within_budget"] else (
+            "slower" if r["within_budget"] else "over the peer's memory")
+        lines.append(f"| {r['peer']} | {r['peer_mb']:.0f} | {r['peer_s']:.3f} | {plan} | {r['predicted_mb']:.1f} "
+                     f"| {r['psrl_mb']:.1f} | {r['psrl_s']:.3f} | {r['ratio']:.2f} | {verdict} |")
     return lines + [""]
 
 

@@ -1,8 +1,9 @@
 """Smoke test of bench_peers' memory modes on a tiny workload: ``--memory-breakdown`` accounts
 the measured peak by holder (every part non-negative, the parts summing to the peak, saved
 activations seen by the hooks), beside the memory plan's prediction; ``--memory-curve`` runs the
-project's points (budget 512, KV budget at its floor, recomputation) through bench_peers'
-protocol with gradients checked, a peak per point, a table and a PNG. No timing is asserted."""
+project's points (budget 512, KV budget at its floor, recomputation, and ``--memory-budget`` at the
+per-sample loop's measured peak) through bench_peers' protocol with gradients checked, a peak per
+point, a table and a PNG. No timing is asserted."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-POINTS = ["psrl-mb512", "psrl-kv-floor", "psrl-recompute"]
+POINTS = ["psrl-mb512", "psrl-kv-floor", "psrl-recompute", "psrl-at-hf-per-sample"]
 
 
 @pytest.mark.slow  # a benchmark run in a subprocess
@@ -38,9 +39,13 @@ def test_bench_peers_memory_modes(tmp_path):
         assert rows[name]["status"] == "ok" and rows[name]["grad_rel_err"] <= 1e-4, rows[name]
         assert rows[name]["peak_mb"] > 0 and rows[name]["median_s"] > 0, rows[name]
     assert rows["psrl-mb512"]["micro_batches"] >= 1
+    at = rows["psrl-at-hf-per-sample"]  # --memory-budget = static + the per-sample loop's measured peak
+    assert at["predicted_mb"] * 1.05 <= at["target_mb"] and at["micro_batch_tokens"] >= 256, at
+    assert at["peak_mb"] <= rows["hf-per-sample"]["peak_mb"], (at, rows["hf-per-sample"])
     assert os.path.isfile(curve["png"]) and os.path.getsize(curve["png"]) > 0
     md = (out / "bench_peers_memory.md").read_text()
     assert "faster and leaner than every peer" in md and "saved: attention core" in md
+    assert "at each peer's memory" in md and "| hf-per-sample |" in md.split("at each peer's memory")[1]
 
 
 def _summary(clock):
