@@ -201,12 +201,17 @@ def in_flight_graphs(pipeline_parallel_size: int, virtual_pipeline_size: int = 1
 
 
 def predicted_seconds(engine, plan: StepPlan, memories: List[Optional[MemoryPlan]], lever: Lever) -> float:
-    """The step's predicted seconds: per rank, the FLOP cost model's work (its micro-batches,
-    the forward again of every dropped graph and of the recomputed layers) at the pricing's
-    rate, a fixed cost per micro-batch, and the host copies the compute does not hide; the
-    slowest rank."""
+    """The step's predicted seconds: per rank, the cost model's work (its micro-batches, the
+    forward again of every dropped graph and of the recomputed layers), a fixed cost per
+    micro-batch, and the host copies the compute does not hide; the slowest rank. The work is
+    in seconds measured at start-up on this model and device (``engine.measured``: per token,
+    key pair and logit row, and per micro-batch), else in FLOPs at the pricing's rate."""
     pricing, layers = engine.memory_budget.pricing, max(1, engine.graph_charge.num_layers)
-    token_cost = token_cost_function(plan.index, engine.flop_model)
+    measured = engine.measured
+    if measured is not None:  # (seconds already: the rate is 1, the fixed cost the measured one)
+        pricing = dataclasses.replace(pricing, device_flops_per_s=1.0,
+                                      seconds_per_micro_batch=measured.seconds_per_micro_batch)
+    token_cost = token_cost_function(plan.index, measured.cost_model() if measured is not None else engine.flop_model)
     share = lever.recompute_layers / layers
     worst = 0.0
     for rank, memory in zip(plan.ranks, memories):

@@ -78,7 +78,8 @@ def build_engine(source: ModelSource, config: ActorConfig, *, layout: Optional[P
                                                  load_optimizer, for_training, say)
     geometry, plan_geometry = kv_geometry(arch, config, layout, vpp, split, model)
     placement, flop_model, measured = placement_and_costs(config, layout, arch, model, plan_geometry,
-                                                          recompute=bool(overrides), log=say, resume=resume)
+                                                          recompute=bool(overrides), log=say, resume=resume,
+                                                          budget=budget is not None)
     # (with an optimizer, the data-parallel reduce may start during a step's last backward)
     backend_name, kv_cache, runner = cache_and_runner(
         config, layout, arch, model, geometry, recompute=bool(overrides), log=say,
@@ -300,7 +301,7 @@ def kv_geometry(arch, config: ActorConfig, layout: ParallelLayout, vpp: int, spl
 
 
 def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model, geometry: KVGeometry,
-                        recompute: bool, log: Log, resume: Optional[ResumePoint] = None):
+                        recompute: bool, log: Log, resume: Optional[ResumePoint] = None, budget: bool = False):
     """``(placement, FLOP cost model, measured costs or None)``; ``geometry``: what every stage's
     plans assume (``KVGeometry.for_pipeline_planning``), so that every stage places alike.
 
@@ -310,7 +311,10 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
     an exchange group, the planner weighs compute against transfers measured on this model at
     start-up (not with pipeline stages: a stage cannot run the whole model; nor with linear-attention
     layers, whose states the calibration does not measure: placement is cross-rank by request
-    there, fragments cut by the FLOP cost model). A resumed checkpoint's
+    there, fragments cut by the FLOP cost model). With a memory budget (``budget``) the costs are
+    measured too (without an exchange group where trees are not split): the budget planner prices
+    its levers with them (a micro-batch's fixed cost, the forward a recomputation repeats), which
+    FLOPs alone misjudge for small micro-batches. A resumed checkpoint's
     recorded calibration (``resume.planning_costs``) is used instead of measuring, unless
     ``config.recalibrate``."""
     whole_tree_only = whole_tree_reasons(layout.pipeline_parallel_size, recompute, config.placement,
@@ -327,12 +331,14 @@ def placement_and_costs(config: ActorConfig, layout: ParallelLayout, arch, model
             "trees are placed whole on data-parallel ranks")
     flop_model = cost_model_for(arch)
     group, group_size = exchange_group_of(layout)
-    if not (group_size > 1 and placement != "whole-tree" and config.prefix_sharing == "tree"):
+    cross_rank = group_size > 1 and placement != "whole-tree" and config.prefix_sharing == "tree"
+    if geometry.fixed_bytes_per_source:  # (cross-rank by request: the calibration measures K/V transfers only)
+        cross_rank = False
+    if not (cross_rank or budget):  # (a memory budget prices its levers in measured seconds: engine/budget.py)
         return placement, flop_model, None
     if layout.pipeline_parallel_size > 1:  # (the calibration runs the whole model: not on one stage)
         return placement, flop_model, None
-    if geometry.fixed_bytes_per_source:  # (cross-rank by request: the calibration measures K/V transfers only)
-        return placement, flop_model, None
+    group = group if cross_rank else None
     resume = resume or ResumePoint()
     with layout.monitor.phase("cost calibration"):
         m, origin = calibrate_for_planning(model, arch, geometry, layout.device, config.micro_batch_tokens, group,

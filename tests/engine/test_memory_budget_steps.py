@@ -74,6 +74,22 @@ def test_one_log_line_per_step_says_what_was_chosen(peer):
     assert plan["predicted_peak_bytes"] > plan["static_bytes"] > 0
 
 
+def test_levers_are_priced_in_the_seconds_measured_at_start_up(peer):
+    """A budget run measures its costs at start-up, and a lever's predicted seconds are in those:
+    the same tokens cut into more micro-batches cost the measured fixed cost once per extra
+    micro-batch (FLOPs alone would price them alike)."""
+    engine = peer.engine
+    measured = engine.measured
+    assert measured is not None and measured.seconds_per_micro_batch > 0 and measured.seconds_per_token > 0
+    tree = build_prefix_tree(small_workloads()["grpo-256x4x256"])
+    large, small = (evaluate_lever(engine, tree, "tree", Lever(t), UNLIMITED, entropy=False) for t in (4096, 256))
+    assert large.fits and small.fits and large.details["dropped_graphs"] == small.details["dropped_graphs"] == 0
+    count = lambda o: sum(mb.computes for mb in o.details["plan"].ranks[0].micro_batches)  # noqa: E731
+    assert count(small) > count(large)
+    extra = (count(small) - count(large)) * measured.seconds_per_micro_batch
+    assert small.seconds - large.seconds == pytest.approx(extra, rel=1e-9, abs=1e-12)
+
+
 @pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
 @pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
 def test_measured_peak_stays_under_the_budget():
