@@ -90,6 +90,7 @@ MODELS = {
     "qwen3.5-27b": ("Qwen3.5-27B-class", lambda: tiny_config("qwen3.5-27b-class")),
     "qwen3-next-80b": ("Qwen3-Next-80B-A3B", lambda: tiny_config("qwen3-next-80b-a3b")),
     "deepseek-v3": ("DeepSeek-V3-class (671B, MLA)", lambda: tiny_config("deepseek-v3-class")),
+    "gpt-oss-120b": ("gpt-oss-120B-class (117B, windows of 128 and sinks)", lambda: tiny_config("gpt-oss-120b-class")),
 }
 """``--models`` name -> (title, its Hugging Face config): add a shape here to tabulate it (a
 family's shape configs are in megatron_psrl.model.tiny.SHAPE_CONFIGS)."""
