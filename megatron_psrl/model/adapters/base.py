@@ -77,6 +77,12 @@ class LlamaStyleAdapter:
         """Every tensor name the HF checkpoint must contain."""
         return list(self.hf_shapes())
 
+    def hf_fp32_names(self) -> List[str]:
+        """HF tensors megatron keeps in fp32 whatever the model's dtype (buffers: a router's expert
+        bias); a conversion records the dtype the folder stored them in when it is another
+        (``CheckpointInfo.hf_dtypes``), so that an export writes them back in it. None here."""
+        return []
+
     # ------------------------------------------------------------------ qkv layout
     def _interleave_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         a = self.arch
