@@ -8,14 +8,15 @@ import json
 import logging
 import os
 import sys
-from typing import Optional
+from typing import Dict, Iterable, Iterator, Optional, Tuple
 
+import torch
 from tqdm import tqdm
 
 from megatron_psrl.checkpoint.atomic import atomic_directory, atomic_write_text, check_writable_dir, write_file
 from megatron_psrl.checkpoint.checksums import write_manifest
 from megatron_psrl.checkpoint.dist_format import write_model_checkpoint
-from megatron_psrl.checkpoint.hf_io import write_hf_checkpoint
+from megatron_psrl.checkpoint.hf_io import HFCheckpointReader, write_hf_checkpoint
 from megatron_psrl.checkpoint.layout import (
     MODEL_JSON,
     TRACKER,
@@ -28,6 +29,7 @@ from megatron_psrl.checkpoint.legacy_format import save_sharded_checkpoint
 from megatron_psrl.checkpoint.loading import hf_full_state_dict, load_full_state_dict, log_untrained_mtp
 from megatron_psrl.checkpoint.passthrough import passthrough_for_export, read_hf_passthrough, write_passthrough
 from megatron_psrl.checkpoint.sharding import shard_state_dict
+from megatron_psrl.dtypes import DTYPES
 from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.model.adapters import get_adapter
 from megatron_psrl.model.architecture import ModelArchitecture
@@ -60,15 +62,17 @@ def hf_to_mcore(
         full = hf_full_state_dict(hf_dir, arch, progress=lambda _: bar.update(1), strict=True,
                                    non_finite="warn" if allow_non_finite else "refuse")
     dtype = str(next(iter(full.values())).dtype).replace("torch.", "")
+    hf_dtypes = source_dtypes(hf_dir, get_adapter(arch))
     carried = read_hf_passthrough(hf_dir, get_adapter(arch).hf_passthrough_prefixes)  # e.g. a vision tower
     log_untrained_mtp(arch, hf_dir)
     if ckpt_format == "torch_dist":
         info = CheckpointInfo(architecture=arch, tensor_parallel_size=1, pipeline_parallel_size=1, iteration=0,
-                              dtype=dtype)
+                              dtype=dtype, hf_dtypes=hf_dtypes)
         save_dist_checkpoint(out_dir, info, full, overwrite=overwrite, passthrough=carried)
         logger.info("wrote %s (torch_dist, %s)", out_dir, dtype)
         return info
-    info = CheckpointInfo(architecture=arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, iteration=0, dtype=dtype)
+    info = CheckpointInfo(architecture=arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, iteration=0, dtype=dtype,
+                          hf_dtypes=hf_dtypes)
     shards = shard_state_dict(full, arch, tp, pp)
     with _bar(len(shards), "writing shards", progress) as bar:
         save_sharded_checkpoint(out_dir, info, shards, overwrite=overwrite, progress=lambda _: bar.update(1),
@@ -104,7 +108,7 @@ def mcore_to_mcore(load: str, out_dir: str, tp: int = 1, pp: int = 1, overwrite:
     if ckpt_format == "torch_dist":
         tp, pp = 1, 1
     info = CheckpointInfo(architecture=arch, tensor_parallel_size=tp, pipeline_parallel_size=pp, iteration=0,
-                          dtype=saved.dtype)
+                          dtype=saved.dtype, hf_dtypes=saved.hf_dtypes)
     if ckpt_format == "torch_dist":
         save_dist_checkpoint(out_dir, info, full, overwrite=overwrite)
     else:
@@ -133,7 +137,8 @@ def mcore_to_hf(
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         with _bar(len(adapter.hf_keys()) + len(carried), "writing HF tensors", progress) as bar:
             write_hf_checkpoint(
-                tmp, itertools.chain(adapter.mcore_to_hf(full), carried.items()), arch.hf_config,
+                tmp, itertools.chain(in_source_dtypes(adapter.mcore_to_hf(full), info.hf_dtypes), carried.items()),
+                arch.hf_config,
                 template_dir=hf_template,
                 progress=lambda _: bar.update(1),
             )
@@ -144,3 +149,22 @@ def mcore_to_hf(
 def describe(path: str) -> str:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         return json.dumps(json.load(f), indent=2)
+
+
+def source_dtypes(hf_dir: str, adapter) -> Dict[str, str]:
+    """The dtype ``hf_dir`` stores each of the adapter's ``hf_fp32_names`` in, where it is not
+    fp32 (by HF name): what ``CheckpointInfo.hf_dtypes`` records."""
+    names = adapter.hf_fp32_names()
+    if not names:
+        return {}
+    reader = HFCheckpointReader(hf_dir)
+    dtypes = {name: reader.get(name).dtype for name in names}  # (small: one value per expert)
+    return {name: str(dtype).replace("torch.", "") for name, dtype in dtypes.items() if dtype != torch.float32}
+
+
+def in_source_dtypes(tensors: Iterable[Tuple[str, torch.Tensor]],
+                     hf_dtypes: Dict[str, str]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``tensors`` (HF names) with those of ``hf_dtypes`` cast back to the dtype the converted
+    folder had (megatron held them in fp32: the cast is exact)."""
+    for name, tensor in tensors:
+        yield name, tensor.to(DTYPES[hf_dtypes[name]]) if name in hf_dtypes else tensor

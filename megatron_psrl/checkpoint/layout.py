@@ -23,13 +23,13 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_psrl.checkpoint.checksums import verify_folder
-from megatron_psrl.dtypes import DTYPES
+from megatron_psrl.dtypes import DTYPES, canonical_dtype_name
 from megatron_psrl.errors import CheckpointError, ConfigurationError, PsrlError, pid_alive
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.stages import PipelineSplit
@@ -82,6 +82,14 @@ class CheckpointInfo:
     :mod:`~megatron_psrl.checkpoint.expert_parallel`); the legacy format is written at EP = 1
     only."""
 
+    hf_dtypes: Dict[str, str] = field(default_factory=dict)
+    """The dtype a converted Hugging Face folder stored a tensor in, by HF name, for the tensors
+    megatron keeps in fp32 whatever the model's dtype (a router's expert bias, megatron's fp32
+    ``expert_bias`` buffer: the adapter's ``hf_fp32_names``) where the folder had another dtype:
+    mcore-to-hf writes them back in it, so a round trip is bit exact in dtype too. Empty for
+    a checkpoint saved by training: those tensors export in fp32, the dtype transformers keeps
+    them in."""
+
     @property
     def pipeline_split(self) -> PipelineSplit:
         """The (virtual) stages' layout as the sharding functions take it."""
@@ -115,6 +123,8 @@ class CheckpointInfo:
             d["virtual_pipeline_size"] = self.virtual_pipeline_size
         if self.expert_model_parallel_size > 1:
             d["expert_model_parallel_size"] = self.expert_model_parallel_size
+        if self.hf_dtypes:
+            d["hf_dtypes"] = dict(sorted(self.hf_dtypes.items()))
         return json.dumps(d, indent=2)
 
     @classmethod
@@ -139,6 +149,7 @@ class CheckpointInfo:
                 pipeline_layers=tuple(int(c) for c in d["pipeline_layers"]) if d.get("pipeline_layers") else None,
                 virtual_pipeline_size=int(d.get("virtual_pipeline_size", 1)),
                 expert_model_parallel_size=int(d.get("expert_model_parallel_size", 1)),
+                hf_dtypes={str(k): canonical_dtype_name(v) for k, v in dict(d.get("hf_dtypes") or {}).items()},
             )
         except KeyError as exc:
             raise CheckpointError(path, f"missing field {exc.args[0]!r}") from None

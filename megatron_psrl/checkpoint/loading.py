@@ -174,6 +174,12 @@ class _StageReads:
         expert = re.match(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.", suffix)
         return expert is not None and int(expert.group(1)) // (self.arch.num_experts // self.ep) != self.ep_rank
 
+    @property
+    def expert_rows(self) -> Tuple[int, int]:
+        """``[first, stop)``: the global indices of this expert-parallel rank's routed experts."""
+        per_rank = self.arch.num_experts // self.ep
+        return self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank
+
     def holds_outside(self, name: str, embedding: str) -> bool:
         """Whether the stage holds the non-layer tensor ``name``: the input embedding (HF name
         ``embedding``) where :attr:`embedding_here`, the final norm and output layer on the last."""
@@ -234,7 +240,7 @@ def hf_rank_state_dict(hf_dir: str, arch: ModelArchitecture, tp_rank: int, tp: i
 
     Host memory while loading: about the shard where the adapter reads slices
     (:func:`_rank_slices`); otherwise the shard plus the full tensors of the layer being
-    converted (:func:`_stage_cut`)."""
+    converted (:func:`_stage_cut`; of fused experts, only the rank's rows)."""
     if arch.num_kv_heads % tp:
         raise ConfigurationError(f"tensor parallel size {tp} must divide the {arch.num_kv_heads} key/value heads")
     reads = _StageReads.of(arch, stage, split, ep_rank, ep)
@@ -255,9 +261,16 @@ def _stage_cut(reader: HFCheckpointReader, shapes: Dict[str, tuple], reads: _Sta
     """The stage's tensors read whole and converted by the family's adapter on the stage's
     layers, each cut to this tensor-parallel rank's shard as it comes out (for layouts that are
     not per-group slices of the HF tensors: a gated query, Gated DeltaNet's fused projections).
-    The embedding's name is the adapter's (a multimodal wrapper prefixes it)."""
+    Of tensors that hold every routed expert (gpt-oss's fused experts, the adapter's
+    ``hf_fused_expert_tensors``) only this expert-parallel rank's rows are read (safetensors
+    ``get_slice``), and the adapter converts those experts alone. The embedding's name is the
+    adapter's (a multimodal wrapper prefixes it)."""
     arch = reads.arch
     embedding = next((n for n in shapes if n.endswith("embed_tokens.weight")), _VOCAB_HF[0])
+    adapter = get_adapter(reads.local_arch())
+    fused = adapter.hf_fused_expert_tensors
+    if fused:
+        adapter.expert_rows = reads.expert_rows
 
     def get(name: str) -> Tensor:
         layer = reads.layer_tensor(name)
@@ -267,10 +280,12 @@ def _stage_cut(reader: HFCheckpointReader, shapes: Dict[str, tuple], reads: _Sta
         full_name, suffix = layer
         if reads.skips_expert(suffix):
             return torch.empty(shapes[full_name], device="meta")
+        if suffix in fused:  # [E, ...]: this rank's experts' rows
+            return reader.get_slice(full_name, 0, *reads.expert_rows, shapes[full_name])
         return reader.get(full_name, shapes[full_name])
 
     shard = {}
-    for name, tensor in get_adapter(reads.local_arch()).hf_to_mcore(get):
+    for name, tensor in adapter.hf_to_mcore(get):
         if not tensor.is_meta:
             shard[name] = tp_shard(name, tensor, arch, tp, tp_rank)
     return shard

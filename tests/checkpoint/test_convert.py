@@ -340,3 +340,53 @@ def test_legacy_converts_to_torch_dist_and_back_with_every_tensor(sharded_hf, tm
     assert cli.main(["mcore-to-hf", "--load", str(dist_ckpt), "--out-dir", str(back), "--no-progress"]) == 0
     x, y = read_hf_tensors(src), read_hf_tensors(str(back))
     assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _with_fp32_expert_biases(src, out):
+    """A copy of the HF folder ``src`` whose routers' ``e_score_correction_bias`` are fp32 next to bf16
+    weights (transformers keeps them fp32 in a bf16 model and saves them so), moved off the bf16
+    grid so that a pass through bf16 would show."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    gen = torch.Generator().manual_seed(0)
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".safetensors"):
+            tensors = load_file(os.path.join(out, f))
+            biases = [k for k in tensors if k.endswith("e_score_correction_bias")]
+            for k in biases:
+                tensors[k] = tensors[k].float() + 1e-4 * torch.randn(tensors[k].shape, generator=gen)
+            if biases:
+                save_file(tensors, os.path.join(out, f), metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3-moe", "glm4-moe-qk-norm"])
+def test_a_bf16_round_trip_keeps_the_expert_bias_dtype(family, sharded_hf, tmp_path):
+    """megatron keeps the router's expert bias (``expert_bias``) in fp32 in a bf16 model; HF ->
+    torch_dist -> HF gives it back in the folder's dtype, bit for bit: bf16 where the folder
+    stored it so (``save_pretrained`` of a model cast to bf16), fp32 where it stored fp32 next to bf16
+    weights. The legacy format, which keeps the converted tensors as they are, agrees."""
+    bf16 = sharded_hf(family, "bf16")
+    mixed = _with_fp32_expert_biases(bf16, tmp_path / "mixed")
+    for src, bias_dtype in ((bf16, torch.bfloat16), (mixed, torch.float32)):
+        a = read_hf_tensors(src)
+        biases = sorted(k for k in a if k.endswith("e_score_correction_bias"))
+        assert biases and all(a[k].dtype == bias_dtype for k in biases)
+        assert a["model.embed_tokens.weight"].dtype == torch.bfloat16
+        for fmt in ("torch_dist", "legacy"):
+            ckpt, back = tmp_path / f"ckpt-{fmt}-{bias_dtype}", tmp_path / f"back-{fmt}-{bias_dtype}"
+            info = hf_to_mcore(src, str(ckpt), progress=False, ckpt_format=fmt)
+            assert info.dtype == "bfloat16"
+            assert info.hf_dtypes == ({k: "bfloat16" for k in biases} if bias_dtype == torch.bfloat16 else {})
+            if fmt == "torch_dist":  # megatron's buffer: fp32, the values of the folder's bias
+                mcore = load_full_state_dict(str(ckpt))[1]
+                layer = int(biases[0].split(".")[2])
+                assert mcore[f"decoder.layers.{layer}.mlp.router.expert_bias"].dtype == torch.float32
+            mcore_to_hf(str(ckpt), str(back), progress=False)
+            b = read_hf_tensors(str(back))
+            assert set(a) == set(b)
+            for name in a:
+                assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), (fmt, name)

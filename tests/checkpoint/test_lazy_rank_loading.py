@@ -72,18 +72,26 @@ class _CountingReader:
         from megatron_psrl.checkpoint import hf_io
 
         self.names = []
+        self.bytes = {}  # tensor name -> bytes read of it
         get, get_slice = hf_io.HFCheckpointReader.get, hf_io.HFCheckpointReader.get_slice
 
         def counted_get(reader, name, *a, **k):
-            self.names.append(name)
-            return get(reader, name, *a, **k)
+            return self.count(name, get(reader, name, *a, **k))
 
         def counted_slice(reader, name, *a, **k):
-            self.names.append(name)
-            return get_slice(reader, name, *a, **k)
+            return self.count(name, get_slice(reader, name, *a, **k))
 
         monkeypatch.setattr(hf_io.HFCheckpointReader, "get", counted_get)
         monkeypatch.setattr(hf_io.HFCheckpointReader, "get_slice", counted_slice)
+
+    def count(self, name, tensor):
+        self.names.append(name)
+        self.bytes[name] = self.bytes.get(name, 0) + tensor.numel() * tensor.element_size()
+        return tensor
+
+    def clear(self):
+        self.names.clear()
+        self.bytes.clear()
 
 
 @pytest.mark.parametrize("name", ["debug-qwen3-next", "debug-qwen3.5", "debug-deepseek-v3"])
@@ -109,7 +117,7 @@ def test_whole_tensor_rank_reads_its_stage_and_experts_only(name, whole_tensor_c
             layers = range(sum(counts[:p]), sum(counts[:p + 1]))
             for ep_rank in range(ep):
                 expected = local_experts(shard, arch, ep_rank, ep) if arch.is_moe else shard
-                reads.names.clear()
+                reads.clear()
                 got = hf_rank_state_dict(hf_dir, arch, r, tp, p, split, ep_rank, ep)
                 assert set(got) == set(expected), (tp, split, r, p, sorted(set(got) ^ set(expected)))
                 for key, t in expected.items():
@@ -120,3 +128,36 @@ def test_whole_tensor_rank_reads_its_stage_and_experts_only(name, whole_tensor_c
                         assert int(m.group(1)) in layers, (read, p)
                         if m.group(2) is not None:
                             assert int(m.group(2)) // (arch.num_experts // ep) == ep_rank, (read, ep_rank)
+
+
+def test_gpt_oss_ranks_read_their_rows_of_the_fused_experts(tmp_path, monkeypatch):
+    """gpt-oss stores each layer's experts fused (``mlp.experts.gate_up_proj`` [E, h, 2I], its
+    bias, ``down_proj`` [E, I, h], its bias): under expert parallelism a rank reads its experts'
+    rows of them only (``get_slice`` on the expert dimension: half the expert bytes at EP = 2),
+    and its shard equals the whole-read path's bit for bit (with TP and PP too)."""
+    from megatron_psrl.model.adapters import get_adapter
+    from megatron_psrl.model.moe import local_experts
+    from megatron_psrl.model.stages import stage_counts
+
+    hf_dir = make_family_checkpoint(family_config("gpt-oss"), str(tmp_path / "hf"), max_shard_size="40KB")
+    arch = ModelArchitecture.from_hf_dir(hf_dir)
+    full = hf_full_state_dict(hf_dir, arch)
+    shapes = get_adapter(arch).hf_shapes()
+    size = full["embedding.word_embeddings.weight"].element_size()  # (every tensor's dtype)
+    fused = get_adapter(arch).hf_fused_expert_tensors
+    assert len(fused) == 4
+    reads = _CountingReader(monkeypatch)
+    for tp, split, ep in [(1, 1, 2), (2, 2, 2), (1, 1, 1)]:
+        counts = stage_counts(arch, split)
+        for (r, p), shard in shard_state_dict(full, arch, tp, split).items():
+            layers = range(sum(counts[:p]), sum(counts[:p + 1]))
+            whole = sum(torch.Size(shapes[f"model.layers.{i}.{s}"]).numel() * size for i in layers for s in fused)
+            for ep_rank in range(ep):
+                reads.clear()
+                got = hf_rank_state_dict(hf_dir, arch, r, tp, p, split, ep_rank, ep)
+                expected = local_experts(shard, arch, ep_rank, ep)
+                assert set(got) == set(expected), (tp, split, ep, sorted(set(got) ^ set(expected)))
+                for key, t in expected.items():
+                    assert torch.equal(got[key], t), (tp, split, ep, key)
+                expert_bytes = sum(n for name, n in reads.bytes.items() if ".mlp.experts." in name)
+                assert expert_bytes * ep == whole, (tp, split, ep, ep_rank, expert_bytes, whole)

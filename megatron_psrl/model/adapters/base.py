@@ -12,7 +12,7 @@ Layouts megatron-core uses:
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,16 @@ class LlamaStyleAdapter:
     """:func:`megatron_psrl.checkpoint.loading.hf_rank_state_dict` can read one rank's slices of
     each tensor (its names and row layouts); otherwise a rank's shard is cut from the whole
     state dict."""
+
+    hf_fused_expert_tensors: Tuple[str, ...] = ()
+    """Layer tensors (name suffixes after ``model.layers.{i}.``) that hold every routed expert
+    along their first dimension (gpt-oss's fused experts): a per-rank load reads only its
+    expert-parallel rank's rows of them (:attr:`expert_rows`)."""
+
+    expert_rows: Optional[Tuple[int, int]] = None
+    """The routed experts ``[first, stop)`` whose rows ``get`` returns of each of
+    :attr:`hf_fused_expert_tensors` (set by a per-rank load, which converts those experts
+    only); None: every expert, the tensors whole."""
 
     def __init__(self, arch: ModelArchitecture):
         self.arch = arch
@@ -76,6 +86,12 @@ class LlamaStyleAdapter:
     def hf_keys(self) -> List[str]:
         """Every tensor name the HF checkpoint must contain."""
         return list(self.hf_shapes())
+
+    def hf_fp32_names(self) -> List[str]:
+        """HF tensors megatron keeps in fp32 whatever the model's dtype (buffers: a router's expert
+        bias); a conversion records the dtype the folder stored them in when it is another
+        (``CheckpointInfo.hf_dtypes``), so that an export writes them back in it. None here."""
+        return []
 
     # ------------------------------------------------------------------ qkv layout
     def _interleave_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

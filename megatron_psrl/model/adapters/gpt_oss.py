@@ -12,7 +12,8 @@ megatron: ``self_attention.linear_qkv.{weight,bias}`` (grouped q/k/v rows),
 (the sinks), ``mlp.router.{weight,bias}``, and per expert
 ``mlp.experts.local_experts.{i}.linear_fc1.{weight,bias}`` (``[gate; up]``: the interleaved
 columns split, transposed) and ``linear_fc2.{weight,bias}``. Pure copies both ways: a round
-trip is bit exact.
+trip is bit exact. A per-rank load under expert parallelism reads only its experts' rows of the
+fused tensors (:attr:`GptOssAdapter.hf_fused_expert_tensors`, ``checkpoint.loading._stage_cut``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class GptOssAdapter(RoutedExpertsMixin, LlamaStyleAdapter):
 
     hf_experts_fused = True
     """The checkpoints keep the experts fused (transformers' memory names are the Hub's)."""
-    reads_rank_slices = False  # fused experts: one tensor holds every expert (cut from the whole)
+    reads_rank_slices = False  # the stage's tensors read whole and cut; of the fused experts, the rank's rows
+    hf_fused_expert_tensors = tuple(f"mlp.experts.{name}" for name in _EXPERTS)
+    hf_fused_expert_tensors = tuple(f"mlp.experts.{name}" for name in _EXPERTS)
 
     # ------------------------------------------------------------------ names and shapes
     def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -69,14 +72,16 @@ class GptOssAdapter(RoutedExpertsMixin, LlamaStyleAdapter):
     def _mlp_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
         yield mc + "mlp.router.weight", get(hf + "mlp.router.weight")
         yield mc + "mlp.router.bias", get(hf + "mlp.router.bias")
+        # every expert, or those of expert_rows alone (a per-rank load reads only their rows)
+        first, stop = self.expert_rows or (0, self.arch.num_experts)
         gate_up, gate_up_bias, down, down_bias = (get(f"{hf}mlp.experts.{name}") for name in _EXPERTS)
-        for i in range(self.arch.num_experts):
-            dst = f"{mc}mlp.experts.local_experts.{i}."
+        for i in range(first, stop):  # (global expert indices; row j of the tensors read)
+            dst, j = f"{mc}mlp.experts.local_experts.{i}.", i - first
             # [h, 2I] interleaved -> [gate; up] rows [2I, h]
-            yield dst + "linear_fc1.weight", torch.cat([gate_up[i, :, 0::2].t(), gate_up[i, :, 1::2].t()], 0)
-            yield dst + "linear_fc1.bias", torch.cat([gate_up_bias[i, 0::2], gate_up_bias[i, 1::2]], 0)
-            yield dst + "linear_fc2.weight", down[i].t().contiguous()  # [I, h] -> [h, I]
-            yield dst + "linear_fc2.bias", down_bias[i].clone()
+            yield dst + "linear_fc1.weight", torch.cat([gate_up[j, :, 0::2].t(), gate_up[j, :, 1::2].t()], 0)
+            yield dst + "linear_fc1.bias", torch.cat([gate_up_bias[j, 0::2], gate_up_bias[j, 1::2]], 0)
+            yield dst + "linear_fc2.weight", down[j].t().contiguous()  # [I, h] -> [h, I]
+            yield dst + "linear_fc2.bias", down_bias[j].clone()
 
     def _mlp_to_hf(self, mcore: Dict[str, Tensor], hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
         a = self.arch

@@ -8,7 +8,7 @@ Hugging Face names (Hub and ``save_pretrained``), below ``model.layers.{l}.``:
 |---|---|
 | dense layer: ``mlp.gate_proj`` / ``up_proj`` / ``down_proj`` | ``mlp.linear_fc1`` (``[gate; up]``) / ``mlp.linear_fc2`` |
 | ``mlp.gate.weight`` ``[E, h]`` | ``mlp.router.weight`` |
-| ``mlp.gate.e_score_correction_bias`` ``[E]`` (fp32 buffer) | ``mlp.router.expert_bias`` (fp32 buffer) |
+| ``mlp.gate.e_score_correction_bias`` ``[E]`` (fp32 in transformers; a folder's other dtype: kept by an export) | ``mlp.router.expert_bias`` (fp32 buffer) |
 | ``mlp.experts.{i}.gate_proj`` / ``up_proj`` / ``down_proj`` | ``mlp.experts.local_experts.{i}.linear_fc1`` / ``linear_fc2`` |
 | ``mlp.shared_experts.gate_proj`` / ``up_proj`` / ``down_proj`` (width ``n_shared * f``) | ``mlp.shared_experts.linear_fc1`` / ``linear_fc2`` |
 
@@ -24,7 +24,7 @@ megatron_psrl: a conversion carries their tensors through unchanged
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
@@ -61,6 +61,14 @@ class GroupedRoutingAdapterMixin(RoutedExpertsMixin):
         if self.arch.moe_router_expert_bias:
             shapes["mlp.gate.e_score_correction_bias"] = (self.arch.num_experts,)
         return shapes
+
+    def hf_fp32_names(self) -> List[str]:
+        """Every MoE layer's ``e_score_correction_bias``: megatron's ``expert_bias`` is an fp32
+        buffer in a model of any dtype (``TopKRouter._maintain_float32_expert_bias``)."""
+        if not (self.arch.is_moe and self.arch.moe_router_expert_bias):
+            return []
+        return [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in range(self.arch.num_layers)
+                if not self._dense(i)]
 
     def hf_shared_expert_shapes(self) -> Dict[str, Tuple[int, ...]]:
         h, s = self.arch.hidden_size, self.arch.moe_shared_expert_ffn_hidden_size

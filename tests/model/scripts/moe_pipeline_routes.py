@@ -19,7 +19,12 @@ with full activation recomputation: ``recompute-losses-replay``, whose whole-tre
 1F1B too: a backward recomputes its forward after later forwards, and routes (and weighs) its
 tokens as its own forward did.
 
-Usage: moe_pipeline_routes.py HF_DIR [MICRO_BATCH_TOKENS] [WHOLE_TREE_TOKENS]
+Then, given a GLM-4.5 folder (4 layers: a dense one, then grouped sigmoid routing), z + aux with
+the route-count pre-pass and the expert bias's update on (``grouped-losses-bias``, both
+budgets): also the stage's routers' biases after megatron's ``finalize_model_grads``, bit for
+bit the update of the per-sample route counts.
+
+Usage: moe_pipeline_routes.py HF_DIR [MICRO_BATCH_TOKENS] [WHOLE_TREE_TOKENS] [GLM_HF_DIR]
 """
 
 import contextlib
@@ -87,6 +92,8 @@ def main() -> None:
                        recompute_num_layers=1)
     run_phases(actor, hf, refs, small, whole, (("losses-replay", routed, True),), routed, prefix="recompute-")
     actor.close()
+    if len(sys.argv) > 4:
+        run_grouped(sys.argv[4], small, whole)
 
 
 def run_phases(actor, hf, refs, small, whole, phases, routed, prefix="") -> None:
@@ -130,6 +137,58 @@ def run_phases(actor, hf, refs, small, whole, phases, routed, prefix="") -> None
                   f"{m.get('moe_aux_loss', 0.0):.6f} (ref {aux:.6f}), logprob err {lp_err:.2e}, worst grad rel err "
                   f"{worst:.2e}, micro-batches {m['micro_batches']}, cached prefixes {actor.seen}",
                   flush=True)
+
+
+BIAS_RATE = 0.01  # the expert bias's step (megatron's moe_router_bias_update_rate)
+
+
+def run_grouped(hf_dir, small, whole) -> None:
+    """GLM-4.5 with 4 layers (stage 0: the dense layer and MoE layer 0; stage 1: MoE layers 1
+    and 2), z + aux over sigmoid scores with the route-count pre-pass and the expert bias's
+    update on: per budget, the loss, the reported sums, the log-probs, every gradient of the
+    stage and the stage's updated biases (megatron's rule on the per-sample counts, bit for bit)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from model.test_glm4_moe import _hf_logprobs_and_route_counts
+    from model.test_moe_router_losses import reference_grouped_router_losses
+
+    from megatron_psrl.model.moe import moe_layer_index
+
+    hf = load_hf_model(hf_dir)
+    records = random_tree_records(seed=5, num_roots=3)
+    batch = samples_from_dicts(records, source="records")
+    ref_logprobs, counts = _hf_logprobs_and_route_counts(hf, batch)  # [MoE layers, E] per-sample routes
+    policy_loss, policy_grads = per_sample_loss_and_grads(hf, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+    z, aux = reference_grouped_router_losses(hf, batch, Z_COEFF, AUX_COEFF)  # (adds to .grad)
+    ref_grads = {n: p.grad.detach().clone() for n, p in hf.named_parameters() if n in policy_grads}
+    total = policy_loss + z + aux
+    actor = make_actor(hf_dir, small, moe_router_enable_expert_bias=True, moe_router_bias_update_rate=BIAS_RATE)
+    routers = [m for m in actor.model.modules() if isinstance(m, TopKRouter)]
+    start = [router.expert_bias.clone() for router in routers]
+    offset = counts.sum(dim=-1, keepdim=True) / counts.shape[-1] - counts  # megatron's get_updated_expert_bias
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    for budget in (small, whole):
+        actor.engine.config.micro_batch_tokens = budget
+        for router, bias in zip(routers, start):  # (the reference's biases: the previous budget moved them)
+            router.expert_bias.copy_(bias)
+        actor.zero_grad()  # (and the bias's token counts)
+        result = actor.forward_backward(records)
+        m = result.metrics
+        assert abs(result.loss - total) <= 1e-5 * abs(total), (budget, result.loss, total)
+        assert abs(m["moe_z_loss"] - z) <= 1e-5 * z, (budget, m["moe_z_loss"], z)
+        assert abs(m["moe_aux_loss"] - aux) <= 1e-5 * aux, (budget, m["moe_aux_loss"], aux)
+        lp_err = max(float(np.nanmax(np.abs(a[1:] - b[1:]))) for a, b in zip(result.logprobs, ref_logprobs))
+        assert lp_err <= 1e-5, (budget, lp_err)
+        actor.engine.optimizer.reduce_gradients()  # megatron's finalize_model_grads: the bias's update too
+        worst = assert_rank_grads_match(actor, ref_grads, 0, 1)
+        rows = [moe_layer_index(router.config, router.layer_number) for router in routers]
+        for router, bias, row in zip(routers, start, rows):
+            assert torch.equal(router.expert_bias, bias + torch.sign(offset[row]) * BIAS_RATE), (budget, row)
+        print(f"rank {torch.distributed.get_rank()} pp_rank {pp_rank} grouped-losses-bias schedule "
+              f"{m['pipeline_schedule']} budget {budget} ok: loss {result.loss:.6f} (ref {total:.6f}), z "
+              f"{m['moe_z_loss']:.6f} (ref {z:.6f}), aux {m['moe_aux_loss']:.6f} (ref {aux:.6f}), MoE layers "
+              f"{rows} biases updated, worst grad rel err {worst:.2e}, micro-batches {m['micro_batches']}, "
+              f"cached prefixes {actor.seen}", flush=True)
+    actor.close()
 
 
 if __name__ == "__main__":
