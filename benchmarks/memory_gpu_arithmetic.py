@@ -185,6 +185,7 @@ class ArithmeticEngine:
         # (sequence parallelism off, as the actor's default: the last layer computes the output rows only)
         self.graph_charge = ActivationCharge.of(arch, tp, 2, local_vocab, chunk_rows(local_vocab, int(chunk_mb * 2**20)))
         self.flop_model = cost_model_for(arch)
+        self.measured = None  # (no device to measure on: levers priced in FLOPs at the pricing's rate)
         self.memory_budget = SimpleNamespace(pricing=pricing)
 
     def planner_config(self, sharing: str, micro_batch_tokens: int) -> PlannerConfig:
