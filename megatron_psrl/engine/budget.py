@@ -230,9 +230,10 @@ def plan_under_budget(engine, tree: PrefixTree, sharing: str, micro_batch_tokens
     docstring); the chosen recomputation is set on the model; one log line says what was chosen."""
     budget = engine.memory_budget
     ladder = micro_batch_ladder(micro_batch_tokens or engine.config.micro_batch_tokens)
+    clean = lambda o: o.details["dropped_graphs"] == 0 and o.details["sharing"] == sharing  # noqa: E731
     outcome = choose(lambda lever, room: evaluate_lever(engine, tree, sharing, lever, room, entropy),
                      budget.budget_bytes, budget.static, ladder, budget.max_recompute_layers, budget.offload,
-                     unbeatable=lambda o: o.details["dropped_graphs"] == 0 and o.details["sharing"] == sharing)
+                     unbeatable=clean, clean=clean)
     if budget.max_recompute_layers:
         k = outcome.lever.recompute_layers
         engine.set_recompute(*(("full", "block", k) if k else (None, None, None)))

@@ -153,6 +153,29 @@ def test_recomputation_takes_the_fewest_layers_that_fit():
     assert len(calls) <= 8  # a bisection, not every layer count
 
 
+def test_recomputed_layers_that_let_larger_micro_batches_keep_their_graphs_are_found():
+    """4096-token micro-batches fit with nothing recomputed only by recomputing producers' graphs
+    whole (2.0 s), 2048 fit keeping them (1.5 s), and 4096 with two layers recomputed keeps them
+    too (1.2 s). The fewest layers that fit (the old rule) stop at the first: the choice also
+    takes the fewest layers that fit keeping every graph, and compares."""
+    seconds = {0: 2.0, 1: 1.6, 2: 1.2, 3: 1.3, 4: 1.4}
+    calls = []
+
+    def evaluate(lever: Lever, room: int) -> Outcome:
+        calls.append(lever)
+        if lever.micro_batch_tokens == 2048:
+            return Outcome(lever, True, 500 - lever.recompute_layers, 1.5 + 0.1 * lever.recompute_layers,
+                           dict(dropped_graphs=0))
+        k = lever.recompute_layers
+        return Outcome(lever, True, 900 - 10 * k, seconds[k], dict(dropped_graphs=max(0, 2 - k)))
+
+    chosen = choose(evaluate, _budget_for(1000), STATIC, [4096, 2048], 4)
+    assert chosen.lever == Lever(4096, 2) and chosen.seconds == 1.2
+    assert len(calls) <= 6  # (two bisections at 4096, one evaluation at 2048)
+    # the old rule (the fewest layers that fit, whatever the plan recomputes) took the halved ones
+    assert choose(evaluate, _budget_for(1000), STATIC, [4096, 2048], 4, clean=lambda o: True).lever == Lever(2048)
+
+
 def test_a_budget_below_every_plan_is_refused_naming_the_smallest_that_fits():
     evaluate = _fake(LEVERS)
     with pytest.raises(MemoryBudgetError, match="smallest budget that fits is") as refused:
