@@ -96,6 +96,31 @@ def test_measured_peak_stays_under_the_budget():
             assert abs(chosen.peak_bytes / measured - 1) <= 0.10, (name, chosen.peak_bytes, measured)
 
 
+@pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
+@pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
+def test_offloaded_graphs_and_kv_leave_the_heap(monkeypatch):
+    """Host offload forced on the small rollout tree: the heap (the CPU's "device" memory;
+    the CPU link's host buffers lie outside it) peaks lower by about what the plan says."""
+    from megatron_psrl.engine import budget as engine_budget
+
+    torch.set_num_threads(1)
+    actor = peer_actor(memory_budget=UNLIMITED, memory_offload=True)
+    batch, tokens = small_workloads()["tree"], 256  # (4 kept graphs, cached prefixes read later)
+    measured, predicted = {}, {}
+    for offload in (False, True, False, True):  # (the first two warm up)
+        monkeypatch.setattr(engine_budget, "choose", lambda evaluate, *a, **k: evaluate(Lever(tokens, 0, offload),
+                                                                                     UNLIMITED))
+        measured[offload] = measured_step(actor, batch)
+        predicted[offload] = actor.engine.memory_budget.last.peak_bytes
+        assert actor.engine.memory_budget.last.lever.offload == offload
+    moved = actor.engine.runner.last_host_offload
+    print(f"moved: graphs {sum(moved.graph_bytes)} B, K/V {sum(moved.kv_bytes)} B")
+    fall, planned = measured[False] - measured[True], predicted[False] - predicted[True]
+    print(f"measured {measured}, predicted {predicted}: falls {fall} (plan {planned})")
+    assert planned > 0 and abs(fall / planned - 1) <= 0.25, (measured, predicted)
+    assert abs(predicted[True] / measured[True] - 1) <= 0.10, (measured, predicted)
+
+
 # ---------------------------------------------------------------------- exactness of a chosen plan
 MODEL = dict(PARALLEL_CONFIGS["qwen3"], num_hidden_layers=3)
 
@@ -143,3 +168,24 @@ def test_a_plan_chosen_by_the_budget_equals_the_per_sample_reference(reference, 
     for name, grad in ref_grads.items():
         atol = 1e-5 * float(grad.abs().max()) + rounding_tolerance(torch.float32, float(before[name].abs().max()))
         torch.testing.assert_close(after[name], before[name] - grad, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+    if squeeze == "offload":
+        _offload_moved_what_the_plan_says(engine, hf_dir, records, metrics, after)
+
+
+def _offload_moved_what_the_plan_says(engine, hf_dir, records, metrics, after):
+    """The offloaded step moved kept graphs and cached K/V at the steps its plan prices copies
+    (and about as many bytes), and computed bit for bit what the same plan computes on the
+    device alone (copies are exact): the unlimited budget's plan keeps every graph too."""
+    memory = engine.memory_budget.last.details["memories"][0]
+    assert memory.host_offload and metrics["memory_plan"]["dropped_graphs"] == 0
+    moved = engine.runner.last_host_offload
+    runtime = [g + kv for g, kv in zip(moved.graph_bytes, moved.kv_bytes)]
+    assert sum(moved.graph_bytes) > 0  # (this tree's cached prefixes are read by the next micro-batch: never moved)
+    assert [t for t, b in enumerate(runtime) if b] == [t for t, b in enumerate(memory.offloaded_bytes) if b]
+    assert 0.5 <= sum(runtime) / sum(memory.offloaded_bytes) <= 1.5, (runtime, memory.offloaded_bytes)
+    device_only = _actor(hf_dir)
+    plain = device_only.train_step(records)
+    assert not plain["memory_plan"]["host_offload"] and plain["memory_plan"]["dropped_graphs"] == 0
+    assert plain["loss"] == metrics["loss"]
+    for name, value in device_only.state_dict_hf().items():
+        assert torch.equal(value, after[name]), name
