@@ -207,8 +207,9 @@ def _recompute_candidates(evaluate: Evaluate, base: Lever, max_layers: int, room
     """The fitting outcomes of ``base``'s micro-batches worth comparing: the fewest recomputed
     layers that fit and, when that plan still recomputes producers' graphs (``clean`` false),
     the fewest that fit with none recomputed (a few layers recomputed may cost less than the
-    graphs they let the plan keep: the time is not monotone in the layers). Every evaluation is
-    appended to ``seen``; each layer count is evaluated once."""
+    graphs they let the plan keep: the time is not monotone in the layers), and every other
+    fitting layer count the two bisections evaluated on the way. Every evaluation is appended
+    to ``seen``; each layer count is evaluated once."""
     done: Dict[int, Outcome] = {}
 
     def run(k: int) -> Outcome:
@@ -218,12 +219,9 @@ def _recompute_candidates(evaluate: Evaluate, base: Lever, max_layers: int, room
         return done[k]
 
     fit = _least(run, 0, max_layers, lambda o: o.fits)
-    if fit is None:
-        return []
-    if clean(fit) or fit.lever.recompute_layers >= max_layers:
-        return [fit]
-    keeps = _least(run, fit.lever.recompute_layers + 1, max_layers, lambda o: o.fits and clean(o))
-    return [fit] + ([keeps] if keeps is not None else [])
+    if fit is not None and not clean(fit) and fit.lever.recompute_layers < max_layers:
+        _least(run, fit.lever.recompute_layers + 1, max_layers, lambda o: o.fits and clean(o))
+    return [o for o in done.values() if o.fits]
 
 
 def _no_dropped_graphs(outcome: Outcome) -> bool:
