@@ -1,8 +1,8 @@
 """``--memory-budget`` on real steps (issue 46, items 2 and 3): the step refused before it runs
 when no plan fits (naming the smallest budget that does, which then plans), one log line per
-step, the measured peak under the budget on small versions of the bench workloads, and a plan
-chosen by the budget (activation recomputation, dropped graphs) exactly the per-sample
-computation."""
+step, the measured peak under the budget on small versions of the bench workloads (and its fall
+under host offload), and a plan chosen by the budget (activation recomputation, dropped graphs,
+host offload) exactly the per-sample computation."""
 
 import pytest
 import torch
@@ -74,9 +74,30 @@ def test_one_log_line_per_step_says_what_was_chosen(peer):
     assert plan["predicted_peak_bytes"] > plan["static_bytes"] > 0
 
 
+def _offload_leaves_the_heap(actor, monkeypatch):
+    """Host offload forced on the small rollout tree: the heap (the CPU's "device" memory; the
+    CPU link's host buffers lie outside it) peaks lower by about what the plan says."""
+    from megatron_psrl.engine import budget as engine_budget
+
+    batch, tokens = small_workloads()["tree"], 256  # (4 kept graphs, cached prefixes read later)
+    measured, predicted = {}, {}
+    for offload in (True, False, True):  # (the first warms up)
+        monkeypatch.setattr(engine_budget, "choose", lambda evaluate, *a, **k: evaluate(Lever(tokens, 0, offload),
+                                                                                     UNLIMITED))
+        measured[offload] = measured_step(actor, batch)
+        predicted[offload] = actor.engine.memory_budget.last.peak_bytes
+        assert actor.engine.memory_budget.last.lever.offload == offload
+    moved = actor.engine.runner.last_host_offload
+    fall, planned = measured[False] - measured[True], predicted[False] - predicted[True]
+    print(f"offload: measured {measured}, predicted {predicted}: falls {fall} (plan {planned}); moved graphs "
+          f"{sum(moved.graph_bytes)} B, K/V {sum(moved.kv_bytes)} B")
+    assert planned > 0 and abs(fall / planned - 1) <= 0.25, (measured, predicted)
+    assert abs(predicted[True] / measured[True] - 1) <= 0.10, (measured, predicted)
+
+
 @pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
 @pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
-def test_measured_peak_stays_under_the_budget():
+def test_measured_peak_stays_under_the_budget(monkeypatch):
     torch.set_num_threads(1)  # (no thread-pool spinning on a loaded machine)
     actor = peer_actor(memory_budget=UNLIMITED)
     budget = actor.engine.memory_budget
@@ -94,31 +115,7 @@ def test_measured_peak_stays_under_the_budget():
                   f"{(static + chosen.peak_bytes) / 2**20:6.1f} MiB, lever {chosen.lever}")
             assert total <= limit, (name, limit, total, chosen.lever)
             assert abs(chosen.peak_bytes / measured - 1) <= 0.10, (name, chosen.peak_bytes, measured)
-
-
-@pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
-@pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
-def test_offloaded_graphs_and_kv_leave_the_heap(monkeypatch):
-    """Host offload forced on the small rollout tree: the heap (the CPU's "device" memory;
-    the CPU link's host buffers lie outside it) peaks lower by about what the plan says."""
-    from megatron_psrl.engine import budget as engine_budget
-
-    torch.set_num_threads(1)
-    actor = peer_actor(memory_budget=UNLIMITED, memory_offload=True)
-    batch, tokens = small_workloads()["tree"], 256  # (4 kept graphs, cached prefixes read later)
-    measured, predicted = {}, {}
-    for offload in (False, True, False, True):  # (the first two warm up)
-        monkeypatch.setattr(engine_budget, "choose", lambda evaluate, *a, **k: evaluate(Lever(tokens, 0, offload),
-                                                                                     UNLIMITED))
-        measured[offload] = measured_step(actor, batch)
-        predicted[offload] = actor.engine.memory_budget.last.peak_bytes
-        assert actor.engine.memory_budget.last.lever.offload == offload
-    moved = actor.engine.runner.last_host_offload
-    print(f"moved: graphs {sum(moved.graph_bytes)} B, K/V {sum(moved.kv_bytes)} B")
-    fall, planned = measured[False] - measured[True], predicted[False] - predicted[True]
-    print(f"measured {measured}, predicted {predicted}: falls {fall} (plan {planned})")
-    assert planned > 0 and abs(fall / planned - 1) <= 0.25, (measured, predicted)
-    assert abs(predicted[True] / measured[True] - 1) <= 0.10, (measured, predicted)
+    _offload_leaves_the_heap(actor, monkeypatch)
 
 
 # ---------------------------------------------------------------------- exactness of a chosen plan
