@@ -107,18 +107,30 @@ class HostLink:
     def for_device(device: torch.device) -> "HostLink":
         return CudaHostLink(device) if torch.device(device).type == "cuda" else HostLink(device)
 
+    ARENA_BYTES = 1 << 24
+    """The CPU's host buffers are carved from anonymous memory maps of at least this size (one
+    map per saved tensor would be thousands of maps a step)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.moved_bytes = 0
         """Bytes copied either way so far."""
+        self._arena: Optional[Tensor] = None
+        self._arena_used = 0
 
     def _host_buffer(self, like: Tensor) -> Tensor:
-        """An empty contiguous host tensor of ``like``'s shape and dtype: on CPU in an anonymous
-        memory map (outside the C heap: host memory that the heap's figure does not count)."""
+        """An empty contiguous host tensor of ``like``'s shape and dtype: on CPU carved from an
+        anonymous memory map (outside the C heap: host memory that the heap's figure does not
+        count), which goes once every tensor carved from it is gone."""
         nbytes = like.numel() * like.element_size()
         if not nbytes:
             return torch.empty(like.shape, dtype=like.dtype)
-        buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8, count=nbytes)
+        size = -(-nbytes // 64) * 64  # (64-byte aligned: any dtype's view)
+        if self._arena is None or self._arena_used + size > self._arena.numel():
+            self._arena = torch.frombuffer(mmap.mmap(-1, max(self.ARENA_BYTES, size)), dtype=torch.uint8)
+            self._arena_used = 0
+        buffer = self._arena[self._arena_used:self._arena_used + nbytes]
+        self._arena_used += size
         return buffer.view(like.dtype).view(like.shape)
 
     def to_host(self, t: Tensor) -> Tensor:
