@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from megatron_psrl.engine.config import ActorConfig
-from megatron_psrl.errors import UnsupportedFeatureError
 from megatron_psrl.kvcache import CacheBudgetError
 from megatron_psrl.schedule.budget import (
     Lever,
@@ -78,9 +77,6 @@ def free_device_memory(device: torch.device) -> Optional[Tuple[int, int]]:
 def resolve_budget(config: ActorConfig, device: torch.device, free: Optional[Tuple[int, int]]) -> Optional[int]:
     """The budget a run plans with: ``config.memory_budget`` bytes; None on CPU (and 0 anywhere):
     none; None on CUDA: ``free`` (the device's ``(free, total)`` at start-up) less the headroom."""
-    if config.memory_offload and device.type == "cuda":
-        raise UnsupportedFeatureError("--memory-offload is priced by the memory planner but not implemented on CUDA "
-                                      "yet (kept graphs and cached K/V stay on the device): drop the flag")
     if config.memory_budget is not None:
         return int(config.memory_budget) or None
     if free is None:
@@ -128,9 +124,11 @@ def memory_budget_for(engine, budget_bytes: Optional[int]) -> Optional[MemoryBud
     switchable = (c.recompute_granularity is None and layout.pipeline_parallel_size == 1
                   and layout.context_parallel_size == 1 and engine.exchange_group_size == 1
                   and c.expert_model_parallel_size == 1)
+    # (host offload runs in the single-stage executor's own schedule: not with PP or a cross-rank exchange)
+    offloadable = layout.pipeline_parallel_size == 1 and engine.exchange_group_size == 1
     return MemoryBudget(budget_bytes, static, Pricing.for_device(layout.device.type),
                         max_recompute_layers=engine.graph_charge.num_layers if switchable else 0,
-                        offload=c.memory_offload)
+                        offload=c.memory_offload and offloadable)
 
 
 class _Recorder:
@@ -235,9 +233,10 @@ def plan_under_budget(engine, tree: PrefixTree, sharing: str, micro_batch_tokens
     docstring); the chosen recomputation is set on the model; one log line says what was chosen."""
     budget = engine.memory_budget
     ladder = micro_batch_ladder(micro_batch_tokens or engine.config.micro_batch_tokens)
+    clean = lambda o: o.details["dropped_graphs"] == 0 and o.details["sharing"] == sharing  # noqa: E731
     outcome = choose(lambda lever, room: evaluate_lever(engine, tree, sharing, lever, room, entropy),
                      budget.budget_bytes, budget.static, ladder, budget.max_recompute_layers, budget.offload,
-                     unbeatable=lambda o: o.details["dropped_graphs"] == 0 and o.details["sharing"] == sharing)
+                     unbeatable=clean, clean=clean)
     if budget.max_recompute_layers:
         k = outcome.lever.recompute_layers
         engine.set_recompute(*(("full", "block", k) if k else (None, None, None)))

@@ -183,9 +183,11 @@ class ActorConfig:
 
     memory_offload: bool = False
     """With a memory budget, host offload of kept graphs and cached K/V is one of the planner's
-    levers (``--memory-offload``): priced as the bytes moved over the host link, less the
-    compute they overlap. On CPU the copy is a no-op the plan still prices (the memory it
-    frees is not freed); on CUDA refused: not implemented yet."""
+    levers (``--memory-offload``): kept graphs' saved tensors and cached K/V blocks that neither
+    the running nor the next schedule step uses live in host memory (pinned, copied on a side
+    stream on CUDA; :mod:`megatron_psrl.engine.host_offload`), priced as the bytes moved over
+    the host link, less the compute they overlap. Not with pipeline stages or a cross-rank
+    exchange. The CUDA path has not run on a GPU yet."""
 
     prefix_sharing: str = "tree"
     """``tree`` (mechanisms 1 + 2), ``tree-dup`` or ``none`` (the baseline)."""

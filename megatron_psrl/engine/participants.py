@@ -149,6 +149,25 @@ class KVCacheLifecycle(StepParticipant):
             self.cache.end_step()
 
 
+class HostResidency(StepParticipant):
+    """Host offload (a memory plan's ``host_offload``): the step's
+    :class:`~megatron_psrl.engine.host_offload.HostOffload`, made once the KV pool is sized (the
+    ``Residency`` instructions and kept forwards use it through ``step.host``), checked at the
+    end, and what it moved kept on the runner (``last_host_offload``)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def begin(self, step) -> None:
+        from megatron_psrl.engine.host_offload import HostOffload
+
+        step.host = HostOffload(self.runner.host_link, self.runner.kv_cache, self.runner.model)
+
+    def end(self, step) -> None:
+        step.host.finish()
+        self.runner.last_host_offload = step.host.record
+
+
 class LastBackward(StepParticipant):
     """The step's last backward pass (:func:`~megatron_psrl.schedule.instructions.last_backward`):
     the optimizer is told right before its autograd call starts (``arm(roots)``, through the
@@ -193,6 +212,8 @@ def step_participants(runner, step, instructions: List[Instruction], training: b
     out.append(RouterState(runner, training))
     if step.plan.head_sends:
         out.append(HeadExchange(runner, training))
+    if training and step.memory is not None and step.memory.host_offload:
+        out.append(HostResidency(runner))
     # (not with the expert lockstep: its trailing empty passes run backwards after the last one)
     if training and step.last_of_step and runner.arm_grad_reduce is not None and runner.expert_group is None:
         out.append(LastBackward(runner, instructions))

@@ -23,6 +23,7 @@ around it:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -33,9 +34,10 @@ import torch.distributed as dist
 from megatron_psrl.attention.metadata import TreeAttentionMetadata
 from megatron_psrl.distributed.kv_exchange import return_replica_grads
 from megatron_psrl.engine.head_sends import HeadSends
+from megatron_psrl.engine.host_offload import HostOffload
 from megatron_psrl.engine.participants import step_participants
 from megatron_psrl.engine.prefix_kv import PrefixKV
-from megatron_psrl.host_copy import DeviceSums, host_to_device
+from megatron_psrl.host_copy import DeviceSums, HostLink, host_to_device
 from megatron_psrl.kvcache.manager import (
     BlockKVCache,
     accumulate_source_grad_flat,
@@ -65,6 +67,7 @@ from megatron_psrl.schedule.instructions import (
     ImportHead,
     Instruction,
     ReleaseKV,
+    Residency,
     ReturnHeadGrads,
     ReturnReplicaGrads,
     SendHeads,
@@ -169,6 +172,8 @@ class StepState:
     """Routes of kept graphs whose backward recomputes their forward (activation recomputation)."""
     pending_arm: Optional[Callable[[Sequence[Tensor]], None]] = None
     """Set for the instruction that runs the step's last backward pass (``LastBackward``)."""
+    host: Optional[HostOffload] = None
+    """Host offload of kept graphs and cached K/V (a memory plan's ``host_offload``; ``HostResidency``)."""
 
     @property
     def rank_plan(self) -> RankPlan:
@@ -257,6 +262,16 @@ class StepRunner:
         """Called with the roots of a step's last backward pass right before it runs (the
         optimizer's ``arm_grad_reduce``: ``--overlap-grad-reduce``); None: the reduce waits for
         the step."""
+        self._host_link: Optional[HostLink] = None
+        self.last_host_offload = None
+        """What the last step with host offload moved (:class:`~megatron_psrl.engine.host_offload.OffloadRecord`)."""
+
+    @property
+    def host_link(self) -> HostLink:
+        """Copies to and from host memory for host offload (made at its first use: a side stream on CUDA)."""
+        if self._host_link is None:
+            self._host_link = HostLink.for_device(self.device)
+        return self._host_link
 
     # ------------------------------------------------------------------ one forward
     def _forward(self, step: "StepState", i: int, pack: PackedMicroBatch, rows: np.ndarray, run: ForwardPass,
@@ -582,8 +597,10 @@ class StepRunner:
 
     def run_forward_keep(self, x: ForwardKeep, step: "StepState") -> None:
         pack = self._pack(step, x.micro_batch)
-        loss, metrics, _, hook = self._forward(step, x.micro_batch, pack, self._rows(step, pack, x.forward_pass),
-                                               x.forward_pass)
+        # (host offload: the graph's saved tensors are registered, to move them between steps)
+        with step.host.saving(x.micro_batch) if step.host is not None else contextlib.nullcontext():
+            loss, metrics, _, hook = self._forward(step, x.micro_batch, pack, self._rows(step, pack, x.forward_pass),
+                                                   x.forward_pass)
         step.account(loss, metrics)
         step.pending[x.micro_batch] = (loss, hook.captured if hook is not None else [], None)
 
@@ -617,6 +634,12 @@ class StepRunner:
             grads = cache.read_grad(rows.source, rows.layer)  # fp32 sums over every reader; rounded once here
             kv_grads += [(rows.layer, field, grad.to(field.dtype)) for field, grad in zip(rows.fields, grads)]
         self._stage_backward(step, i, step.scaled(loss), kv_grads)
+        if step.host is not None:
+            step.host.release(i)
+
+    def run_residency(self, x: Residency, step: "StepState") -> None:
+        """Host offload: what this step and the next use on the device, the rest in host memory."""
+        step.host.settle(x)
 
     def run_allocate_kv(self, x: AllocateKV, step: "StepState") -> None:
         sources = step.rank_plan.sources
@@ -674,6 +697,7 @@ EXECUTE: Dict[type, str] = {
     Backward: "run_backward",
     AllocateKV: "run_allocate_kv",
     ReleaseKV: "run_release_kv",
+    Residency: "run_residency",
     SendHeads: "run_send_heads",
     ImportHead: "run_import_head",
     CollectHeadGrads: "run_collect_head_grads",

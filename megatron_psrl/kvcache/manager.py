@@ -282,6 +282,9 @@ class BlockKVCache:
         self._tables: Dict[Tuple[int, int, str], np.ndarray] = {}
         self._slots: Dict[Tuple[int, int, str], Tensor] = {}
         self._roles: Dict[int, set] = {}
+        self._host: Dict[Tuple[int, int, str], Tuple[Tensor, int]] = {}
+        """Host offload: a block kind of a source in host memory, ``([layers, blocks, block slots,
+        slot elems] host buffer, slots)``, its blocks given back to the pool (:meth:`offload`)."""
         self.metrics = CacheMetrics()
 
     # ------------------------------------------------------------------ step lifecycle
@@ -323,11 +326,13 @@ class BlockKVCache:
         self._tables.clear()
         self._slots.clear()
         self._roles.clear()
+        self._host.clear()
         self.metrics = CacheMetrics(block_size=block_size, pool_blocks=sum(sizes))
 
     def end_step(self) -> None:
-        if self._tables:
-            raise RuntimeError(f"KV cache still holds sources {sorted({k[0] for k in self._tables})} at step end")
+        if self._tables or self._host:
+            raise RuntimeError(f"KV cache still holds sources {sorted({k[0] for k in (*self._tables, *self._host)})} "
+                               f"at step end")
 
     def release_pool(self) -> None:
         self._storage = [None] * len(self.pools)
@@ -370,16 +375,69 @@ class BlockKVCache:
         for j, kind in wanted:
             p = self.pools[j]
             n_slots, per_block = p.slots(kind, length), p.block_slots(self.block_size)
-            n_blocks = p.blocks(kind, length, self.block_size)
-            blocks = np.array([self._free[j].pop() for _ in range(n_blocks)], dtype=np.int64)
-            self._tables[(source_id, j, kind)] = blocks
-            slots = (blocks[:, None] * per_block + np.arange(per_block)[None, :]).reshape(-1)[:n_slots]
-            self._slots[(source_id, j, kind)] = host_to_device(slots, self.geometry.device)
+            blocks = self._take_blocks((source_id, j, kind), p.blocks(kind, length, self.block_size), n_slots)
             if p.state.is_grad(kind):  # (a host index on a device tensor would copy it pageable, and wait)
                 self._storage[j].index_fill_(1, host_to_device(blocks, self.geometry.device), 0)
-            self.metrics.allocated_slots += n_blocks * per_block
+            self.metrics.allocated_slots += len(blocks) * per_block
             self.metrics.used_slots += n_slots
         self._record_use()
+
+    def _take_blocks(self, key: Tuple[int, int, str], n_blocks: int, n_slots: int) -> np.ndarray:
+        """``n_blocks`` free blocks of pool ``key[1]`` for a source's block kind: its block table
+        and its first ``n_slots`` slots."""
+        j, per_block = key[1], self.pools[key[1]].block_slots(self.block_size)
+        blocks = np.array([self._free[j].pop() for _ in range(n_blocks)], dtype=np.int64)
+        self._tables[key] = blocks
+        slots = (blocks[:, None] * per_block + np.arange(per_block)[None, :]).reshape(-1)[:n_slots]
+        self._slots[key] = host_to_device(slots, self.geometry.device)
+        return blocks
+
+    # ------------------------------------------------------------------ host offload
+    def on_device(self) -> set:
+        """Sources with blocks in the pools."""
+        return {k[0] for k in self._tables}
+
+    def on_host(self) -> set:
+        """Sources offloaded to host memory (:meth:`offload`)."""
+        return {k[0] for k in self._host}
+
+    def offload(self, source_id: int, link) -> int:
+        """A source's blocks (every role it holds, all layers) copied into host buffers through
+        ``link`` (a :class:`~megatron_psrl.host_copy.HostLink`) and given back to their pools;
+        returns the bytes moved. Its gather is queued before anything that writes those blocks
+        again, and the link keeps the gathered copy alive until it is on the host."""
+        moved = 0
+        for key in [k for k in self._tables if k[0] == source_id]:
+            blocks = self._tables.pop(key)
+            slots = self._slots.pop(key)
+            j = key[1]
+            gathered = self._storage[j].index_select(1, host_to_device(blocks, self.geometry.device))
+            self._host[key] = (link.to_host(gathered), len(slots))
+            moved += gathered.numel() * gathered.element_size()
+            self._free[j].extend(int(b) for b in blocks[::-1])
+        self._record_use()
+        return moved
+
+    def restore(self, source_id: int, link) -> int:
+        """An offloaded source back in blocks of its pools (new ones: its block tables change),
+        copied inside ``link.side()`` (the caller fences and waits before it is read); returns
+        the bytes moved."""
+        keys = [k for k in self._host if k[0] == source_id]
+        for j in {k[1] for k in keys}:
+            needed = sum(self._host[k][0].shape[1] for k in keys if k[1] == j)
+            if needed > len(self._free[j]):
+                raise CacheBudgetError(f"KV cache full: offloaded source {source_id} needs {needed} blocks back, "
+                                       f"{len(self._free[j])} free")
+        back = []
+        for key in keys:  # (block tables on the current stream, which reads them)
+            host, n_slots = self._host.pop(key)
+            back.append((key, host, self._take_blocks(key, host.shape[1], n_slots)))
+        with link.side():  # (the copies and the scatter into the pool on the link's stream)
+            for key, host, blocks in back:
+                values = link.to_device(host, (host.shape, tuple(host.stride()), host.dtype, self.geometry.device))
+                self._storage[key[1]].index_copy_(1, host_to_device(blocks, self.geometry.device), values)
+        self._record_use()
+        return sum(host.numel() * host.element_size() for _, host, _ in back)
 
     def free(self, source_id: int, kinds: Sequence[str]) -> None:
         """Return a source's blocks of the given roles to their pools."""
@@ -388,6 +446,7 @@ class BlockKVCache:
                 for kind in p.state.kinds(role):
                     blocks = self._tables.pop((source_id, j, kind), None)
                     self._slots.pop((source_id, j, kind), None)
+                    self._host.pop((source_id, j, kind), None)  # (offloaded: its host copy goes)
                     if blocks is not None:
                         self._free[j].extend(int(b) for b in blocks[::-1])
             self._roles.get(source_id, set()).discard(role)

@@ -11,8 +11,10 @@ step, the plan of least predicted time (:class:`Pricing`) among its levers (:cla
 - inside each plan, keep or recompute every producer's graph (the memory plan drops graphs
   until the step fits, each dropped graph's forward priced again);
 - megatron's ``full`` activation recomputation of the first ``k`` layers (``block``), each
-  recomputed layer's forward priced again; the smallest ``k`` that fits is found by bisection
-  (the peak falls and the time grows with ``k``);
+  recomputed layer's forward priced again; per micro-batch size the smallest ``k`` that fits
+  and, where that plan still recomputes producers' graphs, the smallest that fits keeping them
+  all, each found by bisection (the peak falls with ``k``; the time need not grow with it,
+  since recomputed layers can let the plan keep graphs it would otherwise recompute whole);
 - host offload of kept graphs and cached K/V that the running and the next step do not use,
   priced as the bytes moved over :attr:`Pricing.host_bytes_per_s` less the compute they
   overlap (a side stream on a GPU).
@@ -183,38 +185,67 @@ def budget_for(peak_bytes: int, static: StaticMemory, margin: float = PLAN_MARGI
     return static.total + -(-peak_bytes * r.numerator // r.denominator)
 
 
-def _least_recompute(evaluate: Evaluate, base: Lever, max_layers: int, room: int, seen: List[Outcome]) -> Optional[Outcome]:
-    """The fitting outcome of ``base`` with the fewest recomputed layers (bisection: the peak
-    falls as layers are recomputed), or None; every evaluation is appended to ``seen``."""
-    def run(k: int) -> Outcome:
-        seen.append(evaluate(Lever(base.micro_batch_tokens, k, base.offload), room))
-        return seen[-1]
-
-    first = run(0)
-    if first.fits or not max_layers:
-        return first if first.fits else None
-    last = run(max_layers)
-    if not last.fits:
+def _least(run: Callable[[int], Outcome], lo: int, hi: int, ok: Callable[[Outcome], bool]) -> Optional[Outcome]:
+    """The outcome of the least ``k`` in ``[lo, hi]`` with ``ok(run(k))``, or None (bisection:
+    ``ok`` holds from some ``k`` on, as the peak falls with every recomputed layer)."""
+    first = run(lo)
+    if ok(first) or lo >= hi:
+        return first if ok(first) else None
+    last = run(hi)
+    if not ok(last):
         return None
-    lo, hi, best = 0, max_layers, last  # lo does not fit, hi fits
+    best = last  # lo is not ok, hi is
     while hi - lo > 1:
         mid = (lo + hi) // 2
         out = run(mid)
-        lo, hi, best = (lo, mid, out) if out.fits else (mid, hi, best)
+        lo, hi, best = (lo, mid, out) if ok(out) else (mid, hi, best)
     return best
+
+
+def _recompute_candidates(evaluate: Evaluate, base: Lever, max_layers: int, room: int, seen: List[Outcome],
+                          clean: Callable[[Outcome], bool]) -> List[Outcome]:
+    """The fitting outcomes of ``base``'s micro-batches worth comparing: the fewest recomputed
+    layers that fit and, when that plan still recomputes producers' graphs (``clean`` false),
+    the fewest that fit with none recomputed (a few layers recomputed may cost less than the
+    graphs they let the plan keep: the time is not monotone in the layers), and every other
+    fitting layer count the two bisections evaluated on the way. Every evaluation is appended
+    to ``seen``; each layer count is evaluated once."""
+    done: Dict[int, Outcome] = {}
+
+    def run(k: int) -> Outcome:
+        if k not in done:
+            done[k] = evaluate(Lever(base.micro_batch_tokens, k, base.offload), room)
+            seen.append(done[k])
+        return done[k]
+
+    fit = _least(run, 0, max_layers, lambda o: o.fits)
+    if fit is not None and not clean(fit) and fit.lever.recompute_layers < max_layers:
+        _least(run, fit.lever.recompute_layers + 1, max_layers, lambda o: o.fits and clean(o))
+    return [o for o in done.values() if o.fits]
+
+
+def _no_dropped_graphs(outcome: Outcome) -> bool:
+    return not outcome.details.get("dropped_graphs")
 
 
 def choose(evaluate: Evaluate, budget_bytes: int, static: StaticMemory, micro_batch_tokens: Sequence[int],
            max_recompute_layers: int = 0, offload: bool = False, margin: float = PLAN_MARGIN,
-           unbeatable: Optional[Callable[[Outcome], bool]] = None) -> Outcome:
+           unbeatable: Optional[Callable[[Outcome], bool]] = None,
+           clean: Callable[[Outcome], bool] = _no_dropped_graphs) -> Outcome:
     """The fitting lever of least predicted time (ties: the larger micro-batches, no offload, the
     lower peak), or :class:`MemoryBudgetError` naming the smallest budget that fits.
+
+    The grid is (micro-batch size, recomputed layers, offload); per micro-batch size and offload
+    setting it evaluates the fewest recomputed layers that fit and, where that plan recomputes
+    producers' graphs (not ``clean``), the fewest that fit keeping them all
+    (:func:`_recompute_candidates`: two bisections, not every layer count), and compares them
+    all: a larger micro-batch with a few layers recomputed can beat a smaller one with none.
     ``unbeatable(outcome)``: the first lever (the largest micro-batches, nothing recomputed, no
     offload) fits with nothing recomputed or duplicated either, so no other lever can be faster
     (each does as much work in at least as many micro-batches): chosen without the others."""
     room = step_budget(budget_bytes, static, margin)
     seen: List[Outcome] = []
-    fitting = []
+    fitting: List[Outcome] = []
     if room > 0 and unbeatable is not None:
         first = evaluate(Lever(micro_batch_tokens[0]), room)
         if first.fits and unbeatable(first):
@@ -222,9 +253,8 @@ def choose(evaluate: Evaluate, budget_bytes: int, static: StaticMemory, micro_ba
     if room > 0:
         for tokens in micro_batch_tokens:
             for off in ((False, True) if offload else (False,)):
-                best = _least_recompute(evaluate, Lever(tokens, 0, off), max_recompute_layers, room, seen)
-                if best is not None:
-                    fitting.append(best)
+                fitting += _recompute_candidates(evaluate, Lever(tokens, 0, off), max_recompute_layers, room, seen,
+                                                 clean)
     if fitting:
         return min(fitting, key=lambda o: (o.seconds, -o.lever.micro_batch_tokens, o.lever.offload, o.peak_bytes))
     raise MemoryBudgetError(_refusal(evaluate, budget_bytes, static, micro_batch_tokens, max_recompute_layers,

@@ -20,6 +20,8 @@ CollectHeadGrads      the dK/dV importers returned for a head, added before its 
 Backward              a producer's backward (its readers are done), recomputing if dropped
 ReturnHeadGrads       an import micro-batch's heads' dK/dV go back to their home rank
 ReleaseKV             cached K/V (or every kind, gradients too) of sources nobody needs now
+Residency             host offload: what stays on the device for this step and the next; the
+                      rest of the kept graphs and cached K/V goes to host memory
 Transfer              pipeline stages: activations and gradients to and from the neighbouring
                       stages, posted as one batch and waited for (virtual stages)
 ====================  ==========================================================================
@@ -230,6 +232,39 @@ class ReleaseKV(Instruction):
     """Which of their blocks (``KV_KINDS``: the values only; ``ALL_KINDS``: everything)."""
 
 
+@dataclass(frozen=True)
+class Residency(Instruction):
+    """Host offload (a memory plan's ``host_offload``), first in every schedule step: the kept
+    graphs and cached sources this step and the next use stay on the device (or come back: the
+    next step's during this one, on a side stream); every other kept graph and held source goes
+    to host memory (:func:`step_residents`).
+
+    Memory: KV blocks and kept graphs on the device only while a step near them uses them."""
+
+    graphs: Tuple[int, ...]
+    """Micro-batches whose kept graph this step uses (its own)."""
+
+    sources: Tuple[int, ...]
+    """Cached sources this step uses."""
+
+    next_graphs: Tuple[int, ...] = ()
+    """Kept graphs only the next step uses: copied back during this step (it does not wait)."""
+
+    next_sources: Tuple[int, ...] = ()
+    """Cached sources only the next step uses: likewise."""
+
+
+def step_residents(rank_plan: RankPlan, order: List[int], t: int) -> Tuple[List[int], set]:
+    """``(micro-batches, sources)`` that schedule step ``t`` and the next use (its micro-batch
+    and the next step's, and the sources they read or produce): what host offload keeps on the
+    device at step ``t`` (the next step's come back during this one). ``order``: the
+    micro-batch of every schedule step. The memory plan prices exactly this
+    (:func:`megatron_psrl.schedule.memory.count_stream`) and :class:`Residency` enacts it."""
+    mbs = list(dict.fromkeys(order[u] for u in (t, t + 1) if u < len(order)))
+    sources = {s for i in mbs for s in rank_plan.micro_batches[i].reads + rank_plan.micro_batches[i].produces}
+    return mbs, sources
+
+
 @dataclass(frozen=True, order=True)
 class StageMessage:
     """One tensor between two neighbouring pipeline stages. With ``V`` chunks per rank on ``P``
@@ -281,7 +316,7 @@ def lockstep_passes(instructions: List[Instruction]) -> List[Tuple[str, int]]:
     return [(x.pass_kind, x.micro_batch) for x in instructions if x.pass_kind is not None]
 
 
-LOCAL_INSTRUCTIONS = (AllocateKV, ReleaseKV)
+LOCAL_INSTRUCTIONS = (AllocateKV, ReleaseKV, Residency)
 """Instructions that neither run the model nor communicate."""
 
 TRAILING_TRANSFERS = (Transfer,)
@@ -435,7 +470,21 @@ def training_instructions(rank_plan: RankPlan, memory: Optional[MemoryPlan]) -> 
     graphs, when cached values go) with the step's communication explicit."""
     if memory is None:
         return flatten(lower_training(rank_plan, {}, {}))
-    return flatten(lower_training(rank_plan, memory.keep_graph, memory.kv_release_step))
+    steps = lower_training(rank_plan, memory.keep_graph, memory.kv_release_step)
+    return flatten(with_residency(rank_plan, steps) if memory.host_offload else steps)
+
+
+def with_residency(rank_plan: RankPlan, steps: List[LoweredStep]) -> List[LoweredStep]:
+    """Host offload: a :class:`Residency` first in every step (:func:`step_residents`)."""
+    order = [step.micro_batch for step in steps]
+    out = []
+    for t, step in enumerate(steps):
+        mbs, sources = step_residents(rank_plan, order, t)
+        now_mbs, now = step_residents(rank_plan, order[t:t + 1], 0)
+        residency = Residency(tuple(now_mbs), tuple(sorted(now)), tuple(i for i in mbs if i not in now_mbs),
+                              tuple(sorted(sources - now)))
+        out.append(LoweredStep(step.micro_batch, (residency,) + step.instructions))
+    return out
 
 
 def forward_release_steps(rank_plan: RankPlan) -> Dict[int, int]:

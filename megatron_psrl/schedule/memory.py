@@ -274,7 +274,9 @@ class _Stream:
         self.held: Dict[int, Dict[str, np.ndarray]] = {}  # source -> role -> its blocks in each pool
         self.blocks, self.graphs, self.grads = self.zero, 0, False
         self.kept: Dict[int, int] = {}  # producer -> its kept graph's bytes (by rows) with its copies
-        self.on_device: Tuple[set, set] = (set(), set())  # (graphs, sources) on the device at the last step
+        # (graphs, sources) on the device at the last step; before the first, what it uses: nothing
+        # is in host memory yet (a source or graph the first steps make is not a copy)
+        self.on_device: Tuple[set, set] = self._touched(0) if order else (set(), set())
         self.rows: Dict[str, list] = {k: [] for k in ("blocks", "other", "step", "device", "moved_blocks", "moved")}
 
     def allocate(self, s: int, roles) -> None:
@@ -289,9 +291,9 @@ class _Stream:
 
     def _touched(self, t: int) -> Tuple[set, set]:
         """Graphs and sources the steps ``t`` and ``t + 1`` use (offload keeps those on the device:
-        the next step's are copied back during this one)."""
-        mbs = [self.order[u] for u in (t, t + 1) if u < len(self.order)]
-        sources = {s for i in mbs for s in self.plan.micro_batches[i].reads + self.plan.micro_batches[i].produces}
+        the next step's are copied back during this one; :func:`~megatron_psrl.schedule.instructions.step_residents`,
+        which the executor's :class:`~megatron_psrl.schedule.instructions.Residency` enacts)."""
+        mbs, sources = ins.step_residents(self.plan, self.order, t)
         return set(mbs), sources
 
     def record(self, t: int, i: int, kind: Optional[str], runs: bool) -> None:
@@ -625,7 +627,8 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
         raise _budget_error(timelines, producers, keep)
     memories = []
     for plan, (counts, last_read), (kv, total) in zip(plans, timelines.counts(keep), timelines(keep)):
-        pool_sizes = tuple(int(n) for n in counts.blocks.max(axis=0, initial=0))
+        # (offloaded, a source's blocks go back to the pool: the pool holds what is on the device)
+        pool_sizes = tuple(int(n) for n in (counts.device_blocks if offload else counts.blocks).max(axis=0, initial=0))
         recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
         memories.append(MemoryPlan(
             block_size=block_size, pool_blocks=sum(pool_sizes), keep_graph=dict(keep), kv_release_step=dict(last_read),
@@ -633,7 +636,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
             gathers_in_backward=gathers_in_backward, pool_sizes=pool_sizes,
             pool_states=tuple(p.state for p in geometry.pools), step_timeline_bytes=total.tolist(),
             offloaded_bytes=(counts.moved_blocks @ timelines.block_bytes + counts.moved_bytes).tolist()
-            if offload else [],
+            if offload else [], host_offload=offload,
         ))
     return memories
 

@@ -79,6 +79,11 @@ class MemoryPlan:
     """With host offload: bytes copied to or from host memory at every step (kept graphs and K/V
     blocks that the running and the next step do not use); empty without."""
 
+    host_offload: bool = False
+    """Kept graphs and cached K/V blocks that the running and the next step do not use live in
+    host memory (the step's instructions say when: ``schedule.instructions.Residency``); the
+    pools hold the blocks on the device only (:attr:`pool_sizes`)."""
+
 
 @dataclass
 class CachedSource:

@@ -147,9 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "refused naming the smallest that would; replaces --kv-cache-budget (default: auto, the "
                         "device's free memory at start-up less 10%% of its total on CUDA, off on CPU)")
     g.add_argument("--memory-offload", action="store_true",
-                   help="with --memory-budget: host offload of kept graphs and cached K/V is one of the planner's "
-                        "choices, priced as the bytes moved over the host link less the compute they overlap (a "
-                        "priced no-op on CPU; refused on CUDA: not implemented yet)")
+                   help="with --memory-budget: host offload is one of the planner's choices: kept graphs' saved "
+                        "tensors and cached K/V blocks that neither the running nor the next micro-batch step uses "
+                        "go to pinned host memory and come back on a side stream ahead of their reader, priced as "
+                        "the bytes moved over the host link less the compute they overlap; exact (copies). Not with "
+                        "pipeline stages or cross-rank placement; on CPU the same copies into host buffers outside "
+                        "the heap; the CUDA path has not run on a GPU yet")
     g.add_argument("--no-last-layer-row-skip", dest="last_layer_row_skip", action="store_false",
                    help="run the last layer in full for every row (by default it computes queries, attention "
                         "output and MLP only for the rows whose log-prob is trained or asked for; exact either way)")

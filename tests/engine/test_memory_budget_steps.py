@@ -1,8 +1,10 @@
 """``--memory-budget`` on real steps (issue 46, items 2 and 3): the step refused before it runs
 when no plan fits (naming the smallest budget that does, which then plans), one log line per
-step, the measured peak under the budget on small versions of the bench workloads, and a plan
-chosen by the budget (activation recomputation, dropped graphs) exactly the per-sample
-computation."""
+step, the measured peak under the budget on small versions of the bench workloads (and its fall
+under host offload), and a plan chosen by the budget (activation recomputation, dropped graphs,
+host offload) exactly the per-sample computation."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -79,10 +81,14 @@ def test_levers_are_priced_in_the_seconds_measured_at_start_up(peer):
     the same tokens cut into more micro-batches cost the measured fixed cost once per extra
     micro-batch (FLOPs alone would price them alike)."""
     engine = peer.engine
-    measured = engine.measured
-    assert measured is not None and measured.seconds_per_micro_batch > 0 and measured.seconds_per_token > 0
+    assert engine.measured is not None and engine.measured.seconds_per_token > 0  # (measured at start-up)
+    measured = dataclasses.replace(engine.measured, seconds_per_micro_batch=0.01)  # (a loaded machine may fit 0)
     tree = build_prefix_tree(small_workloads()["grpo-256x4x256"])
-    large, small = (evaluate_lever(engine, tree, "tree", Lever(t), UNLIMITED, entropy=False) for t in (4096, 256))
+    before, engine.measured = engine.measured, measured
+    try:
+        large, small = (evaluate_lever(engine, tree, "tree", Lever(t), UNLIMITED, entropy=False) for t in (4096, 256))
+    finally:
+        engine.measured = before
     assert large.fits and small.fits and large.details["dropped_graphs"] == small.details["dropped_graphs"] == 0
     count = lambda o: sum(mb.computes for mb in o.details["plan"].ranks[0].micro_batches)  # noqa: E731
     assert count(small) > count(large)
@@ -90,9 +96,30 @@ def test_levers_are_priced_in_the_seconds_measured_at_start_up(peer):
     assert small.seconds - large.seconds == pytest.approx(extra, rel=1e-9, abs=1e-12)
 
 
+def _offload_leaves_the_heap(actor, monkeypatch):
+    """Host offload forced on the small rollout tree: the heap (the CPU's "device" memory; the
+    CPU link's host buffers lie outside it) peaks lower by about what the plan says."""
+    from megatron_psrl.engine import budget as engine_budget
+
+    batch, tokens = small_workloads()["tree"], 256  # (4 kept graphs, cached prefixes read later)
+    measured, predicted = {}, {}
+    for offload in (True, False, True):  # (the first warms up)
+        monkeypatch.setattr(engine_budget, "choose", lambda evaluate, *a, **k: evaluate(Lever(tokens, 0, offload),
+                                                                                     UNLIMITED))
+        measured[offload] = measured_step(actor, batch)
+        predicted[offload] = actor.engine.memory_budget.last.peak_bytes
+        assert actor.engine.memory_budget.last.lever.offload == offload
+    moved = actor.engine.runner.last_host_offload
+    fall, planned = measured[False] - measured[True], predicted[False] - predicted[True]
+    print(f"offload: measured {measured}, predicted {predicted}: falls {fall} (plan {planned}); moved graphs "
+          f"{sum(moved.graph_bytes)} B, K/V {sum(moved.kv_bytes)} B")
+    assert planned > 0 and abs(fall / planned - 1) <= 0.25, (measured, predicted)
+    assert abs(predicted[True] / measured[True] - 1) <= 0.10, (measured, predicted)
+
+
 @pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
 @pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
-def test_measured_peak_stays_under_the_budget():
+def test_measured_peak_stays_under_the_budget(monkeypatch):
     torch.set_num_threads(1)  # (no thread-pool spinning on a loaded machine)
     actor = peer_actor(memory_budget=UNLIMITED)
     budget = actor.engine.memory_budget
@@ -110,6 +137,7 @@ def test_measured_peak_stays_under_the_budget():
                   f"{(static + chosen.peak_bytes) / 2**20:6.1f} MiB, lever {chosen.lever}")
             assert total <= limit, (name, limit, total, chosen.lever)
             assert abs(chosen.peak_bytes / measured - 1) <= 0.10, (name, chosen.peak_bytes, measured)
+    _offload_leaves_the_heap(actor, monkeypatch)
 
 
 # ---------------------------------------------------------------------- exactness of a chosen plan
@@ -159,3 +187,24 @@ def test_a_plan_chosen_by_the_budget_equals_the_per_sample_reference(reference, 
     for name, grad in ref_grads.items():
         atol = 1e-5 * float(grad.abs().max()) + rounding_tolerance(torch.float32, float(before[name].abs().max()))
         torch.testing.assert_close(after[name], before[name] - grad, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+    if squeeze == "offload":
+        _offload_moved_what_the_plan_says(engine, hf_dir, records, metrics, after)
+
+
+def _offload_moved_what_the_plan_says(engine, hf_dir, records, metrics, after):
+    """The offloaded step moved kept graphs and cached K/V at the steps its plan prices copies
+    (and about as many bytes), and computed bit for bit what the same plan computes on the
+    device alone (copies are exact): the unlimited budget's plan keeps every graph too."""
+    memory = engine.memory_budget.last.details["memories"][0]
+    assert memory.host_offload and metrics["memory_plan"]["dropped_graphs"] == 0
+    moved = engine.runner.last_host_offload
+    runtime = [g + kv for g, kv in zip(moved.graph_bytes, moved.kv_bytes)]
+    assert sum(moved.graph_bytes) > 0  # (this tree's cached prefixes are read by the next micro-batch: never moved)
+    assert [t for t, b in enumerate(runtime) if b] == [t for t, b in enumerate(memory.offloaded_bytes) if b]
+    assert 0.5 <= sum(runtime) / sum(memory.offloaded_bytes) <= 1.5, (runtime, memory.offloaded_bytes)
+    device_only = _actor(hf_dir)
+    plain = device_only.train_step(records)
+    assert not plain["memory_plan"]["host_offload"] and plain["memory_plan"]["dropped_graphs"] == 0
+    assert plain["loss"] == metrics["loss"]
+    for name, value in device_only.state_dict_hf().items():
+        assert torch.equal(value, after[name]), name

@@ -155,3 +155,59 @@ def test_regathering_in_backward_holds_no_copies_in_kept_graphs():
     for sid, step in regather.kv_release_step.items():
         for reader in rank.sources[sid].consumers:
             assert step >= backward_at.get(reader, -1)
+
+
+def test_an_offloaded_source_gives_its_blocks_back_and_returns_exactly():
+    """Host offload (CPU link: synchronous copies into memory outside the C heap): a source's
+    blocks, values and gradients, go to host memory and back to the pool; another source may
+    use the freed blocks meanwhile; the source comes back in other blocks, bit for bit."""
+    from megatron_psrl.host_copy import HostLink
+
+    cache, link = BlockKVCache(GEOM, 1 << 20), HostLink(torch.device("cpu"))
+    cache.begin_step(block_size=16, pool_blocks=16)
+    cache.allocate(0, 37)  # 3 blocks of each of K, V, dK, dV
+    table = cache.block_table(0, "k")
+    k, v, g = torch.randn(37, 2, 4), torch.randn(37, 2, 4), torch.randn(37, 2, 4)
+    for layer in (1, 2, 3):
+        cache.write(0, layer, k * layer, v)
+        cache.accumulate_grad(0, layer, g, None)
+    moved = cache.offload(0, link)
+    assert moved == 12 * 3 * 16 * 2 * 4 * 4 and cache.blocks_in_use == 0
+    assert cache.on_host() == {0} and not cache.on_device()
+    cache.allocate(1, 64)  # the whole pool (16 blocks of 4 kinds), then back
+    cache.free(1, ALL_ROLES)
+    cache.allocate(2, 5)
+    assert cache.restore(0, link) == moved and cache.on_device() == {0, 2} and not cache.on_host()
+    assert not np.array_equal(cache.block_table(0, "k"), table)  # (back in other blocks)
+    for layer in (1, 2, 3):
+        rk, rv = cache.read(0, layer)
+        assert torch.equal(rk, k * layer) and torch.equal(rv, v)
+        gk, gv = cache.read_grad(0, layer)
+        assert torch.equal(gk, g) and not gv.any()
+    cache.offload(2, link)
+    cache.free(2, ALL_ROLES)  # (freed while in host memory: its host copy goes)
+    cache.free(0, ALL_ROLES)
+    cache.end_step()
+    with pytest.raises(CacheBudgetError, match="needs 12 blocks back"):
+        cache.allocate(3, 37)
+        cache.offload(3, link)
+        cache.allocate(4, 64)
+        cache.restore(3, link)
+
+
+def test_the_cpu_host_link_keeps_offloaded_bytes_off_the_heap_and_their_layout():
+    """What the CPU link offloads lives outside the C heap (the CPU's "device" memory that
+    PeakMemory reads), and comes back with its strides and values."""
+    from megatron_psrl.engine.memory import heap_bytes_in_use
+    from megatron_psrl.host_copy import HostLink, layout_of
+
+    link = HostLink(torch.device("cpu"))
+    t = torch.randn(512, 1024).t()  # [1024, 512], 2 MiB, transposed strides
+    layout = layout_of(t)
+    before = heap_bytes_in_use()
+    host = link.to_host(t)
+    if before is not None:
+        assert heap_bytes_in_use() - before < t.numel() * t.element_size() // 8
+    back = link.to_device(host, layout)
+    assert back.stride() == t.stride() and torch.equal(back, t)
+    assert link.moved_bytes == 2 * t.numel() * t.element_size()

@@ -3,6 +3,7 @@ CUDA default from a faked free-memory figure, the optimizer state, the levers' s
 refusal, host offload's pricing, and 1F1B's graphs in flight."""
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -10,7 +11,6 @@ import torch
 from megatron_psrl.data import make_grpo, make_stepwise
 from megatron_psrl.engine.budget import in_flight_graphs, resolve_budget
 from megatron_psrl.engine.config import ActorConfig
-from megatron_psrl.errors import UnsupportedFeatureError
 from megatron_psrl.kvcache import KVGeometry
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.tiny import tiny_config
@@ -28,6 +28,7 @@ from megatron_psrl.schedule.budget import (
     step_budget,
 )
 from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.instructions import Residency, step_residents, training_instructions
 from megatron_psrl.schedule.memory import StepCharge, plan_memory, step_peak_bytes
 from megatron_psrl.schedule.planner import plan_step
 from megatron_psrl.schedule.step_charge import ActivationCharge, add_row_counts
@@ -52,10 +53,9 @@ def test_cuda_default_is_free_memory_at_start_up_less_the_headroom():
     assert resolve_budget(ActorConfig(memory_budget=3 * GiB), cpu, None) == 3 * GiB
 
 
-def test_offload_is_refused_on_cuda_in_one_line():
-    with pytest.raises(UnsupportedFeatureError, match="--memory-offload .* not implemented on CUDA"):
-        resolve_budget(ActorConfig(memory_budget=GiB, memory_offload=True), torch.device("cuda"), None)
-    assert resolve_budget(ActorConfig(memory_budget=GiB, memory_offload=True), torch.device("cpu"), None) == GiB
+def test_offload_is_a_lever_on_cuda_and_cpu_alike():
+    for device in ("cuda", "cpu"):
+        assert resolve_budget(ActorConfig(memory_budget=GiB, memory_offload=True), torch.device(device), None) == GiB
 
 
 def test_memory_budget_flag_takes_bytes_auto_and_off():
@@ -153,6 +153,29 @@ def test_recomputation_takes_the_fewest_layers_that_fit():
     assert len(calls) <= 8  # a bisection, not every layer count
 
 
+def test_recomputed_layers_that_let_larger_micro_batches_keep_their_graphs_are_found():
+    """4096-token micro-batches fit with nothing recomputed only by recomputing producers' graphs
+    whole (2.0 s), 2048 fit keeping them (1.5 s), and 4096 with two layers recomputed keeps them
+    too (1.2 s). The fewest layers that fit (the old rule) stop at the first: the choice also
+    takes the fewest layers that fit keeping every graph, and compares."""
+    seconds = {0: 2.0, 1: 1.6, 2: 1.2, 3: 1.3, 4: 1.4}
+    calls = []
+
+    def evaluate(lever: Lever, room: int) -> Outcome:
+        calls.append(lever)
+        if lever.micro_batch_tokens == 2048:
+            return Outcome(lever, True, 500 - lever.recompute_layers, 1.5 + 0.1 * lever.recompute_layers,
+                           dict(dropped_graphs=0))
+        k = lever.recompute_layers
+        return Outcome(lever, True, 900 - 10 * k, seconds[k], dict(dropped_graphs=max(0, 2 - k)))
+
+    chosen = choose(evaluate, _budget_for(1000), STATIC, [4096, 2048], 4)
+    assert chosen.lever == Lever(4096, 2) and chosen.seconds == 1.2
+    assert len(calls) <= 6  # (two bisections at 4096, one evaluation at 2048)
+    # the old rule (the fewest layers that fit, whatever the plan recomputes) took the halved ones
+    assert choose(evaluate, _budget_for(1000), STATIC, [4096, 2048], 4, clean=lambda o: True).lever == Lever(2048)
+
+
 def test_a_budget_below_every_plan_is_refused_naming_the_smallest_that_fits():
     evaluate = _fake(LEVERS)
     with pytest.raises(MemoryBudgetError, match="smallest budget that fits is") as refused:
@@ -197,6 +220,19 @@ def test_offload_prices_kept_graphs_and_cached_kv_off_the_device():
     assert off.keep_graph == on.keep_graph
     assert max(off.step_timeline_bytes) < max(on.step_timeline_bytes)
     assert sum(off.offloaded_bytes) > 0 and not on.offloaded_bytes
+    # the pool holds the blocks on the device only; the executor is told what stays where
+    assert off.host_offload and not on.host_offload and off.pool_sizes <= on.pool_sizes
+    stream = training_instructions(rank, off)
+    residencies = [x for x in stream if isinstance(x, Residency)]
+    assert len(residencies) == len(rank.schedule) and not any(isinstance(x, Residency)
+                                                              for x in training_instructions(rank, on))
+    order = [i for _, i in rank.schedule]
+    for t, x in enumerate(residencies):
+        mbs, sources = step_residents(rank, order, t)
+        assert x.graphs == (order[t],) and set(x.graphs + x.next_graphs) == set(mbs)
+        assert set(x.sources) | set(x.next_sources) == sources and not set(x.sources) & set(x.next_sources)
+    assert [x for x in stream if not isinstance(x, Residency)] == training_instructions(rank, dataclasses.replace(
+        off, host_offload=False))
     # a step budget between the two: offload keeps every graph where the device alone drops some
     room = (max(off.step_timeline_bytes) + max(on.step_timeline_bytes)) // 2
     assert all(plan_memory(rank, geometry, 1 << 40, 100, step=StepCharge(CHARGE, room, True)).keep_graph.values())
