@@ -42,7 +42,8 @@ class CapturedRows(NamedTuple):
     layer: int
     """megatron layer number."""
     fields: Tuple[Tensor, ...]
-    """The layer's prefix-state fields of the source's rows (K and V), or of its fixed state
+    """The layer's prefix-state fields of the source's rows (K and V; a sliding-window layer's kept rows,
+    ``BlockKVCache.first_kept_row`` on), or of its fixed state
     (a linear layer's recurrent state and conv tail), in the graph."""
 
 
@@ -122,7 +123,8 @@ class InjectCachedGrad(torch.autograd.Function):
         grad = grad.clone()
         for s, rows in ctx.sources:  # (a fixed state's one row: [*shape] -> [1, *shape])
             cached = ctx.cache.read_grad(s, ctx.layer)[ctx.index].reshape((-1,) + tuple(grad.shape[1:]))
-            grad.index_add_(0, rows, cached.to(grad.dtype))
+            skip = ctx.cache.first_kept_row(s, ctx.layer)  # (the kept rows' gradients only)
+            grad.index_add_(0, rows[skip:] if skip else rows, cached.to(grad.dtype))
         return grad, None, None, None, None
 
 
@@ -200,8 +202,12 @@ class PrefixKV:
         first_pass = layer_number not in self._written  # a recomputation calls again: write once
         self._written.add(layer_number)
         for s, rows in self.rows.items():
+            # (a sliding-window layer keeps the rows from the first some reader's window reaches)
+            skip = self.cache.first_kept_row(s, layer_number)
+            rows = rows[skip:] if skip else rows
             if self.store and s in self.stored and first_pass:
-                self.cache.write(s, layer_number, key.detach().index_select(0, rows), value.detach().index_select(0, rows))
+                self.cache.write(s, layer_number, key.detach().index_select(0, rows),
+                                 value.detach().index_select(0, rows), start=skip)
             if self.capture and not self.inject:
                 self.captured.append(CapturedRows(s, layer_number, (key.index_select(0, rows),
                                                                     value.index_select(0, rows))))

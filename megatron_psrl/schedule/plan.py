@@ -39,7 +39,8 @@ class MemoryPlan:
     """Decisions for one rank and step."""
 
     block_size: int
-    """Tokens per KV block (chosen from the sources' lengths)."""
+    """Tokens per KV block (chosen from the sources' lengths) of the pools that keep whole
+    sources (every pool's but a sliding window's: :attr:`pool_block_sizes`)."""
 
     pool_blocks: int
     """Blocks in the cache's pools together (each pool's simulated peak; never above the budget)."""
@@ -69,6 +70,10 @@ class MemoryPlan:
     pool_states: Tuple[PrefixState, ...] = ()
     """The prefix state of each of those pools (the planning geometry's: a pipeline stage's
     cache may hold fewer of them; it sizes its own pools by state)."""
+
+    pool_block_sizes: Tuple[int, ...] = ()
+    """Tokens per block of each of those pools, chosen from the rows each keeps (a sliding
+    window's pool keeps a few rows of each source); empty: :attr:`block_size` in every pool."""
 
     step_timeline_bytes: List[int] = field(default_factory=list)
     """:attr:`timeline_bytes` plus what the running micro-batch holds beyond it at every step (its
@@ -114,6 +119,15 @@ class CachedSource:
     """``(transfer, import)``: K/V received from the transfer's home rank by ``producer`` (an
     ``import`` micro-batch) instead of computed; its dK/dV go back in that micro-batch's backward."""
 
+    first_depth: int = 0
+    """Depth of its first token on its root-to-leaf path (:func:`note_reader_depths`)."""
+
+    reader_depth: Optional[int] = None
+    """Depth of the shallowest token of its readers that descends from it (every query that
+    reads it sits at least this deep): a sliding-window layer keeps only the rows such a
+    window reaches (``PrefixState.unread_rows``). None: every row is kept (its readers are not
+    all on this rank, or not noted)."""
+
     @property
     def length(self) -> int:
         return int(self.tokens.shape[0])
@@ -121,6 +135,11 @@ class CachedSource:
     @property
     def last_token(self) -> int:
         return int(self.tokens[-1])
+
+    @property
+    def reach(self) -> Tuple[int, Optional[int]]:
+        """``(first_depth, reader_depth)``: what a windowed layer's kept rows follow."""
+        return self.first_depth, self.reader_depth
 
 
 @dataclass
@@ -453,6 +472,35 @@ class StepPlan:
             "cached_source_tokens": sum(s.length for r in self.ranks for s in r.sources.values()),
             "duplicated_tokens": duplicated,
         }
+
+
+def note_reader_depths(index: TreeIndex, plan: RankPlan) -> None:
+    """Set every cached source's :attr:`CachedSource.first_depth` and, where every reader is a
+    micro-batch of this rank, :attr:`CachedSource.reader_depth`: the shallowest of the reading
+    micro-batches' tokens that descend from the source's last token (a windowed layer's
+    queries that see it). Sources other ranks read keep every row: an exported head, and an
+    owner's prefix whose replicas return gradients (``StepExchange.grad_recv``)."""
+    remote = {s for mb in plan.micro_batches if mb.exchange is not None
+              for ids in mb.exchange.grad_recv.values() for s in ids}
+    readers: Dict[int, List[int]] = {}
+    for i, mb in enumerate(plan.micro_batches):
+        for s in mb.reads:
+            readers.setdefault(s, []).append(i)
+    for src in plan.sources.values():
+        if not src.length:
+            continue
+        src.first_depth = int(index.position[src.last_token]) - src.length + 1
+        if src.exported is not None or src.source_id in remote:
+            src.reader_depth = None
+            continue
+        last, end = src.last_token, int(index.subtree_end[src.last_token])
+        depths = []
+        for i in readers.get(src.source_id, []):
+            tokens = plan.micro_batches[i].computed_tokens
+            below = tokens[np.searchsorted(tokens, last, side="right"):np.searchsorted(tokens, end, side="left")]
+            if len(below):
+                depths.append(int(index.position[below].min()))
+        src.reader_depth = min(depths) if depths else None
 
 
 # ---------------------------------------------------------------------- schedule

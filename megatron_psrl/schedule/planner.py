@@ -52,6 +52,7 @@ from megatron_psrl.schedule.plan import (
     HeadSend,
     RankPlan,
     StepPlan,
+    note_reader_depths,
 )
 from megatron_psrl.schedule.rank_layout import RankHeads, layout_rank, materialize_rank
 from megatron_psrl.tree.index import TreeIndex
@@ -175,6 +176,8 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
         for r, rank_plan in enumerate(ranks):
             rank_plan.group_rank = r
         plan.ranks += ranks
+    for rank_plan in plan.ranks:  # (what a sliding window's cache keeps of each source)
+        note_reader_depths(index, rank_plan)
     return maybe_check_plan(plan)
 
 
