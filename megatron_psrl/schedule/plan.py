@@ -220,6 +220,12 @@ class ChainUse:
     replica: Optional[int] = None
     """Source id of the receiver's replica to store it in, if read in later steps."""
 
+    reach: Tuple[int, Optional[int]] = (0, None)
+    """``(first depth, reader depth)``: the chain's first depth and the shallowest depth of the
+    receiver's tokens that read it, now or through the replica (:func:`note_exchange_depths`;
+    reader depth None: every row). A sliding-window layer's exchange sends only the rows from
+    the first such a reader's window reaches (``PrefixState.unread_rows``)."""
+
 
 @dataclass
 class StepExchange:
@@ -239,6 +245,10 @@ class StepExchange:
 
     backward_collective: bool = False
     """Some rank returns replica gradients at this step's backward: every rank takes part."""
+
+    send_reach: Dict[int, List[Tuple[int, Optional[int]]]] = field(default_factory=dict)
+    """``send[dst][j]``'s :attr:`ChainUse.reach` on ``dst`` (sender and receiver cut a
+    sliding-window layer's rows alike); absent: every row."""
 
     reads_now: List[int] = field(default_factory=list)
     """Ranks of ``send`` that attend to (continue) a chain sent to them in this step (a peer
@@ -493,14 +503,38 @@ def note_reader_depths(index: TreeIndex, plan: RankPlan) -> None:
         if src.exported is not None or src.source_id in remote:
             src.reader_depth = None
             continue
-        last, end = src.last_token, int(index.subtree_end[src.last_token])
-        depths = []
-        for i in readers.get(src.source_id, []):
-            tokens = plan.micro_batches[i].computed_tokens
-            below = tokens[np.searchsorted(tokens, last, side="right"):np.searchsorted(tokens, end, side="left")]
-            if len(below):
-                depths.append(int(index.position[below].min()))
+        depths = [_shallowest_below(index, plan.micro_batches[i].computed_tokens, src.last_token)
+                  for i in readers.get(src.source_id, [])]
+        depths = [d for d in depths if d is not None]
         src.reader_depth = min(depths) if depths else None
+
+
+def note_exchange_depths(index: TreeIndex, ranks: List[RankPlan]) -> None:
+    """Set :attr:`ChainUse.reach` and the senders' :attr:`StepExchange.send_reach` of every chain
+    a cross-rank group exchanges (``ranks``: the group's plans, in group order, their sources'
+    reader depths noted): its reader depth on the receiver is the shallowest of the receiving
+    micro-batch's tokens below it (a peer read) and of its replica's readers (None, every row,
+    when either is unknown)."""
+    for r, plan in enumerate(ranks):
+        for i, mb in enumerate(plan.micro_batches):
+            for src, uses in (mb.exchange.recv.items() if mb.exchange is not None else ()):
+                sender = ranks[src].micro_batches[i].exchange
+                for j, use in enumerate(uses):
+                    chain = sender.send[r][j]
+                    depths: List[Optional[int]] = []
+                    if use.peer is not None:
+                        depths.append(_shallowest_below(index, mb.computed_tokens, int(chain[-1])))
+                    if use.replica is not None:
+                        depths.append(plan.sources[use.replica].reader_depth)
+                    depth = None if not depths or None in depths else min(depths)
+                    use.reach = (int(index.position[chain[0]]), depth)
+                    sender.send_reach.setdefault(r, [(0, None)] * len(sender.send[r]))[j] = use.reach
+
+
+def _shallowest_below(index: TreeIndex, tokens: np.ndarray, last: int) -> Optional[int]:
+    """The smallest depth among ``tokens`` (sorted tree tokens) that descend from ``last``."""
+    below = tokens[np.searchsorted(tokens, last, side="right"):np.searchsorted(tokens, index.subtree_end[last])]
+    return int(index.position[below].min()) if len(below) else None
 
 
 # ---------------------------------------------------------------------- schedule
