@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 from megatron_psrl.attention.metadata import ArrivingPrefixKV, PrefixCopies
 from megatron_psrl.errors import ConfigurationError
@@ -57,7 +57,11 @@ def rows_in_window(external: Sequence, starts: Optional[Sequence[int]] = None) -
     out = []
     for source, start in zip(external, [0] * len(external) if starts is None else starts):
         start = int(start)
-        if isinstance(source, PrefixCopies):
+        if isinstance(source, RowsFrom):  # (only the rows from `first` on are here)
+            if start < source.first:
+                raise ValueError(f"rows from {start} on read of a source whose rows from {source.first} on are here")
+            out += rows_in_window([source.source], [start - source.first])
+        elif isinstance(source, PrefixCopies):
             out.append(source.take(start))
         elif not start:
             out.append(source)
@@ -70,6 +74,17 @@ def rows_in_window(external: Sequence, starts: Optional[Sequence[int]] = None) -
         else:
             out.append(_RowsFrom(source, start))
     return out
+
+
+class RowsFrom(NamedTuple):
+    """An external source of which only the rows from ``first`` on are here: a cross-rank
+    chain a sliding-window layer's exchange sent from the first row its readers' windows reach
+    (``engine/prefix_kv.layer_exchange``). The windowed plan reads it from there on only."""
+
+    source: object
+    """The rows that are here: ``(k, v)`` tensors or an :class:`ArrivingPrefixKV`."""
+    first: int
+    """The source's row the first of them is."""
 
 
 class _RowsFrom:

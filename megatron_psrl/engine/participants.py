@@ -140,7 +140,7 @@ class KVCacheLifecycle(StepParticipant):
         if self.caching:  # (a memory plan exists: StepRunner checks before lowering the plan)
             memory = step.memory
             self.cache.begin_step(memory.block_size, memory.pool_blocks, memory.pool_sizes or None,
-                                  memory.pool_states or None)
+                                  memory.pool_states or None, memory.pool_block_sizes or None)
         elif self.cache is not None and self.training:
             self.cache.release_pool()  # a step without cached prefixes holds no KV memory
 

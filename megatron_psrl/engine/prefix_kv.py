@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from megatron_psrl.attention.metadata import PrefixCopies
+from megatron_psrl.attention.window import RowsFrom
 from megatron_psrl.distributed.kv_exchange import ReceivedKV, exchange_kv, exchange_kv_start
 from megatron_psrl.distributed.state_exchange import StateLink, received_leaf, send_states
 from megatron_psrl.host_copy import host_to_device
 from megatron_psrl.kvcache.manager import BlockKVCache
-from megatron_psrl.kvcache.prefix_state import VALUES, Tap
+from megatron_psrl.kvcache.prefix_state import VALUES, PrefixState, Tap
 from megatron_psrl.model.architecture import UnsupportedModelError
 from megatron_psrl.model.gpt import model_chunks
 from megatron_psrl.model.linear_attention import LinearState, SegmentStates, TreeGatedDeltaNet
@@ -42,7 +43,8 @@ class CapturedRows(NamedTuple):
     layer: int
     """megatron layer number."""
     fields: Tuple[Tensor, ...]
-    """The layer's prefix-state fields of the source's rows (K and V), or of its fixed state
+    """The layer's prefix-state fields of the source's rows (K and V; a sliding-window layer's kept rows,
+    ``BlockKVCache.first_kept_row`` on), or of its fixed state
     (a linear layer's recurrent state and conv tail), in the graph."""
 
 
@@ -61,10 +63,14 @@ class ReceivedChain(NamedTuple):
     """Index among the micro-batch's peer reads (attended to now), or None."""
     replica: Optional[int]
     """Cached source that stores it for later steps, or None."""
+    skip: int = 0
+    """Leading rows of the chain not sent (a sliding-window layer's: no reader's window reaches
+    them); the received rows are the chain's from here on."""
 
 
 class LayerExchange(NamedTuple):
-    """What a micro-batch sends and receives in every layer (the same in each)."""
+    """What a micro-batch sends and receives in a layer: the same in every layer of one kind
+    (full attention; each sliding window: the rows its readers' windows reach only)."""
 
     send_rows: Tensor
     """Pack rows sent, destinations in rank order."""
@@ -90,6 +96,35 @@ class LinearExchange(NamedTuple):
     messages are received after the layer computed)."""
 
 
+def layer_exchange(ex: StepExchange, pack_rows, group, group_size: int, state: Optional[PrefixState] = None
+                   ) -> LayerExchange:
+    """The K/V exchange of a micro-batch whose step exchange is ``ex`` (``pack_rows``: tree
+    tokens -> pack rows) in layers that keep ``state``: with a sliding window, every chain
+    from the first row its receiver's readers reach (``ChainUse.reach``; sender and receiver
+    cut alike), else whole."""
+    def skip(length: int, reach) -> int:
+        return state.unread_rows(length, *reach) if state is not None and state.window is not None else 0
+
+    sent, send_counts = [], []
+    for dst in range(group_size):
+        reach = ex.send_reach.get(dst, [(0, None)] * len(ex.send.get(dst, [])))
+        cut = [c[skip(len(c), r):] for c, r in zip(ex.send.get(dst, []), reach)]
+        sent += cut
+        send_counts.append(int(sum(len(c) for c in cut)))
+    device = pack_rows(np.zeros(0, np.int64)).device
+    send_rows = pack_rows(np.concatenate(sent)) if sent else torch.zeros(0, dtype=torch.int64, device=device)
+    layout, offset, recv_counts = [], 0, []
+    for src in range(group_size):
+        within = 0
+        for use in ex.recv.get(src, []):
+            k = skip(use.length, use.reach)
+            layout.append(ReceivedChain(offset, src, within, use.length - k, use.peer, use.replica, k))
+            offset += use.length - k
+            within += use.length - k
+        recv_counts.append(within)
+    return LayerExchange(send_rows, send_counts, recv_counts, layout, group)
+
+
 def linear_exchange(ex: StepExchange, tree_tokens: np.ndarray, group, device) -> LinearExchange:
     """The state exchange of a micro-batch whose step exchange is ``ex`` (the K/V exchange's
     chains, one state each)."""
@@ -101,6 +136,12 @@ def linear_exchange(ex: StepExchange, tree_tokens: np.ndarray, group, device) ->
                      sorted({src for src, _, use in received if use.peer is not None}), device)
     return LinearExchange(link, np.searchsorted(tree_tokens, np.asarray(last, np.int64)).astype(np.int64),
                           received, len(tree_tokens) - 1)
+
+
+def _rows_from(source, skip: int):
+    """A received chain as the attention takes it: whole, or (a sliding window's exchange sent
+    its rows from ``skip`` on) the rows from there (:class:`~megatron_psrl.attention.window.RowsFrom`)."""
+    return RowsFrom(source, skip) if skip else source
 
 
 class InjectCachedGrad(torch.autograd.Function):
@@ -122,7 +163,8 @@ class InjectCachedGrad(torch.autograd.Function):
         grad = grad.clone()
         for s, rows in ctx.sources:  # (a fixed state's one row: [*shape] -> [1, *shape])
             cached = ctx.cache.read_grad(s, ctx.layer)[ctx.index].reshape((-1,) + tuple(grad.shape[1:]))
-            grad.index_add_(0, rows, cached.to(grad.dtype))
+            skip = ctx.cache.first_kept_row(s, ctx.layer)  # (the kept rows' gradients only)
+            grad.index_add_(0, rows[skip:] if skip else rows, cached.to(grad.dtype))
         return grad, None, None, None, None
 
 
@@ -164,7 +206,8 @@ class PrefixKV:
         """Host pack row of every own source's last token (a linear layer's state is taken there)."""
         self.stored = [s for s in own if VALUES in rank_plan.sources[s].kinds]
         self.captured: List[CapturedRows] = []
-        self.exchange: Optional[LayerExchange] = None
+        self.exchanges: Dict[Optional[int], LayerExchange] = {}
+        """The K/V exchange of every kind of layer, by window (None: full attention)."""
         self.overlap = overlap
         """Overlap the exchange with the attention over local keys (``--no-overlap-kv-exchange``
         turns it off): the peers are handed over in flight (:class:`ReceivedKV`)."""
@@ -178,17 +221,8 @@ class PrefixKV:
         if ex is not None and cache.geometry.fixed_bytes_per_source and (ex.send or ex.recv):
             self.state_exchange = linear_exchange(ex, pack.tree_tokens, group, device)
         if ex is not None and ex.forward_collective:
-            send = [c for dst in range(group_size) for c in ex.send.get(dst, [])]
-            send_rows = pack_rows(np.concatenate(send)) if send else torch.zeros(0, dtype=torch.int64, device=device)
-            layout, offset = [], 0
-            for src in range(group_size):
-                within = 0
-                for use in ex.recv.get(src, []):
-                    layout.append(ReceivedChain(offset, src, within, use.length, use.peer, use.replica))
-                    offset += use.length
-                    within += use.length
-            self.exchange = LayerExchange(send_rows, ex.send_counts(group_size), ex.recv_counts(group_size), layout,
-                                          group)
+            self.exchanges = {p.state.window: layer_exchange(ex, pack_rows, group, group_size, p.state)
+                              for p in cache.geometry.pools if p.state.tap is Tap.CORE_ATTENTION}
 
     @property
     def injects(self) -> bool:
@@ -200,8 +234,12 @@ class PrefixKV:
         first_pass = layer_number not in self._written  # a recomputation calls again: write once
         self._written.add(layer_number)
         for s, rows in self.rows.items():
+            # (a sliding-window layer keeps the rows from the first some reader's window reaches)
+            skip = self.cache.first_kept_row(s, layer_number)
+            rows = rows[skip:] if skip else rows
             if self.store and s in self.stored and first_pass:
-                self.cache.write(s, layer_number, key.detach().index_select(0, rows), value.detach().index_select(0, rows))
+                self.cache.write(s, layer_number, key.detach().index_select(0, rows),
+                                 value.detach().index_select(0, rows), start=skip)
             if self.capture and not self.inject:
                 self.captured.append(CapturedRows(s, layer_number, (key.index_select(0, rows),
                                                                     value.index_select(0, rows))))
@@ -209,24 +247,25 @@ class PrefixKV:
             sources = list(self.rows.items())
             key = InjectCachedGrad.apply(key, self.cache, layer_number, 0, sources)
             value = InjectCachedGrad.apply(value, self.cache, layer_number, 1, sources)
-            if self.exchange is None:
+            if not self.exchanges:
                 return key, value
-        if self.exchange is None:
+        if not self.exchanges:
             return None
         if self.overlap:
             return self._start_exchange(layer_number, key, value)
-        ex, state = self.exchange, self.cache.geometry.state_of(layer_number)
+        state = self.cache.geometry.state_of(layer_number)
+        ex = self.exchanges[state.window]
         key, value, received = exchange_kv(key, value, ex.send_rows, ex.send_counts, ex.recv_counts, ex.group,
                                            differentiable=self.track_grads, state=state)
         peers = [None] * self.num_peers
         for chain in ex.received:
             fields = state.unpack_rows(received[chain.offset:chain.offset + chain.length])
             if chain.replica is not None and self.store:
-                self.cache.write(chain.replica, layer_number, *fields)
+                self.cache.write(chain.replica, layer_number, *fields, start=chain.skip)
             if chain.peer is not None:
                 # Copies: the attention saves them for backward, and a view would keep the whole
                 # received buffer (replica rows included) alive with a kept graph.
-                peers[chain.peer] = tuple(f.clone() for f in fields)
+                peers[chain.peer] = _rows_from(tuple(f.clone() for f in fields), chain.skip)
         self.peers[layer_number] = peers
         # The attention reads these (the exchange's outputs), so its backward runs on every rank.
         return key, value
@@ -234,20 +273,20 @@ class PrefixKV:
     def _start_exchange(self, layer_number: int, key: Tensor, value: Tensor):
         """The overlapped exchange: start the all-to-all, hand the peers to the attention in
         flight (it attends to its other keys first), write the replicas once the rows are here."""
-        ex = self.exchange
+        state = self.cache.geometry.state_of(layer_number)
+        ex = self.exchanges[state.window]
         key, value, buffer, exchange = exchange_kv_start(key, value, ex.send_rows, ex.send_counts, ex.recv_counts,
-                                                         ex.group, differentiable=self.track_grads,
-                                                         state=self.cache.geometry.state_of(layer_number))
+                                                         ex.group, differentiable=self.track_grads, state=state)
         peers = [None] * self.num_peers
         for chain in ex.received:
             offset = exchange.offsets[chain.src] + chain.within  # the buffer keeps the padding rows
             if chain.replica is not None and self.store:
                 # (the cache, not the hook: the exchange lives in the graph, see CachedRead)
                 exchange.on_arrival(lambda buf, cache=self.cache, s=chain.replica, o=offset, n=chain.length,
-                                    layer=layer_number, unpack=exchange.unpack:
-                                    cache.write(s, layer, *unpack(buf[o:o + n])))
+                                    layer=layer_number, unpack=exchange.unpack, skip=chain.skip:
+                                    cache.write(s, layer, *unpack(buf[o:o + n]), start=skip))
             if chain.peer is not None:
-                peers[chain.peer] = ReceivedKV(exchange, buffer, offset, chain.length)
+                peers[chain.peer] = _rows_from(ReceivedKV(exchange, buffer, offset, chain.length), chain.skip)
         self.peers[layer_number] = peers
         self.in_flight[layer_number] = exchange
         return key, value

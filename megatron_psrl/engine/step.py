@@ -644,7 +644,7 @@ class StepRunner:
     def run_allocate_kv(self, x: AllocateKV, step: "StepState") -> None:
         sources = step.rank_plan.sources
         for s in x.sources:
-            self.kv_cache.allocate(s, sources[s].length, kinds=x.kinds or sources[s].kinds)
+            self.kv_cache.allocate(s, sources[s].length, kinds=x.kinds or sources[s].kinds, reach=sources[s].reach)
 
     def run_release_kv(self, x: ReleaseKV, step: "StepState") -> None:
         for s in x.sources:

@@ -18,8 +18,10 @@ are freed right after the producer's backward has consumed them. The pools never
 the byte budget: :meth:`allocate` raises :class:`CacheBudgetError`, and the memory planner
 (``megatron_psrl.schedule.memory``) makes sure a plan never asks for more.
 
-The block size is chosen per step from the lengths of the step's sources (``choose_block_size``):
-the size class that minimises padding waste plus a per-block table cost.
+The block size is chosen per step and pool from the rows the pool keeps of the step's sources
+(``choose_block_size``): the size class that minimises padding waste plus a per-block table
+cost. A sliding-window layer's pool keeps only the rows some reader's window reaches
+(``PrefixState.window``, ``allocate(..., reach=...)``), so its blocks are smaller.
 """
 
 from __future__ import annotations
@@ -33,7 +35,17 @@ import torch
 
 from megatron_psrl.errors import PsrlError
 from megatron_psrl.host_copy import host_to_device
-from megatron_psrl.kvcache.prefix_state import ALL_ROLES, GRAD_DTYPE, GRADS, VALUES, CachePool, PrefixState, cache_pools
+from megatron_psrl.kvcache.prefix_state import (
+    ALL_ROLES,
+    GRAD_DTYPE,
+    GRADS,
+    GRADS_ONLY,
+    VALUES,
+    VALUES_ONLY,
+    CachePool,
+    PrefixState,
+    cache_pools,
+)
 
 Tensor = torch.Tensor
 
@@ -199,14 +211,19 @@ class KVGeometry:
         """Bytes of one source's fixed-size values (recurrent states) over this rank's layers."""
         return sum(len(p.layers) * p.state.nbytes(1, (VALUES,)) for p in self.pools if not p.state.per_token)
 
-    def read_bytes(self, length: int) -> int:
-        """Bytes of the values a reader gathers from a source of ``length`` tokens, all layers."""
-        return length * self.row_bytes_per_token + self.fixed_bytes_per_source
+    def read_bytes(self, length: int, reach: Tuple[int, Optional[int]] = (0, None)) -> int:
+        """Bytes of the values a reader gathers from a source of ``length`` tokens, all layers
+        (``reach``: ``CachedSource.reach``, a sliding-window layer's kept rows at most)."""
+        return sum(len(p.layers) * p.state.nbytes(p.kept_rows(length, *reach), VALUES_ONLY) for p in self.pools)
 
-    def layer_read_bytes(self, length: int) -> int:
+    def grad_bytes(self, length: int, reach: Tuple[int, Optional[int]] = (0, None)) -> int:
+        """Bytes of the fp32 gradients a source of ``length`` tokens keeps, all layers."""
+        return sum(len(p.layers) * p.state.nbytes(p.kept_rows(length, *reach), GRADS_ONLY) for p in self.pools)
+
+    def layer_read_bytes(self, length: int, reach: Tuple[int, Optional[int]] = (0, None)) -> int:
         """Bytes of one layer's values and fp32 gradients of a source of ``length`` tokens (the
         widest layer's): what a reader that gathers again in backward holds at a time."""
-        return max(p.state.nbytes(length, ALL_ROLES) for p in self.pools)
+        return max(p.state.nbytes(p.kept_rows(length, *reach), ALL_ROLES) for p in self.pools)
 
     @property
     def bytes_per_token(self) -> int:
@@ -237,6 +254,8 @@ class CacheMetrics:
     block_size: int = 0
     pool_blocks: int = 0
     peak_blocks_used: int = 0
+    peak_pool_blocks: Tuple[int, ...] = ()
+    """Each pool's most blocks in use at once (what the memory plan's ``pool_sizes`` predict)."""
     utilisation_samples: List[float] = field(default_factory=list)
     allocated_slots: int = 0
     used_slots: int = 0
@@ -278,6 +297,8 @@ class BlockKVCache:
         self._storage: List[Optional[Tensor]] = [None] * len(self.pools)
         """Per pool ``[layers, blocks, block slots, slot elems]`` in the model dtype."""
         self.block_size = BLOCK_SIZE_CLASSES[0]
+        self.block_sizes: Tuple[int, ...] = (BLOCK_SIZE_CLASSES[0],) * len(self.pools)
+        """Tokens per block of each pool this step."""
         self._free: List[List[int]] = [[] for _ in self.pools]
         self._tables: Dict[Tuple[int, int, str], np.ndarray] = {}
         self._slots: Dict[Tuple[int, int, str], Tensor] = {}
@@ -285,6 +306,9 @@ class BlockKVCache:
         self._host: Dict[Tuple[int, int, str], Tuple[Tensor, int]] = {}
         """Host offload: a block kind of a source in host memory, ``([layers, blocks, block slots,
         slot elems] host buffer, slots)``, its blocks given back to the pool (:meth:`offload`)."""
+        self._unread: Dict[Tuple[int, int], int] = {}
+        """``(source, pool)`` -> leading rows of the source the pool keeps nothing of (no reader's
+        sliding window reaches them: ``PrefixState.unread_rows``); 0 where absent."""
         self.metrics = CacheMetrics()
 
     # ------------------------------------------------------------------ step lifecycle
@@ -293,40 +317,47 @@ class BlockKVCache:
         return self.budget_bytes // self.geometry.block_bytes(block_size)
 
     def begin_step(self, block_size: int, pool_blocks: int, pool_sizes: Optional[Sequence[int]] = None,
-                   pool_states: Optional[Sequence[PrefixState]] = None) -> None:
+                   pool_states: Optional[Sequence[PrefixState]] = None,
+                   pool_block_sizes: Optional[Sequence[int]] = None) -> None:
         """(Re)allocate the pools for this step: ``pool_sizes`` blocks in each (one pool:
-        ``pool_blocks``) of ``block_size`` tokens. ``pool_states``: the state of each size's
-        pool, when the sizes are those of a plan made for other layers (a pipeline's planning
-        geometry, :meth:`KVGeometry.for_pipeline_planning`): each of this cache's pools takes
-        the size of its state's."""
+        ``pool_blocks``) of ``pool_block_sizes`` tokens each (None: ``block_size`` in every
+        pool; a sliding window's pool has smaller blocks, ``MemoryPlan.pool_block_sizes``).
+        ``pool_states``: the state of each size's pool, when the sizes are those of a plan made
+        for other layers (a pipeline's planning geometry,
+        :meth:`KVGeometry.for_pipeline_planning`): each of this cache's pools takes the sizes
+        of its state's."""
         sizes = tuple(int(n) for n in pool_sizes) if pool_sizes is not None else (int(pool_blocks),)
+        tokens = tuple(int(b) for b in pool_block_sizes) if pool_block_sizes else (int(block_size),) * len(sizes)
         if pool_states is not None:
-            if len(pool_states) != len(sizes):
-                raise ValueError(f"{len(sizes)} pool sizes for {len(pool_states)} pool states")
-            by_state = dict(zip(pool_states, sizes))
+            if len(pool_states) != len(sizes) or len(tokens) != len(sizes):
+                raise ValueError(f"{len(sizes)} pool sizes and {len(tokens)} block sizes for {len(pool_states)} "
+                                 "pool states")
+            by_state = dict(zip(pool_states, zip(sizes, tokens)))
             missing = [p.state for p in self.pools if p.state not in by_state]
             if missing:
                 raise ValueError(f"the memory plan sizes no pool of the prefix states {missing}")
-            sizes = tuple(by_state[p.state] for p in self.pools)
-        if len(sizes) != len(self.pools):
+            sizes, tokens = (tuple(by_state[p.state][i] for p in self.pools) for i in (0, 1))
+        if len(sizes) != len(self.pools) or len(tokens) != len(self.pools):
             raise ValueError(f"{len(sizes)} pool sizes for a cache of {len(self.pools)} pools")
-        needed = sum(n * p.block_bytes(block_size) for n, p in zip(sizes, self.pools))
+        needed = sum(n * p.block_bytes(bs) for n, p, bs in zip(sizes, self.pools, tokens))
         if needed > self.budget_bytes:
             raise CacheBudgetError(
-                f"the step needs {sum(sizes)} KV blocks of {block_size} tokens "
+                f"the step needs {sum(sizes)} KV blocks of {'/'.join(map(str, sorted(set(tokens))))} tokens "
                 f"({needed} bytes) but --kv-cache-budget is {self.budget_bytes} bytes"
             )
         for j, (p, n) in enumerate(zip(self.pools, sizes)):
-            shape = (len(p.layers), n, p.block_slots(block_size), p.slot_elems)
+            shape = (len(p.layers), n, p.block_slots(tokens[j]), p.slot_elems)
             if self._storage[j] is None or tuple(self._storage[j].shape) != shape:
                 self._storage[j] = None  # release the old pool before allocating the new one
                 self._storage[j] = torch.zeros(shape, dtype=p.state.dtype, device=self.geometry.device)
             self._free[j] = list(range(n - 1, -1, -1))
         self.block_size = block_size
+        self.block_sizes = tokens
         self._tables.clear()
         self._slots.clear()
         self._roles.clear()
         self._host.clear()
+        self._unread.clear()
         self.metrics = CacheMetrics(block_size=block_size, pool_blocks=sum(sizes))
 
     def end_step(self) -> None:
@@ -354,28 +385,38 @@ class BlockKVCache:
         return sum(self.pool_blocks_in_use)
 
     def _record_use(self) -> None:
-        used = self.blocks_in_use
+        per_pool = self.pool_blocks_in_use
+        used = sum(per_pool)
         m = self.metrics
         m.peak_blocks_used = max(m.peak_blocks_used, used)
+        m.peak_pool_blocks = tuple(max(a, b) for a, b in zip(m.peak_pool_blocks or (0,) * len(per_pool), per_pool))
         if m.pool_blocks:
             m.utilisation_samples.append(used / m.pool_blocks)
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, source_id: int, length: int, kinds: Sequence[str] = ALL_ROLES) -> None:
+    def allocate(self, source_id: int, length: int, kinds: Sequence[str] = ALL_ROLES,
+                 reach: Tuple[int, Optional[int]] = (0, None)) -> None:
         """Block tables for a source of ``length`` tokens in every pool, for the given roles
         (:data:`~megatron_psrl.kvcache.prefix_state.VALUES`, ``GRADS``); gradient blocks start
-        at zero."""
+        at zero. ``reach``: the source's first depth and its readers' shallowest
+        (``CachedSource.reach``): a sliding-window pool keeps only the rows from the first
+        some reader's window reaches (:meth:`CachePool.kept_rows`), values and gradients alike."""
         wanted = [(j, kind) for role in kinds for j, p in enumerate(self.pools) for kind in p.state.kinds(role)]
+        kept = [p.kept_rows(length, *reach) for p in self.pools]
         for j, p in enumerate(self.pools):
-            needed = sum(p.blocks(kind, length, self.block_size) for i, kind in wanted if i == j)
+            unread = length - kept[j]
+            if self._unread.setdefault((source_id, j), unread) != unread:
+                raise ValueError(f"source {source_id}: its blocks were allocated keeping rows from "
+                                 f"{self._unread[(source_id, j)]} on, now from {unread}")
+            needed = sum(p.blocks(kind, kept[j], self.block_sizes[j]) for i, kind in wanted if i == j)
             if needed > len(self._free[j]):
                 raise CacheBudgetError(f"KV cache full: source {source_id} needs {needed} blocks, "
                                        f"{len(self._free[j])} free")
         self._roles.setdefault(source_id, set()).update(kinds)
         for j, kind in wanted:
             p = self.pools[j]
-            n_slots, per_block = p.slots(kind, length), p.block_slots(self.block_size)
-            blocks = self._take_blocks((source_id, j, kind), p.blocks(kind, length, self.block_size), n_slots)
+            n_slots, per_block = p.slots(kind, kept[j]), p.block_slots(self.block_sizes[j])
+            blocks = self._take_blocks((source_id, j, kind), p.blocks(kind, kept[j], self.block_sizes[j]), n_slots)
             if p.state.is_grad(kind):  # (a host index on a device tensor would copy it pageable, and wait)
                 self._storage[j].index_fill_(1, host_to_device(blocks, self.geometry.device), 0)
             self.metrics.allocated_slots += len(blocks) * per_block
@@ -385,7 +426,8 @@ class BlockKVCache:
     def _take_blocks(self, key: Tuple[int, int, str], n_blocks: int, n_slots: int) -> np.ndarray:
         """``n_blocks`` free blocks of pool ``key[1]`` for a source's block kind: its block table
         and its first ``n_slots`` slots."""
-        j, per_block = key[1], self.pools[key[1]].block_slots(self.block_size)
+        j = key[1]
+        per_block = self.pools[j].block_slots(self.block_sizes[j])
         blocks = np.array([self._free[j].pop() for _ in range(n_blocks)], dtype=np.int64)
         self._tables[key] = blocks
         slots = (blocks[:, None] * per_block + np.arange(per_block)[None, :]).reshape(-1)[:n_slots]
@@ -452,6 +494,8 @@ class BlockKVCache:
             self._roles.get(source_id, set()).discard(role)
         if not self._roles.get(source_id, True):
             self._roles.pop(source_id)
+            for j in range(len(self.pools)):
+                self._unread.pop((source_id, j), None)
         self._record_use()
 
     def holds(self, source_id: int, kind: str) -> bool:
@@ -465,6 +509,11 @@ class BlockKVCache:
                 return self._tables[(source_id, j, kind)]
         raise KeyError((source_id, kind))
 
+    def first_kept_row(self, source_id: int, layer: int) -> int:
+        """The source's first row layer ``layer`` keeps: 0, or in a sliding-window pool the
+        first some reader's window reaches (the rows before it are neither stored nor read)."""
+        return self._unread.get((source_id, self._pool_of_layer[layer]), 0)
+
     # ------------------------------------------------------------------ data
     def _slot_view(self, layer: int, grads: bool) -> Tuple[int, Tensor]:
         """``(pool, [slots, slot elems])`` flat slot view of one layer (no copy); ``grads``: as
@@ -474,16 +523,27 @@ class BlockKVCache:
         view = self._storage[j][p.layers.index(layer)].view(-1, p.slot_elems)
         return j, (view.view(GRAD_DTYPE) if grads else view)
 
-    def write(self, source_id: int, layer: int, *fields: Tensor) -> None:
-        """A source's values of one layer (each field ``[n, *shape]``, or ``[*shape]`` for a
-        fixed state) into its blocks."""
+    def write(self, source_id: int, layer: int, *fields: Tensor, start: int = 0) -> None:
+        """A source's values of one layer (each field ``[n, *shape]``: its rows from ``start``
+        on; or ``[*shape]`` for a fixed state) into its blocks; rows the layer does not keep
+        (:meth:`first_kept_row`) are left out."""
         j, view = self._slot_view(layer, grads=False)
+        skip = self._unread.get((source_id, j), 0) - start
+        if skip < 0:
+            raise ValueError(f"source {source_id}, layer {layer}: rows from {start} on written, the cache keeps "
+                             f"them from {start + skip} on")
         for kind, tensor in zip(self.pools[j].state.kinds(VALUES), fields):
-            view.index_copy_(0, self._slots[(source_id, j, kind)], tensor.detach().to(view.dtype).reshape(-1, view.shape[1]))
+            view.index_copy_(0, self._slots[(source_id, j, kind)],
+                             tensor.detach()[skip:].to(view.dtype).reshape(-1, view.shape[1]))
 
     def _slots_from(self, source_id: int, j: int, kind: str, start: int) -> Tensor:
-        """Slots of a source's field in pool ``j`` from its token ``start`` on."""
+        """Slots of a source's field in pool ``j`` from its token ``start`` on (at or after
+        the first row the pool keeps: a reader outside every planned window is a planning error)."""
         slots = self._slots[(source_id, j, kind)]
+        start -= self._unread.get((source_id, j), 0)
+        if start < 0:
+            raise ValueError(f"source {source_id}: rows {start + self._unread[(source_id, j)]}.. read in a pool "
+                             f"that keeps them from {self._unread[(source_id, j)]} on (no planned window reaches them)")
         return slots[self.pools[j].slots(kind, start):] if start else slots
 
     def read(self, source_id: int, layer: int, count: bool = True, start: int = 0) -> Tuple[Tensor, ...]:
@@ -511,7 +571,8 @@ class BlockKVCache:
 
     def read_grad(self, source_id: int, layer: int) -> Tuple[Tensor, ...]:
         """A source's accumulated gradients of one layer: fp32 copies, one per field with a
-        gradient, ``[n, *shape]`` (``[*shape]`` for a fixed state)."""
+        gradient, ``[n, *shape]`` (``[*shape]`` for a fixed state): its rows from
+        :meth:`first_kept_row` on (the others' gradient is zero: no reader reads them)."""
         j, view = self._slot_view(layer, grads=True)
         state = self.pools[j].state
         return tuple(view.index_select(0, self._slots[(source_id, j, f.grad_kind)]).view(
@@ -520,23 +581,35 @@ class BlockKVCache:
 
 # ---------------------------------------------------------------------- a source's every layer at once
 # Functions of any cache with the per-layer API (``read``, ``read_grad``, ``write``,
-# ``accumulate_grad`` and a ``geometry``): head sends and replica gradients move a source's rows
+# ``accumulate_grad``, ``first_kept_row`` and a ``geometry``): head sends and replica gradients move a source's rows
 # of every layer as one tensor.
 def source_row_shape(geometry: KVGeometry) -> Tuple[int, ...]:
     """``(layers, *row_shape)`` of one token of a source over every layer of this rank
-    (:func:`source_rows`; :attr:`PrefixState.row_shape`); a cache of one per-token pool only."""
+    (:func:`source_rows`; :attr:`PrefixState.row_shape`); a cache of per-token pools of one row
+    shape only (softmax K/V, sliding-window layers' included)."""
     pools = geometry.pools
-    if len(pools) != 1 or not pools[0].state.per_token:
-        raise NotImplementedError("moving a source's every layer as one row needs one per-token pool; "
-                                  f"this cache has {[p.state.storage.value for p in pools]}")
+    if not all(p.state.per_token for p in pools) or len({p.state.row_shape for p in pools}) != 1:
+        raise NotImplementedError("moving a source's every layer as one row needs per-token pools of one row "
+                                  f"shape; this cache has {[p.state.storage.value for p in pools]}")
     return (geometry.num_layers,) + pools[0].state.row_shape
+
+
+def whole_grad(cache, source_id: int, layer: int) -> Tuple[Tensor, ...]:
+    """``cache.read_grad`` of every row of the source: the rows a sliding-window layer does not
+    keep (no reader reached them) have a zero gradient."""
+    grads = cache.read_grad(source_id, layer)
+    skip = cache.first_kept_row(source_id, layer)
+    return tuple(torch.cat([g.new_zeros((skip,) + tuple(g.shape[1:])), g]) for g in grads) if skip else grads
 
 
 def source_rows(cache, source_id: int, grads: bool = False) -> Tensor:
     """``[n, layers, *row_shape]``: a source's values (or fp32 gradients) of every layer of this
     rank, each token's fields in one row (:meth:`PrefixState.pack_rows`)."""
     source_row_shape(cache.geometry)  # (refuses caches it does not apply to)
-    read = cache.read_grad if grads else (lambda s, layer: cache.read(s, layer, count=False))
+    if grads:  # (every row: those a window's pool does not keep with a zero gradient)
+        read = lambda s, layer: whole_grad(cache, s, layer)  # noqa: E731
+    else:
+        read = lambda s, layer: cache.read(s, layer, count=False)  # noqa: E731
     g = cache.geometry
     return torch.stack([g.state_of(layer).pack_rows(read(source_id, layer)) for layer in g.layers], dim=1)
 
@@ -565,7 +638,7 @@ def source_grad_flat(cache, source_id: int) -> Tensor:
     """1-D: a source's accumulated fp32 gradients of every layer, layer after layer
     (:meth:`PrefixState.pack_flat`)."""
     g = cache.geometry
-    return torch.cat([g.state_of(layer).pack_flat(cache.read_grad(source_id, layer)) for layer in g.layers])
+    return torch.cat([g.state_of(layer).pack_flat(whole_grad(cache, source_id, layer)) for layer in g.layers])
 
 
 def accumulate_source_grad_flat(cache, source_id: int, length: int, flat: Tensor) -> None:

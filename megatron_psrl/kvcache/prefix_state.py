@@ -24,6 +24,11 @@ linear attention (delta     ``state`` [nh, dk, dv],         fixed size   takes t
 rule, Mamba-like)           ``conv`` [kernel - 1, c]                     innermost       mixer
 ==========================  ==============================  ===========  ==============  ======================
 
+A sliding-window softmax layer (gpt-oss) keeps the softmax fields with its window
+(:attr:`PrefixState.window`): a distinct state, so its layers form a pool of their own, in which a
+source keeps only the rows some reader's window reaches (:meth:`PrefixState.unread_rows`,
+:meth:`CachePool.kept_rows`).
+
 The plan speaks of a source's blocks by *role* only (:data:`VALUES`, what readers read;
 :data:`GRADS`, the fp32 gradients readers accumulate for the producer's backward); which
 block kinds a role means for a layer is this module's business (:meth:`PrefixState.kinds`).
@@ -150,6 +155,12 @@ class PrefixState:
     dtype: torch.dtype = torch.float32
     """Storage dtype of the values (the model's); gradients are :data:`GRAD_DTYPE`."""
 
+    window: Optional[int] = None
+    """A sliding-window layer's window in keys (a query at depth ``p`` sees its ancestors at
+    depths ``p - window + 1 .. p``; :func:`megatron_psrl.attention.window.layer_window`): a
+    cached source keeps only the rows some reader's window reaches (:meth:`unread_rows`), so
+    these layers get a pool of their own. None: every row is kept."""
+
     def __post_init__(self) -> None:
         names = [f.name for f in self.fields]
         if not names:
@@ -160,16 +171,31 @@ class PrefixState:
             raise ValueError(f"{self.storage.value} storage goes with the "
                              f"{'concat' if self.storage is Storage.ROWS else 'innermost'} combine, "
                              f"not {self.combine.value}")
+        if self.window is not None and (self.window < 1 or self.storage is not Storage.ROWS):
+            raise ValueError(f"a window of {self.window} keys: windows are positive and cut per-token rows only")
+
+    def unread_rows(self, length: int, first_depth: int, reader_depth: Optional[int]) -> int:
+        """Leading rows of a source (``length`` tokens at depths ``first_depth ..``) that no
+        reader of this layer reaches, kept neither as values nor as gradients: a windowed
+        layer's reader whose shallowest query descending from the source sits at depth
+        ``reader_depth`` reads the rows at depths ``reader_depth - window + 1`` and later (all
+        of them: the source's whole length when its window ends before the source does).
+        0 for a layer without a window, or when the readers are not all known
+        (``reader_depth`` None: e.g. other ranks read the source)."""
+        if self.window is None or reader_depth is None:
+            return 0
+        return min(int(length), max(0, int(reader_depth) - self.window + 1 - int(first_depth)))
 
     # ------------------------------------------------------------------ the three families
     @classmethod
     def softmax(cls, num_groups: int, key_dim: int, value_dim: Optional[int] = None,
-                dtype: torch.dtype = torch.float32) -> "PrefixState":
+                dtype: torch.dtype = torch.float32, window: Optional[int] = None) -> "PrefixState":
         """Softmax attention: post-RoPE K ``[ng, key_dim]`` and V ``[ng, value_dim]`` per token
-        (``value_dim`` defaults to ``key_dim``; DeepSeek-V3's per-head K/V are 192 and 128)."""
+        (``value_dim`` defaults to ``key_dim``; DeepSeek-V3's per-head K/V are 192 and 128);
+        ``window``: a sliding-window layer's (:attr:`window`)."""
         value_dim = key_dim if value_dim is None else value_dim
         return cls((StateField("k", (num_groups, key_dim)), StateField("v", (num_groups, value_dim))),
-                   dtype=dtype)
+                   dtype=dtype, window=window)
 
     @classmethod
     def latent(cls, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype = torch.float32) -> "PrefixState":
@@ -330,6 +356,11 @@ class CachePool:
         """Slots a source of ``length`` tokens takes for one block kind."""
         return self.slots_per_unit(kind) * (int(length) if self.state.per_token else 1)
 
+    def kept_rows(self, length: int, first_depth: int = 0, reader_depth: Optional[int] = None) -> int:
+        """Rows (tokens) of a source the pool keeps: all of them, less a windowed layer's
+        :meth:`PrefixState.unread_rows`."""
+        return int(length) - self.state.unread_rows(length, first_depth, reader_depth)
+
     def block_slots(self, block_size: int) -> int:
         """Slots in one block: ``block_size`` for rows; one for a fixed state."""
         return int(block_size) if self.state.per_token else 1
@@ -349,6 +380,8 @@ class CachePool:
     def describe_block(self, block_size: int) -> str:
         """One block's shape in words (error messages)."""
         shapes = {f.shape for f in self.state.fields}
+        if self.state.window is not None:
+            return f"{block_size} tokens x {len(self.layers)} layers of a {self.state.window}-token window"
         if self.state.tap is Tap.CORE_ATTENTION and len(shapes) == 1 and len(next(iter(shapes))) == 2:
             ng, hn = next(iter(shapes))
             return f"{block_size} tokens x {len(self.layers)} layers x {ng} kv heads x {hn} dims"

@@ -38,10 +38,9 @@ import numpy as np
 
 from megatron_psrl.attention.core_attention import saved_bytes_per_token
 from megatron_psrl.kvcache.manager import CacheBudgetError, KVGeometry, choose_block_size
-from megatron_psrl.kvcache.prefix_state import GRADS_ONLY
 from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.schedule import instructions as ins
-from megatron_psrl.schedule.plan import MemoryPlan, RankPlan
+from megatron_psrl.schedule.plan import CachedSource, MemoryPlan, RankPlan
 from megatron_psrl.schedule.step_charge import ActivationCharge, Rows
 from megatron_psrl.tree.index import TreeIndex, chain_structure
 
@@ -205,23 +204,38 @@ class VarlenCharge:
         return max(0, segments * longest - tokens) * self.lse_bytes_per_row
 
 
-def _source_blocks(geometry: KVGeometry, length: int, roles, block_size: int) -> np.ndarray:
-    """Blocks a source of ``length`` tokens takes in each pool of the cache, for the given roles."""
-    return np.array([p.source_blocks(length, roles, block_size) for p in geometry.pools], dtype=np.int64)
+BlockSizes = Tuple[int, ...]
+"""Tokens per KV block of each pool of the cache (``KVGeometry.pools`` order)."""
 
 
-def _block_bytes(geometry: KVGeometry, block_size: int) -> np.ndarray:
+def pool_block_sizes(geometry: KVGeometry, sources) -> BlockSizes:
+    """Every pool's block size, from the rows it keeps of ``sources`` (:func:`choose_block_size`):
+    the sources' lengths, or in a sliding window's pool the few rows its readers' windows reach
+    (``CachePool.kept_rows``), which blocks sized for whole sources would mostly leave empty."""
+    sources = list(sources)
+    return tuple(choose_block_size([p.kept_rows(s.length, *s.reach) for s in sources]) for p in geometry.pools)
+
+
+def _source_blocks(geometry: KVGeometry, src: CachedSource, roles, block_sizes: BlockSizes) -> np.ndarray:
+    """Blocks a source takes in each pool of the cache, for the given roles: the rows each pool
+    keeps (a sliding-window pool those some reader's window reaches, ``CachePool.kept_rows``),
+    as ``BlockKVCache.allocate`` allocates them."""
+    return np.array([p.source_blocks(p.kept_rows(src.length, *src.reach), roles, bs)
+                     for p, bs in zip(geometry.pools, block_sizes)], dtype=np.int64)
+
+
+def _block_bytes(geometry: KVGeometry, block_sizes: BlockSizes) -> np.ndarray:
     """Bytes of one block of each pool."""
-    return np.array([p.block_bytes(block_size) for p in geometry.pools], dtype=np.int64)
+    return np.array([p.block_bytes(bs) for p, bs in zip(geometry.pools, block_sizes)], dtype=np.int64)
 
 
-def _simulate(plan: RankPlan, keep: Dict[int, bool], block_size: int, tables: "_ByteTables",
+def _simulate(plan: RankPlan, keep: Dict[int, bool], block_sizes: BlockSizes, tables: "_ByteTables",
               geometry: KVGeometry, rereads: bool = False) -> Tuple["_Counts", Dict[int, int]]:
     """What the step holds at every schedule step (:class:`_Counts`) and every source's last
     read. The step is lowered (:func:`~megatron_psrl.schedule.instructions.lower_training`, what
     the runner executes) and its instructions counted (:func:`count_stream`)."""
     last_read = ins.last_reads(plan, keep, rereads or tables.gathers_in_backward)
-    return _count(plan, ins.lower_training(plan, keep, last_read), block_size, tables, geometry), last_read
+    return _count(plan, ins.lower_training(plan, keep, last_read), block_sizes, tables, geometry), last_read
 
 
 @dataclass
@@ -245,7 +259,7 @@ class _Counts:
     """int64 ``[steps]``: kept graphs' bytes copied to or from host memory at the step (offload)."""
 
 
-def count_stream(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", geometry: KVGeometry):
+def count_stream(plan: RankPlan, steps, block_sizes: BlockSizes, tables: "_ByteTables", geometry: KVGeometry):
     """What a lowered step stream holds: per schedule step, the blocks of each pool and the
     other bytes (kept graphs with their gathered copies, the running micro-batch's gathered
     copies and attention temporaries, the loss head), read after the step's allocations and
@@ -260,15 +274,15 @@ def count_stream(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", 
 
     The step's own view (by rows, with the running micro-batch's graph, loss head and gradients,
     and what host offload moves) is :func:`_count`'s."""
-    counts = _count(plan, steps, block_size, tables, geometry)
+    counts = _count(plan, steps, block_sizes, tables, geometry)
     return counts.blocks, counts.other
 
 
 class _Stream:
     """:func:`_count`'s state: blocks and graphs alive, and what the step timeline records."""
 
-    def __init__(self, plan: RankPlan, tables: "_ByteTables", geometry: KVGeometry, block_size: int, order):
-        self.plan, self.tables, self.geometry, self.block_size = plan, tables, geometry, block_size
+    def __init__(self, plan: RankPlan, tables: "_ByteTables", geometry: KVGeometry, block_sizes: BlockSizes, order):
+        self.plan, self.tables, self.geometry, self.block_sizes = plan, tables, geometry, block_sizes
         self.order = order  # the micro-batch of every schedule step
         self.zero = np.zeros(len(geometry.pools), dtype=np.int64)
         self.held: Dict[int, Dict[str, np.ndarray]] = {}  # source -> role -> its blocks in each pool
@@ -282,7 +296,7 @@ class _Stream:
     def allocate(self, s: int, roles) -> None:
         src = self.plan.sources[s]
         for role in (roles or src.kinds):
-            self.held.setdefault(s, {})[role] = _source_blocks(self.geometry, src.length, (role,), self.block_size)
+            self.held.setdefault(s, {})[role] = _source_blocks(self.geometry, src, (role,), self.block_sizes)
             self.blocks = self.blocks + self.held[s][role]
 
     def release(self, s: int, roles) -> None:
@@ -316,10 +330,10 @@ class _Stream:
         self.rows["step"].append(sum(b for g, b in self.kept.items() if g in graphs) + own)
 
 
-def _count(plan: RankPlan, steps, block_size: int, tables: "_ByteTables", geometry: KVGeometry) -> _Counts:
+def _count(plan: RankPlan, steps, block_sizes: BlockSizes, tables: "_ByteTables", geometry: KVGeometry) -> _Counts:
     """:func:`count_stream`, and the step's own view of every schedule step (:class:`_Counts`)."""
     steps = list(steps)
-    state = _Stream(plan, tables, geometry, block_size, [step.micro_batch for step in steps])
+    state = _Stream(plan, tables, geometry, block_sizes, [step.micro_batch for step in steps])
     for t, step in enumerate(steps):
         i = step.micro_batch
         runs, frees_graph, recorded, kind = tables.gathers_in_backward, False, False, None
@@ -430,8 +444,8 @@ def _produced(plan: RankPlan, geometry: KVGeometry, captures: bool) -> Tuple[Dic
         if src.replica_of is not None or src.imported is not None:
             continue
         i = src.producer
-        values[i] = values.get(i, 0) + (geometry.read_bytes(src.length) if captures else 0)
-        grads[i] = grads.get(i, 0) + sum(len(p.layers) * p.state.nbytes(src.length, GRADS_ONLY) for p in geometry.pools)
+        values[i] = values.get(i, 0) + (geometry.read_bytes(src.length, src.reach) if captures else 0)
+        grads[i] = grads.get(i, 0) + geometry.grad_bytes(src.length, src.reach)
     for i in grads:
         grads[i] += geometry.read_bytes(plan.micro_batches[i].num_tokens) if captures else 0
     return values, grads
@@ -471,13 +485,14 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
         for i, shape in plan.segment_shapes.items():
             graph[i] += varlen.held(shape, plan.micro_batches[i].num_tokens)
             attention[i] = varlen.transient(shape)
-    read = geometry.read_bytes  # the values of every layer of this stage
-    cached = {i: sum(read(plan.sources[s].length) for s in mb.reads) for i, mb in enumerate(plan.micro_batches)}
+    read = geometry.read_bytes  # the values of every layer of this stage (a window's kept rows at most)
+    cached = {i: sum(read(plan.sources[s].length, plan.sources[s].reach) for s in mb.reads)
+              for i, mb in enumerate(plan.micro_batches)}
     peers = {i: sum(read(p.length) for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
     if not gathers_in_backward:
         reads = {i: cached[i] + peers[i] for i in cached}
         return _ByteTables(graph, reads, reads, False, head_bytes, attention, offload=offload, **by_rows)
-    one_layer = {i: sum(geometry.layer_read_bytes(plan.sources[s].length) for s in mb.reads)
+    one_layer = {i: sum(geometry.layer_read_bytes(plan.sources[s].length, plan.sources[s].reach) for s in mb.reads)
                  for i, mb in enumerate(plan.micro_batches)}
     # (a linear layer's fixed-size state is read as a copy its graph keeps, whatever this choice)
     held = {i: peers[i] + len(mb.reads) * geometry.fixed_bytes_per_source for i, mb in enumerate(plan.micro_batches)}
@@ -491,10 +506,10 @@ def simulated_peak_bytes(
     varlen: Optional[VarlenCharge] = None,
 ) -> int:
     """Peak bytes (KV blocks + retained graphs) of ``plan`` under the given decisions."""
-    block_size = block_size or choose_block_size([s.length for s in plan.sources.values()])
+    sizes = (block_size,) * len(geometry.pools) if block_size else pool_block_sizes(geometry, plan.sources.values())
     tables = _byte_tables(plan, geometry, act_bytes_per_token, gathers_in_backward, head_bytes, varlen)
-    counts, _ = _simulate(plan, keep_graph, block_size, tables, geometry)
-    return int((counts.blocks @ _block_bytes(geometry, block_size) + counts.other).max(initial=0))
+    counts, _ = _simulate(plan, keep_graph, sizes, tables, geometry)
+    return int((counts.blocks @ _block_bytes(geometry, sizes) + counts.other).max(initial=0))
 
 
 @dataclass(frozen=True)
@@ -523,13 +538,13 @@ class _Timelines:
     (blocks, kept graphs, copies; against ``--kv-cache-budget``) and the step's (on the device,
     the running micro-batch's own bytes added; against the step's budget)."""
 
-    def __init__(self, plans, geometry, tables, block_size, rereads, budget, step_budget):
-        self.plans, self.geometry, self.tables, self.block_size = plans, geometry, tables, block_size
+    def __init__(self, plans, geometry, tables, block_sizes, rereads, budget, step_budget):
+        self.plans, self.geometry, self.tables, self.block_sizes = plans, geometry, tables, block_sizes
         self.rereads, self.budget, self.step_budget = rereads, budget, step_budget
-        self.block_bytes = _block_bytes(geometry, block_size)
+        self.block_bytes = _block_bytes(geometry, block_sizes)
 
     def counts(self, keep) -> List[Tuple[_Counts, Dict[int, int]]]:
-        return [_simulate(p, keep, self.block_size, t, self.geometry, self.rereads) for p, t in zip(self.plans, self.tables)]
+        return [_simulate(p, keep, self.block_sizes, t, self.geometry, self.rereads) for p, t in zip(self.plans, self.tables)]
 
     def __call__(self, keep) -> List[Tuple[np.ndarray, np.ndarray]]:
         """Per rank: (the KV plan's timeline, the step's timeline)."""
@@ -612,7 +627,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     which must fit its budget too (:class:`StepBudgetError` when no decision does).
     """
     schedule = plans[0].schedule
-    block_size = choose_block_size([s.length for p in plans for s in p.sources.values()])
+    block_sizes = pool_block_sizes(geometry, (s for p in plans for s in p.sources.values()))
     forward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "forward"}
     backward_at = {i: t for t, (op, i) in enumerate(schedule) if op == "backward"}
     # (an import holds no graph: it receives K/V; an idle step holds nothing)
@@ -620,7 +635,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     charge, offload = (step.charge, step.offload) if step is not None else (None, False)
     tables = [_byte_tables(p, geometry, act_bytes_per_token, gathers_in_backward, head_bytes, varlen, charge,
                            not rereads, offload) for p in plans]
-    timelines = _Timelines(plans, geometry, tables, block_size, rereads, budget_bytes,
+    timelines = _Timelines(plans, geometry, tables, block_sizes, rereads, budget_bytes,
                            step.budget_bytes if step is not None else None)
     keep = _drop_until_fits(timelines, producers, {p: True for p in producers}, forward_at, backward_at)
     if not timelines.fits(timelines(keep)):
@@ -631,14 +646,22 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
         pool_sizes = tuple(int(n) for n in (counts.device_blocks if offload else counts.blocks).max(axis=0, initial=0))
         recompute = int(sum(plan.micro_batches[p].num_tokens for p in producers if not keep[p]))
         memories.append(MemoryPlan(
-            block_size=block_size, pool_blocks=sum(pool_sizes), keep_graph=dict(keep), kv_release_step=dict(last_read),
-            peak_bytes=int(kv.max(initial=0)), recompute_tokens=recompute, timeline_bytes=kv.tolist(),
-            gathers_in_backward=gathers_in_backward, pool_sizes=pool_sizes,
+            block_size=_row_block_size(geometry, block_sizes), pool_blocks=sum(pool_sizes), keep_graph=dict(keep),
+            kv_release_step=dict(last_read), peak_bytes=int(kv.max(initial=0)), recompute_tokens=recompute,
+            timeline_bytes=kv.tolist(), gathers_in_backward=gathers_in_backward, pool_sizes=pool_sizes,
+            pool_block_sizes=block_sizes,
             pool_states=tuple(p.state for p in geometry.pools), step_timeline_bytes=total.tolist(),
             offloaded_bytes=(counts.moved_blocks @ timelines.block_bytes + counts.moved_bytes).tolist()
             if offload else [], host_offload=offload,
         ))
     return memories
+
+
+def _row_block_size(geometry: KVGeometry, block_sizes: BlockSizes) -> int:
+    """``MemoryPlan.block_size``: the block size of the pools that keep whole sources (those
+    without a sliding window; every pool's when all have one)."""
+    whole = [bs for p, bs in zip(geometry.pools, block_sizes) if p.state.window is None]
+    return (whole or list(block_sizes))[0]
 
 
 def step_peak_bytes(plan: RankPlan, memory: Optional[MemoryPlan], act_bytes_per_token: int,
@@ -704,11 +727,11 @@ def _independent_step_peak(plan: RankPlan, charge: ActivationCharge, varlen: Opt
 def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int) -> MemoryPlan:
     """The forward-only (log-prob) variant: micro-batches in order, K and V blocks only, freed
     after their last reader; no gradient blocks, no retained graphs."""
-    block_size = choose_block_size([s.length for s in plan.sources.values()])
-    block_bytes = _block_bytes(geometry, block_size)
+    block_sizes = pool_block_sizes(geometry, plan.sources.values())
+    block_bytes = _block_bytes(geometry, block_sizes)
     last_read = ins.forward_release_steps(plan)
     tables = _byte_tables(plan, geometry, 0)
-    blocks, other = count_stream(plan, ins.lower_forward(plan, last_read), block_size, tables, geometry)
+    blocks, other = count_stream(plan, ins.lower_forward(plan, last_read), block_sizes, tables, geometry)
     held = (blocks @ block_bytes + other).tolist()
     peak_blocks = blocks.max(axis=0, initial=0)
     peak = max(held, default=0)
@@ -718,9 +741,9 @@ def plan_forward_memory(plan: RankPlan, geometry: KVGeometry, budget_bytes: int)
             f"{budget_bytes} bytes"
         )
     pool_sizes = tuple(int(n) for n in peak_blocks)
-    return MemoryPlan(block_size=block_size, pool_blocks=sum(pool_sizes), keep_graph={}, kv_release_step=last_read,
-                      peak_bytes=peak, timeline_bytes=held, pool_sizes=pool_sizes,
-                      pool_states=tuple(p.state for p in geometry.pools))
+    return MemoryPlan(block_size=_row_block_size(geometry, block_sizes), pool_blocks=sum(pool_sizes), keep_graph={},
+                      kv_release_step=last_read, peak_bytes=peak, timeline_bytes=held, pool_sizes=pool_sizes,
+                      pool_states=tuple(p.state for p in geometry.pools), pool_block_sizes=block_sizes)
 
 
 __all__ = [
@@ -737,6 +760,7 @@ __all__ = [
     "plan_forward_memory",
     "plan_memory",
     "plan_memory_group",
+    "pool_block_sizes",
     "saved_activation_bytes_per_token",
     "simulated_peak_bytes",
     "step_peak_bytes",

@@ -39,7 +39,8 @@ class MemoryPlan:
     """Decisions for one rank and step."""
 
     block_size: int
-    """Tokens per KV block (chosen from the sources' lengths)."""
+    """Tokens per KV block (chosen from the sources' lengths) of the pools that keep whole
+    sources (every pool's but a sliding window's: :attr:`pool_block_sizes`)."""
 
     pool_blocks: int
     """Blocks in the cache's pools together (each pool's simulated peak; never above the budget)."""
@@ -69,6 +70,10 @@ class MemoryPlan:
     pool_states: Tuple[PrefixState, ...] = ()
     """The prefix state of each of those pools (the planning geometry's: a pipeline stage's
     cache may hold fewer of them; it sizes its own pools by state)."""
+
+    pool_block_sizes: Tuple[int, ...] = ()
+    """Tokens per block of each of those pools, chosen from the rows each keeps (a sliding
+    window's pool keeps a few rows of each source); empty: :attr:`block_size` in every pool."""
 
     step_timeline_bytes: List[int] = field(default_factory=list)
     """:attr:`timeline_bytes` plus what the running micro-batch holds beyond it at every step (its
@@ -119,6 +124,15 @@ class CachedSource:
     """``(transfer, import)``: K/V received from the transfer's home rank by ``producer`` (an
     ``import`` micro-batch) instead of computed; its dK/dV go back in that micro-batch's backward."""
 
+    first_depth: int = 0
+    """Depth of its first token on its root-to-leaf path (:func:`note_reader_depths`)."""
+
+    reader_depth: Optional[int] = None
+    """Depth of the shallowest token of its readers that descends from it (every query that
+    reads it sits at least this deep): a sliding-window layer keeps only the rows such a
+    window reaches (``PrefixState.unread_rows``). None: every row is kept (its readers are not
+    all on this rank, or not noted)."""
+
     @property
     def length(self) -> int:
         return int(self.tokens.shape[0])
@@ -126,6 +140,11 @@ class CachedSource:
     @property
     def last_token(self) -> int:
         return int(self.tokens[-1])
+
+    @property
+    def reach(self) -> Tuple[int, Optional[int]]:
+        """``(first_depth, reader_depth)``: what a windowed layer's kept rows follow."""
+        return self.first_depth, self.reader_depth
 
 
 @dataclass
@@ -206,6 +225,12 @@ class ChainUse:
     replica: Optional[int] = None
     """Source id of the receiver's replica to store it in, if read in later steps."""
 
+    reach: Tuple[int, Optional[int]] = (0, None)
+    """``(first depth, reader depth)``: the chain's first depth and the shallowest depth of the
+    receiver's tokens that read it, now or through the replica (:func:`note_exchange_depths`;
+    reader depth None: every row). A sliding-window layer's exchange sends only the rows from
+    the first such a reader's window reaches (``PrefixState.unread_rows``)."""
+
 
 @dataclass
 class StepExchange:
@@ -225,6 +250,10 @@ class StepExchange:
 
     backward_collective: bool = False
     """Some rank returns replica gradients at this step's backward: every rank takes part."""
+
+    send_reach: Dict[int, List[Tuple[int, Optional[int]]]] = field(default_factory=dict)
+    """``send[dst][j]``'s :attr:`ChainUse.reach` on ``dst`` (sender and receiver cut a
+    sliding-window layer's rows alike); absent: every row."""
 
     reads_now: List[int] = field(default_factory=list)
     """Ranks of ``send`` that attend to (continue) a chain sent to them in this step (a peer
@@ -458,6 +487,59 @@ class StepPlan:
             "cached_source_tokens": sum(s.length for r in self.ranks for s in r.sources.values()),
             "duplicated_tokens": duplicated,
         }
+
+
+def note_reader_depths(index: TreeIndex, plan: RankPlan) -> None:
+    """Set every cached source's :attr:`CachedSource.first_depth` and, where every reader is a
+    micro-batch of this rank, :attr:`CachedSource.reader_depth`: the shallowest of the reading
+    micro-batches' tokens that descend from the source's last token (a windowed layer's
+    queries that see it). Sources other ranks read keep every row: an exported head, and an
+    owner's prefix whose replicas return gradients (``StepExchange.grad_recv``)."""
+    remote = {s for mb in plan.micro_batches if mb.exchange is not None
+              for ids in mb.exchange.grad_recv.values() for s in ids}
+    readers: Dict[int, List[int]] = {}
+    for i, mb in enumerate(plan.micro_batches):
+        for s in mb.reads:
+            readers.setdefault(s, []).append(i)
+    for src in plan.sources.values():
+        if not src.length:
+            continue
+        src.first_depth = int(index.position[src.last_token]) - src.length + 1
+        if src.exported is not None or src.source_id in remote:
+            src.reader_depth = None
+            continue
+        depths = [_shallowest_below(index, plan.micro_batches[i].computed_tokens, src.last_token)
+                  for i in readers.get(src.source_id, [])]
+        depths = [d for d in depths if d is not None]
+        src.reader_depth = min(depths) if depths else None
+
+
+def note_exchange_depths(index: TreeIndex, ranks: List[RankPlan]) -> None:
+    """Set :attr:`ChainUse.reach` and the senders' :attr:`StepExchange.send_reach` of every chain
+    a cross-rank group exchanges (``ranks``: the group's plans, in group order, their sources'
+    reader depths noted): its reader depth on the receiver is the shallowest of the receiving
+    micro-batch's tokens below it (a peer read) and of its replica's readers (None, every row,
+    when either is unknown)."""
+    for r, plan in enumerate(ranks):
+        for i, mb in enumerate(plan.micro_batches):
+            for src, uses in (mb.exchange.recv.items() if mb.exchange is not None else ()):
+                sender = ranks[src].micro_batches[i].exchange
+                for j, use in enumerate(uses):
+                    chain = sender.send[r][j]
+                    depths: List[Optional[int]] = []
+                    if use.peer is not None:
+                        depths.append(_shallowest_below(index, mb.computed_tokens, int(chain[-1])))
+                    if use.replica is not None:
+                        depths.append(plan.sources[use.replica].reader_depth)
+                    depth = None if not depths or None in depths else min(depths)
+                    use.reach = (int(index.position[chain[0]]), depth)
+                    sender.send_reach.setdefault(r, [(0, None)] * len(sender.send[r]))[j] = use.reach
+
+
+def _shallowest_below(index: TreeIndex, tokens: np.ndarray, last: int) -> Optional[int]:
+    """The smallest depth among ``tokens`` (sorted tree tokens) that descend from ``last``."""
+    below = tokens[np.searchsorted(tokens, last, side="right"):np.searchsorted(tokens, index.subtree_end[last])]
+    return int(index.position[below].min()) if len(below) else None
 
 
 # ---------------------------------------------------------------------- schedule

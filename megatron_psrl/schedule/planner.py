@@ -52,6 +52,8 @@ from megatron_psrl.schedule.plan import (
     HeadSend,
     RankPlan,
     StepPlan,
+    note_exchange_depths,
+    note_reader_depths,
 )
 from megatron_psrl.schedule.rank_layout import RankHeads, layout_rank, materialize_rank
 from megatron_psrl.tree.index import TreeIndex
@@ -175,6 +177,11 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
         for r, rank_plan in enumerate(ranks):
             rank_plan.group_rank = r
         plan.ranks += ranks
+    for rank_plan in plan.ranks:  # (what a sliding window's cache keeps of each source, and sends)
+        note_reader_depths(index, rank_plan)
+    for group in plan.groups:
+        if len(group) > 1:
+            note_exchange_depths(index, [plan.ranks[r] for r in group])
     return maybe_check_plan(plan)
 
 

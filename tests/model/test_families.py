@@ -95,8 +95,11 @@ def test_prefix_states_one_softmax_state_per_layer(model_type, name, tp, dtype):
     states = arch.family.prefix_states(arch, tp, dtype)
     assert len(states) == arch.num_layers
     # (latent attention's per-head values are narrower than its keys)
-    expected = PrefixState.softmax(arch.num_kv_heads // tp, arch.head_dim, arch.v_head_dim or arch.head_dim, dtype=dtype)
-    assert all(state == expected for state in states)
+    # (gpt-oss's sliding layers carry their window: their rows are cut to what a window reaches)
+    expected = [PrefixState.softmax(arch.num_kv_heads // tp, arch.head_dim, arch.v_head_dim or arch.head_dim,
+                                    dtype=dtype, window=arch.sliding_window if i in arch.sliding_window_layers else None)
+                for i in range(arch.num_layers)]
+    assert list(states) == expected
 
 
 # ---------------------------------------------------------------------- a family added by one bundle

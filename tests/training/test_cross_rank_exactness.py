@@ -4,7 +4,8 @@ a micro-batch spread over the ranks, a single long chain, step-wise trajectories
 workload, with data parallelism (world 2 and 4), context parallelism (CP=2, CP=2 x DP=2,
 CP=2 x TP=2), and a tight KV budget (recomputation); GLM-4.5 (MoE with a dense layer) on DP=2; a hybrid model (Gated DeltaNet linear
 layers, whose fragments import one state per chain) on DP=2 in one step and in several, and
-with its imported states zeroed (then wrong); gpt-oss (sliding windows and sinks) on DP=2."""
+with its imported states zeroed (then wrong); gpt-oss (sliding windows and sinks) on DP=2, and at a
+tight budget with its windowed layers' cached rows cut to what their readers reach."""
 
 import os
 
@@ -46,8 +47,11 @@ CASES += [
     ("cp2-one-tree-tight-kv", "llama", "one-tree", 2, 1, 2, 256 * 1024),
     ("dp2-chain-tight-kv", "llama", "chain", 2, 1, 1, 256 * 1024),
     # gpt-oss: an 8-token window (the fragments' peer reads older than it are not attended),
-    # sinks joined once over the peers', the cache's and the fragment's own keys
+    # sinks joined once over the peers', the cache's and the fragment's own keys; at a tight
+    # budget (recomputation) the windowed pool keeps only the rows its readers' windows reach,
+    # replicas included
     ("dp2-gpt-oss-one-tree", "gpt_oss", "one-tree", 2, 1, 1, 1 << 30),
+    ("dp2-gpt-oss-chain-tight-kv", "gpt_oss", "chain", 2, 1, 1, 256 * 1024),
 ]
 
 
@@ -86,6 +90,9 @@ def test_cross_rank_step_matches_reference(case, launches, request, tmp_path_fac
         return
     if "tight" in name:
         assert res["recomputed"] > 0, "the tight KV budget must force recomputation"
+    if "gpt-oss" in name:
+        assert res["window_cut_rows"] > 0, "the windowed pool keeps fewer rows of the cached prefixes"
+        assert res["window_unsent_rows"] > 0, "the windowed layers' exchange sends fewer rows"
     assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_close(res["grads"], ref_grads, rtol=1e-5)
     for a, b in zip(res["logprobs"], ref_logprobs):

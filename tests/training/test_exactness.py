@@ -180,6 +180,10 @@ def test_gpt_oss_windows_and_sinks_equal_the_per_sample_reference(gpt_oss_model,
     assert ref["decoder.layers.0.self_attention.core_attention.softmax_offset"].abs().min() > 0
     assert_grads_close(grads, ref, rtol=1e-5)
     assert bool(plan.ranks[0].sources) == (budget < 100) and (recomputed > 0) == (kv_budget == "tight")
+    windowed = [p for p in _geometry(arch).pools if p.state.window is not None]
+    sources = plan.ranks[0].sources.values()  # (mechanism 2: the windowed pool keeps fewer of their rows)
+    cut = any(p.kept_rows(s.length, *s.reach) < s.length for p in windowed for s in sources)
+    assert windowed and cut == (budget < 100)
     ours = compute_logprobs(model, arch, batch, micro_batch_tokens=budget)
     for a, b in zip(ours, per_sample_logprobs(hf, batch)):
         np.testing.assert_allclose(a, b, atol=1e-4)

@@ -43,11 +43,19 @@ def search_tree_batch(vocab=256, seed=0, branches=6):
     return samples_from_dicts(recs, source="search-tree")
 
 
-def _run(arch, model, batch, budget_bytes, act_bytes, gathers=False, cut=False):
+def _geometry(arch, windows=False):
+    """Softmax K/V in every layer; ``windows``: as the family keeps them (gpt-oss's windowed
+    layers in a pool of their own, keeping the rows their readers' windows reach)."""
+    if windows:
+        return KVGeometry.for_model(arch, 1, 1, torch.float32, torch.device("cpu"))
+    return KVGeometry(arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
+
+
+def _run(arch, model, batch, budget_bytes, act_bytes, gathers=False, cut=False, windows=False):
     tree = build_prefix_tree(batch)
     plan = plan_step(tree, PlannerConfig(micro_batch_tokens=BUDGET, sharing="tree", cut_at_branch_switches=cut))
     rank = plan.ranks[0]
-    geom = KVGeometry(arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
+    geom = _geometry(arch, windows)
     memory = plan_memory(rank, geom, budget_bytes, act_bytes, gathers_in_backward=gathers)
     cache = BlockKVCache(geom, budget_bytes)
     model.zero_grad(set_to_none=True)
@@ -56,10 +64,10 @@ def _run(arch, model, batch, budget_bytes, act_bytes, gathers=False, cut=False):
     return tree, plan, memory, cache, out
 
 
-def _tight_budget(arch, batch, gathers=False):
+def _tight_budget(arch, batch, gathers=False, windows=False):
     tree = build_prefix_tree(batch)
     rank = plan_step(tree, PlannerConfig(micro_batch_tokens=BUDGET, sharing="tree")).ranks[0]
-    geom = KVGeometry(arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
+    geom = _geometry(arch, windows)
     act = activation_bytes_per_token(arch, 1, 4)
     return simulated_peak_bytes(rank, geom, {s.producer: False for s in rank.sources.values()}, act,
                                 gathers_in_backward=gathers), act
@@ -213,11 +221,12 @@ def test_gpt_oss_under_a_tight_budget_reads_only_its_windows_rows(gpt_oss_model,
     """The search tree on gpt-oss (an 8-token window on its first layer, shorter than every turn
     and branch) with a budget that holds only the K/V blocks: producers recompute their graphs,
     the windowed layer reads at most the 7 rows of a cached prefix before its readers (the full
-    layer all of them), and the loss and every gradient equal the per-sample reference."""
+    layer all of them) and its pool keeps only those (fewer blocks, as many as the plan
+    counted), and the loss and every gradient equal the per-sample reference."""
     arch, model, hf = gpt_oss_model
     batch = search_tree_batch(vocab=arch.vocab_size, branches=3)
-    tight, act = _tight_budget(arch, batch, gathers)
-    tree, plan, memory, cache, out = _run(arch, model, batch, tight, act, gathers)
+    tight, act = _tight_budget(arch, batch, gathers, windows=True)
+    tree, plan, memory, cache, out = _run(arch, model, batch, tight, act, gathers, windows=True)
     rank = plan.ranks[0]
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     ref_loss, ref = per_sample_loss_and_grads(hf, batch, 0.2, 0.0, 0.0, "seq-mean-token-mean")
@@ -230,3 +239,9 @@ def test_gpt_oss_under_a_tight_budget_reads_only_its_windows_rows(gpt_oss_model,
     assert 0 < cache.metrics.tokens_read <= (arch.sliding_window - 1) * reads
     lengths = [rank.sources[s].length for mb in rank.micro_batches for s in mb.reads]
     assert np.mean(lengths) > 1.5 * (arch.sliding_window - 1)  # (13 rows on average)
+    # the windowed pool (its own) keeps fewer rows of the sources, and every pool's peak in
+    # blocks is what the plan predicted (16-token blocks: these sources take one either way)
+    windowed = [j for j, p in enumerate(cache.pools) if p.state.window is not None]
+    assert windowed and cache.metrics.peak_pool_blocks == memory.pool_sizes
+    kept = [sum(p.kept_rows(s.length, *s.reach) for s in rank.sources.values()) for p in cache.pools]
+    assert all(kept[j] < max(kept) for j in windowed)

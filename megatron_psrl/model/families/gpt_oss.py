@@ -20,7 +20,7 @@ attention bias, another ``swiglu_limit``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Tuple
 
 from megatron_psrl.errors import UnsupportedModelError
 from megatron_psrl.model.adapters.gpt_oss import GptOssAdapter
@@ -29,6 +29,9 @@ from megatron_psrl.model.families.moe import MoEFamily, num_experts
 from megatron_psrl.model.families.registry import register_family
 
 if TYPE_CHECKING:
+    import torch
+
+    from megatron_psrl.kvcache.prefix_state import PrefixState
     from megatron_psrl.model.architecture import ModelArchitecture
     from megatron_psrl.schedule.cost import ModelDims
 
@@ -100,6 +103,18 @@ class GptOssFamily(MoEFamily):
             window_size=(arch.sliding_window - 1, 0) if any(windowed) else None,
             window_attn_skip_freq=windowed if any(windowed) else None,
         )
+
+    # ------------------------------------------------------------------ KV cache
+    def prefix_states(self, arch: "ModelArchitecture", tensor_parallel_size: int,
+                      dtype: "torch.dtype") -> Tuple["PrefixState", ...]:
+        """Softmax K/V in every layer; a sliding layer's carries its window, so a cached prefix
+        keeps there only the rows some reader's window reaches (a pool of their own)."""
+        from megatron_psrl.kvcache.prefix_state import PrefixState
+
+        sliding = set(arch.sliding_window_layers)
+        return tuple(PrefixState.softmax(arch.num_kv_heads // tensor_parallel_size, arch.head_dim, dtype=dtype,
+                                         window=arch.sliding_window if i in sliding else None)
+                     for i in range(arch.num_layers))
 
     # ------------------------------------------------------------------ memory plan
     def moe_saved_bytes_per_token(self, arch: "ModelArchitecture", dtype_bytes: int) -> int:

@@ -59,6 +59,9 @@ class StandInCache:
     def read_grad(self, s, layer):
         return self.grads[(s, layer)]
 
+    def first_kept_row(self, s, layer):  # (no sliding window: every row kept)
+        return 0
+
     def accumulate_grad(self, s, layer, gk, gv):
         k, v = self.grads.get((s, layer), (0.0, 0.0))
         self.grads[(s, layer)] = (gk + k, gv + v)

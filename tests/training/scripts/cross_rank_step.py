@@ -92,5 +92,14 @@ if layout.rank == 0:
                 "peer_reads": sum(len(mb.peer_reads) for r in plan.ranks for mb in r.micro_batches),
                 "replicas": sum(s.replica_of is not None for r in plan.ranks for s in r.sources.values()),
                 "exchanged_tokens": plan.exchanged_tokens(), "imbalance": plan.imbalance(),
-                "cached_reads": sum(len(mb.reads) for r in plan.ranks for mb in r.micro_batches)}, args.out)
+                "cached_reads": sum(len(mb.reads) for r in plan.ranks for mb in r.micro_batches),
+                # rows of cached sources a sliding window's pool does not keep (no reader reaches them)
+                "window_cut_rows": sum(p.state.unread_rows(s.length, *s.reach) for r in plan.ranks
+                                       for s in r.sources.values() for p in geom.pools),
+                # rows of exchanged chains a sliding window's layers do not send (per layer kind)
+                "window_unsent_rows": sum(p.state.unread_rows(len(c), *reach) for r in plan.ranks
+                                          for mb in r.micro_batches if mb.exchange is not None
+                                          for dst, chains in mb.exchange.send.items()
+                                          for c, reach in zip(chains, mb.exchange.send_reach.get(dst, []))
+                                          for p in geom.pools)}, args.out)
 shutdown_parallel()
