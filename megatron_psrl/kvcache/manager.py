@@ -203,6 +203,19 @@ class KVGeometry:
         """Bytes of the values a reader gathers from a source of ``length`` tokens, all layers."""
         return length * self.row_bytes_per_token + self.fixed_bytes_per_source
 
+    def reader_bytes(self, length: int) -> int:
+        """Bytes a reader's graph keeps for a source of ``length`` tokens, all layers: the values
+        it gathers and what it derives from them (latent attention: the prefix's per-head keys
+        and values, :meth:`PrefixState.reader_nbytes`)."""
+        return sum(len(p.layers) * p.state.reader_nbytes(length) for p in self.pools)
+
+    def derived_read_bytes(self, length: int) -> int:
+        """Bytes a reader's graph keeps for a source of ``length`` tokens even when it gathers
+        again in backward: of the layers that derive K/V from their rows (latent attention,
+        its rows and their up-projection) and of the fixed-size states (always read as copies)."""
+        return sum(len(p.layers) * p.state.reader_nbytes(length) for p in self.pools
+                   if p.state.derived_elems or not p.state.per_token)
+
     def layer_read_bytes(self, length: int) -> int:
         """Bytes of one layer's values and fp32 gradients of a source of ``length`` tokens (the
         widest layer's): what a reader that gathers again in backward holds at a time."""
