@@ -326,3 +326,17 @@ def test_cost_model_charges_latent_attentions_flops():
     assert cost.attention_flops_per_key == fb * 2 * layers * n * (arch.head_dim + arch.v_head_dim)
     linear = fb * 2 * layers * (arch.latent_attention_parameters() + 3 * arch.hidden_size * arch.ffn_hidden_size)
     assert cost.linear_flops_per_token == pytest.approx(linear, abs=fb * 2 * layers * 3 * arch.hidden_size / 2)
+
+
+def test_latent_cache_flag_resolves_and_refuses_sequence_parallelism():
+    from megatron_psrl.engine.config import ActorConfig
+    from megatron_psrl.training.arguments import build_parser
+
+    assert build_parser().parse_args([]).latent_cache == "auto"
+    assert ActorConfig().resolved_latent_cache == "latent"
+    assert ActorConfig(latent_cache="per-head").resolved_latent_cache == "per-head"
+    assert ActorConfig(tensor_model_parallel_size=2, sequence_parallel=True).resolved_latent_cache == "per-head"
+    with pytest.raises(ConfigurationError, match="--latent-cache latent is not supported with --sequence-parallel"):
+        ActorConfig(latent_cache="latent", tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ConfigurationError, match="latent_cache must be one of"):
+        ActorConfig(latent_cache="compressed")
