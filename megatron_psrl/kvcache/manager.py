@@ -218,8 +218,9 @@ class KVGeometry:
 
     def layer_read_bytes(self, length: int) -> int:
         """Bytes of one layer's values and fp32 gradients of a source of ``length`` tokens (the
-        widest layer's): what a reader that gathers again in backward holds at a time."""
-        return max(p.state.nbytes(length, ALL_ROLES) for p in self.pools)
+        widest layer's): what a reader that gathers again in backward holds at a time (a latent
+        layer's reader also the gradient of its up-projected K/V, as a softmax reader's dK/dV)."""
+        return max(p.state.nbytes(length, ALL_ROLES) + p.state.derived_nbytes(length) for p in self.pools)
 
     @property
     def bytes_per_token(self) -> int:

@@ -232,11 +232,15 @@ class PrefixState:
         per = sum(self.kind_bytes(k) for role in roles for k in self.kinds(role))
         return per * (int(length) if self.per_token else 1)
 
+    def derived_nbytes(self, length: int) -> int:
+        """Bytes of what a reader derives from a source of ``length`` tokens, one layer
+        (:attr:`derived_elems`, in the model dtype)."""
+        return self.derived_elems * _itemsize(self.dtype) * (int(length) if self.per_token else 0)
+
     def reader_nbytes(self, length: int) -> int:
         """Bytes a reader's graph keeps for a source of ``length`` tokens, one layer: the values
         it read and what it derives from them (:attr:`derived_elems`)."""
-        derived = self.derived_elems * _itemsize(self.dtype) * (int(length) if self.per_token else 0)
-        return self.nbytes(length, (VALUES,)) + derived
+        return self.nbytes(length, (VALUES,)) + self.derived_nbytes(length)
 
     # ------------------------------------------------------------------ transport rows
     @property

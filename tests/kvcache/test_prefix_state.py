@@ -43,6 +43,9 @@ def test_the_three_shapes_say_what_they_keep():
     # a reader keeps the rows and their up-projection to its 4 heads' keys (24) and values (12)
     read = PrefixState.latent(24, 8, num_heads=4, key_dim=24, value_dim=12)
     assert read.nbytes(10) == LATENT.nbytes(10) and read.reader_nbytes(10) == 10 * (32 + 4 * 36) * 4
+    geometry = _geometry((read, read))  # (gathering again in backward: one layer's rows, gradients and dK/dV)
+    assert geometry.reader_bytes(10) == 2 * read.reader_nbytes(10) == geometry.derived_read_bytes(10)
+    assert geometry.layer_read_bytes(10) == read.nbytes(10) + 10 * 4 * 36 * 4
     assert SOFTMAX.reader_nbytes(10) == SOFTMAX.nbytes(10, (VALUES,)) and RECURRENT.reader_nbytes(7) == RECURRENT.nbytes(1, (VALUES,))
     assert RECURRENT.storage is Storage.FIXED and RECURRENT.combine is Combine.INNERMOST
     assert RECURRENT.tap is Tap.RECURRENT_MIXER
