@@ -37,6 +37,7 @@ static memory of one rank of an 8-GPU node (:func:`node_static`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -140,7 +141,11 @@ def project(tree, arch, geometry, act, budget: int) -> dict:
 
 
 def dta(batch, arch, geometry, act, block: int) -> int:
-    """Peak bytes of the depth-first walk at its deepest path (see module doc)."""
+    """Peak bytes of the depth-first walk at its deepest path (see module doc); a latent-attention
+    model's path as per-head K/V (the walk caches what its attention reads)."""
+    if arch.multi_latent_attention and arch.latent_cache != "per-head":
+        geometry = KVGeometry.for_model(dataclasses.replace(arch, latent_cache="per-head"), 1, 1, torch.bfloat16,
+                                        torch.device("cpu"))
     path = int(max(batch.lengths))  # the deepest root-to-leaf path: the longest sample
     held_act = act * (path if block < 0 else min(block, path))
     kv = 4 * geometry.bytes_per_token * path  # K, V, dK, dV of the path
@@ -298,6 +303,8 @@ def main(argv=None) -> None:
     p.add_argument("--budgets", default="2048,4096,8192,16384,32768")
     p.add_argument("--models", default="7B,32B")
     p.add_argument("--long", action="store_true", help="also the 128k-token step-wise trajectory")
+    p.add_argument("--latent-cache", default="latent", choices=["latent", "per-head"],
+                   help="latent attention: what a cached prefix keeps (the actor's --latent-cache)")
     p.add_argument("--memory-budget", action="store_true", help="the planner's choice under one memory budget per "
                    "device, model and TP (its own table; --models default 7B,32B,qwen3-30b-a3b)")
     p.add_argument("--devices", default="80,141", help="--memory-budget: device memories in GiB")
@@ -319,12 +326,17 @@ def main(argv=None) -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     for model in args.models.split(","):
         arch = architecture(model)
+        latent = arch.multi_latent_attention
+        if latent:
+            arch = dataclasses.replace(arch, latent_cache=args.latent_cache)
         geometry = KVGeometry.for_model(arch, 1, 1, torch.bfloat16, torch.device("cpu"))
         act = activation_bytes_per_token(arch, 1, 2, "flash")
         fixed = geometry.fixed_bytes_per_source
         state = f", {fixed / 2**20:.0f} MiB of linear-layer states per cached prefix" if fixed else ""
+        kept = f"{'latent + RoPE key' if arch.latent_cache == 'latent' else 'per-head K+V'} (--latent-cache " \
+               f"{arch.latent_cache})" if latent else "K+V"
         print(f"\n**{model_title(model)}** (bf16, TP 1): {act / 1024:.0f} KiB of kept graph per token, "
-              f"{geometry.row_bytes_per_token / 1024:.0f} KiB of K+V per token{state}, loss head "
+              f"{geometry.row_bytes_per_token / 1024:.0f} KiB of {kept} per token{state}, loss head "
               f"{loss_head_peak_bytes(arch.padded_vocab_size(1), 1 << 20) / GIB:.2f} GiB\n")
         print("| workload | contender | micro-batches | peak GiB (KV unbounded) | peak GiB (KV at floor) | "
               "recomputed tokens at floor |")

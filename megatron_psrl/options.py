@@ -8,6 +8,10 @@ names from here, so every list exists once.
 ATTENTION_BACKENDS = ("torch", "dense", "flash", "te")
 """Prefix-sharing attention kernels (``megatron_psrl.attention.backends``)."""
 
+LATENT_CACHE_CHOICES = ("latent", "per-head")
+"""What a latent-attention layer's cached prefix keeps (``--latent-cache``;
+``ModelArchitecture.latent_cache``): its latent and RoPE key, or every head's key and value."""
+
 SHARING_MODES = ("tree", "tree-dup", "none")
 """Prefix sharing: mechanisms 1 + 2, mechanism 1 with prefix duplication, none (the baseline)."""
 

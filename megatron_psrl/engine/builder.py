@@ -21,6 +21,7 @@ function of the config and what the steps before it made; read them top to botto
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
@@ -258,6 +259,8 @@ def model_and_optimizer(source: ModelSource, config: ActorConfig, layout: Parall
         source, dtype=dtype, device=device, transformer_impl=impl, pipeline_layers=split if uneven else None,
         virtual_pipeline_size=vpp, config_overrides=overrides,
         attention_backend=None if config.attention_backend == "auto" else config.attention_backend)
+    if arch.multi_latent_attention:  # (a run-time choice: what its cached prefixes keep)
+        arch = dataclasses.replace(arch, latent_cache=config.resolved_latent_cache)
     if device.type == "cpu" and dtype != torch.float32:
         log(f"warning: {config.dtype} on CPU is slower than float32 (few CPUs have fast {config.dtype} "
             "kernels); use it to check GPU numerics, and float32 to train on CPU")

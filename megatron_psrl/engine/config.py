@@ -20,6 +20,7 @@ from megatron_psrl.errors import ConfigurationError
 from megatron_psrl.options import (
     CROSS_GROUP_PREFIX,
     DEFAULT_CKPT_FORMAT,
+    LATENT_CACHE_CHOICES,
     MOE_LOAD_BALANCING_TYPES,
     MOE_TOKEN_DISPATCHERS,
     PLACEMENTS,
@@ -165,6 +166,13 @@ class ActorConfig:
     attention_backend: str = "auto"
     """Prefix-sharing attention kernel: ``torch``, ``dense``, ``flash``, ``te`` or ``auto``."""
 
+    latent_cache: str = "auto"
+    """What a latent-attention model's (DeepSeek-V3, Kimi K2) cached shared prefix keeps per
+    token and layer (``--latent-cache``): ``latent``, the normalised K/V latent and the rotated
+    RoPE key, projected up again by every reader (DeepSeek-V3: 576 numbers, against 40,960 for
+    ``per-head``, every head's key and value); ``auto``: ``latent``, except ``per-head`` under
+    sequence parallelism (a rank holds only its rows' latent there). Other families ignore it."""
+
     micro_batch_tokens: int = 4096
     """Token budget of one micro-batch."""
 
@@ -272,6 +280,12 @@ class ActorConfig:
             raise ConfigurationError(f"cross_group_prefix must be one of {CROSS_GROUP_PREFIX}, "
                                      f"got {self.cross_group_prefix!r}")
         check_ckpt_format(self.ckpt_format)
+        if self.latent_cache not in ("auto",) + LATENT_CACHE_CHOICES:
+            raise ConfigurationError(f"latent_cache must be one of {('auto',) + LATENT_CACHE_CHOICES}, "
+                                     f"got {self.latent_cache!r}")
+        if self.latent_cache == "latent" and self.sequence_parallel and self.tensor_model_parallel_size > 1:
+            raise ConfigurationError("--latent-cache latent is not supported with --sequence-parallel (a rank holds "
+                                     "only its rows' latent): use --latent-cache per-head (or auto)")
         if self.ckpt_format == "legacy" and self.expert_model_parallel_size > 1:
             raise ConfigurationError(f"--ckpt-format legacy cannot hold the experts of --expert-model-parallel-size "
                                      f"{self.expert_model_parallel_size} (it writes one data-parallel replica's "
@@ -325,6 +339,13 @@ class ActorConfig:
         ``deterministic_mode``, which the attention reads)."""
         out = dict(sequence_parallel=True) if self.sequence_parallel and self.tensor_model_parallel_size > 1 else {}
         return dict(out, deterministic_mode=True) if self.deterministic else out
+
+    @property
+    def resolved_latent_cache(self) -> str:
+        """:attr:`latent_cache` with ``auto`` decided (``ModelArchitecture.latent_cache``)."""
+        if self.latent_cache != "auto":
+            return self.latent_cache
+        return "per-head" if self.sequence_parallel and self.tensor_model_parallel_size > 1 else "latent"
 
     def moe_overrides(self) -> dict:
         """megatron TransformerConfig fields of the MoE flags (used for MoE models only; the

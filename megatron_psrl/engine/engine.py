@@ -177,8 +177,14 @@ class Engine:
 
     @property
     def cost_model(self) -> CostModel:
-        """The planner's cost model: measured at start-up, else FLOPs."""
-        return self.measured.cost_model() if self.measured is not None else self.flop_model
+        """The planner's cost model: measured at start-up, else FLOPs. The measured one charges a
+        read's derived K/V (latent attention's up-projection, not calibrated on its own) at the
+        measured seconds of a FLOP of the linear term."""
+        if self.measured is None:
+            return self.flop_model
+        measured, flops = self.measured.cost_model(), self.flop_model
+        scale = measured.linear_flops_per_token / flops.linear_flops_per_token if flops.linear_flops_per_token else 0.0
+        return dataclasses.replace(measured, read_flops_per_token=flops.read_flops_per_token * scale)
 
     # ------------------------------------------------------------------ planning
     @property

@@ -8,7 +8,10 @@ add to the source's dK/dV blocks; in a cross-rank step every layer exchanges the
 ranks need (:mod:`megatron_psrl.distributed.kv_exchange`). A linear-attention layer
 (``TreeGatedDeltaNet``) calls the same hook for its fixed-size state
 (``LinearPrefixHook``: the recurrent state and conv tail of a source, one slot per layer,
-stored, captured, read and its gradient accumulated as K/V rows are).
+stored, captured, read and its gradient accumulated as K/V rows are), and a latent-attention
+layer (``TreeMLASelfAttention``) for its latent and RoPE key (``LatentPrefixHook``: rows
+stored, captured, exchanged as K/V rows are, and projected up to K/V by the layer for every
+reader).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from megatron_psrl.kvcache.manager import BlockKVCache
 from megatron_psrl.kvcache.prefix_state import VALUES, PrefixState, Tap
 from megatron_psrl.model.architecture import UnsupportedModelError
 from megatron_psrl.model.gpt import model_chunks
+from megatron_psrl.model.latent_attention import TreeMLASelfAttention
 from megatron_psrl.model.linear_attention import LinearState, SegmentStates, TreeGatedDeltaNet
 from megatron_psrl.schedule.packing import PackedMicroBatch
 from megatron_psrl.schedule.plan import ChainUse, RankPlan, StepExchange
@@ -213,6 +217,8 @@ class PrefixKV:
         turns it off): the peers are handed over in flight (:class:`ReceivedKV`)."""
         self.num_peers = len(mb.peer_reads)
         self.peers: Dict[int, List[Union[Tuple[Tensor, Tensor], ReceivedKV]]] = {}
+        self.up_projections: Dict[int, object] = {}
+        """Latent layers: the layer's ``up_project(latent, rope_key) -> (k, v)`` (:meth:`on_latent`)."""
         self.in_flight: Dict[int, object] = {}
         """Overlapped exchange: the layer's exchange until its attention ran (:meth:`after_attention`)."""
         ex = mb.exchange
@@ -230,7 +236,31 @@ class PrefixKV:
         graph-building pass)."""
         return self.inject and self.capture and bool(self.rows)
 
+    def _latent_layer(self, layer_number: int) -> bool:
+        """The layer keeps its prefix before the K/V up-projection (latent attention)."""
+        return self.cache.geometry.state_of(layer_number).tap is Tap.BEFORE_UP_PROJECTION
+
     def on_kv(self, layer_number: int, key: Tensor, value: Tensor):
+        if self._latent_layer(layer_number):  # (its rows passed :meth:`on_latent`)
+            return None
+        return self._on_rows(layer_number, key, value, self.overlap)
+
+    def on_latent(self, layer_number: int, latent: Tensor, rope_key: Tensor, up_project):
+        """``LatentPrefixHook``: a latent-attention layer's normalised K/V latent ``[t, r]`` and
+        rotated RoPE key ``[t, rope]``, before its up-projection. Where the layer's cached prefix
+        keeps them, they are stored, captured, injected into and exchanged as K/V rows are
+        (the exchange not overlapped: a reader projects its peers' rows up before the
+        attention), and ``up_project(latent, rope_key) -> (k, v)`` makes the keys and values
+        of every source the layer reads (:meth:`external_kv`); else nothing (the per-head K/V
+        reach :meth:`on_kv`)."""
+        if not self._latent_layer(layer_number):
+            return None
+        self.up_projections[layer_number] = up_project
+        return self._on_rows(layer_number, latent, rope_key, overlap=False)
+
+    def _on_rows(self, layer_number: int, key: Tensor, value: Tensor, overlap: bool):
+        """A layer's two per-token fields (K and V, or a latent and its RoPE key): into the
+        cache, captured or injected into, exchanged (see :meth:`on_kv` in ``PrefixKVHook``)."""
         first_pass = layer_number not in self._written  # a recomputation calls again: write once
         self._written.add(layer_number)
         for s, rows in self.rows.items():
@@ -251,7 +281,7 @@ class PrefixKV:
                 return key, value
         if not self.exchanges:
             return None
-        if self.overlap:
+        if overlap:
             return self._start_exchange(layer_number, key, value)
         state = self.cache.geometry.state_of(layer_number)
         ex = self.exchanges[state.window]
@@ -394,6 +424,10 @@ class PrefixKV:
         out: List[Union[Tuple[Tensor, Tensor], PrefixCopies, CachedRead, ReceivedKV]] = []
         count = layer_number not in self._counted  # a recomputation reads again: count once
         self._counted.add(layer_number)
+        if self._latent_layer(layer_number):  # every source's rows projected up to K/V (leaves: see leaves)
+            up_project = self.up_projections.pop(layer_number)
+            rows = [CachedRead(self.cache, s, layer_number, count).leaves(self.track_grads) for s in self.reads]
+            return [up_project(*fields) for fields in rows + self.peers.pop(layer_number, [])]
         for s in self.reads:
             reader = CachedRead(self.cache, s, layer_number, count)
             # copies are gathered by the attention: a sliding window's layer gathers only its rows
@@ -448,29 +482,32 @@ class CachedRead:
         return k, v
 
 
-HOOKED_TAPS = (Tap.CORE_ATTENTION, Tap.RECURRENT_MIXER)
-"""The taps :class:`PrefixKV` serves: post-RoPE K/V in megatron's core-attention slot, and a
-linear-attention layer's (``TreeGatedDeltaNet``) recurrent state and conv tail."""
+_TAP_MIXERS = {Tap.RECURRENT_MIXER: (TreeGatedDeltaNet, "a recurrent prefix state"),
+               Tap.BEFORE_UP_PROJECTION: (TreeMLASelfAttention, "a latent prefix state")}
+"""The taps :class:`PrefixKV` serves inside a mixer (the third, post-RoPE K/V, is megatron's
+core-attention slot): the module that reads and writes each, and what it keeps."""
 
 
 def check_prefix_taps(arch, geometry, model=None) -> None:
     """Refuse, before any step, a layer whose prefix state the engine cannot reach: its hook
-    (:class:`PrefixKV`) sits in megatron's core-attention slot (post-RoPE K/V) and in the
-    tree-packed Gated DeltaNet (its recurrent state; with ``model``, the layer must be a
-    :class:`~megatron_psrl.model.linear_attention.TreeGatedDeltaNet`); the cache and the memory
-    plan take any :class:`~megatron_psrl.kvcache.prefix_state.PrefixState` already."""
-    hooked_linear = None
+    (:class:`PrefixKV`) sits in megatron's core-attention slot (post-RoPE K/V), in the
+    tree-packed Gated DeltaNet (its recurrent state) and in the tree-packed latent attention
+    (its latent): with ``model``, the layer's mixer must be the module of :data:`_TAP_MIXERS`,
+    and a latent one not sequence-parallel."""
+    mixers = {}
     if model is not None:
-        hooked_linear = {m.layer_number for chunk in model_chunks(model) for m in chunk.modules()
-                         if isinstance(m, TreeGatedDeltaNet)}
+        mixers = {m.layer_number: m for chunk in model_chunks(model) for m in chunk.modules()
+                  if isinstance(m, (TreeGatedDeltaNet, TreeMLASelfAttention))}
     for layer, state in zip(geometry.layers, geometry.layer_states):
-        if state.tap is Tap.RECURRENT_MIXER and hooked_linear is not None and layer not in hooked_linear:
-            raise UnsupportedModelError(
-                f"model type {arch.model_type!r}: layer {layer} keeps a recurrent prefix state but its mixer is "
-                f"not a TreeGatedDeltaNet, the linear-attention layer that reads and writes it")
-        if state.tap not in HOOKED_TAPS:
-            raise UnsupportedModelError(
-                f"model type {arch.model_type!r}: layer {layer} keeps its prefix as "
-                f"{'/'.join(f.name for f in state.fields)} at the {state.tap.value} tap, which prefix sharing "
-                f"cannot read or write yet (only softmax K/V in the core-attention slot and a "
-                f"linear-attention layer's recurrent state)")
+        if model is None or state.tap not in _TAP_MIXERS:
+            continue
+        cls, what = _TAP_MIXERS[state.tap]
+        mixer = mixers.get(layer)
+        if not isinstance(mixer, cls):
+            raise UnsupportedModelError(f"model type {arch.model_type!r}: layer {layer} keeps {what} but its mixer "
+                                        f"is not a {cls.__name__}, the layer that reads and writes it")
+        if state.tap is Tap.BEFORE_UP_PROJECTION and mixer.config.sequence_parallel \
+                and mixer.config.tensor_model_parallel_size > 1:
+            raise UnsupportedModelError("a latent prefix cache (--latent-cache latent) under sequence parallelism is "
+                                        "not supported (a rank holds only its rows' latent): use --latent-cache "
+                                        "per-head")

@@ -220,10 +220,25 @@ class KVGeometry:
         """Bytes of the fp32 gradients a source of ``length`` tokens keeps, all layers."""
         return sum(len(p.layers) * p.state.nbytes(p.kept_rows(length, *reach), GRADS_ONLY) for p in self.pools)
 
+    def reader_bytes(self, length: int, reach: Tuple[int, Optional[int]] = (0, None)) -> int:
+        """Bytes a reader's graph keeps for a source of ``length`` tokens, all layers: the values
+        it gathers (a window's kept rows at most) and what it derives from them (latent
+        attention: the prefix's per-head keys and values, :meth:`PrefixState.reader_nbytes`)."""
+        return sum(len(p.layers) * p.state.reader_nbytes(p.kept_rows(length, *reach)) for p in self.pools)
+
+    def derived_read_bytes(self, length: int, reach: Tuple[int, Optional[int]] = (0, None)) -> int:
+        """Bytes a reader's graph keeps for a source of ``length`` tokens even when it gathers
+        again in backward: of the layers that derive K/V from their rows (latent attention,
+        its rows and their up-projection) and of the fixed-size states (always read as copies)."""
+        return sum(len(p.layers) * p.state.reader_nbytes(p.kept_rows(length, *reach)) for p in self.pools
+                   if p.state.derived_elems or not p.state.per_token)
+
     def layer_read_bytes(self, length: int, reach: Tuple[int, Optional[int]] = (0, None)) -> int:
         """Bytes of one layer's values and fp32 gradients of a source of ``length`` tokens (the
-        widest layer's): what a reader that gathers again in backward holds at a time."""
-        return max(p.state.nbytes(p.kept_rows(length, *reach), ALL_ROLES) for p in self.pools)
+        widest layer's): what a reader that gathers again in backward holds at a time (a latent
+        layer's reader also the gradient of its up-projected K/V, as a softmax reader's dK/dV)."""
+        return max(p.state.nbytes(p.kept_rows(length, *reach), ALL_ROLES)
+                   + p.state.derived_nbytes(p.kept_rows(length, *reach)) for p in self.pools)
 
     @property
     def bytes_per_token(self) -> int:

@@ -18,8 +18,8 @@ Three shapes cover the model families in use:
 layer                       fields                          storage      reader          tap
 ==========================  ==============================  ===========  ==============  ======================
 softmax attention (GQA)     ``k`` [ng, hk], ``v`` [ng, hv]  per token    concatenates    core attention (RoPE'd)
-latent attention (MLA)      ``latent`` [r], ``rope_key``    per token    concatenates    before the K/V
-                            [hr]                                                         up-projection
+latent attention (MLA)      ``latent`` [r], ``rope_key``    per token    projects up,    before the K/V
+                            [hr]                                         concatenates    up-projection
 linear attention (delta     ``state`` [nh, dk, dv],         fixed size   takes the       inside the recurrent
 rule, Mamba-like)           ``conv`` [kernel - 1, c]                     innermost       mixer
 ==========================  ==============================  ===========  ==============  ======================
@@ -161,6 +161,11 @@ class PrefixState:
     cached source keeps only the rows some reader's window reaches (:meth:`unread_rows`), so
     these layers get a pool of their own. None: every row is kept."""
 
+    derived_elems: int = 0
+    """Elements per token (rows) a reader derives from a row and keeps in its graph, in the model
+    dtype (latent attention: this rank's heads' up-projected keys and values, which the
+    attention saves for backward); 0: the reader attends to the rows themselves."""
+
     def __post_init__(self) -> None:
         names = [f.name for f in self.fields]
         if not names:
@@ -198,11 +203,15 @@ class PrefixState:
                    dtype=dtype, window=window)
 
     @classmethod
-    def latent(cls, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype = torch.float32) -> "PrefixState":
+    def latent(cls, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype = torch.float32, num_heads: int = 0,
+               key_dim: int = 0, value_dim: int = 0) -> "PrefixState":
         """Latent attention: the normalised K/V latent and the shared RoPE key per token, kept
-        before the up-projection (``kv_lora_rank + rope_dim`` numbers a token)."""
+        before the up-projection (``kv_lora_rank + rope_dim`` numbers a token, whole on every
+        tensor-parallel rank). A reader projects them up to its ``num_heads`` heads' keys
+        (``key_dim``, the RoPE key appended) and values (``value_dim``) and keeps those in its
+        graph (:attr:`derived_elems`)."""
         return cls((StateField("latent", (kv_lora_rank,)), StateField("rope_key", (rope_dim,))),
-                   tap=Tap.BEFORE_UP_PROJECTION, dtype=dtype)
+                   tap=Tap.BEFORE_UP_PROJECTION, dtype=dtype, derived_elems=num_heads * (key_dim + value_dim))
 
     @classmethod
     def recurrent(cls, num_heads: int, key_dim: int, value_dim: int, conv_channels: int, conv_kernel: int,
@@ -248,6 +257,16 @@ class PrefixState:
         """Bytes one layer keeps for a source of ``length`` tokens (exact, no block padding)."""
         per = sum(self.kind_bytes(k) for role in roles for k in self.kinds(role))
         return per * (int(length) if self.per_token else 1)
+
+    def derived_nbytes(self, length: int) -> int:
+        """Bytes of what a reader derives from a source of ``length`` tokens, one layer
+        (:attr:`derived_elems`, in the model dtype)."""
+        return self.derived_elems * _itemsize(self.dtype) * (int(length) if self.per_token else 0)
+
+    def reader_nbytes(self, length: int) -> int:
+        """Bytes a reader's graph keeps for a source of ``length`` tokens, one layer: the values
+        it read and what it derives from them (:attr:`derived_elems`)."""
+        return self.nbytes(length, (VALUES,)) + self.derived_nbytes(length)
 
     # ------------------------------------------------------------------ transport rows
     @property

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_psrl.errors import CheckpointError, PsrlError, UnsupportedModelError  # noqa: F401  (re-exported)
+from megatron_psrl.options import LATENT_CACHE_CHOICES
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FULL_ATTENTION = "full_attention"
@@ -380,6 +381,13 @@ class ModelArchitecture:
     v_head_dim: int = 0
     """Latent attention: per-head value width (the query/key width is ``head_dim``, nope + rope)."""
 
+    latent_cache: str = "latent"
+    """Latent attention: what a cached shared prefix keeps per token and layer, a run-time choice
+    (``--latent-cache``; not read from the checkpoint's config). ``latent``: the normalised K/V
+    latent and the rotated shared RoPE key (``kv_lora_rank + qk_rope_head_dim`` numbers, whole on
+    every tensor-parallel rank), which every reader projects up again; ``per-head``: every head's
+    key and value after the up-projection (``n (head_dim + v_head_dim) / tp``)."""
+
     hf_config: Dict[str, Any] = field(default_factory=dict)
     """The original config.json content, written back unchanged by mcore-to-hf."""
 
@@ -453,6 +461,8 @@ class ModelArchitecture:
         if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
             raise UnsupportedModelError(f"latent attention: head_dim {self.head_dim} is not qk_nope_head_dim "
                                         f"{self.qk_nope_head_dim} + qk_rope_head_dim {self.qk_rope_head_dim}")
+        if self.latent_cache not in LATENT_CACHE_CHOICES:
+            raise UnsupportedModelError(f"latent_cache {self.latent_cache!r}: choose from {LATENT_CACHE_CHOICES}")
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:

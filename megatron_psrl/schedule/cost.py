@@ -26,7 +26,7 @@ linear in tokens and well under 1% of the GEMMs for the named models.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import numpy as np
@@ -144,11 +144,18 @@ class CostModel:
     computed: tokens with a loss claim (the log-prob pass computes every row, see
     ``all_rows``)."""
 
+    read_flops_per_token: float = 0.0
+    """FLOPs per cached prefix token a micro-batch reads (from the KV cache or a peer rank),
+    over all layers: what a reader derives from the cached rows (latent attention: the K/V
+    up-projection of the latent, ``ModelFamily.read_flops_per_token``); charged per read by
+    :meth:`read_cost` in every rank's planned cost."""
+
     name: Optional[str] = field(default=None, compare=False)
     """The model size this was derived from, for reports (None if built by hand)."""
 
     def __post_init__(self) -> None:
-        for name in ("linear_flops_per_token", "attention_flops_per_key", "head_flops_per_row"):
+        for name in ("linear_flops_per_token", "attention_flops_per_key", "head_flops_per_row",
+                     "read_flops_per_token"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
@@ -198,7 +205,8 @@ class CostModel:
         """The cost model of a :class:`~megatron_psrl.model.architecture.ModelArchitecture`: the
         dense transformer its family charges per token (``ModelFamily.cost_dims``: for MoE, the
         experts a token is routed to and the router, not all of them), named by ``model_type``."""
-        return cls.from_model_dims(arch.family.cost_dims(arch), name=arch.model_type)
+        model = cls.from_model_dims(arch.family.cost_dims(arch), name=arch.model_type)
+        return replace(model, read_flops_per_token=float(arch.family.read_flops_per_token(arch)))
 
     @classmethod
     def named(cls, name: str) -> "CostModel":
@@ -222,6 +230,11 @@ class CostModel:
         return (self.linear_flops_per_token * np.asarray(num_tokens, dtype=np.float64)
                 + self.attention_flops_per_key * np.asarray(key_pairs, dtype=np.float64)
                 + self.head_flops_per_row * np.asarray(logit_rows, dtype=np.float64))
+
+    def read_cost(self, tokens: int) -> float:
+        """FLOPs of deriving K/V from ``tokens`` cached prefix rows read (0 where readers attend
+        to the rows themselves)."""
+        return self.read_flops_per_token * float(tokens)
 
     def sample_costs(self, batch: SampleBatch) -> np.ndarray:
         """float64 ``[S]``: cost of every sample computed on its own (the baseline): logits
@@ -261,4 +274,4 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"name": self.name, "linear_flops_per_token": self.linear_flops_per_token,
                 "attention_flops_per_key": self.attention_flops_per_key,
-                "head_flops_per_row": self.head_flops_per_row}
+                "head_flops_per_row": self.head_flops_per_row, "read_flops_per_token": self.read_flops_per_token}

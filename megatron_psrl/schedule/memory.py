@@ -473,7 +473,8 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
     kept, until its backward): copies gathered from the cache and K/V received from other
     ranks in the same step (cross-rank peers, always kept as copies). Gathered again in
     backward, cached prefixes cost one layer's K/V copies and their fp32 gradients at a time
-    (and every linear layer's state, always kept as a copy). With a ``charge``, the step's
+    (and every linear layer's state, always kept as a copy, and every latent layer's rows with
+    their up-projected K/V, :meth:`KVGeometry.reader_bytes`). With a ``charge``, the step's
     timeline charges by rows (:func:`_step_tables`; ``captures``: see :func:`_produced`)."""
     graph = {i: len(mb.computed_tokens) * act_bytes_per_token for i, mb in enumerate(plan.micro_batches)}
     by_rows = _step_tables(plan, geometry, charge, varlen, captures) if charge is not None else {}
@@ -485,7 +486,7 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
         for i, shape in plan.segment_shapes.items():
             graph[i] += varlen.held(shape, plan.micro_batches[i].num_tokens)
             attention[i] = varlen.transient(shape)
-    read = geometry.read_bytes  # the values of every layer of this stage (a window's kept rows at most)
+    read = geometry.reader_bytes  # every layer of this stage (a window's kept rows at most; latent: and their up-projection)
     cached = {i: sum(read(plan.sources[s].length, plan.sources[s].reach) for s in mb.reads)
               for i, mb in enumerate(plan.micro_batches)}
     peers = {i: sum(read(p.length) for p in mb.peer_reads) for i, mb in enumerate(plan.micro_batches)}
@@ -494,8 +495,10 @@ def _byte_tables(plan: RankPlan, geometry: KVGeometry, act_bytes_per_token: int,
         return _ByteTables(graph, reads, reads, False, head_bytes, attention, offload=offload, **by_rows)
     one_layer = {i: sum(geometry.layer_read_bytes(plan.sources[s].length, plan.sources[s].reach) for s in mb.reads)
                  for i, mb in enumerate(plan.micro_batches)}
-    # (a linear layer's fixed-size state is read as a copy its graph keeps, whatever this choice)
-    held = {i: peers[i] + len(mb.reads) * geometry.fixed_bytes_per_source for i, mb in enumerate(plan.micro_batches)}
+    # (a linear layer's fixed-size state and a latent layer's rows and their up-projection are
+    # read as copies its graph keeps, whatever this choice)
+    held = {i: peers[i] + sum(geometry.derived_read_bytes(plan.sources[s].length, plan.sources[s].reach) for s in mb.reads)
+            for i, mb in enumerate(plan.micro_batches)}
     return _ByteTables(graph, held, {i: one_layer[i] + held[i] for i in cached}, True, head_bytes, attention,
                        offload=offload, **by_rows)
 

@@ -176,6 +176,7 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
         plan.alternative_makespan.append(whole_span if use_cross else cross_span)
         for r, rank_plan in enumerate(ranks):
             rank_plan.group_rank = r
+            rank_plan.planned_cost += _read_cost(rank_plan, config.cost_model)
         plan.ranks += ranks
     for rank_plan in plan.ranks:  # (what a sliding window's cache keeps of each source, and sends)
         note_reader_depths(index, rank_plan)
@@ -183,6 +184,16 @@ def plan_step(tree: PrefixTree, config: PlannerConfig, assignment: Optional[Grou
         if len(group) > 1:
             note_exchange_depths(index, [plan.ranks[r] for r in group])
     return maybe_check_plan(plan)
+
+
+def _read_cost(rank: RankPlan, cost_model: Optional[CostModel]) -> float:
+    """What a rank's readers derive from the cached and peer rows they read
+    (:meth:`CostModel.read_cost`: latent attention's up-projection; 0 for other models)."""
+    if cost_model is None or not cost_model.read_flops_per_token:
+        return 0.0
+    rows = sum(rank.sources[s].length for mb in rank.micro_batches for s in mb.reads)
+    rows += sum(p.length for mb in rank.micro_batches for p in mb.peer_reads)
+    return cost_model.read_cost(rows)
 
 
 def _add_unplanned_group(plan: StepPlan, group: int, g: int, cost: float) -> None:

@@ -14,6 +14,7 @@ from megatron_psrl.options import (
     DEFAULT_CKPT_FORMAT,
     DEFAULT_TIMEOUT_MINUTES,
     HYBRID_MODEL_NAMES,
+    LATENT_CACHE_CHOICES,
     LOSS_AGGREGATIONS,
     MEMORY_TRACKING,
     MOE_LOAD_BALANCING_TYPES,
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron layer spec (auto: transformer_engine on CUDA when installed)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", *ATTENTION_BACKENDS],
                    help="prefix-sharing attention kernel (auto: flash on CUDA when installed, else torch)")
+    g.add_argument("--latent-cache", default="auto", choices=["auto", *LATENT_CACHE_CHOICES],
+                   help="latent attention (DeepSeek-V3, Kimi K2): what a cached shared prefix keeps, its K/V latent "
+                        "and RoPE key (latent: every reader projects them up again) or every head's key and value "
+                        "(per-head); auto: latent, per-head under --sequence-parallel")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when available (one GPU per local rank), else CPU with gloo")
     g.add_argument("--seed", type=int, default=1234, help="random init of tiny models, synthetic data, RNG tracker")

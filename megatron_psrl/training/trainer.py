@@ -340,7 +340,7 @@ def actor_config_from_args(args, dtype: str) -> ActorConfig:
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_grouped_gemm=args.moe_grouped_gemm, device=args.device, dtype=dtype,
         transformer_impl=args.transformer_impl, attention_backend=args.attention_backend,
-        micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,
+        latent_cache=args.latent_cache, micro_batch_tokens=args.micro_batch_tokens, kv_cache_budget=args.kv_cache_budget,
         memory_budget=args.memory_budget, memory_offload=args.memory_offload,
         prefix_sharing=args.prefix_sharing, placement=args.placement,
         split_trees_across_groups=args.split_trees_across_groups, cross_group_prefix=args.cross_group_prefix,

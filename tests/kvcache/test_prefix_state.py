@@ -4,6 +4,7 @@ layer described by the spec alone, stored by the cache, sized by the memory plan
 Nothing here touches the cache, the plan or the transports to add a kind of layer: each test
 builds a geometry from states and uses the modules as they are."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -31,7 +32,7 @@ def _geometry(states, dtype=torch.float32):
 
 
 def _with_dtype(state, dtype):
-    return PrefixState(state.fields, state.storage, state.combine, state.tap, dtype)
+    return dataclasses.replace(state, dtype=dtype)
 
 
 def test_the_three_shapes_say_what_they_keep():
@@ -39,6 +40,13 @@ def test_the_three_shapes_say_what_they_keep():
     assert SOFTMAX.per_token and SOFTMAX.tap is Tap.CORE_ATTENTION and SOFTMAX.combine is Combine.CONCAT
     assert SOFTMAX.nbytes(10) == 10 * (2 * 16 * 4 + 2 * 16 * 4)  # K, V, dK, dV in fp32
     assert LATENT.tap is Tap.BEFORE_UP_PROJECTION and LATENT.nbytes(10, (VALUES,)) == 10 * 32 * 4
+    # a reader keeps the rows and their up-projection to its 4 heads' keys (24) and values (12)
+    read = PrefixState.latent(24, 8, num_heads=4, key_dim=24, value_dim=12)
+    assert read.nbytes(10) == LATENT.nbytes(10) and read.reader_nbytes(10) == 10 * (32 + 4 * 36) * 4
+    geometry = _geometry((read, read))  # (gathering again in backward: one layer's rows, gradients and dK/dV)
+    assert geometry.reader_bytes(10) == 2 * read.reader_nbytes(10) == geometry.derived_read_bytes(10)
+    assert geometry.layer_read_bytes(10) == read.nbytes(10) + 10 * 4 * 36 * 4
+    assert SOFTMAX.reader_nbytes(10) == SOFTMAX.nbytes(10, (VALUES,)) and RECURRENT.reader_nbytes(7) == RECURRENT.nbytes(1, (VALUES,))
     assert RECURRENT.storage is Storage.FIXED and RECURRENT.combine is Combine.INNERMOST
     assert RECURRENT.tap is Tap.RECURRENT_MIXER
     assert RECURRENT.nbytes(1) == RECURRENT.nbytes(100_000) == 2 * 4 * (2 * 4 * 6 + 3 * 16)  # whatever the length
@@ -191,21 +199,25 @@ def test_no_module_outside_the_spec_spells_a_block_kind_or_a_row_layout():
     assert not found, "block kinds or row layouts outside kvcache/prefix_state.py:\n" + "\n".join(found)
 
 
-def test_the_engine_refuses_a_state_its_attention_hook_cannot_reach():
+def test_the_engine_serves_every_tap_from_its_own_mixer_only():
     """The cache, the plan and the transports take any state; the engine's hook sits in the
-    core-attention slot and in the linear-attention layer, so a model whose layers keep a
-    latent is refused before its first step, naming the layer and the tap (a recurrent state
-    is served: tests/model/test_linear_prefix_state.py)."""
+    core-attention slot, the linear-attention layer and the latent-attention layer: a layer
+    keeping a latent whose mixer is not a ``TreeMLASelfAttention`` is refused before its first
+    step, naming the layer (a recurrent state: tests/model/test_linear_prefix_state.py)."""
     import types
+
+    import torch
 
     from megatron_psrl.engine.prefix_kv import check_prefix_taps
     from megatron_psrl.model.architecture import UnsupportedModelError
 
     arch = types.SimpleNamespace(model_type="toy")
-    check_prefix_taps(arch, _geometry((SOFTMAX, SOFTMAX)))
-    check_prefix_taps(arch, _geometry((SOFTMAX, RECURRENT)))
-    with pytest.raises(UnsupportedModelError, match="layer 1 .* before_up_projection"):
-        check_prefix_taps(arch, _geometry((LATENT,)))
+    for states in ((SOFTMAX, SOFTMAX), (SOFTMAX, RECURRENT), (LATENT, LATENT)):
+        check_prefix_taps(arch, _geometry(states))
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))  # no latent-attention layer in it
+    with pytest.raises(UnsupportedModelError, match="layer 2 keeps a latent prefix state but its mixer is not a "
+                                                    "TreeMLASelfAttention"):
+        check_prefix_taps(arch, _geometry((SOFTMAX, LATENT)), plain)
 
 
 @pytest.mark.parametrize("split", [2, (3, 1), (1, 3)], ids=["even", "linear-then-softmax", "linear-then-both"])

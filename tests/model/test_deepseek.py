@@ -8,6 +8,7 @@ Log-probs and gradients against transformers: tests/model/test_hf_equivalence.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from helpers.hybrid import read_safetensors
 from megatron_psrl.checkpoint import ModelSource, load_model
 from megatron_psrl.checkpoint.convert import hf_to_mcore, mcore_to_hf
 from megatron_psrl.checkpoint.passthrough import PASSTHROUGH_FILE
+from megatron_psrl.data.synthetic import make_stepwise
 from megatron_psrl.errors import ConfigurationError, UnsupportedModelError
 from megatron_psrl.kvcache.prefix_state import PrefixState
 from megatron_psrl.model.adapters import get_adapter
@@ -29,6 +31,10 @@ from megatron_psrl.model.architecture import ModelArchitecture
 from megatron_psrl.model.families import get_family
 from megatron_psrl.model.gpt import build_layer_spec, build_transformer_config
 from megatron_psrl.model.tiny import tiny_config
+from megatron_psrl.schedule.config import PlannerConfig
+from megatron_psrl.schedule.cost import CostModel
+from megatron_psrl.schedule.planner import plan_step
+from megatron_psrl.tree import build_prefix_tree
 
 
 @pytest.fixture(scope="module")
@@ -153,10 +159,30 @@ def test_kimi_k2_is_deepseek_v3():
 
 def test_prefix_state_and_layer_spec():
     arch = ModelArchitecture.from_hf_config(tiny_config("debug-deepseek-v3"))
+    per_head = dataclasses.replace(arch, latent_cache="per-head")
     for tp, dtype in ((1, torch.float32), (2, torch.bfloat16)):
+        size = 2 if dtype == torch.bfloat16 else 4
         state = PrefixState.softmax(4 // tp, 24, 12, dtype=dtype)  # K nope + rope, V narrower
-        assert arch.family.prefix_states(arch, tp, dtype) == (state,) * 2
-        assert state.nbytes(1, ("values",)) == 4 // tp * (24 + 12) * (2 if dtype == torch.bfloat16 else 4)
+        assert per_head.family.prefix_states(per_head, tp, dtype) == (state,) * 2
+        assert state.nbytes(1, ("values",)) == 4 // tp * (24 + 12) * size
+        # the default: the latent (24) and the RoPE key (8), whole on every rank; a reader also
+        # keeps its heads' up-projected keys and values
+        latent = arch.family.prefix_states(arch, tp, dtype)[0]
+        assert latent.tap.value == "before_up_projection" and latent.kinds("values") == ("latent", "rope_key")
+        assert latent.nbytes(1, ("values",)) == (24 + 8) * size
+        assert latent.reader_nbytes(1) == (24 + 8 + 4 // tp * (24 + 12)) * size
+    flops = CostModel.for_architecture(arch).read_flops_per_token  # r x n (nope + v), fwd + bwd, 2 layers
+    assert flops == 3 * 2 * 24 * 4 * (16 + 12) * 2 and CostModel.for_architecture(per_head).read_flops_per_token == 0
+    # every rank's planned cost charges the cached tokens its micro-batches read
+    batch = make_stepwise(num_trajectories=1, turns=4, obs_len=(6, 10), action_len=(3, 6), system_len=10,
+                          task_len=(6, 10), vocab_size=256, seed=3)
+    plans = [plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=24, cost_model=CostModel.for_architecture(a)))
+             for a in (arch, per_head)]
+    rank = plans[0].ranks[0]
+    read = sum(rank.sources[s].length for mb in rank.micro_batches for s in mb.reads)
+    assert read > 0 and rank.planned_cost == pytest.approx(plans[1].ranks[0].planned_cost + flops * read)
+    with pytest.raises(UnsupportedModelError, match="latent_cache 'both'"):
+        dataclasses.replace(arch, latent_cache="both")
     config = build_transformer_config(arch)
     assert type(config).__name__ == "MLATransformerConfig" and config.multi_latent_attention
     assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
@@ -300,3 +326,17 @@ def test_cost_model_charges_latent_attentions_flops():
     assert cost.attention_flops_per_key == fb * 2 * layers * n * (arch.head_dim + arch.v_head_dim)
     linear = fb * 2 * layers * (arch.latent_attention_parameters() + 3 * arch.hidden_size * arch.ffn_hidden_size)
     assert cost.linear_flops_per_token == pytest.approx(linear, abs=fb * 2 * layers * 3 * arch.hidden_size / 2)
+
+
+def test_latent_cache_flag_resolves_and_refuses_sequence_parallelism():
+    from megatron_psrl.engine.config import ActorConfig
+    from megatron_psrl.training.arguments import build_parser
+
+    assert build_parser().parse_args([]).latent_cache == "auto"
+    assert ActorConfig().resolved_latent_cache == "latent"
+    assert ActorConfig(latent_cache="per-head").resolved_latent_cache == "per-head"
+    assert ActorConfig(tensor_model_parallel_size=2, sequence_parallel=True).resolved_latent_cache == "per-head"
+    with pytest.raises(ConfigurationError, match="--latent-cache latent is not supported with --sequence-parallel"):
+        ActorConfig(latent_cache="latent", tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ConfigurationError, match="latent_cache must be one of"):
+        ActorConfig(latent_cache="compressed")

@@ -2,7 +2,8 @@
 tensor parallelism (TP=2, vocab-parallel loss) give the per-sample reference's loss, log-probs
 and gradients, with mechanism 2 active (micro-batch budget smaller than the trees); TP = 2 also
 on DeepSeek-V3's latent attention (every rank's heads, the latents whole on both ranks, the
-shared RoPE key's gradient summed over them; its DP = 2 runs cross-rank,
+shared RoPE key's gradient summed over them; its prefixes cached as the latent, whose readers'
+gradients are summed over the ranks' heads, and as per-head K/V; its DP = 2 runs cross-rank,
 tests/training/test_cross_rank_exactness.py)."""
 
 import os
@@ -25,8 +26,9 @@ from helpers.torchrun import SharedLaunches, selected_test_names
 from megatron_psrl.model import ModelArchitecture
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "distributed_step.py")
-LAYOUTS = {  # name: (family, TP): DP = 2 / TP = 2 on Llama / Qwen3, TP = 2 on DeepSeek-V3
-    "dp2": ("llama", 1), "tp2": ("qwen3", 2), "tp2-latent": ("deepseek", 2)}
+LAYOUTS = {  # name: (family, TP): DP = 2 / TP = 2 on Llama / Qwen3, TP = 2 on DeepSeek-V3 (its prefixes
+    # cached as the latent, and as per-head K/V)
+    "dp2": ("llama", 1), "tp2": ("qwen3", 2), "tp2-latent": ("deepseek", 2), "tp2-latent-per-head": ("deepseek", 2)}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,9 @@ def references(tmp_path_factory):
     def reference(name):
         if name not in cache:
             family, tp = LAYOUTS[name]
+            if name.endswith("-per-head"):  # (the same checkpoint and reference)
+                cache[name] = reference(name[:-len("-per-head")])
+                return cache[name]
             hf_dir = make_hf_checkpoint(PARALLEL_CONFIGS[family], seed=1, directory=str(tmp_path_factory.mktemp("hf")))
             hf = load_hf_model(hf_dir)
             batch = random_tree_batch(seed=7, num_roots=4, vocab_size=251)
@@ -55,8 +60,9 @@ def launches(references, tmp_path_factory, request):
     outs = {}
     for name, (_, tp) in LAYOUTS.items():
         outs[name] = out = tmp_path_factory.mktemp(name) / "result.pt"
-        shared.add(f"test_two_ranks_match_reference[{name}]", 2, SCRIPT, lambda name=name, tp=tp, out=out: [
-            "--hf-dir", references(name)[1], "--tp", str(tp), "--budget", "20", "--out", str(out)])
+        extra = ["--latent-cache", "per-head"] if name.endswith("-per-head") else []
+        shared.add(f"test_two_ranks_match_reference[{name}]", 2, SCRIPT, lambda name=name, tp=tp, out=out, extra=extra: [
+            "--hf-dir", references(name)[1], "--tp", str(tp), "--budget", "20", "--out", str(out), *extra])
 
     def result(name, case_id):
         shared.check(case_id)

@@ -7,10 +7,13 @@ with kept or recomputed prefix graphs, the duplication stopgap, and the no-shari
 equal a plain per-sample forward/backward of the HF model (fp32, rel. err <= 1e-5). gpt-oss
 (sliding windows shorter than the branches, attention sinks, biases, clamped experts) too, on
 GRPO groups, a step-wise chain and a branching tree, with mechanism 1 and mechanism 2 at a
-tight budget. DeepSeek-V3's latent attention (its prefixes cached as per-head K and V of
-different widths) on a GRPO group, a step-wise chain and a branching tree, mechanism 1 and
-mechanism 2 at a tight KV budget.
+tight budget. DeepSeek-V3's latent attention (its prefixes cached as the K/V latent and the RoPE
+key, projected up again by every reader; or as per-head K and V of different widths) on a GRPO
+group, a step-wise chain and a branching tree, mechanism 1 and mechanism 2 at a tight KV budget
+and with kept producer graphs.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -216,6 +219,7 @@ def test_latent_attention_gradients_equal_per_sample_reference(request, moe, kin
     batch = _latent_batch(kind)
     cfg = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
     ref_loss, ref_hf = per_sample_loss_and_grads(latent_hf_model, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+    assert _geometry(arch).layer_states[0].kinds("values") == ("latent", "rope_key")  # (the default)
     loss, grads, plan, recomputed, kept = run_ours(arch, model, batch, cfg, mode, budget, kv_budget)
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
     assert_grads_close(grads, hf_grads_to_mcore(ref_hf, arch), rtol=1e-5)
@@ -223,6 +227,27 @@ def test_latent_attention_gradients_equal_per_sample_reference(request, moe, kin
         assert plan.ranks[0].sources and recomputed > 0 and not any(kept)
     else:
         assert not plan.ranks[0].sources
+
+
+@pytest.mark.parametrize("kind", ["grpo-group", "branching-tree"])
+@pytest.mark.parametrize("latent_cache,mode,budget,kv_budget", [("latent", *CASES[3]), ("per-head", *CASES[4])],
+                         ids=["latent-m2-keep", "per-head-m2-tight"])
+def test_latent_cache_choices_equal_per_sample_reference(latent_model, latent_hf_model, kind, latent_cache, mode,
+                                                         budget, kv_budget):
+    """Mechanism 2 with the latent cache and kept producer graphs (the readers' latent and RoPE
+    key gradients injected into the captured rows), and with per-head K/V (``--latent-cache
+    per-head``) at a tight budget."""
+    arch, model = latent_model
+    arch = dataclasses.replace(arch, latent_cache=latent_cache)
+    kinds = {"latent": ("latent", "rope_key"), "per-head": ("k", "v")}[latent_cache]
+    assert _geometry(arch).layer_states[0].kinds("values") == kinds
+    batch = _latent_batch(kind)
+    cfg = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
+    ref_loss, ref_hf = per_sample_loss_and_grads(latent_hf_model, batch, 0.2, 0.05, 0.01, "seq-mean-token-mean")
+    loss, grads, plan, recomputed, kept = run_ours(arch, model, batch, cfg, mode, budget, kv_budget)
+    assert plan.ranks[0].sources and (all(kept) and not recomputed if kv_budget != "tight" else recomputed > 0)
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    assert_grads_close(grads, hf_grads_to_mcore(ref_hf, arch), rtol=1e-5)
 
 
 def test_latent_attention_logprobs_with_cached_prefixes(latent_model, latent_hf_model):

@@ -52,7 +52,7 @@ def test_train_log_save_resume_convert(tmp_path):
 
 @pytest.mark.parametrize("model", ["debug-llama", "debug-deepseek-v3"])
 def test_sharing_and_baseline_agree(tmp_path, model):
-    """Also DeepSeek-V3's latent attention (its prefixes cached as per-head K and V)."""
+    """Also DeepSeek-V3's latent attention (its prefixes cached as the latent, --latent-cache auto)."""
     logs = {}
     # mechanism 2 within 512-token micro-batches; the others need a budget >= the longest sample
     for mode in (["--prefix-sharing", "tree"], ["--no-prefix-sharing", "--micro-batch-tokens", "4096"],

@@ -215,6 +215,12 @@ class ModelFamily(abc.ABC):
     def cost_dims(self, arch: "ModelArchitecture") -> "ModelDims":
         """The dense transformer whose FLOPs per token the cost model charges for this model."""
 
+    def read_flops_per_token(self, arch: "ModelArchitecture") -> float:
+        """Forward + backward FLOPs, all layers, a reader spends per cached prefix token it reads
+        beyond attending to it (``CostModel.read_flops_per_token``): 0, readers attend to the
+        cached K/V themselves."""
+        return 0.0
+
 
 class LlamaLikeFamily(ModelFamily):
     """A Llama-like dense decoder: GQA with RoPE, RMSNorm, a SwiGLU MLP, no biases (Llama,

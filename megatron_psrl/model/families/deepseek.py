@@ -155,12 +155,19 @@ class LatentAttentionFamily(LlamaLikeFamily):
     # ------------------------------------------------------------------ KV cache
     def prefix_states(self, arch: "ModelArchitecture", tensor_parallel_size: int,
                       dtype: torch.dtype) -> Tuple["PrefixState", ...]:
-        """Per-head K (``nope + rope``) and V (``v_head_dim``) after RoPE and the up-projection,
-        this rank's heads, at the core-attention tap."""
+        """``arch.latent_cache`` ``latent``: the normalised K/V latent and the rotated shared RoPE
+        key, before the up-projection (whole on every tensor-parallel rank; a reader projects them
+        up to this rank's heads, :class:`~megatron_psrl.model.latent_attention.TreeMLASelfAttention`);
+        ``per-head``: per-head K (``nope + rope``) and V (``v_head_dim``) after RoPE and the
+        up-projection, this rank's heads, at the core-attention tap."""
         from megatron_psrl.kvcache.prefix_state import PrefixState
 
-        state = PrefixState.softmax(arch.num_attention_heads // tensor_parallel_size, arch.head_dim,
-                                    arch.v_head_dim, dtype=dtype)
+        heads = arch.num_attention_heads // tensor_parallel_size
+        if arch.latent_cache == "latent":
+            state = PrefixState.latent(arch.kv_lora_rank, arch.qk_rope_head_dim, dtype=dtype, num_heads=heads,
+                                       key_dim=arch.head_dim, value_dim=arch.v_head_dim)
+        else:
+            state = PrefixState.softmax(heads, arch.head_dim, arch.v_head_dim, dtype=dtype)
         return (state,) * arch.num_layers
 
     # ------------------------------------------------------------------ memory plan
@@ -224,6 +231,18 @@ class LatentAttentionFamily(LlamaLikeFamily):
         ffn = round((per_token - 4 * h * n * width) / (3 * h))
         return ModelDims(hidden_size=h, num_layers=arch.num_layers, num_heads=n, num_kv_heads=n, head_dim=width,
                          ffn_hidden_size=max(1, ffn), vocab_size=arch.vocab_size, gated=True)
+
+
+    def read_flops_per_token(self, arch: "ModelArchitecture") -> float:
+        """With a latent cache (``arch.latent_cache``), every reader projects each cached token's
+        latent up to every head's key and value: ``r x n (nope + v)`` multiply-adds per layer,
+        forward + backward (3x; all tensor-parallel ranks together, as the linear term)."""
+        from megatron_psrl.schedule.cost import FORWARD_BACKWARD_FACTOR
+
+        if arch.latent_cache != "latent":
+            return 0.0
+        weights = arch.kv_lora_rank * arch.num_attention_heads * (arch.qk_nope_head_dim + arch.v_head_dim)
+        return FORWARD_BACKWARD_FACTOR * 2.0 * weights * arch.num_layers
 
 
 class DeepseekV3Family(GroupedRoutingMixin, LatentAttentionFamily, MoEFamily):

@@ -4,6 +4,7 @@
 """
 
 import argparse
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,13 @@ p.add_argument("--tp", type=int, default=1)
 p.add_argument("--budget", type=int, default=4096)
 p.add_argument("--seed", type=int, default=7)
 p.add_argument("--out", required=True)
+p.add_argument("--latent-cache", default="latent", help="latent attention: what a cached prefix keeps")
 args = p.parse_args()
 
 layout = initialize_parallel(args.tp, 1, seed=0, device="cpu")
 arch, model, _ = load_model(ModelSource(hf_dir=args.hf_dir))
+if arch.multi_latent_attention:
+    arch = dataclasses.replace(arch, latent_cache=args.latent_cache)
 batch = random_tree_batch(seed=args.seed, num_roots=4, vocab_size=arch.vocab_size)
 cfg = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
 plan = plan_step(build_prefix_tree(batch), PlannerConfig(micro_batch_tokens=args.budget, sharing="tree",
