@@ -9,9 +9,10 @@ prefix sharing against none, side by side.
 
 1. **Bytes a cached prefix token holds**, per family, at its debug size and at its published
    class shape (one tensor-parallel rank, bf16 model): the KV cache's bytes per prefix token
-   (``KVGeometry.row_bytes_per_token``, what the memory plan charges and the cache allocates),
-   and for latent attention the bytes the compressed latent and the shared RoPE key would take
-   (``kv_lora_rank + qk_rope_head_dim`` numbers a token and layer).
+   (``KVGeometry.row_bytes_per_token``, what the memory plan charges and the cache allocates);
+   for latent attention both ways: per-head K/V (``--latent-cache per-head``) and the compressed
+   latent plus the shared RoPE key (``kv_lora_rank + qk_rope_head_dim`` numbers a token and
+   layer, the default).
 2. **The update step** of each family's debug config (fp32 on the CPU) on the synthetic
    workloads, through ``bench_update_step`` (one process, interleaved runs): prefix sharing,
    ``--no-prefix-sharing``, a dense tree mask and per-sample micro-batches, the ideal ratio
@@ -21,6 +22,7 @@ prefix sharing against none, side by side.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import List
@@ -42,21 +44,27 @@ STEP_MODELS = ("debug-deepseek-v3-moe", "debug-gpt-oss", "debug-glm4-moe")
 SHAPES = ("debug-deepseek-v3-moe", "deepseek-v3-class", "debug-gpt-oss", "gpt-oss-120b-class", "debug-glm4-moe")
 
 
+def row_bytes(arch: ModelArchitecture, dtype: torch.dtype) -> int:
+    """Bytes of one cached prefix token's values over every layer (one rank), from the cache's geometry."""
+    return KVGeometry.for_model(arch, 1, 1, dtype, torch.device("meta")).row_bytes_per_token
+
+
 def bytes_row(name: str, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """What one cached prefix token costs a ``name`` model (one rank): the cache's K/V row
-    bytes, and for latent attention the latent + RoPE key's."""
+    """What one cached prefix token costs a ``name`` model (one rank): the cache's row bytes as
+    it runs, and for latent attention both ways (``--latent-cache per-head`` / ``latent``)."""
     arch = ModelArchitecture.from_hf_config(tiny_config(name))
-    geometry = KVGeometry.for_model(arch, 1, 1, dtype, torch.device("meta"))
-    elem = torch.tensor([], dtype=dtype).element_size()
-    latent = ((arch.kv_lora_rank + arch.qk_rope_head_dim) * elem * arch.num_layers
-              if arch.multi_latent_attention else None)
-    return dict(model=name, family=arch.model_type, layers=arch.num_layers, kv_row=geometry.row_bytes_per_token,
-                latent=latent)
+    if not arch.multi_latent_attention:
+        return dict(model=name, family=arch.model_type, layers=arch.num_layers, kv_row=row_bytes(arch, dtype),
+                    latent=None)
+    per_head = dataclasses.replace(arch, latent_cache="per-head")
+    latent = dataclasses.replace(arch, latent_cache="latent")
+    return dict(model=name, family=arch.model_type, layers=arch.num_layers, kv_row=row_bytes(per_head, dtype),
+                latent=row_bytes(latent, dtype))
 
 
 def print_bytes(rows: List[dict]) -> None:
-    print("| model | family | layers | cached K/V per prefix token (KiB) | latent + RoPE key per token (KiB) | "
-          "K/V / latent |")
+    print("| model | family | layers | cached K/V per prefix token (KiB; latent attention: per-head) | "
+          "latent + RoPE key per token (KiB) | K/V / latent |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         lat = "-" if r["latent"] is None else f"{r['latent'] / 1024:.2f}"
