@@ -148,7 +148,7 @@ def dta(batch, arch, geometry, act, block: int) -> int:
                                         torch.device("cpu"))
     path = int(max(batch.lengths))  # the deepest root-to-leaf path: the longest sample
     held_act = act * (path if block < 0 else min(block, path))
-    kv = 4 * geometry.bytes_per_token * path  # K, V, dK, dV of the path
+    kv = 2 * geometry.row_bytes_per_token * path  # K, V, dK, dV of the path (every layer's, its window's or not)
     head = loss_head_peak_bytes(arch.padded_vocab_size(1), path)
     return held_act + kv + head
 
