@@ -73,9 +73,10 @@ def _measured_and_planned(gpu_acceptance, engine, batch):
 
 
 @pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
-@pytest.mark.slow  # a process of its own, four CPU training steps (two per workload: a warm-up and the measured one)
+@pytest.mark.slow  # a process of its own, six CPU training steps (a warm-up and the measured one per workload, and
+# the step-wise one with copies kept)
 @pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
-def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engine):
+def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engine, monkeypatch):
     gpu_acceptance, engine = varlen_engine
     assert engine.varlen_charge is not None
     for name, batch in _workloads(engine.arch.vocab_size).items():
@@ -88,6 +89,25 @@ def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engin
         assert row["mechanism2"] and row["micro_batches"] > 1, row
         if name == "grpo":  # the gathered copies are what the plan without the charge misses
             assert row["measured_bytes"] > row["predicted_without_charge"], row
+        if name == "stepwise":
+            _check_the_copies_cut(gpu_acceptance, engine, batch, row, monkeypatch)
+
+
+def _check_the_copies_cut(gpu_acceptance, engine, batch, row, monkeypatch):
+    """The cut of the copies, measured: the same step with the cached prefixes handed to the
+    attention as copies (``PrefixCopies``, what the flash / te path did before it read them from
+    the cache itself), which every kept producer's graph holds until its backward. The plan
+    charges them (``held_reads``), and the step measures the saving."""
+    from megatron_psrl.attention import backends
+
+    with monkeypatch.context() as patch:
+        patch.setattr(backends, "READS_CACHED_PREFIXES", frozenset({"torch"}))
+        copies = _measured_and_planned(gpu_acceptance, engine, batch)
+    saved, planned = copies["measured_bytes"] - row["measured_bytes"], copies["predicted_bytes"] - row["predicted_bytes"]
+    print(f"stepwise with copies kept: measured {copies['measured_bytes']} planned {copies['predicted_bytes']}; "
+          f"the cut saves {saved} measured, {planned} planned")
+    assert copies["measured_bytes"] <= copies["predicted_bytes"], copies
+    assert saved > 0 and planned > 0, (copies, row)
 
 
 @pytest.mark.parametrize("micro_batch_tokens", [64, 256, 4096])
