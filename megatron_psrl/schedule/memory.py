@@ -8,7 +8,9 @@ against the budget:
 
 - K and V blocks of a source, from its producer's forward until its last read (a reader
   that recomputes reads again at its backward);
-- dK and dV blocks of a source, from its producer's forward until the producer's backward;
+- dK and dV blocks of a source, from the first step that writes them (its first reader's
+  backward, :func:`~megatron_psrl.schedule.instructions.first_gradient_writes`) until the
+  producer's backward;
 - the retained graph of a producer that keeps it (tokens x activation bytes per token, plus
   the K/V it gathered from the cache, unless the attention gathers them again in its backward
   pass: ``gathers_in_backward``, the ``torch``, ``flash`` and ``te`` backends,
