@@ -559,6 +559,7 @@ def _sync(device) -> None:
 def _planned(engine, batch, mode: str, backend: str):
     """The step's tree, rank plan and memory plan (``None`` without cached prefixes), as the
     engine plans them: the arithmetic of a step, nothing run."""
+    from megatron_psrl.attention.backends import READS_CACHED_PREFIXES
     from megatron_psrl.schedule.memory import add_segment_shapes, plan_memory
     from megatron_psrl.schedule.planner import plan_step
     from megatron_psrl.tree import build_prefix_tree
@@ -569,7 +570,7 @@ def _planned(engine, batch, mode: str, backend: str):
     if varlen is not None:  # flash / te: the gathered K/V follow the segments
         add_segment_shapes(plan.index, rank)
     memory = plan_memory(rank, engine.plan_geometry, engine.config.kv_cache_budget, engine.act_bytes,
-                         gathers_in_backward=backend == "torch", head_bytes=engine.head_bytes, varlen=varlen) \
+                         gathers_in_backward=backend in READS_CACHED_PREFIXES, head_bytes=engine.head_bytes, varlen=varlen) \
         if rank.sources else None
     return tree, plan, memory
 

@@ -8,7 +8,8 @@ Models: Qwen2.5-7B and Qwen2.5-32B shapes, and the hybrid linear-attention ones 
 qwen3.5-27b,qwen3-next-80b``: Qwen3.5-27B-class and Qwen3-Next-80B-A3B, whose linear layers
 cache a fixed-size state per prefix instead of K/V per token), bf16, one tensor-parallel rank
 (most terms divide by TP), the GPU attention backends' saved tensors (``flash``/``te``: cached
-prefixes kept as copies by a kept graph, not gathered again). Workloads: one step-wise
+prefixes read from the cache in the forward and again in the backward, no copy kept by a graph;
+``--copies-kept`` charges the copies a kept graph held before). Workloads: one step-wise
 trajectory of 32,768 tokens (16 turns of 2,048, sample t = turns 1..t trained on turn t's last
 512 tokens), the same of 131,072 tokens (16 turns of 8,192, ``--long``) and a GRPO group of 16
 responses of 2,048 tokens on one 8,192-token prompt.
@@ -50,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from exact_workloads import grpo_exact, stepwise_exact  # noqa: E402
 
+from megatron_psrl.attention import backends  # noqa: E402
 from megatron_psrl.engine.budget import evaluate_lever  # noqa: E402
 from megatron_psrl.engine.engine import Engine, cost_model_for  # noqa: E402
 from megatron_psrl.kvcache import CacheBudgetError, KVGeometry  # noqa: E402
@@ -112,12 +114,18 @@ def model_title(name: str) -> str:
     return MODELS[name][0]
 
 
+def gathers_in_backward() -> bool:
+    """The ``flash`` backend reads cached prefixes again in its backward (no copies in kept
+    graphs; the engine's rule, ``READS_CACHED_PREFIXES``); not with ``--copies-kept``."""
+    return "flash" in backends.READS_CACHED_PREFIXES
+
+
 def floor_budget(rank, geometry, act, head, high: int) -> int:
     lo, hi = 0, high  # lo infeasible, hi feasible
     while hi - lo > max(1 << 20, hi // 1000):
         mid = (lo + hi) // 2
         try:
-            plan_memory(rank, geometry, mid, act, head_bytes=head)
+            plan_memory(rank, geometry, mid, act, head_bytes=head, gathers_in_backward=gathers_in_backward())
             hi = mid
         except CacheBudgetError:
             lo = mid
@@ -132,9 +140,10 @@ def project(tree, arch, geometry, act, budget: int) -> dict:
         out["keep_all"] = out["floor"] = step_peak_bytes(rank, None, act, head)
         out["recomputed"] = 0
         return out
-    keep = plan_memory(rank, geometry, 1 << 60, act, head_bytes=head)
+    keep = plan_memory(rank, geometry, 1 << 60, act, head_bytes=head, gathers_in_backward=gathers_in_backward())
     out["keep_all"] = step_peak_bytes(rank, keep, act, head)
-    low = plan_memory(rank, geometry, floor_budget(rank, geometry, act, head, keep.peak_bytes), act, head_bytes=head)
+    low = plan_memory(rank, geometry, floor_budget(rank, geometry, act, head, keep.peak_bytes), act, head_bytes=head,
+                      gathers_in_backward=gathers_in_backward())
     out["floor"] = step_peak_bytes(rank, low, act, head)
     out["recomputed"] = low.recompute_tokens
     return out
@@ -315,7 +324,11 @@ def main(argv=None) -> None:
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--offload", action="store_true", help="--memory-budget: host offload is a lever (priced; "
                    "not implemented on CUDA yet)")
+    p.add_argument("--copies-kept", action="store_true", help="plan the flash backend as it was before it read "
+                   "cached prefixes again in backward: every kept graph holds copies of the prefixes it read")
     args = p.parse_args(argv)
+    if args.copies_kept:  # (what the engine and this script read)
+        backends.READS_CACHED_PREFIXES = backends.READS_CACHED_PREFIXES - {"flash"}
     if args.memory_budget:
         if args.models == "7B,32B":
             args.models = "7B,32B,qwen3-30b-a3b"

@@ -43,7 +43,7 @@ from megatron_psrl.attention.backends import (
     flash_tree_attention,
 )
 from megatron_psrl.attention.backends.varlen import require_cuda, te_deterministic
-from megatron_psrl.attention.metadata import TreeAttentionMetadata
+from megatron_psrl.attention.metadata import CachedPrefixKV, TreeAttentionMetadata
 from megatron_psrl.attention.plan import AttentionPlan, causal_plan
 from megatron_psrl.attention.window import layer_window, rows_in_window, runnable_backend
 from megatron_psrl.errors import ConfigurationError, UnsupportedFeatureError
@@ -203,9 +203,12 @@ class PrefixSharingAttention(MegatronModule):
         backend = runnable_backend(backend, self.window, sink is not None)
         if backend == "torch":  # reads CachedPrefixKV sources itself (no copy kept for backward)
             return blockwise_tree_attention(q, k, v, plan, external, self.softmax_scale, sink=sink)
-        external = [e if isinstance(e, tuple) else e.materialize() for e in external]
         if backend == "dense":
+            external = [e if isinstance(e, tuple) else e.materialize() for e in external]
             return dense_tree_attention(q, k, v, plan, external, self.softmax_scale, sink=sink)
+        # flash and te read CachedPrefixKV sources themselves too (varlen_tree_attention: no copy
+        # kept for backward); K/V in flight from other ranks are waited for and copied first
+        external = [e if isinstance(e, (tuple, CachedPrefixKV)) else e.materialize() for e in external]
         if backend == "flash":
             return flash_tree_attention(q, k, v, plan, external, self.softmax_scale, deterministic=self.deterministic)
         if backend == "te":

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_psrl.attention import backends as attention_backends
 from megatron_psrl.compat import install_cpu_recompute_shims
 from megatron_psrl.data.samples import SampleBatch
 from megatron_psrl.distributed.setup import ParallelLayout, exchange_group_of, gradient_group
@@ -189,8 +190,8 @@ class Engine:
     # ------------------------------------------------------------------ planning
     @property
     def memory_settings(self) -> MemorySettings:
-        """What this run's memory plans need (the torch backend gathers cached K/V again in its
-        backward; recomputation re-reads cached prefixes)."""
+        """What this run's memory plans need (the torch, flash and te backends gather cached K/V
+        again in their backward; recomputation re-reads cached prefixes)."""
         return self.memory_settings_for()
 
     def memory_settings_for(self, entropy: bool = False, step_budget: Optional[int] = None, offload: bool = False,
@@ -208,8 +209,8 @@ class Engine:
         # (under --memory-budget the step's own timeline is the limit; the cache's pools stay within
         # the cache's limit, the memory budget, which BlockKVCache checks)
         budget = self.config.kv_cache_budget if step_budget is None else 1 << 62
-        return MemorySettings(self.plan_geometry, budget, self.act_bytes,
-                              rereads=recompute[0] is not None, gathers_in_backward=self.backend_name == "torch",
+        return MemorySettings(self.plan_geometry, budget, self.act_bytes, rereads=recompute[0] is not None,
+                              gathers_in_backward=self.backend_name in attention_backends.READS_CACHED_PREFIXES,
                               head_bytes=self.head_bytes if step_budget is None else 0, varlen=self.varlen_charge,
                               step=step)
 

@@ -14,7 +14,8 @@ token's K (or V) of every layer.
 
 Lifetimes follow reference counts the planner computes: values are freed once the last
 reader (including a reader that recomputes its forward later) has read them; gradient blocks
-are freed right after the producer's backward has consumed them. The pools never grow past
+are allocated by the first step that writes them (a reader's backward) and freed right after
+the producer's backward has consumed them. The pools never grow past
 the byte budget: :meth:`allocate` raises :class:`CacheBudgetError`, and the memory planner
 (``megatron_psrl.schedule.memory``) makes sure a plan never asks for more.
 

@@ -8,7 +8,8 @@ dataclass that names one thing to do:
 ====================  ==========================================================================
 instruction           what the engine does (``megatron_psrl.engine.step.StepRunner``)
 ====================  ==========================================================================
-AllocateKV            blocks for the sources a micro-batch is about to produce or receive
+AllocateKV            blocks for the sources a micro-batch is about to produce or receive, or
+                      whose gradients the step writes first
 ForwardBackward       forward with a graph, loss, backward at once (nobody reads it)
 ForwardKeep           forward of a producer, its sources' K/V stored, its graph kept
 ForwardDrop           forward of a producer without a graph (recomputed at its backward)
@@ -46,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
-from megatron_psrl.kvcache.prefix_state import RELEASE_ALL, VALUES_ONLY
+from megatron_psrl.kvcache.prefix_state import GRADS, GRADS_ONLY, RELEASE_ALL, VALUES, VALUES_ONLY
 from megatron_psrl.schedule.plan import MemoryPlan, RankPlan
 
 ALL_KINDS = RELEASE_ALL
@@ -208,7 +209,8 @@ class ReturnHeadGrads(MicroBatchInstruction):
 
 @dataclass(frozen=True)
 class AllocateKV(Instruction):
-    """Blocks for sources a micro-batch is about to produce or receive (gradients zeroed).
+    """Blocks for sources a micro-batch is about to produce or receive (their values), or whose
+    gradients the step is about to write first (gradients zeroed).
 
     Memory: the sources' blocks of the given roles, until a :class:`ReleaseKV`."""
 
@@ -403,33 +405,64 @@ def last_reads(rank_plan: RankPlan, keep: Dict[int, bool], rereads: bool = False
     return out
 
 
+def first_gradient_writes(rank_plan: RankPlan) -> Dict[int, int]:
+    """Source -> the schedule step whose work first writes its gradients, where its gradient
+    blocks are allocated: the backward (or forward-backward) of its first reader on this rank
+    to run one, else its producer's backward (where the gradients other ranks return are
+    added: replicas' readers, a head's importers). Every reader's backward comes before the
+    producer's, so a source's fp32 dK/dV live from its first reader's backward to its
+    producer's, not from its producer's forward; nothing reads or writes them before."""
+    first: Dict[int, int] = {}
+    for t, (op, i) in enumerate(rank_plan.schedule):
+        if op == "forward":
+            continue
+        mb = rank_plan.micro_batches[i]
+        for s in tuple(mb.reads) + (tuple(mb.produces) if op == "backward" else ()):
+            first.setdefault(s, t)
+    return {s: t for s, t in first.items() if GRADS in rank_plan.sources[s].kinds}
+
+
+def _allocate_produced(rank_plan: RankPlan, produces: Tuple[int, ...], grads_later: Dict[int, int]) -> List[Instruction]:
+    """Blocks of the sources a forward produces (or an import receives): their values, and
+    their gradients only where no later step allocates them (:func:`first_gradient_writes`)."""
+    kinds = {s: rank_plan.sources[s].kinds for s in produces}
+    values = tuple(s for s in produces if VALUES in kinds[s])
+    grads = tuple(s for s in produces if GRADS in kinds[s] and s not in grads_later)
+    return _allocate(values, VALUES_ONLY) + _allocate(grads, GRADS_ONLY)
+
+
 def lower_training(rank_plan: RankPlan, keep: Dict[int, bool], release_step: Dict[int, int]) -> List[LoweredStep]:
     """The rank's training step, a :class:`LoweredStep` per schedule step: its schedule with
     the memory decisions (``keep``: producer -> keep its graph; ``release_step``: source -> the
     step after which its values go, :func:`last_reads`) and the step's communication explicit.
 
-    Per step: blocks for what a forward produces before it, the model run, then releases: an
-    exported head's values once sent, a producer's every block after its backward, and the
-    values whose last reader this step was."""
+    Per step: the gradient blocks of the sources whose gradients the step writes first
+    (:func:`first_gradient_writes`), the value blocks of what a forward produces before it, the
+    model run, then releases: an exported head's values once sent, a producer's every block
+    after its backward, and the values whose last reader this step was."""
     steps: List[LoweredStep] = []
     exports = _exports(rank_plan)
     release_after: Dict[int, List[int]] = {}  # schedule step -> sources whose values go then
     for s, last in (release_step.items() if rank_plan.sources else ()):
         release_after.setdefault(last, []).append(s)
+    grads_later = first_gradient_writes(rank_plan)
+    grads_at: Dict[int, List[int]] = {}  # schedule step -> sources whose gradient blocks come then
+    for s, t in grads_later.items():
+        grads_at.setdefault(t, []).append(s)
     for step, (op, i) in enumerate(rank_plan.schedule):
-        out: List[Instruction] = []
+        out: List[Instruction] = _allocate(tuple(sorted(grads_at.get(step, ()))), GRADS_ONLY)
         mb = rank_plan.micro_batches[i]
         produces = tuple(mb.produces)
         kept = keep.get(i, True)
         if not mb.computes:  # an import receives heads and returns their gradients; idle: nothing
             if mb.role == "import" and op == "forward":
-                out += _allocate(produces) + [ImportHead(i)]
+                out += _allocate_produced(rank_plan, produces, grads_later) + [ImportHead(i)]
             elif mb.role == "import":
                 out += [ReturnHeadGrads(i)] + _release(produces, ALL_KINDS)
         elif op == "forward_backward":
             out.append(ForwardBackward(i))
         elif op == "forward":
-            out += _allocate(produces) + [ForwardKeep(i) if kept else ForwardDrop(i)]
+            out += _allocate_produced(rank_plan, produces, grads_later) + [ForwardKeep(i) if kept else ForwardDrop(i)]
             out += _send_heads(i, exports)
         else:
             out += [CollectHeadGrads(i)] if i in exports else []

@@ -8,10 +8,13 @@ against the budget:
 
 - K and V blocks of a source, from its producer's forward until its last read (a reader
   that recomputes reads again at its backward);
-- dK and dV blocks of a source, from its producer's forward until the producer's backward;
+- dK and dV blocks of a source, from the first step that writes them (its first reader's
+  backward, :func:`~megatron_psrl.schedule.instructions.first_gradient_writes`) until the
+  producer's backward;
 - the retained graph of a producer that keeps it (tokens x activation bytes per token, plus
   the K/V it gathered from the cache, unless the attention gathers them again in its backward
-  pass: ``gathers_in_backward``, the ``torch`` backend);
+  pass: ``gathers_in_backward``, the ``torch``, ``flash`` and ``te`` backends,
+  :data:`~megatron_psrl.attention.backends.READS_CACHED_PREFIXES`);
 - the K/V copies gathered from the cache by the micro-batch that is running (all layers' for
   kernels that save them; one layer's at a time when gathered again in backward);
 - the running micro-batch's loss head (``head_bytes``: one chunk of claimed rows' logits and
@@ -94,7 +97,7 @@ def attention_saved_bytes_per_token(arch: ModelArchitecture, tensor_parallel_siz
     saves them as a recipe over the pack's K/V and gathers again in backward, so what stays is
     the pack's key and value (a test measures it, ``tests/kvcache/test_varlen_saved_bytes.py``).
     Cached prefixes read by the attention are charged per micro-batch, not here (``held_reads``:
-    flash and te keep their materialised copies; torch reads them again in backward). What the
+    none when the attention reads them again in backward, as torch, flash and te do). What the
     varlen kernels hold beyond this count (their gathered copies while a layer runs, softmax
     statistics padded to segments x longest segment) is :class:`VarlenCharge`'s, per micro-batch."""
     _check_backend(backend)
@@ -622,7 +625,7 @@ def plan_memory_group(plans: List[RankPlan], geometry: KVGeometry, budget_bytes:
     reads its cached prefixes again later, which keeps their K/V blocks alive longer; the
     simulation accounts for that. ``rereads``: with activation recomputation every backward
     reads its cached prefixes again (their K/V stay until then). ``gathers_in_backward``: the
-    attention gathers cached K/V again in its backward pass (the ``torch`` backend) instead of
+    attention gathers cached K/V again in its backward pass (``torch``, ``flash``, ``te``) instead of
     keeping copies in the graph; every backward then re-reads too. ``head_bytes``: the loss
     head's transient peak, charged at every step. ``varlen``: the ``flash`` / ``te`` backends'
     gathered K/V and padded statistics (:class:`VarlenCharge`; the plans' ``segment_shapes``).

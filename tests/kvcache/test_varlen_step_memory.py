@@ -8,11 +8,13 @@ step's start (``PeakMemory``, every torch operation) must stay under
 on a GRPO batch (one prompt's K/V gathered once per response, 160 responses) and a step-wise
 chain (mechanism 2: every turn reads the cached turns before it).
 
-Measured on a loaded 2-core machine, tiny-llama fp32, micro-batches of 512 tokens: GRPO 90.9 MB
-against a plan of 173.7 MB (0.52; 77.4 MB without the charge, which the step exceeds: 1.17),
-step-wise 42.1 MB against 59.5 MB (0.71; 57.8 MB without). The charge is an upper bound for
+Measured on a loaded 2-core machine, tiny-llama fp32, micro-batches of 512 tokens: GRPO 86.7 MB
+against a plan of 170.1 MB (0.51; 73.8 MB without the charge, which the step exceeds: 1.18),
+step-wise 38.8 MB against 57.0 MB (0.68; 55.2 MB without). The charge is an upper bound for
 flash-attn, looser than the reference kernel needs: it counts flash-attn's per-query-head dK/dV
-under GQA and one fp32 sum row per gathered key.
+under GQA and one fp32 sum row per gathered key. The cached prefixes are read from the cache
+again in backward, not kept as copies: on a step-wise chain of three micro-batches 93.2 MB
+against 97.0 MB with copies kept (planned 102.0 and 103.5 MB).
 """
 
 import os
@@ -73,9 +75,10 @@ def _measured_and_planned(gpu_acceptance, engine, batch):
 
 
 @pytest.mark.skipif(heap_bytes_in_use() is None, reason="needs glibc's mallinfo2")
-@pytest.mark.slow  # a process of its own, four CPU training steps (two per workload: a warm-up and the measured one)
+@pytest.mark.slow  # a process of its own, eight CPU training steps (a warm-up and the measured one per workload, and
+# a longer step-wise chain read from the cache and with copies kept)
 @pytest.mark.fresh_process  # heap figures: nothing else may allocate or free meanwhile
-def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engine):
+def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engine, monkeypatch):
     gpu_acceptance, engine = varlen_engine
     assert engine.varlen_charge is not None
     for name, batch in _workloads(engine.arch.vocab_size).items():
@@ -88,6 +91,33 @@ def test_measured_step_peak_is_within_the_plan_with_the_varlen_path(varlen_engin
         assert row["mechanism2"] and row["micro_batches"] > 1, row
         if name == "grpo":  # the gathered copies are what the plan without the charge misses
             assert row["measured_bytes"] > row["predicted_without_charge"], row
+    _check_the_copies_cut(gpu_acceptance, engine, monkeypatch)
+
+
+def _check_the_copies_cut(gpu_acceptance, engine, monkeypatch):
+    """The cut of the copies, measured: a step-wise chain of three micro-batches whose kept
+    producers read the turns before them, run as it is (cached prefixes read from the cache,
+    again in backward) and with the cached prefixes handed to the attention as copies
+    (``PrefixCopies``, what the flash / te path did before), which every kept producer's graph
+    holds until its backward. The plan charges the copies (``held_reads``); the step measures
+    the saving."""
+    from megatron_psrl.attention import backends
+    from megatron_psrl.data import make_stepwise
+
+    batch = make_stepwise(num_trajectories=1, turns=(12, 12), obs_len=(60, 120), action_len=(10, 20),
+                          system_len=100, task_len=(50, 80), vocab_size=engine.arch.vocab_size, seed=2)
+    row = _measured_and_planned(gpu_acceptance, engine, batch)
+    with monkeypatch.context() as patch:
+        patch.setattr(backends, "READS_CACHED_PREFIXES", frozenset({"torch"}))
+        copies = _measured_and_planned(gpu_acceptance, engine, batch)
+    saved, planned = copies["measured_bytes"] - row["measured_bytes"], copies["predicted_bytes"] - row["predicted_bytes"]
+    print(f"stepwise, {row['micro_batches']} micro-batches: read from the cache: measured {row['measured_bytes']} "
+          f"planned {row['predicted_bytes']}; copies kept: measured {copies['measured_bytes']} planned "
+          f"{copies['predicted_bytes']}; the cut saves {saved} measured, {planned} planned")
+    assert row["micro_batches"] >= 3, row
+    for r in (row, copies):
+        assert r["measured_bytes"] <= r["predicted_bytes"], r
+    assert saved > 0.5 * planned > 0, (copies, row)
 
 
 @pytest.mark.parametrize("micro_batch_tokens", [64, 256, 4096])

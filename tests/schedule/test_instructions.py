@@ -13,6 +13,7 @@ import torch
 from megatron_psrl.data.synthetic import make_stepwise, make_tree_rollouts
 from megatron_psrl.engine.step import EXECUTE
 from megatron_psrl.kvcache import KVGeometry
+from megatron_psrl.kvcache.prefix_state import GRADS, GRADS_ONLY, VALUES
 from megatron_psrl.schedule import instructions as ins
 from megatron_psrl.schedule.config import PlannerConfig
 from megatron_psrl.schedule.memory import plan_forward_memory, plan_memory_group, simulated_peak_bytes
@@ -89,11 +90,17 @@ def _check_training_stream(rank_plan, memory, stream):
             expected_runs.append(("B" if keep.get(i, True) else "P", i))
     # the expert lockstep counts exactly the passes the schedule and the memory plan imply
     assert ins.lockstep_passes(stream) == expected_runs
-    allocated, released, forwarded = set(), {}, set()
+    allocated, released, forwarded, roles = set(), {}, set(), set()
     exported = {s.producer for s in rank_plan.sources.values() if s.exported is not None}
     for x in stream:
+        if isinstance(x, ins.ForwardBackward):
+            mb = rank_plan.micro_batches[x.micro_batch]
+            grads = {(s, GRADS) for s in mb.reads if GRADS in rank_plan.sources[s].kinds}
+            assert grads <= roles, "a reader's gradients written into blocks nobody allocated"
         if isinstance(x, ins.AllocateKV):
-            assert not allocated & set(x.sources), "a source allocated twice"
+            kinds = {(s, role) for s in x.sources for role in (x.kinds or rank_plan.sources[s].kinds)}
+            assert not roles & kinds, "a source's blocks of one role allocated twice"
+            roles |= kinds
             allocated |= set(x.sources)
         elif isinstance(x, ins.ReleaseKV):
             for s in x.sources:
@@ -102,22 +109,52 @@ def _check_training_stream(rank_plan, memory, stream):
                 released[s].add(x.kinds)
         elif isinstance(x, (ins.ForwardKeep, ins.ForwardDrop, ins.ImportHead)):
             produces = rank_plan.micro_batches[x.micro_batch].produces
-            assert set(produces) <= allocated, "a micro-batch produces into blocks nobody allocated"
+            written = {(s, VALUES) for s in produces if VALUES in rank_plan.sources[s].kinds}
+            assert written <= roles, "a micro-batch produces into blocks nobody allocated"
             forwarded.add(x.micro_batch)
         elif isinstance(x, ins.SendHeads):
             assert x.micro_batch in exported and x.micro_batch in forwarded
         elif isinstance(x, (ins.CollectHeadGrads, ins.ReturnHeadGrads, ins.Backward, ins.ReturnReplicaGrads)):
             assert x.micro_batch in forwarded, "a backward-side instruction before its forward"
+            mb = rank_plan.micro_batches[x.micro_batch]
+            grads = {(s, GRADS) for s in tuple(mb.reads) + tuple(mb.produces) if GRADS in rank_plan.sources[s].kinds}
+            assert grads <= roles, "gradients written into blocks nobody allocated"
             if isinstance(x, ins.CollectHeadGrads):
                 assert x.micro_batch in exported
     # every source this rank produces or receives is allocated, and everything goes by the end
     assert allocated == set(rank_plan.sources)
+    assert roles == {(s, role) for s, src in rank_plan.sources.items() for role in src.kinds}
     for s in allocated:
         assert ins.ALL_KINDS in released.get(s, set()), f"source {s} keeps blocks past the step"
     # a replica's gradients go back right before the backward of the step that made it
     for k, x in enumerate(stream):
         if isinstance(x, ins.ReturnReplicaGrads):
             assert isinstance(stream[k + 1], ins.Backward) and stream[k + 1].micro_batch == x.micro_batch
+
+
+@pytest.mark.parametrize("make_tree", [_stepwise, _search_tree], ids=["stepwise", "search-tree"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "-".join(map(str, x)))
+def test_gradient_blocks_come_with_the_first_step_that_writes_them(make_tree, layout):
+    """A source's fp32 dK/dV blocks are allocated by the step whose work writes them first (the
+    backward of its first reader here, else its producer's backward, where other ranks'
+    gradients are added), not by its producer's forward; no backward before that step reads it."""
+    deferred = 0
+    for plan, memories in _generous_and_tight(make_tree, layout):
+        for rank_plan, memory in zip(plan.ranks, memories):
+            keep, release = (memory.keep_graph, memory.kv_release_step) if memory is not None else ({}, {})
+            for t, step in enumerate(ins.lower_training(rank_plan, keep, release)):
+                op, i = rank_plan.schedule[t]
+                mb = rank_plan.micro_batches[i]
+                for x in step.instructions:
+                    if not (isinstance(x, ins.AllocateKV) and x.kinds == GRADS_ONLY):
+                        continue
+                    assert op != "forward", "gradient blocks allocated by a forward"
+                    for s in x.sources:
+                        assert s in mb.reads or (op == "backward" and s in mb.produces), (t, s)
+                        assert not any(o != "forward" and s in rank_plan.micro_batches[j].reads
+                                       for o, j in rank_plan.schedule[:t]), f"source {s}: a reader's backward came first"
+                        deferred += rank_plan.sources[s].producer != i
+    assert deferred > 0
 
 
 def test_last_backward_is_the_last_model_backward_with_only_local_work_after_it():

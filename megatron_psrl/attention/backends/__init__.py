@@ -40,6 +40,14 @@ measures no overlap for them). The flash and te kernels return their log-sum-exp
 could attend to the local keys first and merge as ``torch`` does; not done."""
 
 
+READS_CACHED_PREFIXES = frozenset({"torch", "flash", "te"})
+"""Backends that read a cached prefix from the KV cache themselves (``CachedPrefixKV``) in the
+forward and again in the backward pass, adding its gradients to the cache's dK/dV, so a kept
+graph holds no copy of it (the memory plan's ``gathers_in_backward``): ``torch`` in its blockwise
+pass, ``flash`` and ``te`` around their kernel (``varlen_tree_attention``). ``dense`` takes copies
+(``materialize``) that its graph keeps."""
+
+
 def default_backend(device_type: str, dtype=None) -> str:
     """``flash`` on CUDA for fp16/bf16 when flash-attn is installed, else ``torch``."""
     import torch
@@ -199,6 +207,7 @@ def check_attention_backend(backend: str, device_type: str, dtype=None, facts: O
 __all__ = [
     "BACKENDS",
     "OVERLAPS_EXCHANGE",
+    "READS_CACHED_PREFIXES",
     "KernelFacts",
     "attention_backend_problem",
     "check_attention_backend",

@@ -10,10 +10,14 @@ copy of every shared prefix token (and onto cached external K/V) in fp32, determ
 The kernels save their inputs for the backward pass, the gathered copies included: every
 segment its whole ancestor chain (a GRPO group of 16 responses on one prompt: 16 copies of the
 prompt's K/V per layer, kept from the forward to the backward). :func:`varlen_tree_attention`
-saves a recipe instead (the pack's K/V, the external K/V and the index, all kept anyway) and
-gathers again when the backward pass asks for them, so a kept graph holds no copies and the
-memory plan's count of saved tensors is the same as for the ``torch`` backend. The gather is
-plain torch and runs on any device (the tests run it on CPU with a reference kernel).
+saves a recipe instead (the pack's K/V, the external sources and the index) and gathers again
+when the backward pass asks for them, so a kept graph holds no copies and the memory plan's
+count of saved tensors is the same as for the ``torch`` backend. A cached prefix handed over as a
+reader (:class:`~megatron_psrl.attention.metadata.CachedPrefixKV`) is read from the KV cache in
+the forward (:class:`CachedRows`), read again by the recipe, and its gradients go straight to the
+cache's fp32 dK/dV: the graph keeps no copy of it either (the ``torch`` backend's rule; the
+memory plan's ``gathers_in_backward``). The gather is plain torch and runs on any device (the
+tests run it on CPU with a reference kernel).
 
 Both import their kernel lazily and fail with a clear message without CUDA or the package.
 """
@@ -22,11 +26,12 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
+from megatron_psrl.attention.metadata import CachedPrefixKV
 from megatron_psrl.attention.plan import AttentionPlan
 from megatron_psrl.errors import MissingRequirementError
 from megatron_psrl.host_copy import host_to_device
@@ -93,15 +98,77 @@ def _gather(parts: Sequence[Tensor], idx: Tensor) -> Tensor:
     return source.index_select(0, idx)
 
 
+class CachedRows(torch.autograd.Function):
+    """A cached prefix's K and V of one layer, read from the KV cache (``CachedPrefixKV.read``)
+    by a node of the graph that saves nothing; its backward hands their gradients to the source
+    (``add_grad``: into the cache's fp32 dK/dV). ``anchor``: an empty leaf that requires grad, so
+    the rows do (the reader is not a tensor). Nothing references the rows once the layer's gather
+    ran (the kernel's saved copies are a recipe that reads them again), so a kept graph holds no
+    copy of the prefix."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, reader) -> Tuple[Tensor, Tensor]:
+        ctx.reader = reader
+        ctx.set_materialize_grads(False)  # (a gradient autograd does not compute stays None)
+        k, v = reader.read()
+        return k, v
+
+    @staticmethod
+    def backward(ctx, grad_key: Optional[Tensor], grad_value: Optional[Tensor]):
+        ctx.reader.add_grad(grad_key, grad_value)
+        return None, None
+
+
+def _external_rows(external: Sequence, device: torch.device) -> List[Tuple[Tensor, Tensor]]:
+    """``(k, v)`` of every external source: pairs as given, cached readers read now (with a
+    graph, through :class:`CachedRows`)."""
+    track = torch.is_grad_enabled()
+    anchor = None
+    out = []
+    for e in external:
+        if isinstance(e, tuple):
+            out.append(e)
+        elif not track:
+            out.append(tuple(e.read()))
+        else:
+            anchor = anchor if anchor is not None else torch.empty(0, device=device, requires_grad=True)
+            out.append(CachedRows.apply(anchor, e))
+    return out
+
+
+class _Regather:
+    """The gathered K (``j`` 0) or V (1) of a layer again, in its backward pass: the pack's rows,
+    the external pairs as given and the cached prefixes read again from the cache (both K and V
+    are read; the one not asked for yet waits here for its turn)."""
+
+    def __init__(self, k: Tensor, v: Tensor, external: Sequence, idx: Tensor):
+        self.own, self.external, self.idx = (k, v), list(external), idx
+        self.waiting: Dict[Tuple[int, int], Tensor] = {}
+
+    def __call__(self, j: int) -> Tensor:
+        parts = [self.own[j]]
+        for n, e in enumerate(self.external):
+            if isinstance(e, tuple):
+                parts.append(e[j])
+                continue
+            rows = self.waiting.pop((n, j), None)
+            if rows is None:
+                pair = e.read(again=True)
+                self.waiting[(n, 1 - j)] = pair[1 - j]
+                rows = pair[j]
+            parts.append(rows)
+        return _gather(parts, self.idx)
+
+
 _REGATHER = object()  # marks a saved tensor packed as a recipe
 
 
 @contextmanager
-def _regather_in_backward(gathered: Sequence[Tensor], sources: Sequence[Sequence[Tensor]], idx: Tensor):
+def _regather_in_backward(gathered: Sequence[Tensor], regather: Callable[[int], Tensor]):
     """While the kernel runs: a tensor it saves for backward that lives in the storage of
-    ``gathered[j]`` (the tensor itself or a view of it) is saved as a recipe, and rebuilt from
-    ``sources[j]`` and ``idx`` when the backward pass unpacks it (the same values: the sources
-    are not modified in between). Every other saved tensor is saved as usual."""
+    ``gathered[j]`` (the tensor itself or a view of it) is saved as a recipe, and rebuilt by
+    ``regather(j)`` when the backward pass unpacks it (the same values: the sources are not
+    modified in between). Every other saved tensor is saved as usual."""
     storages = {g.untyped_storage().data_ptr(): j for j, g in enumerate(gathered) if g.numel()}
     device = gathered[0].device
 
@@ -119,25 +186,28 @@ def _regather_in_backward(gathered: Sequence[Tensor], sources: Sequence[Sequence
             return saved
         _, j, size, stride, offset = saved
         # a fresh gather is contiguous with offset 0, the layout of the forward's copy
-        return _gather(sources[j], idx).as_strided(size, stride, offset)
+        return regather(j).as_strided(size, stride, offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
 
 
 def varlen_tree_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence[Tuple[Tensor, Tensor]],
-    kernel: VarlenKernel,
+    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
+    external: Sequence[Union[Tuple[Tensor, Tensor], CachedPrefixKV]], kernel: VarlenKernel,
 ) -> Tensor:
     """Tree attention through a varlen ``kernel`` over per-segment gathered keys; the gathered
     copies the kernel saves for backward are gathered again in the backward pass instead of
-    kept (see the module docstring)."""
+    kept, and cached prefixes given as readers are read again from the cache then (see the
+    module docstring)."""
     idx, cu_q, cu_k, max_q, max_k = gather_index(plan, k.device)
-    sources = ([k] + [e[0] for e in external], [v] + [e[1] for e in external])
-    kg, vg = _gather(sources[0], idx), _gather(sources[1], idx)
+    pairs = _external_rows(external, k.device)
+    kg = _gather([k] + [p[0] for p in pairs], idx)
+    vg = _gather([v] + [p[1] for p in pairs], idx)
+    del pairs  # (the rows read from the cache: only the gathered copies refer to them now)
     if not torch.is_grad_enabled() or not (kg.requires_grad or vg.requires_grad or q.requires_grad):
         return kernel(q, kg, vg, cu_q, cu_k, max_q, max_k)
-    with _regather_in_backward((kg, vg), sources, idx):
+    with _regather_in_backward((kg, vg), _Regather(k, v, external, idx)):
         return kernel(q, kg, vg, cu_q, cu_k, max_q, max_k)
 
 
@@ -157,14 +227,39 @@ def _log_padding_once(backend: str, hn: int, hv: int, why: str) -> None:
         100.0 * (hn - hv) / hv)
 
 
-def pad_values(v: Tensor, external: Sequence[Tuple[Tensor, Tensor]], width: int):
+def _pad(x: Tensor, width: int) -> Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+class _PaddedValues:
+    """A cached prefix (``CachedPrefixKV``) whose V is read padded with zero columns to
+    ``width``, and whose V gradient is handed back cut to the V's own width."""
+
+    __slots__ = ("reader", "width", "value_width")
+
+    def __init__(self, reader, width: int, value_width: int):
+        self.reader, self.width, self.value_width = reader, width, value_width
+
+    def read(self, again: bool = False, start: int = 0) -> Tuple[Tensor, Tensor]:
+        k, v = self.reader.read(again=again, start=start)
+        return k, _pad(v, self.width)
+
+    def add_grad(self, grad_key: Optional[Tensor], grad_value: Optional[Tensor], start: int = 0) -> None:
+        cut = None if grad_value is None else grad_value[..., :self.value_width]
+        self.reader.add_grad(grad_key, cut, start=start)
+
+    def materialize(self, start: int = 0) -> Tuple[Tensor, Tensor]:
+        k, v = self.reader.materialize(start=start)
+        return k, _pad(v, self.width)
+
+
+def pad_values(v: Tensor, external: Sequence[Union[Tuple[Tensor, Tensor], CachedPrefixKV]], width: int):
     """``v`` and every external source's V padded with zero columns to ``width`` (the query/key
     head width), for kernels that take one head width: a zero value column gives a zero output
-    column (cut off again) and no gradient to anything else (latent attention: K 192, V 128)."""
-    def pad(x: Tensor) -> Tensor:
-        return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-
-    return pad(v), [(ek, pad(ev)) for ek, ev in external]
+    column (cut off again) and no gradient to anything else (latent attention: K 192, V 128). A
+    cached reader pads what it reads (:class:`_PaddedValues`)."""
+    return _pad(v, width), [(e[0], _pad(e[1], width)) if isinstance(e, tuple) else _PaddedValues(e, width, v.shape[-1])
+                            for e in external]
 
 
 def require_cuda(name: str, q: Tensor) -> None:
@@ -177,8 +272,9 @@ def require_cuda(name: str, q: Tensor) -> None:
 
 
 def flash_tree_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, external: Sequence[Tuple[Tensor, Tensor]] = (),
-    scale: float = None, deterministic: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
+    external: Sequence[Union[Tuple[Tensor, Tensor], CachedPrefixKV]] = (), scale: float = None,
+    deterministic: bool = False,
 ) -> Tensor:
     """flash-attn varlen over per-segment gathered keys, causal aligned bottom right
     (``deterministic``: its deterministic backward, slower, the same bits every run). A
