@@ -149,4 +149,6 @@ def test_cutting_at_branch_switches_keeps_one_chain_alive():
     geometry = KVGeometry(num_layers=4, num_groups=2, head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
     peaks = {c: simulated_peak_bytes(p.ranks[0], geometry, {i: False for i in range(len(p.ranks[0].micro_batches))},
                                      0, gathers_in_backward=True) for c, p in plans.items()}
-    assert peaks[True] < 0.6 * peaks[False]
+    # (dK/dV blocks appear at their first write, so the uncut stream's extra live prefixes hold
+    # values only: 0.66 of its peak here; 0.43 when gradients lived from the producer's forward)
+    assert peaks[True] < 0.7 * peaks[False]
