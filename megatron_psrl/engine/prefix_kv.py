@@ -210,8 +210,9 @@ class PrefixKV:
         """Host pack row of every own source's last token (a linear layer's state is taken there)."""
         self.stored = [s for s in own if VALUES in rank_plan.sources[s].kinds]
         self.captured: List[CapturedRows] = []
-        self.exchanges: Dict[Optional[int], LayerExchange] = {}
-        """The K/V exchange of every kind of layer, by window (None: full attention)."""
+        self.exchanges: Dict[PrefixState, LayerExchange] = {}
+        """The row exchange of every kind of layer that keeps rows (K/V of full or windowed
+        attention, a latent), by what the layer keeps (its window cuts the rows sent)."""
         self.overlap = overlap
         """Overlap the exchange with the attention over local keys (``--no-overlap-kv-exchange``
         turns it off): the peers are handed over in flight (:class:`ReceivedKV`)."""
@@ -227,8 +228,8 @@ class PrefixKV:
         if ex is not None and cache.geometry.fixed_bytes_per_source and (ex.send or ex.recv):
             self.state_exchange = linear_exchange(ex, pack.tree_tokens, group, device)
         if ex is not None and ex.forward_collective:
-            self.exchanges = {p.state.window: layer_exchange(ex, pack_rows, group, group_size, p.state)
-                              for p in cache.geometry.pools if p.state.tap is Tap.CORE_ATTENTION}
+            self.exchanges = {p.state: layer_exchange(ex, pack_rows, group, group_size, p.state)
+                              for p in cache.geometry.pools if p.state.per_token}
 
     @property
     def injects(self) -> bool:
@@ -284,7 +285,7 @@ class PrefixKV:
         if overlap:
             return self._start_exchange(layer_number, key, value)
         state = self.cache.geometry.state_of(layer_number)
-        ex = self.exchanges[state.window]
+        ex = self.exchanges[state]
         key, value, received = exchange_kv(key, value, ex.send_rows, ex.send_counts, ex.recv_counts, ex.group,
                                            differentiable=self.track_grads, state=state)
         peers = [None] * self.num_peers
@@ -304,7 +305,7 @@ class PrefixKV:
         """The overlapped exchange: start the all-to-all, hand the peers to the attention in
         flight (it attends to its other keys first), write the replicas once the rows are here."""
         state = self.cache.geometry.state_of(layer_number)
-        ex = self.exchanges[state.window]
+        ex = self.exchanges[state]
         key, value, buffer, exchange = exchange_kv_start(key, value, ex.send_rows, ex.send_counts, ex.recv_counts,
                                                          ex.group, differentiable=self.track_grads, state=state)
         peers = [None] * self.num_peers
