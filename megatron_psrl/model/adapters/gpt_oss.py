@@ -22,27 +22,26 @@ from typing import Dict, Iterator, Tuple
 
 import torch
 
-from megatron_psrl.model.adapters.base import GetTensor, LlamaStyleAdapter, Tensor
+from megatron_psrl.model.adapters.base import GetTensor, Tensor
 from megatron_psrl.model.adapters.experts import RoutedExpertsMixin
+from megatron_psrl.model.adapters.qwen import Qwen2Adapter
 
 _EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
-class GptOssAdapter(RoutedExpertsMixin, LlamaStyleAdapter):
-    """gpt-oss: Llama's layout with biases, sinks, a biased router and fused, interleaved experts."""
+class GptOssAdapter(RoutedExpertsMixin, Qwen2Adapter):
+    """gpt-oss: Qwen2's layout (Llama's with q/k/v biases) plus the output projection's bias,
+    sinks, a biased router and fused, interleaved experts."""
 
     hf_experts_fused = True
     """The checkpoints keep the experts fused (transformers' memory names are the Hub's)."""
     reads_rank_slices = False  # the stage's tensors read whole and cut; of the fused experts, the rank's rows
     hf_fused_expert_tensors = tuple(f"mlp.experts.{name}" for name in _EXPERTS)
-    hf_fused_expert_tensors = tuple(f"mlp.experts.{name}" for name in _EXPERTS)
 
     # ------------------------------------------------------------------ names and shapes
     def hf_layer_shapes(self) -> Dict[str, Tuple[int, ...]]:
         a = self.arch
-        q, kv = a.num_attention_heads * a.head_dim, a.num_kv_heads * a.head_dim
         return dict(super().hf_layer_shapes(), **{
-            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
             "self_attn.o_proj.bias": (a.hidden_size,), "self_attn.sinks": (a.num_attention_heads,)})
 
     def hf_mlp_shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -54,17 +53,13 @@ class GptOssAdapter(RoutedExpertsMixin, LlamaStyleAdapter):
 
     # ------------------------------------------------------------------ attention
     def _attention_extras_to_mcore(self, get: GetTensor, hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
+        yield from super()._attention_extras_to_mcore(get, hf, mc)  # (q, k, v biases)
         attn = hf + "self_attn."
-        yield mc + "self_attention.linear_qkv.bias", self._interleave_qkv(
-            get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"))
         yield mc + "self_attention.linear_proj.bias", get(attn + "o_proj.bias")
         yield mc + "self_attention.core_attention.softmax_offset", get(attn + "sinks")
 
     def _attention_extras_to_hf(self, mcore: Dict[str, Tensor], hf: str, mc: str) -> Iterator[Tuple[str, Tensor]]:
-        q, k, v = self._split_qkv(mcore[mc + "self_attention.linear_qkv.bias"])
-        yield hf + "self_attn.q_proj.bias", q
-        yield hf + "self_attn.k_proj.bias", k
-        yield hf + "self_attn.v_proj.bias", v
+        yield from super()._attention_extras_to_hf(mcore, hf, mc)
         yield hf + "self_attn.o_proj.bias", mcore[mc + "self_attention.linear_proj.bias"]
         yield hf + "self_attn.sinks", mcore[mc + "self_attention.core_attention.softmax_offset"]
 
