@@ -122,9 +122,10 @@ def at_peer_contenders(bench, psrl_class, peers: list, measure_peak) -> list:
                 return f"{self.peer.name} did not run"
             self.target = measure_peak(self.peer, work)
             engine = bench.engine
-            static = memory_budget_for(engine, 1 << 62).static
+            self.memory = memory_budget_for(engine, 1 << 62)  # (the static memory; the budget set below)
+            static = self.memory.static
+            self.memory.budget_bytes = static.total + self.target
             try:
-                self.memory = memory_budget_for(engine, static.total + self.target)
                 with self.budgeted():
                     engine.plan(work.batch)
             except MemoryBudgetError as e:
