@@ -172,7 +172,10 @@ class _StageReads:
     def skips_expert(self, suffix: str) -> bool:
         """A routed expert of another expert-parallel rank."""
         expert = re.match(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.", suffix)
-        return expert is not None and int(expert.group(1)) // (self.arch.num_experts // self.ep) != self.ep_rank
+        if expert is None:
+            return False
+        first, stop = self.expert_rows
+        return not first <= int(expert.group(1)) < stop
 
     @property
     def expert_rows(self) -> Tuple[int, int]:
