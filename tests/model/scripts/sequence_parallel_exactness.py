@@ -17,7 +17,9 @@ With ``--placement cross-rank`` and CP = 2 an MoE model's context-parallel ranks
 trees and exchange prefix K/V inside passes whose MoE layers exchange tokens over the expert
 group: the expert lockstep takes each exchange group as one participant. With CP = 1 the
 trees are split over the data-parallel ranks instead (one exchange group of them all). TP = 1
-runs the same checks without tensor or sequence parallelism.
+runs the same checks without tensor or sequence parallelism. A cross-rank run plans with fixed
+costs (:data:`FIXED_COSTS`) instead of the start-up measurement: which trees are split where, and
+so which packs come out of odd length, would otherwise follow this machine's timing.
 
 Usage: sequence_parallel_exactness.py HF_DIR EP DISPATCHER [MICRO_BATCH_TOKENS] [PP] [CP] [PLACEMENT] [TP]
 """
@@ -40,6 +42,19 @@ from megatron.core import parallel_state  # noqa: E402
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor  # noqa: E402
 from megatron_psrl.data.loader import samples_from_dicts  # noqa: E402
+from megatron_psrl.engine import calibration  # noqa: E402
+
+FIXED_COSTS = dict(seconds_per_token=1.6e-4, seconds_per_key=4.1e-6, seconds_per_row=2.8e-5,
+                   seconds_per_micro_batch=0.053, seconds_per_byte=2.75e-9, seconds_per_exchange=4.8e-4,
+                   exchange_exposed_fraction=0.8)
+"""What a cross-rank run plans with: one start-up measurement of this model on a 2-core CPU (a
+plan every rank of every machine makes alike; every case's pack-count checks hold for it)."""
+
+
+def plan_with_fixed_costs() -> None:
+    """The start-up cost measurement replaced by :data:`FIXED_COSTS` (under the run's own key,
+    so the run takes them as measured for it)."""
+    calibration.measure_costs = lambda *args, key="", **kwargs: calibration.MeasuredCosts(**FIXED_COSTS, key=key)
 
 
 def main() -> None:
@@ -49,6 +64,8 @@ def main() -> None:
     cp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     placement = sys.argv[7] if len(sys.argv) > 7 else "auto"
     tp = int(sys.argv[8]) if len(sys.argv) > 8 else 2
+    if placement == "cross-rank":
+        plan_with_fixed_costs()
     records = random_tree_records(seed=5, num_roots=3)
     batch = samples_from_dicts(records, source="records")
     loss = LossConfig(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
