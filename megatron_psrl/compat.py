@@ -9,6 +9,12 @@ are, why, and what dropping each one would take:
    the CPU (``use_cpu_initialization``); megatron's ``torch.compile``d activations
    (``quick_gelu``, gpt-oss) run as their eager originals (``eager_activation``: dynamo's CPU
    compiles cost seconds per kind of shape). Dropping it needs CPU builds of those fusions.
+   SwiGLU is the exception (``swiglu_fusion_fields``): megatron's fused SwiGLU runs on every
+   device, because its autograd function saves only the fc1 output (3f per token and layer,
+   against 5f unfused), so a kept graph holds the same bytes on CPU and GPU and the memory plan
+   counts one figure. Its ``torch.compile``d kernels run compiled on CUDA where that compiles a
+   bounded number of times and as their eager originals elsewhere, the same math
+   (``install_swiglu_kernels``). Dropping that part needs CPU builds of the kernels.
 2. ``seed_model_parallel_rng``: ``tensor_parallel.model_parallel_cuda_manual_seed`` saves and
    restores CUDA RNG states. On CPU we install megatron's inference RNG tracker (its
    ``fork()`` is a no-op) and seed torch's CPU generator; dropout is disallowed anyway
@@ -160,6 +166,50 @@ def transformer_config_overrides(device: torch.device) -> Dict[str, Any]:
         apply_rope_fusion=False,
         persist_layer_norm=False,
     )
+
+
+SWIGLU_KERNELS = ("swiglu", "swiglu_back", "bias_swiglu", "bias_swiglu_back", "weighted_swiglu",
+                  "weighted_swiglu_back")
+"""megatron's ``torch.compile``d SwiGLU kernels (``megatron.core.fusions.fused_bias_swiglu``); each
+takes the tensor that decides its device first."""
+
+
+def swiglu_fusion_fields(device: torch.device) -> Dict[str, Any]:
+    """TransformerConfig fields of a SwiGLU model (``silu`` with a gated linear unit) on
+    ``device``: megatron's fused SwiGLU on every device (item 1: its autograd functions save the
+    fc1 output only), its kernels dispatched by :func:`install_swiglu_kernels`."""
+    install_swiglu_kernels()
+    return dict(bias_activation_fusion=True)
+
+
+def install_swiglu_kernels() -> None:
+    """Let megatron's fused SwiGLU autograd functions run on any device (item 1). Each compiled
+    kernel they call is replaced by one that runs the compiled kernel on a CUDA tensor where
+    compiling is bounded (:func:`swiglu_fusion_compiles_once_per_kind`) and the eager original
+    otherwise (CPU: dynamo would build C++ kernels per kind of shape, for seconds each; CUDA
+    without Triton or without automatic dynamic shapes). The same arithmetic either way.
+    Idempotent; the eager original stays reachable as ``_torchdynamo_orig_callable``."""
+    from megatron.core.fusions import fused_bias_swiglu as fused
+
+    if getattr(fused, "_psrl_dispatch", False):
+        return
+    compiles = swiglu_fusion_compiles_once_per_kind()
+    for name in SWIGLU_KERNELS:
+        compiled = getattr(fused, name, None)
+        eager = getattr(compiled, "_torchdynamo_orig_callable", None)
+        if eager is None:  # (not compiled: megatron's jit_fuser is a no-op here)
+            continue
+        setattr(fused, name, _device_dispatch(compiled, eager, compiles))
+    fused._psrl_dispatch = True
+
+
+def _device_dispatch(compiled, eager, compiles: bool):
+    def kernel(x, *args):
+        return compiled(x, *args) if compiles and x.is_cuda else eager(x, *args)
+
+    kernel.__name__ = kernel.__qualname__ = eager.__name__
+    kernel._torchdynamo_orig_callable = eager
+    return kernel
 
 
 def eager_activation(func, device: torch.device):

@@ -40,6 +40,7 @@ from megatron_psrl.compat import (
     eager_activation,
     keeps_cuda_embedding_sync,
     quiet_expected_import_warnings,
+    swiglu_fusion_fields,
     transformer_config_overrides,
 )
 from megatron_psrl.errors import ConfigurationError
@@ -114,6 +115,8 @@ def build_transformer_config(
         calculate_per_token_loss=True,
     )
     kwargs.update(transformer_config_overrides(device))
+    if kwargs["activation_func"] is F.silu and kwargs.get("gated_linear_unit"):  # SwiGLU: fused on every device
+        kwargs.update(swiglu_fusion_fields(device))
     kwargs["activation_func"] = eager_activation(kwargs["activation_func"], device)
     kwargs.update(moe_config_fields(arch))
     kwargs.update(overrides)

@@ -123,7 +123,7 @@ def saved_activation_bytes_per_token(arch: ModelArchitecture, tensor_parallel_si
 
 def moe_saved_bytes_per_token(arch: ModelArchitecture, dtype_bytes: int) -> int:
     """Bytes per token that one MoE layer's router, token dispatcher and experts save for backward
-    (megatron's ``MoELayer``), in place of a dense MLP's ``5 f``: the family's count
+    (megatron's ``MoELayer``), in place of a dense MLP's ``3 f``: the family's count
     (:meth:`megatron_psrl.model.families.MoEFamily.moe_saved_bytes_per_token`, counted from
     megatron-core 0.16's router, dispatchers and experts; a test compares it with what
     ``saved_tensors_hooks`` sees, every MoE family, fp32 and bf16). Expert parallelism: these

@@ -89,16 +89,16 @@ def test_moe_count_is_what_autograd_saves(name, dispatcher):
 def test_moe_layer_counts_top_k_experts_not_a_dense_mlp():
     """Qwen3-30B-A3B in bf16, by hand: the router's top-8 ids and scores (8*8 + 4*8), the
     dispatcher's permutation ids and [128, tokens] map and weights (8*8 + 128 + 2*128), and per
-    routed copy the permuted hidden state, its weight and SwiGLU with the weighted activation:
-    8 * (2048 + 1 + 6*768) * 2. The dense MLP of ``intermediate_size`` 6144 it replaces would
-    count 5 * 6144 * 2 = 61,440: less, though the top-8 experts' width is the same 6144,
-    because every routed copy keeps the hidden state and one more activation."""
+    routed copy the permuted hidden state, its weight and the fused weighted SwiGLU's input and
+    output: 8 * (2048 + 1 + 3*768) * 2. The dense MLP of ``intermediate_size`` 6144 it replaces
+    would count 3 * 6144 * 2 = 36,864: less, though the top-8 experts' width is the same 6144,
+    because every routed copy keeps the hidden state too."""
     arch = ModelArchitecture.from_hf_config(copy.deepcopy(QWEN3_30B_A3B))
-    assert moe_saved_bytes_per_token(arch, 2) == 96 + 448 + 106_512
+    assert moe_saved_bytes_per_token(arch, 2) == 96 + 448 + 69_648
     dense = ModelArchitecture.from_hf_config(dict(QWEN3_30B_A3B, model_type="qwen3", num_experts=None,
                                                   moe_intermediate_size=None, num_experts_per_tok=None))
     per_layer = (saved_activation_bytes_per_token(arch, 1, 2) - saved_activation_bytes_per_token(dense, 1, 2)) // 48
-    assert per_layer == 96 + 448 + 106_512 - 61_440
+    assert per_layer == 96 + 448 + 69_648 - 36_864
 
 
 @pytest.fixture(scope="module", params=[(n, "allgather") for n in sorted(MOE_CONFIGS)]

@@ -78,3 +78,38 @@ def test_without_triton_the_cuda_swiglu_runs_unfused(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     assert transformer_config_overrides(torch.device("cuda"))["bias_activation_fusion"] is False
+
+
+def test_swiglu_models_run_the_fused_swiglu_on_cpu_eagerly():
+    """A SwiGLU model's config turns megatron's fused SwiGLU on on CPU too (it saves the fc1 output
+    only: the memory plan's 3f); its kernels run as their eager originals there (no dynamo frame),
+    with the unfused activation's values and gradients. gpt-oss's clamped GLU stays unfused."""
+    from megatron_psrl.model.architecture import ModelArchitecture
+    from megatron_psrl.model.gpt import build_transformer_config
+    from megatron_psrl.model.tiny import tiny_config
+
+    config = build_transformer_config(ModelArchitecture.from_hf_config(tiny_config("tiny-llama")))
+    assert config.bias_activation_fusion is True
+    oss = build_transformer_config(ModelArchitecture.from_hf_config(tiny_config("debug-gpt-oss")))
+    assert oss.bias_activation_fusion is False
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(7, 1, 2 * FFN, dtype=torch.float64, requires_grad=True)
+    fused.bias_swiglu_impl(x, None).square().sum().backward()
+    assert counters["frames"]["ok"] == 0  # nothing compiled
+    ref = x.detach().clone().requires_grad_(True)
+    gate, up = ref.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).square().sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_the_swiglu_kernels_run_compiled_on_cuda_tensors_only_where_compiling_is_bounded():
+    from megatron_psrl.compat import _device_dispatch
+
+    class Rows:
+        def __init__(self, is_cuda):
+            self.is_cuda = is_cuda
+
+    kernel = _device_dispatch(lambda x, *a: "compiled", lambda x, *a: "eager", compiles=True)
+    assert (kernel(Rows(True)), kernel(Rows(False))) == ("compiled", "eager")
+    assert _device_dispatch(lambda x: "compiled", lambda x: "eager", compiles=False)(Rows(True)) == "eager"

@@ -274,11 +274,21 @@ class LlamaLikeFamily(ModelFamily):
         return saved_bytes_per_token(arch.num_attention_heads, arch.num_kv_heads, arch.head_dim,
                                      tensor_parallel_size, dtype_bytes)
 
+    fused_glu: bool = True
+    """The MLP's gated activation is megatron's fused SwiGLU on every device
+    (``megatron_psrl.compat.swiglu_fusion_fields``): it saves the fc1 output only. False where
+    the activation is not SwiGLU and runs unfused on CPU (gpt-oss's clamped GLU)."""
+
+    def glu_saved_widths(self) -> int:
+        """``f``-wide tensors per token that one GLU MLP keeps for backward: fused, the fc1
+        output (2) and the fc2 input (1); unfused, also the two halves' activation products (2)."""
+        return 3 if self.fused_glu else 5
+
     def mlp_saved_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
                                   dtype_bytes: int) -> int:
-        """SwiGLU: the fc1 output (2f / tp), its two halves' activation products and the fc2
-        input (3f / tp)."""
-        return 5 * arch.ffn_hidden_size // tensor_parallel_size * dtype_bytes
+        """SwiGLU: the fc1 output (2f / tp) and the fc2 input (f / tp); unfused also its two
+        halves' activation products (:meth:`glu_saved_widths`)."""
+        return self.glu_saved_widths() * arch.ffn_hidden_size // tensor_parallel_size * dtype_bytes
 
     def saved_activation_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
                                          dtype_bytes: int) -> int:
@@ -297,7 +307,7 @@ class LlamaLikeFamily(ModelFamily):
         - Qwen3's per-head q/k norms: the query's input and normalised input in fp32 (2 np hd / tp);
           the key's normalised input, and its input where the cast to fp32 copies it (a view of
           the fused QKV output in fp32): (1 or 2) ng hd / tp;
-        - the MLP: :meth:`mlp_saved_bytes_per_token` (SwiGLU 5f / tp; an MoE layer's experts);
+        - the MLP: :meth:`mlp_saved_bytes_per_token` (fused SwiGLU 3f / tp; an MoE layer's experts);
         - fp32 statistics: the norms' reciprocal RMS (2, plus np + ng per-head ones with q/k
           norms) and the attention's log-sum-exp (np / tp).
 

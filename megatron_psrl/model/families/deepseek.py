@@ -202,7 +202,7 @@ class LatentAttentionFamily(LlamaLikeFamily):
         layer RMSNorms (``2h`` fp32 + ``h``, and a statistic, each), the latents
         (:meth:`latent_saved_bytes_per_token`), the core attention
         (:meth:`attention_saved_bytes_per_token`) and the MLP (:meth:`mlp_saved_bytes_per_token`:
-        SwiGLU ``5f / tp``). Plus the final norm (``2h`` fp32 and its statistic) and the input
+        fused SwiGLU ``3f / tp``). Plus the final norm (``2h`` fp32 and its statistic) and the input
         ids (int64)."""
         h, tp, b = arch.hidden_size, tensor_parallel_size, dtype_bytes
         norms = 2 * (2 * h * FP32_BYTES + h * b + FP32_BYTES)

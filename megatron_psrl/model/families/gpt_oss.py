@@ -117,6 +117,8 @@ class GptOssFamily(MoEFamily):
                      for i in range(arch.num_layers))
 
     # ------------------------------------------------------------------ memory plan
+    fused_glu = False  # (the clamped quick-GELU GLU runs unfused on CPU: compat.eager_activation)
+
     def moe_saved_bytes_per_token(self, arch: "ModelArchitecture", dtype_bytes: int) -> int:
         """:meth:`MoEFamily.moe_saved_bytes_per_token` for the clamped GLU: two more ``f``-wide
         tensors per routed copy, in the model dtype (SwiGLU's ``silu`` keeps a view of the fc1

@@ -96,14 +96,14 @@ class MoEFamily(LlamaLikeFamily):
     def saved_activation_bytes_per_token(self, arch: "ModelArchitecture", tensor_parallel_size: int,
                                          dtype_bytes: int) -> int:
         """The decoder's count with an MoE MLP in every layer, less the difference of a dense
-        layer's SwiGLU (``dense_mlp_layers``: ``5 f / tp``) and an MoE layer's."""
+        layer's SwiGLU (``dense_mlp_layers``: ``3 f / tp``) and an MoE layer's."""
         every_layer_moe = super().saved_activation_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
         return every_layer_moe - self.dense_layers_saved_bytes_difference(arch, tensor_parallel_size, dtype_bytes)
 
     def dense_layers_saved_bytes_difference(self, arch: "ModelArchitecture", tensor_parallel_size: int,
                                             dtype_bytes: int) -> int:
         """What the dense layers (``dense_mlp_layers``) save less than MoE layers would, per token:
-        each an MoE layer's MLP bytes less a dense SwiGLU's (``5 f / tp``)."""
+        each an MoE layer's MLP bytes less a dense SwiGLU's (``3 f / tp``)."""
         if not arch.dense_mlp_layers:
             return 0
         moe = self.mlp_saved_bytes_per_token(arch, tensor_parallel_size, dtype_bytes)
@@ -118,7 +118,7 @@ class MoEFamily(LlamaLikeFamily):
     def moe_saved_bytes_per_token(self, arch: "ModelArchitecture", dtype_bytes: int) -> int:
         """Bytes per token that one MoE layer's router, token dispatcher and experts save for
         backward (megatron's ``MoELayer``; the pre-MLP norm is counted with the layer's norms: its
-        output is the router's and the shared expert's input), in place of a dense MLP's ``5 f``.
+        output is the router's and the shared expert's input), in place of a dense MLP's ``3 f``.
         Counted from megatron-core 0.16's ``TopKRouter``, the ``allgather`` and ``alltoall``
         dispatchers and the ``SequentialMLP`` experts (a test compares it with what
         ``saved_tensors_hooks`` sees, every MoE family, fp32 and bf16). Per token, with ``E``
@@ -131,9 +131,11 @@ class MoEFamily(LlamaLikeFamily):
           :attr:`router_logits_fp32`, as every routing weight below);
         - the experts, per routed copy of the token (``k`` of them, dropless: exactly ``k`` per
           token however they spread): the permuted hidden state (``h``, the first fc1's input),
-          its routing weight (``1``), SwiGLU as in a dense MLP (``5f``) and the weighted activation
-          (``f``; megatron scales each expert's activation by the routing weight before fc2);
-        - a shared expert of width ``S``: a dense SwiGLU (``5S``); with a gate (Qwen2-MoE) its
+          its routing weight (``1``) and megatron's fused weighted SwiGLU: its input, the fc1
+          output (``2f``), and its output, the fc2 input (``f``; it scales the activation by the
+          routing weight); unfused (``fused_glu`` False): SwiGLU as in a dense MLP (``5f``) and
+          the weighted activation (``f``);
+        - a shared expert of width ``S``: a dense SwiGLU (``3S`` fused); with a gate (Qwen2-MoE) its
           output (``h``, kept for the gate's product) and the sigmoid gate (``1``);
         - a sigmoid router instead (grouped routing): :meth:`sigmoid_router_saved_bytes`.
 
@@ -146,10 +148,11 @@ class MoEFamily(LlamaLikeFamily):
             router = 8 * k + FP32_BYTES * (k if arch.moe_norm_topk_prob else e)
         weight = FP32_BYTES if self.router_logits_fp32 else b  # a routing weight's bytes
         dispatcher = 8 * k + e + e * weight
-        experts = k * ((h + 6 * arch.moe_ffn_hidden_size) * b + weight)
+        widths = 3 if self.fused_glu else 6  # (fused: the weighted SwiGLU's input and output)
+        experts = k * ((h + widths * arch.moe_ffn_hidden_size) * b + weight)
         shared = arch.moe_shared_expert_ffn_hidden_size
         gate = (h + 1) if arch.moe_shared_expert_gate else 0
-        shared_bytes = (5 * shared + gate) * b if shared else 0
+        shared_bytes = (self.glu_saved_widths() * shared + gate) * b if shared else 0
         return router + dispatcher + experts + shared_bytes
 
     @staticmethod
