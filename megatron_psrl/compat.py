@@ -199,8 +199,25 @@ def install_swiglu_kernels() -> None:
         eager = getattr(compiled, "_torchdynamo_orig_callable", None)
         if eager is None:  # (not compiled: megatron's jit_fuser is a no-op here)
             continue
+        eager = swiglu_back_in_place if name == "swiglu_back" else eager
         setattr(fused, name, _device_dispatch(compiled, eager, compiles))
     fused._psrl_dispatch = True
+
+
+def swiglu_back_in_place(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """megatron's ``swiglu_back`` (the gradient of ``silu(y1) * y2`` for ``y = [y1, y2]``), the
+    same formula, written into its output with one ``f``-wide temporary (the sigmoid): run
+    eagerly, megatron's expression holds about six ``f``-wide temporaries at once, which a
+    compiled kernel fuses away (the other eager SwiGLU kernels call this one for their gradient)."""
+    y1, y2 = torch.chunk(y, 2, -1)
+    out = torch.empty_like(y)
+    gate, up = torch.chunk(out, 2, -1)
+    s = torch.sigmoid(y1)
+    torch.mul(y1, s, out=up)  # silu(y1)
+    up.mul_(g)  # d up = g silu(y1)
+    torch.neg(s, out=gate)
+    gate.add_(1).mul_(y1).add_(1).mul_(s).mul_(y2).mul_(g)  # d gate = g s (1 + y1 (1 - s)) y2
+    return out
 
 
 def _device_dispatch(compiled, eager, compiles: bool):

@@ -130,7 +130,9 @@ def activation_charge(arch, config: ActorConfig, layout: ParallelLayout, vpp: in
                                chunk_rows(local_vocab, int(config.loss_head_chunk_mb * 2**20)), row_skip=row_skip,
                                grad_bytes=grads, num_layers=layers,
                                recompute=(config.recompute_granularity, config.recompute_method,
-                                          config.recompute_num_layers))
+                                          config.recompute_num_layers),
+                               weight_grad_temporaries=grads_in_step
+                               or not training_fusions(layout.device)["gradient_accumulation_fusion"])
 
 
 # ---------------------------------------------------------------------- the steps

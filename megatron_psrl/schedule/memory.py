@@ -553,9 +553,15 @@ class _Timelines:
         return [_simulate(p, keep, self.block_sizes, t, self.geometry, self.rereads) for p, t in zip(self.plans, self.tables)]
 
     def __call__(self, keep) -> List[Tuple[np.ndarray, np.ndarray]]:
-        """Per rank: (the KV plan's timeline, the step's timeline)."""
-        return [(c.blocks @ self.block_bytes + c.other, c.device_blocks @ self.block_bytes + c.step_other)
-                for c, _ in self.counts(keep)]
+        """Per rank: (the KV plan's timeline, the step's timeline). The cache allocates each pool
+        at its peak when the step begins and keeps it to the end
+        (:meth:`~megatron_psrl.kvcache.BlockKVCache.begin_step`): on the step's timeline the
+        pools weigh their peak at every step, not the blocks in use."""
+        out = []
+        for c, _ in self.counts(keep):
+            pools = c.device_blocks.max(axis=0, initial=0) @ self.block_bytes if c.device_blocks.size else 0
+            out.append((c.blocks @ self.block_bytes + c.other, pools + c.step_other))
+        return out
 
     def over(self, held) -> List[np.ndarray]:
         """Per rank and step: over a budget."""

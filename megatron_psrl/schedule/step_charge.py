@@ -51,15 +51,20 @@ with the entropy: the saved log-softmax (or a chunk's recomputed one), the zero 
 log-probs' gradient is scattered into and the scatter's result (measured: the heap peaks at
 that ``scatter_add``); with the entropy also its saved ``exp`` and the product's gradient."""
 
+LOSS_HEAD_GRAD_CHUNKS = 1
+"""fp32 ``[rows, V/tp]`` tensors alive when the output layer's weight gradient is made: the logits' gradient."""
+
 LOSS_HEAD_KEPT_CHUNKS = (1, 2)
 """Of those, what a graph keeps from its forward (an unchunked head): the log-softmax, and
 with the entropy its ``exp``."""
 
-RECOMPUTE_INFLIGHT = (1, 3)
-"""Temporaries of a layer whose forward is recomputed inside the backward pass, beyond its
-saved tensors: ``f a + h b`` model-dtype values per token for ``(a, b)`` (an MLP activation
-product not yet saved, the residual stream, the unit's output and the gradient flowing in;
-measured 5.1 h fp32 values per token with h 256, f 512 on CPU)."""
+RECOMPUTE_INFLIGHT = (4, 2)
+"""Temporaries of a layer's backward beyond its saved tensors, at its MLP activation's gradient:
+``f a + h b`` model-dtype values per token for ``(a, b)``: the fused SwiGLU's gradient ``[t, 2f]``,
+the incoming gradient and the sigmoid (``f`` each; the eager kernel on CPU,
+``compat.swiglu_back_in_place``; a compiled one holds fewer), the gradients flowing through the
+residual stream. A recomputed layer holds them beside its recomputed saved tensors; a kept
+graph's layer beside the graph not yet freed. Measured 4.1 f + 1.1 h on CPU (h 256, f 512)."""
 
 Rows = Tuple[int, int, int]
 """``(tokens, output rows, claimed rows)`` of a micro-batch (:func:`add_row_counts`)."""
@@ -136,18 +141,26 @@ class ActivationCharge:
     selective_saving: int = 0
     """Bytes per token and layer that ``selective`` recomputation does not keep."""
     inflight: int = 0
-    """A recomputed layer's temporaries per token (:data:`RECOMPUTE_INFLIGHT`)."""
+    """A layer's backward temporaries per token (:data:`RECOMPUTE_INFLIGHT`)."""
     entropy: bool = False
     """The loss head computes the entropy too (the step's loss needs it)."""
+    output_weight_grad: int = 0
+    """The output layer's weight gradient ``[V/tp, h]``, computed at the start of every backward
+    with the graph and the loss head's gradient alive: a new tensor, whether it becomes the
+    parameter's gradient or is then added into one (``.grad``, megatron's ``main_grad``); 0 where
+    the GEMM accumulates into ``main_grad`` itself (``gradient_accumulation_fusion``)."""
 
     @classmethod
     def of(cls, arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int, local_vocab: int,
            chunk_rows: int, row_skip: bool = True, grad_bytes: Tuple[int, int, int] = (0, 0, 0),
            num_layers: Optional[int] = None,
-           recompute: Tuple[Optional[str], Optional[str], Optional[int]] = (None, None, None)) -> "ActivationCharge":
+           recompute: Tuple[Optional[str], Optional[str], Optional[int]] = (None, None, None),
+           weight_grad_temporaries: bool = True) -> "ActivationCharge":
         """``recompute``: megatron's ``(granularity, method, num_layers)``; ``num_layers``: the
         stage's layers (default: the model's); ``grad_bytes``: the gradients the step allocates,
-        all, one layer's and the embedding's (:attr:`grad_bytes`)."""
+        all, one layer's and the embedding's (:attr:`grad_bytes`); ``weight_grad_temporaries``:
+        a weight gradient is a tensor of its own before it is accumulated (no
+        ``gradient_accumulation_fusion``: :attr:`output_weight_grad`)."""
         h, b, tp = arch.hidden_size, dtype_bytes, tensor_parallel_size
         layers = arch.num_layers if num_layers is None else num_layers
         final_norm = 2 * h * _FP32 + _FP32
@@ -166,8 +179,8 @@ class ActivationCharge:
                    chunk_rows=max(1, int(chunk_rows)), grad_bytes=int(grad_bytes[0]),
                    layer_grad_bytes=int(grad_bytes[1]), embedding_grad_bytes=int(grad_bytes[2]),
                    recomputed_layers=recomputed, unit_layers=unit_layers, selective_saving=selective,
-                   inflight=(RECOMPUTE_INFLIGHT[0] * arch.ffn_hidden_size // tp + RECOMPUTE_INFLIGHT[1] * h) * b
-                   if recomputed else 0)
+                   inflight=(RECOMPUTE_INFLIGHT[0] * arch.ffn_hidden_size // tp + RECOMPUTE_INFLIGHT[1] * h) * b,
+                   output_weight_grad=local_vocab * h * b if weight_grad_temporaries else 0)
 
     def with_recompute(self, granularity: Optional[str], method: Optional[str], unit_layers: Optional[int],
                        arch: ModelArchitecture, tensor_parallel_size: int, dtype_bytes: int) -> "ActivationCharge":
@@ -209,15 +222,37 @@ class ActivationCharge:
     def backward_peak(self, rows: Rows, grads_before: int) -> int:
         """The most the micro-batch's own bytes reach during its backward pass (its graph
         included), with ``grads_before`` bytes of parameter gradients already allocated: the
-        start (graph and the loss head's backward tensors), the end (every gradient), and with
+        start (graph and the loss head's backward tensors, :meth:`head_backward`), a kept
+        layer's backward (:meth:`_layer_peak`), the end (every gradient), and with
         recomputation each unit's recomputed forward (:meth:`_recompute_peak`)."""
-        _, _, n = rows
-        chunk = min(n, self.chunk_rows)
-        kept = LOSS_HEAD_KEPT_CHUNKS[self.entropy] if n <= self.chunk_rows else 0
-        extra_chunks = LOSS_HEAD_BACKWARD_CHUNKS[self.entropy] - kept
-        start = self.graph(rows) + extra_chunks * chunk * self.logit_row + grads_before
+        start = self.graph(rows) + self.head_backward(rows) + grads_before
         end = max(grads_before, self.grad_bytes)
-        return max(start, end, self._recompute_peak(rows, grads_before))
+        return max(start, end, self._layer_peak(rows, grads_before), self._recompute_peak(rows, grads_before))
+
+    def head_backward(self, rows: Rows) -> int:
+        """Beyond the graph at the start of the backward: the loss head's gradient tensors at
+        the scatter, or, when the output layer's weight gradient is made, that gradient and the
+        logits' (:attr:`output_weight_grad`)."""
+        _, _, n = rows
+        chunk = min(n, self.chunk_rows) * self.logit_row
+        kept = LOSS_HEAD_KEPT_CHUNKS[self.entropy] if n <= self.chunk_rows else 0
+        scatter = (LOSS_HEAD_BACKWARD_CHUNKS[self.entropy] - kept) * chunk
+        return max(scatter, LOSS_HEAD_GRAD_CHUNKS * chunk + self.output_weight_grad if n else 0)
+
+    def _layer_peak(self, rows: Rows, grads_before: int) -> int:
+        """A kept layer's backward: the graph less the loss head's tensors (freed by then) and
+        the layer's temporaries (:attr:`inflight`, per row it computed): the model's last layer
+        first (its output rows, with the row skip), then the one before it, the last one's
+        saved tensors freed."""
+        t, o, _ = rows
+        kept_layers = self.num_layers - self.recomputed_layers
+        if not kept_layers:
+            return 0
+        graph = self.graph(rows) - self._head_kept(rows) + grads_before
+        last = graph + (o if self.row_skip else t) * self.inflight
+        if kept_layers == 1:
+            return last
+        return max(last, graph - self._layers_bytes(rows, 1, with_last=True) + t * self.inflight)
 
     def _recompute_peak(self, rows: Rows, grads_before: int) -> int:
         """The most a backward reaches while a recomputed unit's forward runs again: the unit's

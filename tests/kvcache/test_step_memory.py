@@ -66,11 +66,32 @@ def test_loss_head_is_charged_by_its_claimed_rows_and_chunks():
     assert whole.graph((1000, 1000, 300)) - base == 300 * (h + logit)  # the log-softmax is kept
     assert chunked.graph((1000, 1000, 300)) - base == 300 * h  # each chunk recomputed in backward
     # the backward's start: three [rows, V] fp32 tensors (the kept one and two more), or a chunk's three
-    assert whole.backward_peak((1000, 1000, 300), 0) - whole.graph((1000, 1000, 300)) == 2 * 300 * logit
-    assert chunked.backward_peak((1000, 1000, 300), 0) - chunked.graph((1000, 1000, 300)) == 3 * 100 * logit
-    entropy = dataclasses.replace(whole, entropy=True)  # its exp kept too, five tensors at the start
+    plain, chunks = _charge(weight_grad_temporaries=False), _charge(weight_grad_temporaries=False, chunk_rows=100)
+    assert plain.head_backward((1000, 1000, 300)) == 2 * 300 * logit
+    assert chunks.head_backward((1000, 1000, 300)) == 3 * 100 * logit
+    entropy = dataclasses.replace(plain, entropy=True)  # its exp kept too, five tensors at the start
     assert entropy.graph((1000, 1000, 300)) - base == 300 * (h + 2 * logit)
-    assert entropy.backward_peak((1000, 1000, 300), 0) - entropy.graph((1000, 1000, 300)) == 3 * 300 * logit
+    assert entropy.head_backward((1000, 1000, 300)) == 3 * 300 * logit
+    # the output layer's weight gradient [V, h] is a tensor of its own beside the logits' gradient
+    # (without gradient_accumulation_fusion): it is the larger moment when few rows are claimed
+    dw = ARCH.vocab_size * h
+    assert whole.output_weight_grad == dw and plain.output_weight_grad == 0
+    assert whole.head_backward((1000, 1000, 10)) == 10 * logit + dw
+    assert whole.head_backward((1000, 1000, 300)) == max(2 * 300 * logit, 300 * logit + dw)
+    assert whole.head_backward((1000, 1000, 0)) == 0  # (no loss head)
+
+
+def test_a_kept_layers_backward_holds_the_graph_less_the_head_and_its_temporaries():
+    """At the last layer's backward the head's tensors are gone and the layer's temporaries
+    (RECOMPUTE_INFLIGHT per row it computed) join what is left of the graph."""
+    charge = _charge(weight_grad_temporaries=False)
+    rows = (1000, 1000, 0)  # (no head: the layers' moment is the peak)
+    assert charge.inflight == (4 * ARCH.ffn_hidden_size + 2 * ARCH.hidden_size) * 4
+    assert charge.backward_peak(rows, 0) == charge.graph(rows) + 1000 * charge.inflight
+    skip = (1000, 100, 0)  # the last layer computed 100 output rows: the layer before it peaks
+    assert charge.backward_peak(skip, 0) == max(charge.graph(skip) + 100 * charge.inflight,
+                                                charge.graph(skip) - charge._layers_bytes(skip, 1, with_last=True)
+                                                + 1000 * charge.inflight)
 
 
 def test_recomputed_layers_keep_their_inputs_only():
