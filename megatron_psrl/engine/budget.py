@@ -149,13 +149,35 @@ class _Recorder:
 def evaluate_lever(engine, tree: PrefixTree, sharing: str, lever: Lever, room: int,
                    entropy: bool) -> Outcome:
     """Plan ``tree`` with ``lever`` and the step's budget ``room``: whether every rank fits, its
-    peak, and its predicted seconds (:func:`predicted_seconds`)."""
+    peak, and its predicted seconds (:func:`predicted_seconds`). Two cuts of the micro-batches
+    are weighed: the default, and one that also ends a micro-batch after every shared prefix
+    (``PlannerConfig.cut_after_shared_prefixes``: a kept producer graph of the prefix alone);
+    the faster that fits, else the leaner."""
     config = dataclasses.replace(engine.planner_config(sharing, lever.micro_batch_tokens), local_rank=None)
     c = engine.config  # (the configured setting: an earlier step's choice may still be on the model)
     recompute = (c.recompute_granularity, c.recompute_method, c.recompute_num_layers)
     if lever.recompute_layers:  # (a recomputed layer cannot receive a head's K/V: recomputed, as with the flag)
         recompute = ("full", "block", lever.recompute_layers)
         config = dataclasses.replace(config, cross_group_prefix="recompute")
+    default = _evaluate_cut(engine, tree, config, lever, room, entropy, recompute)
+    outcomes = [default]
+    if not config.cut_after_shared_prefixes:
+        cut = _evaluate_cut(engine, tree, dataclasses.replace(config, cut_after_shared_prefixes=True), lever, room,
+                            entropy, recompute)
+        same = cut.fits and default.fits and _micro_batch_sizes(cut) == _micro_batch_sizes(default)
+        outcomes += [] if same else [cut]  # (no shared prefix ends inside a micro-batch: the same plan)
+    fitting = [o for o in outcomes if o.fits]
+    if fitting:
+        return min(fitting, key=lambda o: o.seconds)
+    return min(outcomes, key=lambda o: o.peak_bytes)
+
+
+def _micro_batch_sizes(outcome: Outcome) -> List[List[int]]:
+    return [[len(mb.computed_tokens) for mb in rank.micro_batches] for rank in outcome.details["plan"].ranks]
+
+
+def _evaluate_cut(engine, tree: PrefixTree, config, lever: Lever, room: int, entropy: bool, recompute) -> Outcome:
+    """:func:`evaluate_lever` for one planner configuration."""
     settings = _Recorder(engine.memory_settings_for(entropy, room, lever.offload, recompute))
     try:
         plan, memories, mode = plan_with_memory(tree, config, settings)
@@ -236,7 +258,7 @@ def plan_under_budget(engine, tree: PrefixTree, sharing: str, micro_batch_tokens
     clean = lambda o: o.details["dropped_graphs"] == 0 and o.details["sharing"] == sharing  # noqa: E731
     outcome = choose(lambda lever, room: evaluate_lever(engine, tree, sharing, lever, room, entropy),
                      budget.budget_bytes, budget.static, ladder, budget.max_recompute_layers, budget.offload,
-                     unbeatable=clean, clean=clean)
+                     unbeatable=lambda o: clean(o) and _default_cut(o), clean=clean)
     if budget.max_recompute_layers:
         k = outcome.lever.recompute_layers
         engine.set_recompute(*(("full", "block", k) if k else (None, None, None)))
@@ -244,6 +266,13 @@ def plan_under_budget(engine, tree: PrefixTree, sharing: str, micro_batch_tokens
     engine.log(describe(outcome, budget.budget_bytes, budget.static, engine.graph_charge.num_layers))
     d = outcome.details
     return d["plan"], d["memories"], d["sharing"], outcome
+
+
+def _default_cut(outcome: Outcome) -> bool:
+    """The plan cuts its micro-batches by the budget alone (not also at branch switches or after
+    shared prefixes, which make more of them): no smaller micro-batches can be faster."""
+    config = outcome.details["plan"].config
+    return not (config.cut_at_branch_switches or config.cut_after_shared_prefixes)
 
 
 def budget_metrics(budget: MemoryBudget) -> dict:

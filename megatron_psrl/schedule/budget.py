@@ -285,7 +285,10 @@ def describe(outcome: Outcome, budget_bytes: int, static: StaticMemory, num_laye
     """The log's line of a step's choice."""
     lever, d = outcome.lever, outcome.details
     gib = lambda b: size_text(b).split("(")[1].rstrip(")")  # noqa: E731
-    parts = [f"micro-batches of {lever.micro_batch_tokens} tokens",
+    config = d["plan"].config if "plan" in d else None
+    cuts = [why for why, on in (("at branch switches", getattr(config, "cut_at_branch_switches", False)),
+                                ("after shared prefixes", getattr(config, "cut_after_shared_prefixes", False))) if on]
+    parts = [f"micro-batches of {lever.micro_batch_tokens} tokens" + (f" (cut {' and '.join(cuts)})" if cuts else ""),
              f"recompute {lever.recompute_layers} of {num_layers} layers" if lever.recompute_layers else
              "no activation recomputation",
              f"{d.get('dropped_graphs', 0)} producer graph(s) recomputed",

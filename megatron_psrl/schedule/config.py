@@ -44,6 +44,14 @@ class PlannerConfig:
     micro-batches (small trees fill their free space). The trainer plans with it when the
     default cut does not fit ``--kv-cache-budget``."""
 
+    cut_after_shared_prefixes: bool = False
+    """Mechanism-2 chunks also end where a prefix that several branches share ends, so the
+    micro-batch that produces it holds no branch after it. Its kept graph (the producer's,
+    alive until the last reader's backward) is then the shared prefix's alone, not also that
+    of the first branch's tokens packed behind it: one more micro-batch, and a kept graph of
+    the prefix's size (a GRPO group's prompt alone, its responses packed two and more per
+    micro-batch). The memory budget's planner weighs it against the default cut."""
+
     exchange_group_size: int = 1
     """Ranks that may split one tree between them and exchange its prefix K/V (consecutive
     blocks of ``data_parallel_size``; 1: every tree stays on one rank). Trees are balanced

@@ -84,11 +84,12 @@ def layout_rank(index: TreeIndex, units: np.ndarray, config: PlannerConfig, head
         if with_head[u]:
             head_bin, length = _head_bin(bins, heads, root, a, export_bin, import_bin)
             bounds = [a] + _stream_chunks(index, a + length, z, budget, config.snap_fraction,
-                                          config.cut_at_branch_switches)
+                                          config.cut_at_branch_switches, config.cut_after_shared_prefixes)
             streams.append(bounds)
             stream_bins.append([head_bin] + _chunk_bins(bins, bounds[1:]))
         elif _choose_mechanism(index, root, config) == "stream":
-            bounds = _stream_chunks(index, a, z, budget, config.snap_fraction, config.cut_at_branch_switches)
+            bounds = _stream_chunks(index, a, z, budget, config.snap_fraction, config.cut_at_branch_switches,
+                                    config.cut_after_shared_prefixes)
             streams.append(bounds)
             stream_bins.append(_chunk_bins(bins, bounds))
         else:
@@ -245,21 +246,26 @@ def _choose_mechanism(index: TreeIndex, root: int, config: PlannerConfig) -> str
 
 # ---------------------------------------------------------------------- mechanism 2: streams
 def _stream_chunks(index: TreeIndex, start: int, end: int, budget: int, snap: float,
-                   branch_switch_cuts: bool = False) -> List[int]:
+                   branch_switch_cuts: bool = False, shared_prefix_cuts: bool = False) -> List[int]:
     """Chunk boundaries of the depth-first token range [start, end): at most ``budget`` tokens
     each, ending at a node boundary when one keeps the chunk >= ``snap * budget`` full, and
-    (``branch_switch_cuts``) at every node that does not continue the node before it."""
+    (``branch_switch_cuts``) at every node that does not continue the node before it,
+    (``shared_prefix_cuts``) after every node with more than one child."""
     tree = index.tree
     node_starts = tree.node_offset[:-1]
     lo_node = np.searchsorted(node_starts, start)
     hi_node = np.searchsorted(node_starts, end)
     boundaries = node_starts[lo_node:hi_node]
-    switches = np.zeros(0, dtype=node_starts.dtype)
-    if branch_switch_cuts:
-        nodes = np.arange(lo_node, hi_node)
-        # nodes are numbered in depth-first order: node n continues the stream's branch when
-        # its parent is node n - 1; otherwise it starts a sibling subtree
-        switches = node_starts[nodes[(nodes > lo_node) & (tree.node_parent[nodes] != nodes - 1)]]
+    nodes = np.arange(lo_node, hi_node)
+    # nodes are numbered in depth-first order: node n continues the stream's branch when its
+    # parent is node n - 1; otherwise it starts a sibling subtree
+    continues = tree.node_parent[nodes] == nodes - 1
+    forced = (nodes > lo_node) & ~continues if branch_switch_cuts else np.zeros(len(nodes), dtype=bool)
+    if shared_prefix_cuts:  # (the first child of a node with several starts right after it)
+        parents = tree.node_parent[nodes] - lo_node  # (a stream holds whole subtrees: children in range)
+        children = np.bincount(parents[parents >= 0], minlength=len(nodes))
+        forced |= (nodes > lo_node) & continues & (children[np.maximum(parents, 0)] > 1)
+    switches = node_starts[nodes[forced]]
     bounds = [start]
     while True:
         a = bounds[-1]

@@ -17,7 +17,7 @@ from helpers.tolerance import rounding_tolerance
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
 from megatron_psrl.data import make_grpo
 from megatron_psrl.data.loader import samples_from_dicts
-from megatron_psrl.engine.budget import evaluate_lever
+from megatron_psrl.engine.budget import _evaluate_cut, evaluate_lever
 from megatron_psrl.engine.memory import heap_bytes_in_use
 from megatron_psrl.schedule.budget import Lever, MemoryBudgetError, budget_for
 from megatron_psrl.tree import build_prefix_tree
@@ -52,7 +52,36 @@ def test_a_budget_no_plan_fits_is_refused_before_the_step_and_the_named_one_plan
     actor.engine.memory_budget.budget_bytes = smallest
     _, plan, _, _ = actor.engine.plan(batch)
     chosen = actor.engine.memory_budget.last
-    assert chosen.fits and chosen.lever.micro_batch_tokens == 256  # the leanest: the smallest micro-batches
+    assert chosen.fits and budget_for(chosen.peak_bytes, actor.engine.memory_budget.static) <= smallest
+
+
+def test_a_prompt_cut_alone_lets_its_responses_share_micro_batches(peer):
+    """A GRPO group under a budget that its default cut (the prompt packed with the first response,
+    that micro-batch's graph kept until the last response's backward) does not fit, without
+    recomputed layers: the planner ends a micro-batch after the shared prompt, so the kept graph
+    is the prompt's alone and the responses still go two per micro-batch (not one per
+    micro-batch, as cut at branch switches)."""
+    engine = peer.engine
+    tree = build_prefix_tree(small_workloads()["grpo-256x4x256"])
+    outcomes = {}
+    for cut in (False, True):
+        config = dataclasses.replace(engine.planner_config("tree", 512), local_rank=None, cut_after_shared_prefixes=cut)
+        outcomes[cut] = _evaluate_cut(engine, tree, config, Lever(512), UNLIMITED, False, engine.recompute_setting)
+    sizes = {cut: [len(mb.computed_tokens) for mb in o.details["plan"].ranks[0].micro_batches]
+             for cut, o in outcomes.items()}
+    assert sizes == {False: [512, 512, 256], True: [256, 512, 512]}
+    assert outcomes[True].peak_bytes < outcomes[False].peak_bytes
+    budget = engine.memory_budget
+    budget.budget_bytes = budget_for(outcomes[True].peak_bytes, budget.static)
+    layers, budget.max_recompute_layers = budget.max_recompute_layers, 0  # (recomputing layers may be faster here)
+    try:
+        _, plan, _, _ = engine.plan(small_workloads()["grpo-256x4x256"])
+        chosen = budget.last
+        assert chosen.details["plan"].config.cut_after_shared_prefixes, chosen
+        assert [len(mb.computed_tokens) for mb in chosen.details["plan"].ranks[0].micro_batches] == [256, 512, 512]
+        assert chosen.details["dropped_graphs"] == 0 and chosen.lever.recompute_layers == 0
+    finally:
+        budget.budget_bytes, budget.max_recompute_layers = UNLIMITED, layers
 
 
 def test_weights_alone_over_the_budget_are_refused_at_start_up():

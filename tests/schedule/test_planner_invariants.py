@@ -152,3 +152,29 @@ def test_cutting_at_branch_switches_keeps_one_chain_alive():
     # (dK/dV blocks appear at their first write, so the uncut stream's extra live prefixes hold
     # values only: 0.66 of its peak here; 0.43 when gradients lived from the producer's forward)
     assert peaks[True] < 0.7 * peaks[False]
+
+
+@pytest.mark.parametrize("kind", ["grpo", "stepwise", "tree"])
+def test_cutting_after_shared_prefixes_ends_a_micro_batch_at_every_branching_prefix(kind):
+    """``cut_after_shared_prefixes``: a valid plan computing every token once, in which every
+    node with several children of a tree streamed over micro-batches is the last node of its
+    micro-batch's stretch of the stream (the first child starts the next micro-batch)."""
+    batch = make_workload(kind, vocab_size=512, seed=2, num_tokens_target=6000)
+    tree = build_prefix_tree(batch)
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=256, sharing="tree", cut_after_shared_prefixes=True))
+    check_plan(plan, 256)
+    assert plan.tokens_computed() == tree.num_tree_tokens
+    owner = np.empty(tree.num_tree_tokens, dtype=np.int64)
+    for mb in plan.ranks[0].micro_batches:
+        owner[mb.tokens] = mb.index
+    children = np.bincount(tree.node_parent[tree.node_parent >= 0], minlength=tree.num_nodes)
+    roots = np.flatnonzero(tree.node_parent < 0)
+    sizes = tree.node_offset[tree.node_subtree_end[roots]] - tree.node_offset[roots]
+    streamed = np.zeros(tree.num_nodes, dtype=bool)  # (a tree within the budget is packed whole: not cut)
+    for r in roots[sizes > 256]:
+        streamed[r:tree.node_subtree_end[r]] = True
+    branching = [n for n in np.flatnonzero((children > 1) & streamed)]
+    assert branching
+    for n in branching:  # (node n + 1 is its first child, in depth-first order)
+        last, first_child = int(tree.node_offset[n + 1]) - 1, int(tree.node_offset[n + 1])
+        assert owner[last] != owner[first_child], f"node {n}'s first child shares its micro-batch"

@@ -51,9 +51,10 @@ def _geometry(arch, windows=False):
     return KVGeometry(arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
 
 
-def _run(arch, model, batch, budget_bytes, act_bytes, gathers=False, cut=False, windows=False):
+def _run(arch, model, batch, budget_bytes, act_bytes, gathers=False, cut=False, windows=False, after_prefixes=False):
     tree = build_prefix_tree(batch)
-    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=BUDGET, sharing="tree", cut_at_branch_switches=cut))
+    plan = plan_step(tree, PlannerConfig(micro_batch_tokens=BUDGET, sharing="tree", cut_at_branch_switches=cut,
+                                         cut_after_shared_prefixes=after_prefixes))
     rank = plan.ranks[0]
     geom = _geometry(arch, windows)
     memory = plan_memory(rank, geom, budget_bytes, act_bytes, gathers_in_backward=gathers)
@@ -214,6 +215,23 @@ def test_micro_batches_cut_at_branch_switches_are_exact_and_chosen_before_duplic
     chosen, memories, mode = plan_with_memory(
         tree, config, lambda ranks: plan_memory_group(ranks, geom, peaks[True], act, gathers_in_backward=True))
     assert mode == "tree" and chosen.ranks[0].sources and memories[0].peak_bytes <= peaks[True]
+
+
+def test_micro_batches_cut_after_shared_prefixes_are_exact(psrl_model, hf_model):
+    """The search tree planned with a micro-batch ending after every prefix that branches (its
+    producer's kept graph is the prefix's alone) trains exactly, every graph kept."""
+    arch, model = psrl_model
+    batch = search_tree_batch()
+    tree, plan, memory, cache, out = _run(arch, model, batch, 1 << 30, activation_bytes_per_token(arch, 1, 4),
+                                          after_prefixes=True)
+    ends = {int(mb.tokens[-1]) + 1 for mb in plan.ranks[0].micro_batches}
+    branching = np.flatnonzero(np.bincount(tree.node_parent[tree.node_parent >= 0], minlength=tree.num_nodes) > 1)
+    assert len(branching) and all(int(tree.node_offset[n + 1]) in ends for n in branching)
+    assert all(memory.keep_graph.values())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    ref_loss, ref = per_sample_loss_and_grads(hf_model, batch, 0.2, 0.0, 0.0, "seq-mean-token-mean")
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_close(grads, hf_grads_to_mcore(ref, arch), rtol=1e-5)
 
 
 @pytest.mark.parametrize("gathers", [False, True], ids=["copies", "regather"])
