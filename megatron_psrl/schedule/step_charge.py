@@ -21,7 +21,7 @@ appear (when they are not allocated before the step, as megatron's DDP buffers a
 
 With activation recomputation (megatron's ``full`` granularity) a recomputed unit of layers
 keeps only its input ``[t, h]``; its backward recomputes its forward, holding the unit's full
-saved tensors and the layer's temporaries (:data:`RECOMPUTE_INFLIGHT`) while (nearly) every
+saved tensors and the layer's temporaries (:data:`LAYER_BACKWARD_TEMPORARIES`) while (nearly) every
 parameter gradient exists. ``selective`` (megatron's core-attention recomputation) keeps the
 attention's inputs instead of its output and log-sum-exp.
 
@@ -58,13 +58,15 @@ LOSS_HEAD_KEPT_CHUNKS = (1, 2)
 """Of those, what a graph keeps from its forward (an unchunked head): the log-softmax, and
 with the entropy its ``exp``."""
 
-RECOMPUTE_INFLIGHT = (4, 2)
-"""Temporaries of a layer's backward beyond its saved tensors, at its MLP activation's gradient:
-``f a + h b`` model-dtype values per token for ``(a, b)``: the fused SwiGLU's gradient ``[t, 2f]``,
-the incoming gradient and the sigmoid (``f`` each; the eager kernel on CPU,
-``compat.swiglu_back_in_place``; a compiled one holds fewer), the gradients flowing through the
-residual stream. A recomputed layer holds them beside its recomputed saved tensors; a kept
-graph's layer beside the graph not yet freed. Measured 4.1 f + 1.1 h on CPU (h 256, f 512)."""
+LAYER_BACKWARD_TEMPORARIES = (3, 2)
+"""Temporaries of a layer's backward beyond its saved tensors, at its MLP activation's gradient
+(where a layer's backward peaks): ``f a + h b`` model-dtype values per token for ``(a, b)``: the
+fused SwiGLU's gradient ``[t, 2f]``, the incoming gradient and the sigmoid (``f`` each; the
+eager kernel on CPU, ``compat.swiglu_back_in_place``; a compiled one holds fewer), the
+gradients flowing through the residual stream, less the fc2 input (``f``), freed by fc2's
+backward just before (measured: 4.1 f + 1.1 h on CPU beside the layer's saved tensors, h 256,
+f 512). A kept layer holds them beside what is left of the graph, a recomputed layer beside
+its recomputed saved tensors."""
 
 Rows = Tuple[int, int, int]
 """``(tokens, output rows, claimed rows)`` of a micro-batch (:func:`add_row_counts`)."""
@@ -140,8 +142,8 @@ class ActivationCharge:
     """Layers per recomputed unit."""
     selective_saving: int = 0
     """Bytes per token and layer that ``selective`` recomputation does not keep."""
-    inflight: int = 0
-    """A layer's backward temporaries per token (:data:`RECOMPUTE_INFLIGHT`)."""
+    layer_temporaries: int = 0
+    """A layer's backward temporaries per token (:data:`LAYER_BACKWARD_TEMPORARIES`)."""
     entropy: bool = False
     """The loss head computes the entropy too (the step's loss needs it)."""
     output_weight_grad: int = 0
@@ -179,7 +181,8 @@ class ActivationCharge:
                    chunk_rows=max(1, int(chunk_rows)), grad_bytes=int(grad_bytes[0]),
                    layer_grad_bytes=int(grad_bytes[1]), embedding_grad_bytes=int(grad_bytes[2]),
                    recomputed_layers=recomputed, unit_layers=unit_layers, selective_saving=selective,
-                   inflight=(RECOMPUTE_INFLIGHT[0] * arch.ffn_hidden_size // tp + RECOMPUTE_INFLIGHT[1] * h) * b,
+                   layer_temporaries=(LAYER_BACKWARD_TEMPORARIES[0] * arch.ffn_hidden_size // tp
+                                      + LAYER_BACKWARD_TEMPORARIES[1] * h) * b,
                    output_weight_grad=local_vocab * h * b if weight_grad_temporaries else 0)
 
     def with_recompute(self, granularity: Optional[str], method: Optional[str], unit_layers: Optional[int],
@@ -189,7 +192,7 @@ class ActivationCharge:
                                     self.row_skip, num_layers=self.num_layers,
                                     recompute=(granularity, method, unit_layers))
         return dataclasses.replace(self, recomputed_layers=other.recomputed_layers, unit_layers=other.unit_layers,
-                                   selective_saving=other.selective_saving, inflight=other.inflight)
+                                   selective_saving=other.selective_saving)
 
     # -------------------------------------------------------------- per micro-batch
     def _layers_bytes(self, rows: Rows, layers: int, with_last: bool) -> int:
@@ -241,7 +244,7 @@ class ActivationCharge:
 
     def _layer_peak(self, rows: Rows, grads_before: int) -> int:
         """A kept layer's backward: the graph less the loss head's tensors (freed by then) and
-        the layer's temporaries (:attr:`inflight`, per row it computed): the model's last layer
+        the layer's temporaries (:attr:`layer_temporaries`, per row it computed): the model's last layer
         first (its output rows, with the row skip), then the one before it, the last one's
         saved tensors freed."""
         t, o, _ = rows
@@ -249,10 +252,10 @@ class ActivationCharge:
         if not kept_layers:
             return 0
         graph = self.graph(rows) - self._head_kept(rows) + grads_before
-        last = graph + (o if self.row_skip else t) * self.inflight
+        last = graph + (o if self.row_skip else t) * self.layer_temporaries
         if kept_layers == 1:
             return last
-        return max(last, graph - self._layers_bytes(rows, 1, with_last=True) + t * self.inflight)
+        return max(last, graph - self._layers_bytes(rows, 1, with_last=True) + t * self.layer_temporaries)
 
     def _recompute_peak(self, rows: Rows, grads_before: int) -> int:
         """The most a backward reaches while a recomputed unit's forward runs again: the unit's
@@ -267,7 +270,7 @@ class ActivationCharge:
             first, end = (j - 1) * self.unit_layers, min(j * self.unit_layers, self.recomputed_layers)
             grads = grads_before or done + (self.num_layers - end) * self.layer_grad_bytes
             unit = self._layers_bytes(rows, end - first, with_last=end == self.num_layers)
-            peak = max(peak, grads + j * t * self.hidden_row + unit + t * self.inflight)
+            peak = max(peak, grads + j * t * self.hidden_row + unit + t * self.layer_temporaries)
         return peak
 
     def forward_transient(self, rows: Rows) -> int:
@@ -285,5 +288,5 @@ def _last_layer_skips(arch: ModelArchitecture, stage_layers: int) -> bool:
     return softmax_last and not getattr(arch, "attention_output_gate", False) and stage_layers >= 1
 
 
-__all__ = ["ActivationCharge", "LOSS_HEAD_BACKWARD_CHUNKS", "LOSS_HEAD_KEPT_CHUNKS", "RECOMPUTE_INFLIGHT", "Rows", "add_row_counts",
+__all__ = ["ActivationCharge", "LOSS_HEAD_BACKWARD_CHUNKS", "LOSS_HEAD_KEPT_CHUNKS", "LAYER_BACKWARD_TEMPORARIES", "Rows", "add_row_counts",
            "recomputed_units"]

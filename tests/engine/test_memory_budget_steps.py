@@ -11,7 +11,7 @@ import torch
 from helpers.batches import random_tree_records
 from helpers.families import PARALLEL_CONFIGS
 from helpers.hf_reference import load_hf_model, make_hf_checkpoint, per_sample_loss_and_grads
-from helpers.step_memory import measured_step, peer_actor, small_workloads
+from helpers.step_memory import PEER_MODEL, measured_step, peer_actor, small_workloads
 from helpers.tolerance import rounding_tolerance
 
 from megatron_psrl import ActorConfig, LossConfig, OptimizerSettings, PolicyActor
@@ -61,24 +61,27 @@ def test_a_prompt_cut_alone_lets_its_responses_share_micro_batches(peer):
     recomputed layers: the planner ends a micro-batch after the shared prompt, so the kept graph
     is the prompt's alone and the responses still go two per micro-batch (not one per
     micro-batch, as cut at branch switches)."""
+    from exact_workloads import grpo_exact  # (benchmarks/, on the path once helpers.step_memory is imported)
+
     engine = peer.engine
-    tree = build_prefix_tree(small_workloads()["grpo-256x4x256"])
+    batch = grpo_exact(256, 8, 256, PEER_MODEL["vocab_size"])
+    tree = build_prefix_tree(batch)
     outcomes = {}
     for cut in (False, True):
         config = dataclasses.replace(engine.planner_config("tree", 512), local_rank=None, cut_after_shared_prefixes=cut)
-        outcomes[cut] = _evaluate_cut(engine, tree, config, Lever(512), UNLIMITED, False, engine.recompute_setting)
+        outcomes[cut] = _evaluate_cut(engine, tree, config, Lever(512), UNLIMITED, False, (None, None, None))
     sizes = {cut: [len(mb.computed_tokens) for mb in o.details["plan"].ranks[0].micro_batches]
              for cut, o in outcomes.items()}
-    assert sizes == {False: [512, 512, 256], True: [256, 512, 512]}
+    assert sizes == {False: [512, 512, 512, 512, 256], True: [256, 512, 512, 512, 512]}
     assert outcomes[True].peak_bytes < outcomes[False].peak_bytes
     budget = engine.memory_budget
     budget.budget_bytes = budget_for(outcomes[True].peak_bytes, budget.static)
     layers, budget.max_recompute_layers = budget.max_recompute_layers, 0  # (recomputing layers may be faster here)
     try:
-        _, plan, _, _ = engine.plan(small_workloads()["grpo-256x4x256"])
+        _, plan, _, _ = engine.plan(batch)
         chosen = budget.last
         assert chosen.details["plan"].config.cut_after_shared_prefixes, chosen
-        assert [len(mb.computed_tokens) for mb in chosen.details["plan"].ranks[0].micro_batches] == [256, 512, 512]
+        assert [len(mb.computed_tokens) for mb in chosen.details["plan"].ranks[0].micro_batches] == sizes[True]
         assert chosen.details["dropped_graphs"] == 0 and chosen.lever.recompute_layers == 0
     finally:
         budget.budget_bytes, budget.max_recompute_layers = UNLIMITED, layers

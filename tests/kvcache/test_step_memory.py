@@ -83,15 +83,15 @@ def test_loss_head_is_charged_by_its_claimed_rows_and_chunks():
 
 def test_a_kept_layers_backward_holds_the_graph_less_the_head_and_its_temporaries():
     """At the last layer's backward the head's tensors are gone and the layer's temporaries
-    (RECOMPUTE_INFLIGHT per row it computed) join what is left of the graph."""
+    (LAYER_BACKWARD_TEMPORARIES per row it computed) join what is left of the graph."""
     charge = _charge(weight_grad_temporaries=False)
     rows = (1000, 1000, 0)  # (no head: the layers' moment is the peak)
-    assert charge.inflight == (4 * ARCH.ffn_hidden_size + 2 * ARCH.hidden_size) * 4
-    assert charge.backward_peak(rows, 0) == charge.graph(rows) + 1000 * charge.inflight
+    assert charge.layer_temporaries == (3 * ARCH.ffn_hidden_size + 2 * ARCH.hidden_size) * 4
+    assert charge.backward_peak(rows, 0) == charge.graph(rows) + 1000 * charge.layer_temporaries
     skip = (1000, 100, 0)  # the last layer computed 100 output rows: the layer before it peaks
-    assert charge.backward_peak(skip, 0) == max(charge.graph(skip) + 100 * charge.inflight,
+    assert charge.backward_peak(skip, 0) == max(charge.graph(skip) + 100 * charge.layer_temporaries,
                                                 charge.graph(skip) - charge._layers_bytes(skip, 1, with_last=True)
-                                                + 1000 * charge.inflight)
+                                                + 1000 * charge.layer_temporaries)
 
 
 def test_recomputed_layers_keep_their_inputs_only():
