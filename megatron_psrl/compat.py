@@ -188,7 +188,7 @@ def install_swiglu_kernels() -> None:
     compiling is bounded (:func:`swiglu_fusion_compiles_once_per_kind`) and the eager original
     otherwise (CPU: dynamo would build C++ kernels per kind of shape, for seconds each; CUDA
     without Triton or without automatic dynamic shapes). The same arithmetic either way.
-    Idempotent; the eager original stays reachable as ``_torchdynamo_orig_callable``."""
+    Idempotent."""
     from megatron.core.fusions import fused_bias_swiglu as fused
 
     if getattr(fused, "_psrl_dispatch", False):
@@ -221,11 +221,14 @@ def swiglu_back_in_place(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _device_dispatch(compiled, eager, compiles: bool):
+    """``compiled`` on a CUDA tensor where ``compiles``, else ``eager``; megatron's own eager
+    function stays reachable as ``_torchdynamo_orig_callable`` (what ``compiled`` compiles)."""
     def kernel(x, *args):
         return compiled(x, *args) if compiles and x.is_cuda else eager(x, *args)
 
     kernel.__name__ = kernel.__qualname__ = eager.__name__
-    kernel._torchdynamo_orig_callable = eager
+    kernel._torchdynamo_orig_callable = getattr(compiled, "_torchdynamo_orig_callable", eager)
+    kernel.eager = eager
     return kernel
 
 
