@@ -133,8 +133,10 @@ class StepBreakdown:
         cache = self.kv_cache
         if cache is None:
             return 0
-        return sum(t.untyped_storage().nbytes() for t in vars(cache).values()
-                   if isinstance(t, torch.Tensor))
+        tensors = []
+        for value in vars(cache).values():  # (the pools' storage: a list of tensors, one per pool)
+            tensors += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def _grad_bytes(self) -> int:
         total = 0
