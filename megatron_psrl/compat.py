@@ -174,10 +174,10 @@ SWIGLU_KERNELS = ("swiglu", "swiglu_back", "bias_swiglu", "bias_swiglu_back", "w
 takes the tensor that decides its device first."""
 
 
-def swiglu_fusion_fields(device: torch.device) -> Dict[str, Any]:
-    """TransformerConfig fields of a SwiGLU model (``silu`` with a gated linear unit) on
-    ``device``: megatron's fused SwiGLU on every device (item 1: its autograd functions save the
-    fc1 output only), its kernels dispatched by :func:`install_swiglu_kernels`."""
+def swiglu_fusion_fields() -> Dict[str, Any]:
+    """TransformerConfig fields of a SwiGLU model (``silu`` with a gated linear unit): megatron's
+    fused SwiGLU on every device (item 1: its autograd functions save the fc1 output only), its
+    kernels dispatched per tensor by :func:`install_swiglu_kernels`."""
     install_swiglu_kernels()
     return dict(bias_activation_fusion=True)
 
@@ -228,7 +228,6 @@ def _device_dispatch(compiled, eager, compiles: bool):
 
     kernel.__name__ = kernel.__qualname__ = eager.__name__
     kernel._torchdynamo_orig_callable = getattr(compiled, "_torchdynamo_orig_callable", eager)
-    kernel.eager = eager
     return kernel
 
 

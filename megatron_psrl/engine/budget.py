@@ -152,7 +152,9 @@ def evaluate_lever(engine, tree: PrefixTree, sharing: str, lever: Lever, room: i
     peak, and its predicted seconds (:func:`predicted_seconds`). Two cuts of the micro-batches
     are weighed: the default, and one that also ends a micro-batch after every shared prefix
     (``PlannerConfig.cut_after_shared_prefixes``: a kept producer graph of the prefix alone);
-    the faster that fits, else the leaner."""
+    the faster that fits, else the leaner. The second is not planned where the default fits
+    with every graph kept and its micro-batches cut by the budget alone: more micro-batches of
+    the same work cannot be priced faster."""
     config = dataclasses.replace(engine.planner_config(sharing, lever.micro_batch_tokens), local_rank=None)
     c = engine.config  # (the configured setting: an earlier step's choice may still be on the model)
     recompute = (c.recompute_granularity, c.recompute_method, c.recompute_num_layers)
@@ -161,7 +163,7 @@ def evaluate_lever(engine, tree: PrefixTree, sharing: str, lever: Lever, room: i
         config = dataclasses.replace(config, cross_group_prefix="recompute")
     default = _evaluate_cut(engine, tree, config, lever, room, entropy, recompute)
     outcomes = [default]
-    if not config.cut_after_shared_prefixes:
+    if not config.cut_after_shared_prefixes and not _fits_uncut(default):
         cut = _evaluate_cut(engine, tree, dataclasses.replace(config, cut_after_shared_prefixes=True), lever, room,
                             entropy, recompute)
         same = cut.fits and default.fits and _micro_batch_sizes(cut) == _micro_batch_sizes(default)
@@ -258,7 +260,7 @@ def plan_under_budget(engine, tree: PrefixTree, sharing: str, micro_batch_tokens
     clean = lambda o: o.details["dropped_graphs"] == 0 and o.details["sharing"] == sharing  # noqa: E731
     outcome = choose(lambda lever, room: evaluate_lever(engine, tree, sharing, lever, room, entropy),
                      budget.budget_bytes, budget.static, ladder, budget.max_recompute_layers, budget.offload,
-                     unbeatable=lambda o: clean(o) and _default_cut(o), clean=clean)
+                     unbeatable=lambda o: unbeatable(o, sharing), clean=clean)
     if budget.max_recompute_layers:
         k = outcome.lever.recompute_layers
         engine.set_recompute(*(("full", "block", k) if k else (None, None, None)))
@@ -275,6 +277,18 @@ def _default_cut(outcome: Outcome) -> bool:
     return not (config.cut_at_branch_switches or config.cut_after_shared_prefixes)
 
 
+def _fits_uncut(outcome: Outcome) -> bool:
+    """It fits with every producer's graph kept and the budget's own cut (:func:`_default_cut`)."""
+    return outcome.fits and outcome.details["dropped_graphs"] == 0 and _default_cut(outcome)
+
+
+def unbeatable(outcome: Outcome, sharing: str) -> bool:
+    """``schedule.budget.choose``'s ``unbeatable`` for this module's evaluation: the largest
+    micro-batches fit with every graph kept, the budget's own cut and the ``sharing`` asked for
+    (no prefix duplicated), so no other lever can be priced faster."""
+    return _fits_uncut(outcome) and outcome.details["sharing"] == sharing
+
+
 def budget_metrics(budget: MemoryBudget) -> dict:
     """The last step's choice, for the iteration line and --log-json."""
     o = budget.last
@@ -285,4 +299,4 @@ def budget_metrics(budget: MemoryBudget) -> dict:
 
 
 __all__ = ["MemoryBudget", "budget_metrics", "evaluate_lever", "free_device_memory", "in_flight_graphs", "memory_budget_for",
-           "plan_under_budget", "predicted_seconds", "resolve_budget", "static_memory"]
+           "plan_under_budget", "predicted_seconds", "resolve_budget", "static_memory", "unbeatable"]

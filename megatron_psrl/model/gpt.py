@@ -116,7 +116,7 @@ def build_transformer_config(
     )
     kwargs.update(transformer_config_overrides(device))
     if kwargs["activation_func"] is F.silu and kwargs.get("gated_linear_unit"):  # SwiGLU: fused on every device
-        kwargs.update(swiglu_fusion_fields(device))
+        kwargs.update(swiglu_fusion_fields())
     kwargs["activation_func"] = eager_activation(kwargs["activation_func"], device)
     kwargs.update(moe_config_fields(arch))
     kwargs.update(overrides)
