@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from exact_workloads import grpo_exact, stepwise_exact  # noqa: E402
 
 from megatron_psrl.attention import backends  # noqa: E402
-from megatron_psrl.engine.budget import evaluate_lever  # noqa: E402
+from megatron_psrl.engine.budget import evaluate_lever, unbeatable  # noqa: E402
 from megatron_psrl.engine.engine import Engine, cost_model_for  # noqa: E402
 from megatron_psrl.kvcache import CacheBudgetError, KVGeometry  # noqa: E402
 from megatron_psrl.model.architecture import ModelArchitecture  # noqa: E402
@@ -232,8 +232,7 @@ def _fastest(engine: ArithmeticEngine, tree, ladder: List[int], budget: int, sta
              offload: bool) -> Outcome:
     """The planner's choice under ``budget`` (:func:`choose` with the engine's evaluation)."""
     return choose(lambda lever, room: evaluate_lever(engine, tree, "tree", lever, room, False), budget, static,
-                  ladder, layers, offload,
-                  unbeatable=lambda o: o.details["dropped_graphs"] == 0 and o.details["sharing"] == "tree")
+                  ladder, layers, offload, unbeatable=lambda o: unbeatable(o, "tree"))
 
 
 def budget_case(arch, batch, tp: int, budgets: Dict[str, int], ladder: List[int], distributed_optimizer: bool = True,
