@@ -14,7 +14,9 @@ import math
 import pytest
 import torch
 
+from megatron_psrl.attention import partial
 from megatron_psrl.attention.partial import (
+    causal_chunks,
     lse_dtype,
     partial_attention_backward,
     partial_attention_forward,
@@ -35,6 +37,10 @@ SHAPES = [
     pytest.param(9, 9, 4, 4, 24, 16, True, id="causal-narrow-values"),
     pytest.param(5, 11, 4, 4, 24, 16, False, id="rect-narrow-values"),
     pytest.param(6, 6, 2, 1, 8, 12, True, id="causal-wide-values"),
+    # causal squares the CPU kernel runs in pieces of 256 rows (partial.causal_chunks)
+    pytest.param(300, 300, 4, 2, 16, 16, True, id="causal-two-pieces"),
+    pytest.param(520, 520, 2, 1, 8, 8, True, id="causal-three-pieces"),
+    pytest.param(290, 290, 2, 2, 24, 16, True, id="causal-pieces-narrow-values"),
 ]
 
 
@@ -187,3 +193,28 @@ def test_math_path_in_query_chunks_equals_one_chunk(causal):
     g2 = _math_backward(do, q, k, v, o1, l1, causal, 0.3, max_elements=4 * nk * 3)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
+
+
+def test_causal_squares_split_only_where_the_cpu_kernel_computes_masked_pairs():
+    assert causal_chunks(256) is None and causal_chunks(768) is None and causal_chunks(4096) is None
+    assert causal_chunks(512) == [(0, 256), (256, 512)]
+    assert causal_chunks(600) == [(0, 256), (256, 512), (512, 600)]
+
+
+def test_a_split_causal_square_calls_the_kernel_per_piece(monkeypatch):
+    """512 rows: the first piece causal, the second causal on itself and unmasked over the
+    first; the backward replays the same three calls (and the result is the reference's)."""
+    calls = []
+    forward, backward = partial._aten_forward, partial._aten_backward
+    monkeypatch.setattr(partial, "_aten_forward", lambda q, k, *a: calls.append(("f", q.shape[0], k.shape[0], a[1]))
+                        or forward(q, k, *a))
+    monkeypatch.setattr(partial, "_aten_backward", lambda do, q, k, *a: calls.append(("b", q.shape[0], k.shape[0],
+                                                                                       a[3])) or backward(do, q, k, *a))
+    q, k, v, do = _inputs(512, 512, 2, 1, 8, torch.float32)
+    o, lse = partial_attention_forward(q, k, v, True, 0.3, "aten")
+    partial_attention_backward(do, q, k, v, o, lse, True, 0.3, "aten")
+    assert calls == [("f", 256, 256, True), ("f", 256, 256, True), ("f", 256, 256, False),
+                     ("b", 256, 256, True), ("b", 256, 256, True), ("b", 256, 256, False)]
+    ref_o, ref_lse = _reference(q, k, v, True, 0.3)
+    torch.testing.assert_close(o.double(), ref_o, **TOL[torch.float32])
+    torch.testing.assert_close(lse.double(), ref_lse, **TOL[torch.float32])

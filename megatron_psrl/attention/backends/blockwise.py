@@ -25,21 +25,11 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from megatron_psrl.attention.metadata import ArrivingPrefixKV, CachedPrefixKV
-from megatron_psrl.attention.partial import lse_dtype, partial_attention_backward, partial_attention_forward
+from megatron_psrl.attention.partial import lse_dtype, merge_, partial_attention_backward, partial_attention_forward
 from megatron_psrl.attention.plan import AttentionPlan
 from megatron_psrl.host_copy import host_to_device
 
 Tensor = torch.Tensor
-
-
-def _merge_(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor) -> None:
-    """In place: merge a block's (o_b, lse_b) into the running (out, lse) of its queries
-    (``out`` is the fp32 accumulator)."""
-    new_lse = torch.logaddexp(lse, lse_b)
-    w_old = torch.exp(lse - new_lse).unsqueeze(-1)
-    w_new = torch.exp(lse_b - new_lse).unsqueeze(-1)
-    out.mul_(w_old.to(out.dtype)).add_(o_b.to(out.dtype) * w_new.to(out.dtype))
-    lse.copy_(new_lse)
 
 
 class _Arriving:
@@ -112,7 +102,7 @@ class BlockwiseTreeAttention(torch.autograd.Function):
             qa, qb, ka, kb, src = blk
             kk, vv = (k, v) if src < 0 else (ext_k[src], ext_v[src])
             o_b, lse_b = partial_attention_forward(q[qa:qb], kk[ka:kb], vv[ka:kb], False, scale, impl, mask=masks[n])
-            _merge_(out[qa:qb], lse[qa:qb], o_b, lse_b)
+            merge_(out[qa:qb], lse[qa:qb], o_b, lse_b)
 
         late = set(arriving)
         for n, blk in enumerate(blocks):  # while the arriving rows travel: every key this rank has
