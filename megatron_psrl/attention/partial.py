@@ -10,8 +10,8 @@ ring attention uses): with ``P_b = exp(S_b - lse)`` and ``D = rowsum(dO * O)``,
 Three implementations with one signature:
 - ``aten``: PyTorch's CPU flash-attention kernels (``_scaled_dot_product_flash_attention_for_cpu``
   and its backward), which return the lse, accept strided inputs and handle GQA natively; a
-  causal square of 257-767 rows runs as pieces of 256 (:func:`causal_chunks`), which skip the
-  masked pairs the kernel computes at those lengths;
+  causal square of 384-576 rows runs as pieces of 256 (:func:`causal_chunks`), which skip most
+  of the masked pairs the kernel computes at those lengths;
 - ``cuda``: PyTorch's own fused memory-efficient attention on CUDA
   (``_scaled_dot_product_efficient_attention`` and its backward, which take the merged output
   and lse as this backward needs), the fallback where flash-attn is not installed; one call per
@@ -179,22 +179,25 @@ def merge_(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor) -> None:
 
 CAUSAL_CHUNK = 256
 """Query rows per piece of a split causal square on the CPU kernel (:func:`causal_chunks`)."""
-CAUSAL_SPLIT_BELOW = 768
-"""Causal squares of more than :data:`CAUSAL_CHUNK` and fewer than this many rows are split on
-the CPU kernel. Below 768 query rows torch's CPU flash kernel scores each query tile against
-a whole 512-key block and masks it, so a causal square of up to 512 rows costs the full square
-(measured: a 512-row causal call as long as an unmasked one, forward and backward). Cut into
-pieces of 256 rows (each a causal square of its own beside one unmasked call over the rows
-before it, merged by log-sum-exp) it computes 3/4 of the pairs: measured 0.67-0.93x of one call,
-forward and backward, for 320-767 rows at head widths 32-128 on 2 threads; at 768 and above
-the kernel's own tiles skip the masked half and one call is faster, and at 256 and below the
-extra calls cost more than the pairs they skip."""
+CAUSAL_SPLIT_ROWS = (384, 576)
+"""Causal squares of this many rows (inclusive) are split on the CPU kernel. Below 768 query
+rows torch's CPU flash kernel scores each 64-row query tile against a whole 512-key block and
+masks it, so a causal square of up to 512 rows costs its full square (measured: a 512-row
+causal call as long as an unmasked one, forward and backward). As pieces of
+:data:`CAUSAL_CHUNK` rows (each a causal square of its own beside one unmasked call over the
+rows before it, merged by log-sum-exp) the kernel scores 0.75-0.78 of the pairs it scores in
+one call at 384-576 rows, and more outside: 0.84 at 320, 0.81 at 640, 0.86 at 767 (at 768 and
+above its own tiles skip the masked half). Measured (``benchmarks/bench_causal_split.py``,
+forward and backward, 2 threads, fp32, head widths 32-128): 0.75-0.87x of one call at 512 rows
+for every head shape but one (4 heads of 128: 0.97-1.02x), 0.85-1.03x at 384; at 320 and
+640-767 the extra calls eat most of the saving (0.84-1.12x). Lengths outside stay one call."""
 
 
 def causal_chunks(n: int) -> Optional[List[Tuple[int, int]]]:
     """The pieces ``[(a, b)]`` a causal square of ``n`` rows runs as on the CPU kernel (see
-    :data:`CAUSAL_SPLIT_BELOW`); None: one call."""
-    if not CAUSAL_CHUNK < n < CAUSAL_SPLIT_BELOW:
+    :data:`CAUSAL_SPLIT_ROWS`); None: one call."""
+    low, high = CAUSAL_SPLIT_ROWS
+    if not low <= n <= high:
         return None
     return [(a, min(n, a + CAUSAL_CHUNK)) for a in range(0, n, CAUSAL_CHUNK)]
 

@@ -38,9 +38,9 @@ SHAPES = [
     pytest.param(5, 11, 4, 4, 24, 16, False, id="rect-narrow-values"),
     pytest.param(6, 6, 2, 1, 8, 12, True, id="causal-wide-values"),
     # causal squares the CPU kernel runs in pieces of 256 rows (partial.causal_chunks)
-    pytest.param(300, 300, 4, 2, 16, 16, True, id="causal-two-pieces"),
+    pytest.param(400, 400, 4, 2, 16, 16, True, id="causal-two-pieces"),
     pytest.param(520, 520, 2, 1, 8, 8, True, id="causal-three-pieces"),
-    pytest.param(290, 290, 2, 2, 24, 16, True, id="causal-pieces-narrow-values"),
+    pytest.param(390, 390, 2, 2, 24, 16, True, id="causal-pieces-narrow-values"),
 ]
 
 
@@ -196,9 +196,10 @@ def test_math_path_in_query_chunks_equals_one_chunk(causal):
 
 
 def test_causal_squares_split_only_where_the_cpu_kernel_computes_masked_pairs():
-    assert causal_chunks(256) is None and causal_chunks(768) is None and causal_chunks(4096) is None
+    assert causal_chunks(383) is None and causal_chunks(577) is None and causal_chunks(4096) is None
+    assert causal_chunks(384) == [(0, 256), (256, 384)]
     assert causal_chunks(512) == [(0, 256), (256, 512)]
-    assert causal_chunks(600) == [(0, 256), (256, 512), (512, 600)]
+    assert causal_chunks(576) == [(0, 256), (256, 512), (512, 576)]
 
 
 def test_a_split_causal_square_calls_the_kernel_per_piece(monkeypatch):
