@@ -1,6 +1,7 @@
 """The ``torch`` backend: exact tree attention as a sum of dense blocks merged by log-sum-exp.
 
-Each segment attends to itself causally (one kernel call), and each ancestor block (all the
+Each segment attends to itself causally (one kernel call; on the CPU kernel a square of
+384-576 rows runs as pieces, ``partial.causal_chunks``), and each ancestor block (all the
 descendants of a segment, or of a cached prefix, over that segment's keys) is one unmasked
 kernel call whose output is merged into its queries' running output with log-sum-exp. Every
 call runs on a fast path (causal-square or unmasked), no dense ``t x t`` mask is built, and
