@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from functools import reduce
+from functools import cached_property, lru_cache, reduce
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -328,7 +328,9 @@ class PrefixState:
         return tuple(out)
 
 
+@lru_cache(maxsize=None)
 def _itemsize(dtype: torch.dtype) -> int:
+    # (cached: the memory planner asks for every block of every plan it weighs)
     return torch.tensor([], dtype=dtype).element_size()
 
 
@@ -351,9 +353,10 @@ class CachePool:
     layers: Tuple[int, ...]
     """megatron layer numbers of the pool's layers (1-based), in storage order."""
 
-    @property
+    @cached_property
     def slot_bytes(self) -> int:
-        """Bytes of one slot of one layer."""
+        """Bytes of one slot of one layer (computed once per pool: the memory planner asks for
+        it for every block of every plan it weighs)."""
         kinds = [k for role in ALL_ROLES for k in self.state.kinds(role)]
         width = reduce(math.gcd, (self.state.kind_bytes(k) for k in kinds))
         if self.state.kinds(GRADS) and width % _itemsize(GRAD_DTYPE):
