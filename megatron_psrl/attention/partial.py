@@ -241,15 +241,16 @@ def _split_causal_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, chunks)
 
 def _split_causal_backward(do, q, k, v, o, lse, scale: float, chunks) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`_split_causal_forward`'s gradients: every piece's calls replayed with the merged
-    ``o`` and ``lse``, accumulated in fp32 and rounded once."""
+    ``o`` and ``lse``, accumulated in fp32 and rounded once. A piece's causal call writes its
+    rows of dQ, dK and dV first (the later pieces' unmasked calls add to earlier rows only), so
+    the accumulators start uninitialised, as the blockwise backend's segments do."""
     acc = lse_dtype(q)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dk = torch.empty(k.shape, dtype=acc, device=k.device)
+    dv = torch.empty(v.shape, dtype=acc, device=v.device)
     for a, b in chunks:
-        dq[a:b], g_k, g_v = _aten_backward(do[a:b], q[a:b], k[a:b], v[a:b], o[a:b], lse[a:b], True, scale, None)
-        dk[a:b] += g_k
-        dv[a:b] += g_v
+        dq[a:b], dk[a:b], dv[a:b] = _aten_backward(do[a:b], q[a:b], k[a:b], v[a:b], o[a:b], lse[a:b], True, scale,
+                                                   None)
         if a:
             g_q, g_k, g_v = _aten_backward(do[a:b], q[a:b], k[:a], v[:a], o[a:b], lse[a:b], False, scale, None)
             dq[a:b] += g_q

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from functools import cached_property, lru_cache, reduce
+from functools import cached_property, reduce
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -328,10 +328,8 @@ class PrefixState:
         return tuple(out)
 
 
-@lru_cache(maxsize=None)
 def _itemsize(dtype: torch.dtype) -> int:
-    # (cached: the memory planner asks for every block of every plan it weighs)
-    return torch.tensor([], dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
