@@ -28,3 +28,12 @@ def test_rows_measure_both_ways_and_name_the_backends_choice(capsys):
         assert r["one_ms"] > 0 and r["pieces_ms"] > 0 and r["ratio"] == r["pieces_ms"] / r["one_ms"]
         assert r["max_diff"] < 1e-5
     assert "| 400 | 8/4x32 |" in capsys.readouterr().out
+
+
+def test_step_rows_time_both_ways_at_both_budgets(capsys):
+    rows = bench_causal_split.main(["--step", "grpo-64x4x16", "--rounds", "1", "--threads", "1"])
+    assert partial.CAUSAL_SPLIT_ROWS == (384, 576)  # restored
+    assert [r["budget"] for r in rows] == [512, 4096] and all(r["micro_batches"] >= 1 for r in rows)
+    for r in rows:
+        assert r["pieces_s"] > 0 and r["one_s"] > 0 and r["ratio"] == r["pieces_s"] / r["one_s"]
+    assert "| 512 |" in capsys.readouterr().out
